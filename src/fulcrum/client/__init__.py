@@ -1,0 +1,195 @@
+"""Typed async clients for every Fulcrum service.
+
+``FulcrumClient`` opens one channel with a default deadline on every call (a client
+interceptor sets it when the caller gives none) and retries on UNAVAILABLE through gRPC's
+own retry policy (service config), then exposes one typed stub per service.
+``MemberSession`` registers a fleet member, heartbeats it and re-registers on its own when
+the daemon has forgotten it (after a restart or a lapse).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fulcrum.v1 import (
+    decode_pb2_grpc,
+    diagnostics_pb2_grpc,
+    expert_pb2_grpc,
+    fleet_pb2,
+    fleet_pb2_grpc,
+    prefill_pb2_grpc,
+    vision_pb2_grpc,
+)
+
+_RETRY_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{}],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.05s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+
+class _DefaultDeadline(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout = timeout_s
+
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        if details.timeout is None:
+            details = details._replace(timeout=self._timeout)
+        return await continuation(details, request)
+
+
+class FulcrumClient:
+    """One channel and a typed stub per service. Use as ``async with``."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = 10.0,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata_token: str | None = None,
+        options: list[tuple[str, Any]] | None = None,
+    ) -> None:
+        opts: list[tuple[str, Any]] = [
+            ("grpc.service_config", _RETRY_CONFIG),
+            ("grpc.enable_retries", 1),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            *(options or []),
+        ]
+        interceptors = [_DefaultDeadline(timeout_s)]
+        if credentials is not None:
+            if metadata_token is not None:
+                call_creds = grpc.access_token_call_credentials(metadata_token)
+                credentials = grpc.composite_channel_credentials(credentials, call_creds)
+            self.channel = grpc.aio.secure_channel(
+                target, credentials, options=opts, interceptors=interceptors
+            )
+        else:
+            self.channel = grpc.aio.insecure_channel(
+                target, options=opts, interceptors=interceptors
+            )
+        self.timeout_s = timeout_s
+        self.diagnostics = diagnostics_pb2_grpc.DiagnosticsServiceStub(self.channel)
+        self.fleet = fleet_pb2_grpc.FleetServiceStub(self.channel)
+        self.prefill = prefill_pb2_grpc.PrefillBalancerServiceStub(self.channel)
+        self.decode = decode_pb2_grpc.DecodeBalancerServiceStub(self.channel)
+        self.vision = vision_pb2_grpc.VisionBalancerServiceStub(self.channel)
+        self.expert = expert_pb2_grpc.ExpertBalancerServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> FulcrumClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def check_health(target: str, service: str = "", timeout_s: float = 3.0) -> str:
+    """Health status name of ``service`` at ``target`` ("SERVING", "NOT_SERVING", ...);
+    a connection failure or error gives the gRPC status name instead."""
+    async with FulcrumClient(target, timeout_s=timeout_s) as client:
+        try:
+            reply = await client.health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as err:
+            return str(err.code().name)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+class MemberSession:
+    """Keeps one fleet member registered: heartbeats at the advised interval, and
+    re-registers (new incarnation) when the daemon answers NOT_FOUND or
+    FAILED_PRECONDITION. ``load_fn`` may fill the heartbeat's load."""
+
+    def __init__(
+        self,
+        client: FulcrumClient,
+        register_request: fleet_pb2.RegisterRequest,
+        load_fn: Callable[[fleet_pb2.HeartbeatRequest], None] | None = None,
+    ) -> None:
+        self._client = client
+        self._register = register_request
+        self._load_fn = load_fn
+        self.incarnation = 0
+        self.interval_s = 1.0
+        self.registrations = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def member_id(self) -> str:
+        return self._register.member_id
+
+    async def register(self) -> int:
+        reply = await self._client.fleet.Register(self._register)
+        self.incarnation = reply.incarnation
+        self.interval_s = reply.heartbeat_interval_ms / 1000
+        self.registrations += 1
+        return self.incarnation
+
+    async def heartbeat(self) -> None:
+        """One heartbeat; re-registers when the daemon no longer knows this incarnation."""
+        request = fleet_pb2.HeartbeatRequest(
+            member_id=self.member_id, incarnation=self.incarnation
+        )
+        if self._load_fn is not None:
+            self._load_fn(request)
+        try:
+            await self._client.fleet.Heartbeat(request)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                await self.register()
+            else:
+                raise
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self.incarnation == 0:
+                    await self.register()
+                else:
+                    await self.heartbeat()
+            except grpc.aio.AioRpcError:
+                pass  # daemon unreachable: try again next interval
+            await asyncio.sleep(self.interval_s)
+
+    async def start(self) -> None:
+        await self.register()
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self, deregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if deregister and self.incarnation:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._client.fleet.Deregister(
+                    fleet_pb2.DeregisterRequest(
+                        member_id=self.member_id, incarnation=self.incarnation
+                    )
+                )

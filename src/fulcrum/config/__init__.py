@@ -1,0 +1,98 @@
+"""YAML -> validated, frozen settings. Every key has a default, so an empty file (or no
+file at all) is a working single-node configuration.
+
+``load_settings(path)`` raises :class:`ConfigError`, whose message lists every offending
+key's dotted path with the rule it breaks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+
+from fulcrum.config.base import Section
+from fulcrum.config.decode import DecodeSettings
+from fulcrum.config.eplb import EplbSettings
+from fulcrum.config.prefill import PrefillSettings
+from fulcrum.config.security import SecuritySettings
+from fulcrum.config.server import FleetSettings, LoggingSettings, MetricsSettings, ServerSettings
+from fulcrum.config.vision import VisionSettings
+
+__all__ = ["ConfigError", "Settings", "load_settings", "parse_settings"]
+
+
+class Settings(Section):
+    """The whole configuration."""
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
+    security: SecuritySettings = Field(default_factory=SecuritySettings)
+    prefill: PrefillSettings = Field(default_factory=PrefillSettings)
+    decode: DecodeSettings = Field(default_factory=DecodeSettings)
+    vision: VisionSettings = Field(default_factory=VisionSettings)
+    eplb: EplbSettings = Field(default_factory=EplbSettings)
+
+
+class ConfigError(Exception):
+    """The configuration is refused; the message names each key path and rule."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def _format(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        out.append(f"{path}: {msg}")
+    return out
+
+
+def parse_settings(data: Any) -> Settings:
+    """Validate a parsed YAML document (a mapping, or None for all defaults)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(["<root>: must be a mapping of sections"])
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format(err)) from None
+
+
+def load_settings(path: str | Path | None) -> Settings:
+    """Read and validate a YAML file; ``None`` gives the embedded defaults."""
+    if path is None:
+        return Settings()
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError([f"{path}: cannot read ({err.strerror})"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError([f"{path}: not valid YAML ({err})"]) from None
+    return parse_settings(data)
+
+
+def with_overrides(settings: Settings, overrides: dict[str, Any]) -> Settings:
+    """A copy of ``settings`` with nested ``overrides`` applied and validated."""
+    merged = _deep_merge(settings.model_dump(), overrides)
+    return parse_settings(merged)
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out

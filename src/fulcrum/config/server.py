@@ -1,0 +1,62 @@
+"""Settings of the daemon itself: listening addresses, limits, drain, logs, fleet."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from fulcrum.config.base import Section
+
+
+class ServerSettings(Section):
+    """The gRPC server."""
+
+    host: str = Field("127.0.0.1", min_length=1, description="gRPC listen address")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")
+    grace_period_s: float = Field(
+        10.0, gt=0, le=600, description="drain: time calls in flight get to finish, seconds"
+    )
+    max_message_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, le=1 << 30, description="largest message, bytes"
+    )
+    max_concurrent_streams: int = Field(
+        1024, ge=1, le=1 << 20, description="concurrent HTTP/2 streams per connection"
+    )
+    max_call_s: float = Field(
+        60.0, gt=0, le=3600, description="longest any unary call may run, seconds"
+    )
+    seed: int | None = Field(
+        None, ge=0, description="seed of the random source (null = from the OS)"
+    )
+
+
+class MetricsSettings(Section):
+    """The Prometheus metrics HTTP endpoint."""
+
+    enabled: bool = Field(True, description="serve /metrics")
+    host: str = Field("127.0.0.1", min_length=1, description="metrics listen address")
+    port: int = Field(9464, ge=0, le=65535, description="metrics port (0 = any free port)")
+
+
+class LoggingSettings(Section):
+    """structlog output."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="level")
+    format: Literal["auto", "json", "console"] = Field(
+        "auto", description="auto = JSON unless stdout is a terminal"
+    )
+
+
+class FleetSettings(Section):
+    """Fleet membership: heartbeats and bounds."""
+
+    heartbeat_interval_ms: int = Field(1000, ge=10, le=600_000, description="advised interval")
+    heartbeat_timeout_ms: int = Field(
+        5000, ge=20, le=3_600_000, description="lapse after which a member leaves placement"
+    )
+    sweep_interval_ms: int = Field(250, ge=5, le=60_000, description="lapse check period")
+    max_members: int = Field(4096, ge=1, le=1_000_000, description="members of all kinds")
+    max_gpus_per_member: int = Field(
+        1024, ge=1, le=65536, description="GPUs (or DP ranks) of one member"
+    )

@@ -1,0 +1,30 @@
+"""DecodeBalancerService: placeholder until the balancer lands; every method answers UNIMPLEMENTED."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from fulcrum.errors import Unimplemented
+from fulcrum.service.app import App
+from fulcrum.v1 import decode_pb2 as pb
+from fulcrum.v1 import decode_pb2_grpc as pb_grpc
+
+SERVICE = pb.DESCRIPTOR.services_by_name["DecodeBalancerService"].full_name
+
+
+class _Placeholder(pb_grpc.DecodeBalancerServiceServicer):
+    def __getattribute__(self, name: str) -> Any:
+        if name[:1].isupper():
+
+            async def unimplemented(*_: Any) -> Any:
+                raise Unimplemented(f"{SERVICE}/{name} is not implemented yet")
+
+            return unimplemented
+        return super().__getattribute__(name)
+
+
+def register(server: grpc.aio.Server, app: App) -> list[str]:
+    pb_grpc.add_DecodeBalancerServiceServicer_to_server(_Placeholder(), server)
+    return [SERVICE]

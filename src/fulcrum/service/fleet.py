@@ -1,0 +1,157 @@
+"""FleetService: registration, heartbeats and departures of engines and machines.
+
+Conversion between protobuf and the core's member types happens here, once.
+"""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+
+from fulcrum.core.types import (
+    DecodeInstanceLoad,
+    DecodeInstanceShape,
+    MemberKind,
+    MemberLoad,
+    MemberShape,
+    PrefillEngineShape,
+    VisionMachineLoad,
+    VisionMachineShape,
+)
+from fulcrum.errors import InvalidArgument
+from fulcrum.metrics import FLEET_EVENTS, FLEET_MEMBERS
+from fulcrum.service.app import App
+from fulcrum.v1 import fleet_pb2 as pb
+from fulcrum.v1 import fleet_pb2_grpc as pb_grpc
+
+SERVICE = pb.DESCRIPTOR.services_by_name["FleetService"].full_name
+log = structlog.get_logger(__name__)
+
+KIND_TO_PB = {
+    MemberKind.PREFILL_ENGINE: pb.MEMBER_KIND_PREFILL_ENGINE,
+    MemberKind.DECODE_INSTANCE: pb.MEMBER_KIND_DECODE_INSTANCE,
+    MemberKind.VISION_MACHINE: pb.MEMBER_KIND_VISION_MACHINE,
+}
+PB_TO_KIND = {v: k for k, v in KIND_TO_PB.items()}
+
+
+def shape_from_pb(request: pb.RegisterRequest) -> MemberShape:
+    """The member shape of a RegisterRequest (INVALID_ARGUMENT when none is set)."""
+    which = request.WhichOneof("shape")
+    if which == "prefill_engine":
+        p = request.prefill_engine
+        return PrefillEngineShape(dp_ranks=p.dp_ranks, step_quota_ns=p.step_quota_ns)
+    if which == "decode_instance":
+        gpus = request.decode_instance.gpus
+        return DecodeInstanceShape(
+            max_concurrency=tuple(g.max_concurrency for g in gpus),
+            max_kv_tokens=tuple(g.max_kv_tokens for g in gpus),
+        )
+    if which == "vision_machine":
+        v = request.vision_machine
+        return VisionMachineShape(gpus=v.gpus, max_patches_in_flight=v.max_patches_in_flight)
+    raise InvalidArgument("shape", "one of prefill_engine, decode_instance, vision_machine")
+
+
+def load_from_pb(request: pb.HeartbeatRequest) -> MemberLoad | None:
+    """The observed load of a heartbeat, if any."""
+    which = request.WhichOneof("load")
+    if which == "decode_instance":
+        gpus = request.decode_instance.gpus
+        return DecodeInstanceLoad(
+            concurrency=tuple(g.concurrency for g in gpus),
+            kv_tokens=tuple(g.kv_tokens for g in gpus),
+        )
+    if which == "vision_machine":
+        return VisionMachineLoad(tuple(request.vision_machine.patches_in_flight))
+    return None
+
+
+class FleetServicer(pb_grpc.FleetServiceServicer):
+    """Thin: convert, call the fleet table, reply."""
+
+    def __init__(self, app: App) -> None:
+        self._app = app
+        self._fleet = app.fleet
+        fs = app.settings.fleet
+        self._interval = fs.heartbeat_interval_ms
+        self._timeout = fs.heartbeat_timeout_ms
+
+    def _gauge(self) -> None:
+        for kind in MemberKind:
+            FLEET_MEMBERS.labels(kind.value).set(self._fleet.count(kind))
+
+    async def Register(
+        self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterResponse:
+        shape = shape_from_pb(request)
+        member, replaced = self._fleet.register(request.member_id, shape, self._app.clock())
+        event = "rejoined" if replaced else "joined"
+        FLEET_EVENTS.labels(member.kind.value, event).inc()
+        self._gauge()
+        log.info(
+            "member_" + event,
+            member_id=member.member_id,
+            kind=member.kind.value,
+            incarnation=member.incarnation,
+            gpus=member.shape.gpus,
+        )
+        return pb.RegisterResponse(
+            incarnation=member.incarnation,
+            heartbeat_interval_ms=self._interval,
+            heartbeat_timeout_ms=self._timeout,
+        )
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        self._fleet.heartbeat(
+            request.member_id, request.incarnation, load_from_pb(request), self._app.clock()
+        )
+        return pb.HeartbeatResponse(heartbeat_timeout_ms=self._timeout)
+
+    async def Deregister(
+        self, request: pb.DeregisterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeregisterResponse:
+        member = self._fleet.deregister(request.member_id, request.incarnation, self._app.clock())
+        FLEET_EVENTS.labels(member.kind.value, "left").inc()
+        self._gauge()
+        log.info("member_left", member_id=member.member_id, kind=member.kind.value)
+        return pb.DeregisterResponse()
+
+    async def ListMembers(
+        self, request: pb.ListMembersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListMembersResponse:
+        kind = None
+        if request.kind != pb.MEMBER_KIND_UNSPECIFIED:
+            if request.kind not in PB_TO_KIND:
+                raise InvalidArgument("kind", "unknown member kind")
+            kind = PB_TO_KIND[request.kind]
+        now = self._app.clock()
+        return pb.ListMembersResponse(
+            members=[
+                pb.Member(
+                    member_id=m.member_id,
+                    kind=KIND_TO_PB[m.kind],
+                    incarnation=m.incarnation,
+                    since_heartbeat_ms=max(0, now - seen) // 1_000_000,
+                    gpus=m.shape.gpus,
+                )
+                for m, seen in self._fleet.members(kind)
+            ]
+        )
+
+    def sweep(self, now_ns: int) -> None:
+        """Take lapsed members out of placement (periodic)."""
+        for member in self._fleet.expire(now_ns):
+            FLEET_EVENTS.labels(member.kind.value, "lapsed").inc()
+            log.info("member_lapsed", member_id=member.member_id, kind=member.kind.value)
+        self._gauge()
+
+
+def register(server: grpc.aio.Server, app: App) -> list[str]:
+    servicer = FleetServicer(app)
+    pb_grpc.add_FleetServiceServicer_to_server(servicer, server)
+    app.every(app.settings.fleet.sweep_interval_ms / 1000, servicer.sweep, "fleet-sweep")
+    app.components["fleet"] = app.fleet
+    return [SERVICE]

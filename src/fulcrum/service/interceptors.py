@@ -1,0 +1,217 @@
+"""The shell interceptor: one wrapper around every handler.
+
+It binds a request id to the log context, refuses new calls while draining (UNAVAILABLE,
+so that callers retry elsewhere), caps unary calls at ``server.max_call_s``, turns domain
+errors into their status codes (never UNKNOWN), closes streams with UNAVAILABLE when the
+daemon drains, and records per-method counts by code and a latency histogram.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from fulcrum.errors import FulcrumError, ResourceExhausted
+from fulcrum.metrics import RPC_DURATION, RPC_IN_FLIGHT, RPC_REQUESTS, STREAM_MESSAGES
+from fulcrum.service.app import App
+from fulcrum.service.errors import RETRY_AFTER_KEY, status_of
+
+log = structlog.get_logger(__name__)
+
+_ids = itertools.count(1)
+_prefix = f"{os.getpid():x}-"
+_EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def _request_id(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and isinstance(value, str) and 0 < len(value) <= 128:
+            return value
+    return _prefix + str(next(_ids))
+
+
+def _split(method: str) -> tuple[str, str]:
+    _, _, rest = method.partition("/")
+    service, _, name = rest.partition("/")
+    return service.rsplit(".", 1)[-1], name
+
+
+class _Call:
+    """Book-keeping of one call: labels, start time, final code."""
+
+    __slots__ = ("exempt", "labels", "method", "start")
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.labels = _split(method)
+        self.exempt = method.startswith(_EXEMPT)
+        self.start = time.perf_counter()
+
+
+class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """See the module docstring."""
+
+    def __init__(self, app: App) -> None:
+        self._app = app
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method: str = details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(method, handler.unary_stream, client_streaming=False),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream(method, handler.stream_stream, client_streaming=True),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    # -- helpers ------------------------------------------------------------------------
+
+    async def _enter(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=_request_id(context))
+        if not call.exempt:
+            if self._app.draining.is_set():
+                await self._finish(call, grpc.StatusCode.UNAVAILABLE)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry")
+            self._app.call_started()
+            RPC_IN_FLIGHT.inc()
+
+    async def _finish(self, call: _Call, code: grpc.StatusCode) -> None:
+        service, name = call.labels
+        RPC_REQUESTS.labels(service, name, code.name).inc()
+        RPC_DURATION.labels(service, name).observe(time.perf_counter() - call.start)
+
+    def _leave(self, call: _Call) -> None:
+        if not call.exempt:
+            RPC_IN_FLIGHT.dec()
+            self._app.call_finished()
+
+    async def _fail(
+        self, call: _Call, context: grpc.aio.ServicerContext, err: BaseException
+    ) -> None:
+        """Turn an exception into a final status (aborts, which raises)."""
+        if isinstance(err, FulcrumError):
+            code = status_of(err)
+            trailing: tuple[tuple[str, str], ...] = ()
+            if isinstance(err, ResourceExhausted) and err.retry_after_ms:
+                trailing = ((RETRY_AFTER_KEY, str(err.retry_after_ms)),)
+            log.debug("call_refused", method=call.method, code=code.name, reason=err.message)
+            await self._finish(call, code)
+            await context.abort(code, err.message, trailing_metadata=trailing)
+        if isinstance(err, TimeoutError):
+            await self._finish(call, grpc.StatusCode.DEADLINE_EXCEEDED)
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"call exceeded server.max_call_s={self._app.settings.server.max_call_s}",
+            )
+        log.error("call_failed", method=call.method, exc_info=err)
+        await self._finish(call, grpc.StatusCode.INTERNAL)
+        await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the server)")
+
+    def _unary(
+        self, method: str, behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        max_call_s = self._app.settings.server.max_call_s
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call = _Call(method)
+            await self._enter(call, context)
+            try:
+                async with asyncio.timeout(max_call_s):
+                    response = await behavior(request, context)
+            except asyncio.CancelledError:
+                await self._finish(call, grpc.StatusCode.CANCELLED)
+                raise
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                await self._finish(call, code)
+                raise
+            except Exception as err:
+                await self._fail(call, context, err)
+            finally:
+                self._leave(call)
+            await self._finish(call, context.code() or grpc.StatusCode.OK)
+            return response
+
+        return wrapped
+
+    def _stream(
+        self, method: str, behavior: Callable[..., Any], *, client_streaming: bool
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
+        app = self._app
+
+        async def counted(requests: AsyncIterator[Any], labels: tuple[str, str]) -> Any:
+            counter = STREAM_MESSAGES.labels(*labels)
+            async for item in requests:
+                counter.inc()
+                yield item
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
+            call = _Call(method)
+            await self._enter(call, context)
+            if client_streaming:
+                request = counted(request, call.labels)
+
+            async def pump() -> None:
+                result = behavior(request, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        await context.write(item)
+                else:
+                    await result
+
+            task = asyncio.ensure_future(pump())
+            drain = asyncio.ensure_future(app.draining.wait())
+            try:
+                await asyncio.wait({task, drain}, return_when=asyncio.FIRST_COMPLETED)
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+                    await self._finish(call, grpc.StatusCode.UNAVAILABLE)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry")
+                task.result()
+            except asyncio.CancelledError:
+                task.cancel()
+                await self._finish(call, grpc.StatusCode.CANCELLED)
+                raise
+            except grpc.aio.AbortError:
+                if not drain.done() or context.code() != grpc.StatusCode.UNAVAILABLE:
+                    await self._finish(call, context.code() or grpc.StatusCode.UNKNOWN)
+                raise
+            except Exception as err:
+                await self._fail(call, context, err)
+            finally:
+                drain.cancel()
+                self._leave(call)
+            await self._finish(call, context.code() or grpc.StatusCode.OK)
+
+        return wrapped

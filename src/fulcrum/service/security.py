@@ -1,0 +1,511 @@
+"""Transport security (plaintext, TLS, mutual TLS) and caller authorisation by role.
+
+Transport (``add_port``): ``security.plaintext: true`` (the default) binds an insecure
+port and logs a warning; otherwise the port serves TLS with ``security.tls.cert_file`` /
+``key_file``, and when ``tls.client_ca_file`` is set every client must present a
+certificate signed by that CA (mutual TLS). A client without a certificate, or with one
+from another CA, fails the TLS handshake: its call ends UNAVAILABLE on the client side and
+never reaches a handler.
+
+Authorisation (``interceptors``, when ``security.auth.enabled``): a caller's identity is
+the name of its bearer token (``authorization: Bearer <token>`` metadata, tokens from
+``auth.tokens_file``) or else the first SAN entry, then subject CN, of its client
+certificate that names a configured identity. Each identity has a role:
+
+- ``entrypoint`` places requests (prefill Submit, decode and VE placement);
+- ``engine`` registers, heartbeats, pulls and reports, but only for the ids bound to its
+  identity (``auth.identities.<name>.ids``, fnmatch globs): the acting id is the request
+  field named in :data:`METHOD_RULES`;
+- ``admin`` may call everything (list members, force a rebalance, internals).
+
+Health checking and reflection stay open. A method missing from :data:`METHOD_RULES`
+(for example one added later) is admin-only: the table fails closed. Denials end
+UNAUTHENTICATED (no or unknown token, no identity) or PERMISSION_DENIED (role or bound id),
+are counted in ``fulcrum_auth_denials_total`` and logged with the method, reason and
+identity name, never a token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any, Final
+
+import grpc
+import structlog
+
+from fulcrum.config import Settings
+from fulcrum.config.security import SecuritySettings, read_tokens
+from fulcrum.errors import PermissionDenied
+from fulcrum.metrics import RPC_REQUESTS
+from fulcrum.metrics.security import (
+    AUTH_ALLOWED,
+    AUTH_DENIALS,
+    AUTH_ENABLED,
+    AUTH_IDENTITIES,
+    CERT_EXPIRY,
+    MTLS_ENABLED,
+    TLS_ENABLED,
+)
+from fulcrum.service.app import App
+
+log = structlog.get_logger(__name__)
+
+ENTRYPOINT: Final = "entrypoint"
+ENGINE: Final = "engine"
+ADMIN: Final = "admin"
+ROLES: Final = (ENTRYPOINT, ENGINE, ADMIN)
+
+#: Method prefixes that need no identity at all.
+OPEN_PREFIXES: Final = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """Who may call one method: ``roles`` (admin is always allowed), and for engines the
+    request field that names the id they act for (``None`` = no id to check)."""
+
+    roles: frozenset[str]
+    id_field: str | None = None
+
+
+def _rule(*roles: str, id_field: str | None = None) -> Rule:
+    return Rule(frozenset((*roles, ADMIN)), id_field)
+
+
+_ANY = _rule(ENTRYPOINT, ENGINE)
+_ADMIN_ONLY = _rule()
+
+#: Full method name -> rule. Every method of every Fulcrum service is listed; anything
+#: else (other than health and reflection) is admin-only.
+METHOD_RULES: Final[dict[str, Rule]] = {
+    # diagnostics: any authenticated caller
+    "/fulcrum.v1.DiagnosticsService/Ping": _ANY,
+    "/fulcrum.v1.DiagnosticsService/PingStream": _ANY,
+    # fleet: members act for themselves; listing is admin's
+    "/fulcrum.v1.FleetService/Register": _rule(ENGINE, id_field="member_id"),
+    "/fulcrum.v1.FleetService/Heartbeat": _rule(ENGINE, id_field="member_id"),
+    "/fulcrum.v1.FleetService/Deregister": _rule(ENGINE, id_field="member_id"),
+    "/fulcrum.v1.FleetService/ListMembers": _ADMIN_ONLY,
+    # prefill: the entrypoint submits, engines pull and report for their own engine id
+    "/fulcrum.v1.PrefillBalancerService/Submit": _rule(ENTRYPOINT),
+    "/fulcrum.v1.PrefillBalancerService/Pull": _rule(ENGINE, id_field="engine_id"),
+    "/fulcrum.v1.PrefillBalancerService/ReportStepTimes": _rule(ENGINE, id_field="engine_id"),
+    "/fulcrum.v1.PrefillBalancerService/GetCostModel": _ANY,
+    # decode and VE placement: the entrypoint
+    "/fulcrum.v1.DecodeBalancerService/PlaceDecode": _rule(ENTRYPOINT),
+    "/fulcrum.v1.DecodeBalancerService/ReleaseDecode": _rule(ENTRYPOINT),
+    "/fulcrum.v1.DecodeBalancerService/PlaceDecodeStream": _rule(ENTRYPOINT),
+    "/fulcrum.v1.VisionBalancerService/PlaceImages": _rule(ENTRYPOINT),
+    "/fulcrum.v1.VisionBalancerService/ReleaseImages": _rule(ENTRYPOINT),
+    "/fulcrum.v1.VisionBalancerService/PlaceImagesStream": _rule(ENTRYPOINT),
+    # EPLB: engines of a group act for its group id; forcing a rebalance is admin's
+    "/fulcrum.v1.ExpertBalancerService/RegisterGroup": _rule(ENGINE, id_field="group_id"),
+    "/fulcrum.v1.ExpertBalancerService/ReportLoad": _rule(ENGINE, id_field="group_id"),
+    "/fulcrum.v1.ExpertBalancerService/GetMap": _rule(ENGINE, id_field="group_id"),
+    "/fulcrum.v1.ExpertBalancerService/WatchMaps": _rule(ENGINE, id_field="group_id"),
+    "/fulcrum.v1.ExpertBalancerService/Rebalance": _ADMIN_ONLY,
+}
+
+
+def rule_for(method: str) -> Rule | None:
+    """The rule of a full method name; ``None`` for open methods (health, reflection)."""
+    if method.startswith(OPEN_PREFIXES):
+        return None
+    return METHOD_RULES.get(method, _ADMIN_ONLY)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """An authenticated caller. ``source`` is ``certificate`` or ``token``."""
+
+    name: str
+    role: str
+    ids: tuple[str, ...]
+    source: str
+
+    def may_act_for(self, member_id: str) -> bool:
+        """True if this identity may act for ``member_id`` (admin: any id)."""
+        if self.role == ADMIN:
+            return True
+        return any(fnmatchcase(member_id, pattern) for pattern in self.ids)
+
+
+class Denied(Exception):
+    """An authorisation refusal: status code, reason label and caller-facing message."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        #: Name of the identity refused ("" when none was established).
+        self.who = ""
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class Authorizer:
+    """Identity table (from settings and the tokens file). Reloadable; holds token
+    digests only."""
+
+    def __init__(self, settings: SecuritySettings) -> None:
+        self.enabled = False
+        self._identities: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._tokens: dict[bytes, str] = {}
+        self.apply(settings)
+
+    def apply(self, settings: SecuritySettings) -> None:
+        """Take a (validated) security section; re-reads the tokens file."""
+        auth = settings.auth
+        tokens: dict[bytes, str] = {}
+        if auth.enabled and auth.tokens_file:
+            tokens = {_digest(t): name for t, name in read_tokens(auth.tokens_file).items()}
+        self._identities = {
+            name: (ident.role, tuple(ident.ids)) for name, ident in auth.identities.items()
+        }
+        self._tokens = tokens
+        self.enabled = auth.enabled
+        AUTH_ENABLED.set(1 if auth.enabled else 0)
+        for role in ROLES:
+            AUTH_IDENTITIES.labels(role).set(
+                sum(1 for r, _ in self._identities.values() if r == role)
+            )
+
+    def _named(self, name: str, source: str) -> Identity | None:
+        entry = self._identities.get(name)
+        if entry is None:
+            return None
+        return Identity(name, entry[0], entry[1], source)
+
+    def identify(
+        self, metadata: Iterable[tuple[str, Any]] | None, auth_context: dict[str, list[bytes]]
+    ) -> Identity:
+        """The caller's identity, or :class:`Denied` (UNAUTHENTICATED)."""
+        for key, value in metadata or ():
+            if key != "authorization":
+                continue
+            text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+            scheme, _, token = text.strip().partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise Denied(
+                    grpc.StatusCode.UNAUTHENTICATED, "bad_token",
+                    "authorization: expected 'Bearer <token>'",
+                )
+            name = self._tokens.get(_digest(token.strip()))
+            ident = self._named(name, "token") if name is not None else None
+            if ident is None:
+                raise Denied(grpc.StatusCode.UNAUTHENTICATED, "bad_token", "unknown token")
+            return ident
+        names = [
+            *auth_context.get("x509_subject_alternative_name", ()),
+            *auth_context.get("x509_common_name", ()),
+        ]
+        for raw in names:
+            ident = self._named(raw.decode("utf-8", "replace"), "certificate")
+            if ident is not None:
+                return ident
+        if names:
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "unknown_identity",
+                "the client certificate names no configured identity",
+            )
+        raise Denied(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "no_identity",
+            "no credentials: present a client certificate or 'authorization: Bearer <token>'",
+        )
+
+    @staticmethod
+    def authorize_role(ident: Identity, method: str, rule: Rule) -> None:
+        """Raise :class:`Denied` (PERMISSION_DENIED) unless the role may call ``method``."""
+        if ident.role not in rule.roles:
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "role",
+                f"role {ident.role} may not call {method.rsplit('/', 1)[-1]}",
+            )
+
+    @staticmethod
+    def authorize_id(ident: Identity, rule: Rule, request: Any) -> None:
+        """Raise :class:`Denied` (PERMISSION_DENIED) unless ``ident`` may act for the id
+        the request names in ``rule.id_field``."""
+        if rule.id_field is None or ident.role == ADMIN:
+            return
+        value = getattr(request, rule.id_field, None)
+        if not isinstance(value, str) or not ident.may_act_for(value):
+            denied = Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "bound_id",
+                f"{rule.id_field}: identity {ident.name} may not act for this id",
+            )
+            denied.who = ident.name
+            raise denied
+
+
+class _LogLimiter:
+    """At most ``per_s`` denial log lines per second; the rest are counted, not logged."""
+
+    def __init__(self, per_s: int = 20) -> None:
+        self._per_s = per_s
+        self._window = 0
+        self._count = 0
+        self.suppressed = 0
+
+    def allow(self) -> bool:
+        now = int(time.monotonic())
+        if now != self._window:
+            self._window, self._count = now, 0
+        self._count += 1
+        if self._count > self._per_s:
+            self.suppressed += 1
+            return False
+        return True
+
+
+def _labels(method: str) -> tuple[str, str]:
+    _, _, rest = method.partition("/")
+    service, _, name = rest.partition("/")
+    return service.rsplit(".", 1)[-1], name
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Authenticates and authorises every call (see the module docstring). Installed
+    always; a pass-through while ``security.auth.enabled`` is false, so that a reload
+    can turn it on."""
+
+    def __init__(self, authorizer: Authorizer) -> None:
+        self._auth = authorizer
+        self._limiter = _LogLimiter()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not self._auth.enabled:
+            return handler
+        method: str = details.method
+        rule = rule_for(method)
+        if rule is None:
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, rule, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._server_stream(method, rule, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._client_stream(method, rule, handler.stream_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._client_stream(method, rule, handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _record(self, method: str, denied: Denied, context: grpc.aio.ServicerContext) -> None:
+        service, name = _labels(method)
+        AUTH_DENIALS.labels(service, name, denied.code.name, denied.reason).inc()
+        RPC_REQUESTS.labels(service, name, denied.code.name).inc()
+        if self._limiter.allow():
+            log.warning(
+                "call_denied",
+                method=method,
+                code=denied.code.name,
+                reason=denied.reason,
+                identity=denied.who,
+                peer=context.peer(),
+                suppressed=self._limiter.suppressed,
+            )
+
+    def _admit(self, method: str, rule: Rule, context: grpc.aio.ServicerContext) -> Identity:
+        """Identify and check the role; raises :class:`Denied`."""
+        ident = self._auth.identify(context.invocation_metadata(), context.auth_context())
+        try:
+            self._auth.authorize_role(ident, method, rule)
+        except Denied as denied:
+            denied.who = ident.name
+            raise
+        AUTH_ALLOWED.labels(ident.role, ident.source).inc()
+        return ident
+
+    async def _deny(
+        self, method: str, denied: Denied, context: grpc.aio.ServicerContext
+    ) -> None:
+        self._record(method, denied, context)
+        await context.abort(denied.code, denied.message)
+
+    async def _pre(
+        self, method: str, rule: Rule, request: Any, context: grpc.aio.ServicerContext
+    ) -> None:
+        try:
+            ident = self._admit(method, rule, context)
+        except Denied as denied:
+            await self._deny(method, denied, context)
+            return
+        try:
+            self._auth.authorize_id(ident, rule, request)
+        except Denied as denied:
+            await self._deny(method, denied, context)
+
+    def _unary(
+        self, method: str, rule: Rule, behavior: Callable[[Any, grpc.aio.ServicerContext], Any]
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._pre(method, rule, request, context)
+            return await behavior(request, context)
+
+        return wrapped
+
+    def _server_stream(
+        self, method: str, rule: Rule, behavior: Callable[[Any, grpc.aio.ServicerContext], Any]
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await self._pre(method, rule, request, context)
+            await _run(behavior(request, context), context)
+
+        return wrapped
+
+    def _client_stream(
+        self, method: str, rule: Rule, behavior: Callable[[Any, grpc.aio.ServicerContext], Any]
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        auth = self._auth
+
+        async def checked(
+            requests: AsyncIterator[Any], ident: Identity, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            async for item in requests:
+                try:
+                    auth.authorize_id(ident, rule, item)
+                except Denied as denied:
+                    self._record(method, denied, context)
+                    raise PermissionDenied(denied.message) from None
+                yield item
+
+        async def wrapped(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                ident = self._admit(method, rule, context)
+            except Denied as denied:
+                await self._deny(method, denied, context)
+                return None
+            if rule.id_field is not None and ident.role != ADMIN:
+                requests = checked(requests, ident, context)
+            return await _run(behavior(requests, context), context)
+
+        return wrapped
+
+
+async def _run(result: Any, context: grpc.aio.ServicerContext) -> Any:
+    """Await a handler's result; an async generator's items are written to the stream."""
+    if inspect.isasyncgen(result):
+        async for item in result:
+            await context.write(item)
+        return None
+    return await result
+
+
+# -- wiring (called by server.build) ---------------------------------------------------
+
+
+def interceptors(settings: Settings, app: App) -> list[grpc.aio.ServerInterceptor]:
+    """Interceptors that authenticate and authorise callers (run before the shell's)."""
+    authorizer = Authorizer(settings.security)
+    app.components["security"] = authorizer
+    started = settings.security
+
+    def reload(new: Settings) -> None:
+        sec = new.security
+        if sec.plaintext != started.plaintext or sec.tls != started.tls:
+            log.warning("tls_change_needs_restart", plaintext=sec.plaintext)
+        try:
+            authorizer.apply(sec)
+        except ValueError as err:  # the tokens file changed under us
+            log.error("auth_reload_refused", problem=str(err))
+            return
+        log.info(
+            "auth_reloaded",
+            enabled=sec.auth.enabled,
+            identities=len(sec.auth.identities),
+        )
+
+    app.reload_hooks.append(reload)
+    if settings.security.auth.enabled:
+        log.info(
+            "auth_enabled",
+            identities=len(settings.security.auth.identities),
+            tokens_file=bool(settings.security.auth.tokens_file),
+        )
+        if settings.security.plaintext:
+            log.warning("bearer_tokens_over_plaintext", hint="configure security.tls")
+    return [AuthInterceptor(authorizer)]
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _record_expiry(cert_pem: bytes) -> None:
+    try:
+        from cryptography import x509
+    except ImportError:  # optional: only the expiry gauge needs it
+        return
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError:
+        return
+    CERT_EXPIRY.set(cert.not_valid_after_utc.timestamp())
+
+
+def server_credentials(settings: SecuritySettings) -> grpc.ServerCredentials:
+    """TLS (and, with ``client_ca_file``, mutual TLS) credentials from the PEM files."""
+    tls = settings.tls
+    cert = _read(tls.cert_file)
+    key = _read(tls.key_file)
+    ca = _read(tls.client_ca_file) if tls.client_ca_file else None
+    _record_expiry(cert)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+def add_port(server: grpc.aio.Server, settings: Settings) -> int:
+    """Bind the gRPC port as configured; returns the bound port."""
+    s = settings.server
+    sec = settings.security
+    address = f"{s.host}:{s.port}"
+    if sec.plaintext:
+        TLS_ENABLED.set(0)
+        MTLS_ENABLED.set(0)
+        log.warning("plaintext_transport", hint="configure security.tls for production")
+        return int(server.add_insecure_port(address))
+    creds = server_credentials(sec)
+    mtls = bool(sec.tls.client_ca_file)
+    TLS_ENABLED.set(1)
+    MTLS_ENABLED.set(1 if mtls else 0)
+    if not sec.auth.enabled:
+        log.warning("authorisation_disabled", hint="set security.auth.enabled")
+    log.info("tls_transport", mutual=mtls)
+    return int(server.add_secure_port(address, creds))

@@ -1,0 +1,142 @@
+"""Server lifecycle: build the grpc.aio server with every service, health checking and
+reflection; serve metrics; drain on SIGTERM/SIGINT; reload on SIGHUP.
+
+Drain, in order: health turns NOT_SERVING for every service, new calls are refused with
+UNAVAILABLE (health checks still answer), streams are closed with UNAVAILABLE, calls in
+flight get up to ``server.grace_period_s`` to finish, then the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from fulcrum import __version__
+from fulcrum.config import Settings
+from fulcrum.metrics import BUILD_INFO, DRAINING, REGISTRY
+from fulcrum.service import decode, diagnostics, eplb, fleet, prefill, security, vision
+from fulcrum.service.app import App
+from fulcrum.service.interceptors import ShellInterceptor
+
+log = structlog.get_logger(__name__)
+
+#: Every service module: ``register(server, app) -> list[str]`` of full service names.
+SERVICE_MODULES: tuple[ModuleType, ...] = (diagnostics, fleet, prefill, decode, vision, eplb)
+
+
+@dataclass
+class Daemon:
+    """A built (and, after :meth:`start`, running) daemon."""
+
+    app: App
+    server: grpc.aio.Server
+    health: HealthServicer
+    services: list[str]
+    port: int = 0
+    metrics_port: int = 0
+    _metrics_server: Any = None
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def address(self) -> str:
+        return f"{self.app.settings.server.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in self.services:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        m = self.app.settings.metrics
+        if m.enabled:
+            from prometheus_client import start_http_server
+
+            self._metrics_server, _ = start_http_server(m.port, addr=m.host, registry=REGISTRY)
+            self.metrics_port = self._metrics_server.server_port
+        BUILD_INFO.labels(__version__).set(1)
+        DRAINING.set(0)
+        log.info(
+            "daemon_started",
+            address=self.address,
+            metrics_port=self.metrics_port,
+            services=len(self.services),
+            version=__version__,
+        )
+
+    async def drain_and_stop(self) -> None:
+        """Graceful shutdown (see the module docstring). Idempotent."""
+        if self._stopped.is_set():
+            return
+        grace = self.app.settings.server.grace_period_s
+        log.info("daemon_draining", in_flight=self.app.in_flight, grace_period_s=grace)
+        DRAINING.set(1)
+        await self.health.enter_graceful_shutdown()
+        self.app.start_draining()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        try:
+            await asyncio.wait_for(self.app.wait_idle(), timeout=grace)
+        except TimeoutError:
+            log.warning("drain_grace_expired", in_flight=self.app.in_flight)
+        await self.server.stop(max(0.0, deadline - loop.time()))
+        await self.app.stop_tasks()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        self._stopped.set()
+        log.info("daemon_stopped")
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+def build(settings: Settings, app: App | None = None) -> Daemon:
+    """Build the server and every service (not started). Must run inside an event loop."""
+    app = app or App.create(settings)
+    s = settings.server
+    options = [
+        ("grpc.max_send_message_length", s.max_message_bytes),
+        ("grpc.max_receive_message_length", s.max_message_bytes),
+        ("grpc.max_concurrent_streams", s.max_concurrent_streams),
+        ("grpc.so_reuseport", 0),
+    ]
+    interceptors = [*security.interceptors(settings, app), ShellInterceptor(app)]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    names: list[str] = []
+    for module in SERVICE_MODULES:
+        names.extend(module.register(server, app))
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection([*names, health_name, reflection.SERVICE_NAME], server)
+    port = security.add_port(server, settings)
+    return Daemon(app=app, server=server, health=health, services=names, port=port)
+
+
+def install_signal_handlers(
+    daemon: Daemon, reload: Callable[[], None] | None = None
+) -> None:
+    """SIGTERM/SIGINT drain and stop; SIGHUP calls ``reload``."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(daemon.drain_and_stop()))
+    if reload is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload)
+
+
+async def serve(settings: Settings, reload: Callable[[Daemon], None] | None = None) -> int:
+    """Run the daemon until a stop signal; returns the exit status."""
+    daemon = build(settings)
+    await daemon.start()
+    install_signal_handlers(daemon, (lambda: reload(daemon)) if reload else None)
+    await daemon.wait_stopped()
+    return 0

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code of the fulcrum.v1 API (``make proto``)."""

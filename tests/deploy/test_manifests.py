@@ -1,0 +1,71 @@
+"""Build artefacts that must stay valid: generated code, manifests, Dockerfile."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from fulcrum.config import parse_settings
+from fulcrum.tools import genproto
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+MANIFESTS = [p for p in K8S if p.name != "kustomization.yaml"]
+
+
+def test_generated_code_is_not_stale() -> None:
+    assert genproto.check() == [], "run `make proto`"
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_validates_against_kubernetes_schema(path: Path) -> None:
+    for doc in yaml.safe_load_all(path.read_text()):
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_invalid_manifest_is_refused() -> None:
+    doc = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
+    doc["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "grpc"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_configmap_carries_a_valid_configuration() -> None:
+    cm = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "configmap.yaml").read_text())
+    settings = parse_settings(yaml.safe_load(cm["data"]["fulcrum.yaml"]))
+    assert settings.server.host == "0.0.0.0"  # noqa: S104 - in-cluster listener
+
+
+def test_deployment_probes_and_grace_fit_the_daemon() -> None:
+    dep = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
+    cm = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "configmap.yaml").read_text())
+    settings = parse_settings(yaml.safe_load(cm["data"]["fulcrum.yaml"]))
+    pod = dep["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["readinessProbe"]["grpc"]["port"] == settings.server.port
+    assert container["livenessProbe"]["grpc"]["port"] == settings.server.port
+    assert pod["terminationGracePeriodSeconds"] > settings.server.grace_period_s
+    assert "requests" in container["resources"]
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/port"] == str(settings.metrics.port)
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    out = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_dockerfile_runs_as_non_root_with_health_check() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "USER 10001" in text
+    assert "EXPOSE 50051 9464" in text
+    assert "HEALTHCHECK" in text and "fulcrum\", \"health\"" in text
+    assert "STOPSIGNAL SIGTERM" in text
+    assert text.count("FROM ") >= 2  # multi-stage
