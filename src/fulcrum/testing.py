@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fulcrum import logs
 from fulcrum.config import Settings, with_overrides
 from fulcrum.service.server import Daemon, build
 
@@ -28,7 +29,9 @@ async def running_server(
 ) -> AsyncIterator[Daemon]:
     """Start a daemon on 127.0.0.1 (free ports), yield it, then drain and stop it.
     ``daemon.address`` is HOST:PORT; ``daemon.app.components`` holds the state tables."""
-    daemon = build(settings or test_settings(overrides))
+    settings = settings or test_settings(overrides)
+    logs.configure(settings.logging.level, settings.logging.format)
+    daemon = build(settings)
     await daemon.start()
     try:
         yield daemon

@@ -39,7 +39,7 @@ def test_invalid_manifest_is_refused() -> None:
 def test_configmap_carries_a_valid_configuration() -> None:
     cm = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "configmap.yaml").read_text())
     settings = parse_settings(yaml.safe_load(cm["data"]["fulcrum.yaml"]))
-    assert settings.server.host == "0.0.0.0"  # noqa: S104 - in-cluster listener
+    assert settings.server.host == "0.0.0.0"
 
 
 def test_deployment_probes_and_grace_fit_the_daemon() -> None:

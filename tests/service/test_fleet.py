@@ -100,7 +100,9 @@ async def test_lapse_is_detected_on_access_before_the_sweep(daemon: Daemon) -> N
     [
         (pb.RegisterRequest(member_id="x"), grpc.StatusCode.INVALID_ARGUMENT, "shape"),
         (
-            pb.RegisterRequest(member_id="bad id", prefill_engine=pb.PrefillEngineShape(dp_ranks=1)),
+            pb.RegisterRequest(
+                member_id="bad id", prefill_engine=pb.PrefillEngineShape(dp_ranks=1)
+            ),
             grpc.StatusCode.INVALID_ARGUMENT,
             "member_id",
         ),
@@ -175,14 +177,16 @@ async def test_same_id_with_another_kind_already_exists(client: FulcrumClient) -
 
 
 async def test_member_table_bound_gives_resource_exhausted_with_retry_hint() -> None:
-    async with running_server({"fleet": {"max_members": 2}}) as d:
-        async with FulcrumClient(d.address) as client:
-            await client.fleet.Register(decode_instance("a"))
-            await client.fleet.Register(decode_instance("b"))
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await client.fleet.Register(decode_instance("c"))
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            trailing = dict(err.value.trailing_metadata() or ())
-            assert int(trailing["retry-after-ms"]) > 0
-            # re-registering an existing member is still allowed at the bound
-            await client.fleet.Register(decode_instance("a"))
+    async with (
+        running_server({"fleet": {"max_members": 2}}) as d,
+        FulcrumClient(d.address) as client,
+    ):
+        await client.fleet.Register(decode_instance("a"))
+        await client.fleet.Register(decode_instance("b"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.fleet.Register(decode_instance("c"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailing = dict(err.value.trailing_metadata() or ())
+        assert int(trailing["retry-after-ms"]) > 0
+        # re-registering an existing member is still allowed at the bound
+        await client.fleet.Register(decode_instance("a"))

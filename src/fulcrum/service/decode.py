@@ -1,30 +1,134 @@
-"""DecodeBalancerService: placeholder until the balancer lands; every method answers UNIMPLEMENTED."""
+"""DecodeBalancerService: place requests on decode GPUs by concurrency AND total KV.
+
+Thin: validate ids, convert protobuf <-> state types, call :class:`DecodeState`, reply.
+The streaming call runs the very same functions per message and answers errors in the
+reply (code + message) instead of ending the stream.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import AsyncIterator
 
 import grpc
+import structlog
 
-from fulcrum.errors import Unimplemented
+from fulcrum.config import Settings
+from fulcrum.core.types import MemberKind
+from fulcrum.errors import FailedPrecondition, FulcrumError, InvalidArgument, NotFound
 from fulcrum.service.app import App
+from fulcrum.service.errors import require_id, status_of
+from fulcrum.state.decode import DecodeState
 from fulcrum.v1 import decode_pb2 as pb
 from fulcrum.v1 import decode_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["DecodeBalancerService"].full_name
+log = structlog.get_logger(__name__)
 
 
-class _Placeholder(pb_grpc.DecodeBalancerServiceServicer):
-    def __getattribute__(self, name: str) -> Any:
-        if name[:1].isupper():
+class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
+    """PlaceDecode / ReleaseDecode, unary and streamed."""
 
-            async def unimplemented(*_: Any) -> Any:
-                raise Unimplemented(f"{SERVICE}/{name} is not implemented yet")
+    def __init__(self, app: App, state: DecodeState) -> None:
+        self._app = app
+        self._state = state
 
-            return unimplemented
-        return super().__getattribute__(name)
+    # -- shared by unary and streaming ---------------------------------------------------
+
+    def place(self, request: pb.PlaceDecodeRequest) -> pb.PlaceDecodeResponse:
+        """One PlaceDecode, unary or streamed."""
+        state = self._state
+        try:
+            request_id = require_id(request.request_id, "request_id")
+        except InvalidArgument:
+            state.count_refused("invalid_argument")
+            raise
+        r = state.place(request_id, request.kv_tokens, self._app.clock())
+        return pb.PlaceDecodeResponse(
+            instance_id=r.instance_id,
+            gpu_index=r.gpu_index,
+            policy=state.policy_name,
+            lease_ms=r.lease_ms,
+            incarnation=r.incarnation,
+            branch=r.branch,
+            gpu_concurrency=r.gpu_concurrency,
+            gpu_kv_tokens=r.gpu_kv_tokens,
+        )
+
+    def release(self, request: pb.ReleaseDecodeRequest) -> pb.ReleaseDecodeResponse:
+        """One ReleaseDecode, unary or streamed."""
+        state = self._state
+        try:
+            request_id = require_id(request.request_id, "request_id")
+        except InvalidArgument:
+            state.count_release_refused("invalid_argument")
+            raise
+        r = state.release(request_id, self._app.clock())
+        return pb.ReleaseDecodeResponse(
+            instance_id=r.instance_id, gpu_index=r.gpu_index, held_ms=r.held_ns // 1_000_000
+        )
+
+    # -- RPCs ----------------------------------------------------------------------------
+
+    async def PlaceDecode(
+        self, request: pb.PlaceDecodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PlaceDecodeResponse:
+        return self.place(request)
+
+    async def ReleaseDecode(
+        self, request: pb.ReleaseDecodeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseDecodeResponse:
+        return self.release(request)
+
+    async def PlaceDecodeStream(
+        self,
+        request_iterator: AsyncIterator[pb.PlaceDecodeStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.PlaceDecodeStreamResponse]:
+        async for message in request_iterator:
+            reply = pb.PlaceDecodeStreamResponse(sequence=message.sequence)
+            try:
+                op = message.WhichOneof("op")
+                if op == "place":
+                    reply.place.CopyFrom(self.place(message.place))
+                elif op == "release":
+                    reply.release.CopyFrom(self.release(message.release))
+                else:
+                    raise InvalidArgument("op", "one of place, release must be set")
+            except FulcrumError as err:
+                reply.code = status_of(err).value[0]
+                reply.message = err.message
+            yield reply
 
 
 def register(server: grpc.aio.Server, app: App) -> list[str]:
-    pb_grpc.add_DecodeBalancerServiceServicer_to_server(_Placeholder(), server)
+    """Build the decode state from ``app.settings.decode``, follow decode instances, add
+    the servicer, sweep leases periodically and apply reloads."""
+    fleet = app.fleet
+
+    def live(instance_id: str, incarnation: int, now_ns: int) -> bool:
+        try:
+            fleet.get_live(instance_id, incarnation, now_ns)
+        except (NotFound, FailedPrecondition):
+            return False
+        return True
+
+    state = DecodeState(
+        app.settings.decode,
+        app.rng,
+        liveness=live,
+        debug_log=app.settings.logging.level == "debug",
+    )
+    app.components["decode"] = state
+    fleet.add_listener(MemberKind.DECODE_INSTANCE, state)
+
+    def reload(settings: Settings) -> None:
+        state.reconfigure(settings.decode)
+
+    app.reload_hooks.append(reload)
+
+    def sweep(now_ns: int) -> None:
+        state.expire(now_ns)
+
+    app.every(app.settings.decode.sweep_interval_ms / 1000, sweep, "decode-leases")
+    pb_grpc.add_DecodeBalancerServiceServicer_to_server(DecodeServicer(app, state), server)
     return [SERVICE]

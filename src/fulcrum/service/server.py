@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -90,8 +91,11 @@ class Daemon:
         await self.server.stop(max(0.0, deadline - loop.time()))
         await self.app.stop_tasks()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+            # socketserver's shutdown() waits out a 0.5 s poll: do it off the event loop.
+            srv = self._metrics_server
+            threading.Thread(
+                target=lambda: (srv.shutdown(), srv.server_close()), daemon=True
+            ).start()
         self._stopped.set()
         log.info("daemon_stopped")
 

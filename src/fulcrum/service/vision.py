@@ -1,30 +1,130 @@
-"""VisionBalancerService: placeholder until the balancer lands; every method answers UNIMPLEMENTED."""
+"""VisionBalancerService: place images on VE GPUs by patches in flight.
+
+Thin: validate ids, convert protobuf <-> state types, call :class:`VisionState`, reply.
+The streaming call runs the very same functions per message and answers errors in the
+reply (code + message) instead of ending the stream.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import AsyncIterator
 
 import grpc
+import structlog
 
-from fulcrum.errors import Unimplemented
+from fulcrum.config import Settings
+from fulcrum.core.types import MemberKind
+from fulcrum.errors import FailedPrecondition, FulcrumError, InvalidArgument, NotFound
 from fulcrum.service.app import App
+from fulcrum.service.errors import require_id, status_of
+from fulcrum.state.vision import ImageRequest, VisionState
 from fulcrum.v1 import vision_pb2 as pb
 from fulcrum.v1 import vision_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["VisionBalancerService"].full_name
+log = structlog.get_logger(__name__)
 
 
-class _Placeholder(pb_grpc.VisionBalancerServiceServicer):
-    def __getattribute__(self, name: str) -> Any:
-        if name[:1].isupper():
+class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
+    """PlaceImages / ReleaseImages (unary and streamed) and GetMachineLoad."""
 
-            async def unimplemented(*_: Any) -> Any:
-                raise Unimplemented(f"{SERVICE}/{name} is not implemented yet")
+    def __init__(self, app: App, state: VisionState) -> None:
+        self._app = app
+        self._state = state
 
-            return unimplemented
-        return super().__getattribute__(name)
+    # -- shared by unary and streaming ---------------------------------------------------
+
+    def place(self, request: pb.PlaceImagesRequest, reply: pb.PlaceImagesResponse) -> None:
+        """One PlaceImages, unary or streamed: fills ``reply`` (untouched on error)."""
+        request_id = require_id(request.request_id, "request_id")
+        images = [ImageRequest(im.width, im.height, im.patch_size) for im in request.images]
+        state = self._state
+        placed = state.place(request_id, images, self._app.clock())
+        reply.policy = state.policy_name
+        reply.lease_ms = state.settings.lease_ms
+        add = reply.placements.add
+        for p in placed:
+            add(machine_id=p.machine_id, gpu_index=p.gpu_index, patches=p.patches)
+
+    def release(self, request: pb.ReleaseImagesRequest, reply: pb.ReleaseImagesResponse) -> None:
+        """One ReleaseImages, unary or streamed: fills ``reply`` (untouched on error)."""
+        request_id = require_id(request.request_id, "request_id")
+        reply.images, reply.patches = self._state.release(request_id, self._app.clock())
+
+    # -- RPCs ----------------------------------------------------------------------------
+
+    async def PlaceImages(
+        self, request: pb.PlaceImagesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PlaceImagesResponse:
+        reply = pb.PlaceImagesResponse()
+        self.place(request, reply)
+        return reply
+
+    async def ReleaseImages(
+        self, request: pb.ReleaseImagesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseImagesResponse:
+        reply = pb.ReleaseImagesResponse()
+        self.release(request, reply)
+        return reply
+
+    async def PlaceImagesStream(
+        self,
+        request_iterator: AsyncIterator[pb.PlaceImagesStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.PlaceImagesStreamResponse]:
+        async for message in request_iterator:
+            reply = pb.PlaceImagesStreamResponse(sequence=message.sequence)
+            try:
+                op = message.WhichOneof("op")
+                if op == "place":
+                    self.place(message.place, reply.place)
+                elif op == "release":
+                    self.release(message.release, reply.release)
+                else:
+                    raise InvalidArgument("op", "one of place, release must be set")
+            except FulcrumError as err:
+                reply.code = status_of(err).value[0]
+                reply.message = err.message
+            yield reply
+
+    async def GetMachineLoad(
+        self, request: pb.GetMachineLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetMachineLoadResponse:
+        machine_id = require_id(request.machine_id, "machine_id")
+        per_gpu, max_patches, images = self._state.machine_load(machine_id)
+        return pb.GetMachineLoadResponse(
+            machine_id=machine_id,
+            patches_in_flight=per_gpu,
+            max_patches_in_flight=max_patches,
+            images=images,
+        )
 
 
 def register(server: grpc.aio.Server, app: App) -> list[str]:
-    pb_grpc.add_VisionBalancerServiceServicer_to_server(_Placeholder(), server)
+    """Build the VE state from ``app.settings.vision``, follow VE machines, add the servicer."""
+    fleet = app.fleet
+
+    def live(machine_id: str, incarnation: int, now_ns: int) -> bool:
+        try:
+            fleet.get_live(machine_id, incarnation, now_ns)
+        except (NotFound, FailedPrecondition):
+            return False
+        return True
+
+    # An independent stream spawned from the daemon's seeded source: vision decisions
+    # depend only on server.seed and the vision calls, not on other balancers' draws.
+    rng = app.rng.spawn(1)[0]
+    state = VisionState(app.settings.vision, rng, liveness=live)
+    app.components["vision"] = state
+    fleet.add_listener(MemberKind.VISION_MACHINE, state)
+
+    def reload(settings: Settings) -> None:
+        state.reconfigure(settings.vision)
+
+    app.reload_hooks.append(reload)
+    def sweep(now_ns: int) -> None:
+        state.expire(now_ns)
+
+    app.every(app.settings.vision.sweep_interval_ms / 1000, sweep, "vision-leases")
+    pb_grpc.add_VisionBalancerServiceServicer_to_server(VisionServicer(app, state), server)
     return [SERVICE]

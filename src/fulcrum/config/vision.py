@@ -1,0 +1,55 @@
+"""Settings of the vision-encoder (VE) balancer."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from fulcrum.config.base import Section
+from fulcrum.core.vision.registry import DEFAULT_POLICY, REGISTRY
+
+
+class VisionSettings(Section):
+    """The vision balancer: image patches in flight on VE GPUs."""
+
+    policy: str = Field(
+        DEFAULT_POLICY,
+        description=(
+            "placement policy: random_machine (published rule: uniformly random VE machine, "
+            "then its GPU with the fewest patches in flight), power_of_two (less loaded of "
+            "two random machines) or least_patches (globally least-loaded GPU)"
+        ),
+    )
+    patch_size: int = Field(
+        16, ge=1, le=4096, description="patch side used when an image gives none, pixels"
+    )
+    max_side: int = Field(
+        16_384,
+        ge=1,
+        le=1 << 20,
+        description="largest accepted image side (and patch size), pixels; bigger is refused",
+    )
+    max_images_per_request: int = Field(
+        64, ge=1, le=4096, description="images in one PlaceImages request"
+    )
+    lease_ms: int = Field(
+        120_000,
+        ge=10,
+        le=86_400_000,
+        description="placements not released within this time expire (and are counted), ms",
+    )
+    sweep_interval_ms: int = Field(
+        500, ge=5, le=60_000, description="period of the lease-expiry sweep, ms (read at start)"
+    )
+    max_placements: int = Field(
+        100_000,
+        ge=1,
+        le=10_000_000,
+        description="placed requests held at once; beyond it PlaceImages is RESOURCE_EXHAUSTED",
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in REGISTRY:
+            raise ValueError(f"unknown VE policy {value!r}; known: {', '.join(sorted(REGISTRY))}")
+        return value

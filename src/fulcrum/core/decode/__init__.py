@@ -1,0 +1,45 @@
+"""Decode balancer core (pure): per-GPU fleet view, capacity filter, placement policies.
+
+See SPEC.md section 4: balance per-GPU concurrency AND per-GPU total KV length.
+"""
+
+from fulcrum.core.decode.filters import eligible, no_capacity
+from fulcrum.core.decode.policy import DecodeParams, DecodePolicy
+from fulcrum.core.decode.registry import DEFAULT_POLICY, POLICY_NAMES, REGISTRY, make_policy
+from fulcrum.core.decode.view import (
+    Decision,
+    FleetView,
+    NoCapacity,
+    commit,
+    copy_view,
+    grow,
+    imbalance,
+    observe,
+    release,
+    set_live,
+    write_gpu,
+    write_range,
+)
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICY_NAMES",
+    "REGISTRY",
+    "Decision",
+    "DecodeParams",
+    "DecodePolicy",
+    "FleetView",
+    "NoCapacity",
+    "commit",
+    "copy_view",
+    "eligible",
+    "grow",
+    "imbalance",
+    "make_policy",
+    "no_capacity",
+    "observe",
+    "release",
+    "set_live",
+    "write_gpu",
+    "write_range",
+]

@@ -1,0 +1,117 @@
+"""``dual`` (default): the published two-dimensional rule, concurrency AND total KV.
+
+Definitions (tokens; requests):
+
+- ``mean`` = total KV tokens / total requests over live GPUs (the fleet's current mean
+  KV per request); undefined when the fleet holds no request.
+- ``threshold`` = ``min(long_tokens, long_factor * mean)``, or ``long_tokens`` when
+  ``mean`` is undefined. Defaults: ``long_factor = 2.0``, ``long_tokens = 65,536``.
+- a request of ``kv_tokens`` is **long** iff ``kv_tokens >= threshold``, else **short**.
+
+Among GPUs that pass the capacity filter:
+
+- **long** -> the GPU with the smallest total KV (attention time dominates, so it goes
+  where attention is lightest); ties: fewer requests, then the lowest index. Its
+  concurrency need not be the lowest.
+- **short** -> a GPU with low concurrency but large total KV: candidates are GPUs whose
+  concurrency is at most ``min_concurrency + short_slack`` (``short_slack`` defaults to
+  0); among them the one with the largest total KV; ties: fewer requests, then the
+  lowest index. A short request adds batch size (MoE/linear time) but little attention,
+  so it fills the concurrency gap of GPUs busy with a few long requests and leaves
+  small-KV GPUs free for the next long request.
+
+The worked example's 100K-token decode is long whenever the fleet's mean is below 50K
+tokens, or in any case since 100K >= 65,536: it goes to the smallest total KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from fulcrum.core.decode.filters import check_kv_tokens, eligible, no_capacity
+from fulcrum.core.decode.policy import DecodeParams, argmin_where, pick_min
+from fulcrum.core.decode.view import (
+    INT64_MAX,
+    MAX_CONCURRENCY_LIMIT,
+    MAX_KV_LIMIT,
+    Decision,
+    FleetView,
+    NoCapacity,
+)
+
+NAME: Final = "dual"
+SHORT: Final = "short"
+LONG: Final = "long"
+
+
+@dataclass(frozen=True, slots=True)
+class Dual:
+    """The ``dual`` policy (see module docstring); parameters as in DecodeParams."""
+
+    long_factor: float = 2.0
+    long_tokens: int = 65_536
+    short_slack: int = 0
+
+    @property
+    def name(self) -> str:
+        return NAME
+
+    def threshold(self, view: FleetView) -> float:
+        """KV length (tokens) at and above which a request counts as long."""
+        mean = view.mean_kv_per_request()
+        if mean is None:
+            return float(self.long_tokens)
+        return min(float(self.long_tokens), self.long_factor * mean)
+
+    def is_long(self, view: FleetView, kv_tokens: int) -> bool:
+        """Whether a request of ``kv_tokens`` tokens takes the long branch on ``view``."""
+        return kv_tokens >= self.threshold(view)
+
+    def select(
+        self,
+        view: FleetView,
+        kv_tokens: int,
+        rng: np.random.Generator,
+        cursor: int = 0,
+    ) -> Decision | NoCapacity:
+        check_kv_tokens(kv_tokens)
+        if self.is_long(view, kv_tokens):
+            # order_kv: less KV first, then fewer requests (closed GPUs last).
+            gpu = pick_min(view.order_kv, view, kv_tokens)
+            kind = LONG
+        elif self.short_slack == 0:
+            # order_conc: fewer requests first, then more KV (closed GPUs last).
+            gpu = pick_min(view.order_conc, view, kv_tokens)
+            kind = SHORT
+        else:
+            gpu = self._short_with_slack(view, kv_tokens)
+            kind = SHORT
+        if gpu < 0:
+            return no_capacity(view, kv_tokens, kind)
+        return Decision(gpu=gpu, kind=kind, cursor=cursor)
+
+    def _short_with_slack(self, view: FleetView, kv_tokens: int) -> int:
+        """Short branch with ``short_slack > 0``: most KV among near-least-loaded GPUs."""
+        mask = eligible(view, kv_tokens)
+        conc = np.where(mask, view.concurrency, INT64_MAX)
+        if conc.shape[0] == 0:
+            return -1
+        cmin = int(conc.min())
+        if cmin == INT64_MAX:
+            return -1
+        cand = conc <= cmin + self.short_slack
+        # more KV first, then fewer requests
+        key = (MAX_KV_LIMIT - 1 - view.kv_tokens) * MAX_CONCURRENCY_LIMIT + view.concurrency
+        return argmin_where(key, cand)
+
+
+def from_params(params: DecodeParams) -> Dual:
+    """Factory for the registry."""
+    return Dual(
+        long_factor=params.long_factor,
+        long_tokens=params.long_tokens,
+        short_slack=params.short_slack,
+    )

@@ -1,0 +1,112 @@
+"""Common interface of decode placement policies and their shared parameters.
+
+A policy is an immutable object with ``name`` and a pure
+``select(view, kv_tokens, rng, cursor) -> Decision | NoCapacity``: it filters by
+capacity (:mod:`fulcrum.core.decode.filters`), scores eligible GPUs, and returns the
+chosen GPU index. It never mutates the view, the rng is the only source of randomness,
+and any policy state (round_robin's cursor) is passed in and returned in the Decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from fulcrum.core.decode.view import (
+    I64,
+    INT64_MAX,
+    INT64_MIN,
+    Decision,
+    FleetView,
+    Mask,
+    NoCapacity,
+)
+
+F64 = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeParams:
+    """Tunables of all decode policies (each policy reads only its own).
+
+    dual: ``long_factor`` (dimensionless, > 0) and ``long_tokens`` (tokens, >= 1): a request
+    is long iff ``kv_tokens >= min(long_tokens, long_factor * mean KV per request)``
+    (``long_tokens`` alone when the fleet holds no request); ``short_slack`` (requests,
+    >= 0): a short request may go to a GPU with up to this many more requests than the
+    least-loaded one when it holds more KV.
+    step_time: ``d0_ns`` (ns), ``d1_ns`` (ns per request), ``d2_ns`` (ns per KV token).
+    """
+
+    long_factor: float = 2.0
+    long_tokens: int = 65_536
+    short_slack: int = 0
+    d0_ns: float = 5_000_000.0
+    d1_ns: float = 20_000.0
+    d2_ns: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.long_factor > 0.0:
+            raise ValueError("long_factor: must be > 0")
+        if self.long_tokens < 1:
+            raise ValueError("long_tokens: must be >= 1")
+        if self.short_slack < 0:
+            raise ValueError("short_slack: must be >= 0")
+        for name in ("d0_ns", "d1_ns", "d2_ns"):
+            value = getattr(self, name)
+            if not (value >= 0.0 and np.isfinite(value)):
+                raise ValueError(f"{name}: must be finite and >= 0")
+
+
+class DecodePolicy(Protocol):
+    """A decode placement policy (see module docstring)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def select(
+        self,
+        view: FleetView,
+        kv_tokens: int,
+        rng: np.random.Generator,
+        cursor: int = 0,
+    ) -> Decision | NoCapacity:
+        """Choose a GPU for one request of ``kv_tokens`` tokens (pure)."""
+        ...
+
+
+def argmin_where(key: I64 | F64, mask: Mask) -> int:
+    """Index of the smallest ``key`` (shape ``(n_gpus,)``) among ``mask``; -1 when none.
+
+    Ties go to the lowest index. One vectorised pass.
+    """
+    if mask.shape[0] == 0:
+        return -1
+    sentinel: float | int = np.inf if key.dtype.kind == "f" else INT64_MAX
+    i = int(np.where(mask, key, sentinel).argmin())
+    return i if bool(mask[i]) else -1
+
+
+def argmax_where(key: I64, mask: Mask) -> int:
+    """Index of the largest int64 ``key`` among ``mask`` (ties: lowest index); -1 when none."""
+    if mask.shape[0] == 0:
+        return -1
+    i = int(np.where(mask, key, INT64_MIN).argmax())
+    return i if bool(mask[i]) else -1
+
+
+def pick_min(key: I64 | F64, view: FleetView, kv_tokens: int) -> int:
+    """Index of the smallest ``key`` (shape ``(n_gpus,)``) among GPUs eligible for
+    ``kv_tokens`` tokens (ties: lowest index); -1 when none.
+
+    Fast path: the global argmin, accepted when its headroom fits (then it is also the
+    eligible argmin). Otherwise one masked pass.
+    """
+    if key.shape[0] == 0:
+        return -1
+    i = int(key.argmin())
+    if int(view.headroom[i]) >= kv_tokens:
+        return i
+    return argmin_where(key, view.headroom >= kv_tokens)

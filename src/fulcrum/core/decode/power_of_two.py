@@ -1,0 +1,77 @@
+"""``power_of_two`` (baseline): two random eligible GPUs, the one with fewer requests.
+
+Two distinct GPUs are drawn uniformly from those passing the capacity filter with the
+injected ``numpy.random.Generator``; the one with fewer requests wins, then the one with
+less total KV (tokens), then the first drawn. With one eligible GPU it is chosen without
+drawing. Same generator state -> same decision.
+
+Drawing: up to ``REJECTION_TRIES`` uniform draws over all GPUs, keeping the first two
+distinct eligible ones (exactly uniform over ordered pairs of eligible GPUs, and O(1) when
+most GPUs are eligible); if that does not find two, a fresh uniform pair is drawn from
+the explicit list of eligible GPUs (one vectorised pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from fulcrum.core.decode.filters import check_kv_tokens, no_capacity
+from fulcrum.core.decode.policy import DecodeParams
+from fulcrum.core.decode.view import Decision, FleetView, NoCapacity
+
+NAME: Final = "power_of_two"
+REJECTION_TRIES: Final = 8
+
+
+@dataclass(frozen=True, slots=True)
+class PowerOfTwo:
+    """The ``power_of_two`` policy (see module docstring)."""
+
+    @property
+    def name(self) -> str:
+        return NAME
+
+    def select(
+        self,
+        view: FleetView,
+        kv_tokens: int,
+        rng: np.random.Generator,
+        cursor: int = 0,
+    ) -> Decision | NoCapacity:
+        check_kv_tokens(kv_tokens)
+        n = view.n_gpus
+        headroom = view.headroom
+        first = -1
+        for _ in range(REJECTION_TRIES if n > 1 else 0):
+            g = int(rng.integers(n))
+            if g != first and int(headroom[g]) >= kv_tokens:
+                if first < 0:
+                    first = g
+                else:
+                    return Decision(gpu=self._better(view, first, g), cursor=cursor)
+        idx = np.flatnonzero(headroom >= kv_tokens)
+        k = int(idx.shape[0])
+        if k == 0:
+            return no_capacity(view, kv_tokens)
+        if k == 1:
+            return Decision(gpu=int(idx[0]), cursor=cursor)
+        i = int(rng.integers(k))
+        j = int(rng.integers(k - 1))
+        if j >= i:
+            j += 1
+        return Decision(gpu=self._better(view, int(idx[i]), int(idx[j])), cursor=cursor)
+
+    @staticmethod
+    def _better(view: FleetView, a: int, b: int) -> int:
+        """The GPU with fewer requests, then less KV; ``a`` on a tie."""
+        key_a = (int(view.concurrency[a]), int(view.kv_tokens[a]))
+        key_b = (int(view.concurrency[b]), int(view.kv_tokens[b]))
+        return b if key_b < key_a else a
+
+
+def from_params(params: DecodeParams) -> PowerOfTwo:
+    """Factory for the registry."""
+    return PowerOfTwo()

@@ -1,0 +1,395 @@
+"""Fleet view of the decode balancer: per-GPU arrays, decisions, and pure updates.
+
+Every decode GPU of every live instance has one slot (index ``0..n-1``) in the arrays
+below, all of shape ``(n_gpus,)``:
+
+- ``concurrency``      requests on the GPU (int64, requests);
+- ``kv_tokens``        total KV length held on the GPU (int64, tokens);
+- ``max_concurrency``  capacity: most requests the GPU may hold (int64, requests);
+- ``max_kv_tokens``    capacity: most KV tokens the GPU may hold (int64, tokens);
+- ``live``             the GPU may receive placements (bool);
+- ``headroom``         derived: the largest KV length (tokens) a new request may have to
+  fit on the GPU now: ``max_kv_tokens - kv_tokens`` when the GPU is live and has a free
+  concurrency slot, else ``-1``. It makes the capacity filter a single comparison.
+- ``order_conc``       derived packed key of *open* GPUs (live with a free slot): fewer
+  requests first, then more KV: ``concurrency * 2**40 + (2**40 - 1 - kv_tokens)``;
+  ``INT64_MAX`` for closed GPUs. ``order_conc >> 40`` is the concurrency.
+- ``order_kv``         derived packed key of open GPUs: less KV first, then fewer requests:
+  ``kv_tokens * 2**20 + concurrency``; ``INT64_MAX`` for closed GPUs.
+
+The two packed orderings are the decode balancer's two dimensions (SPEC section 4); with
+them a policy's common case is one ``argmin`` plus an O(1) check of the winner's headroom,
+and only when the winner lacks KV room does it fall back to a masked pass.
+
+``totals`` (int64, shape ``(2,)``) holds the sums of ``concurrency`` and ``kv_tokens``
+over live GPUs (requests, tokens), kept in O(1) by the updates so that policies reading
+the fleet's mean KV per request need no extra pass.
+
+Build views with :meth:`FleetView.build` (it derives and checks everything). Pure callers
+change them with :func:`commit`, :func:`release`, :func:`grow`, :func:`observe` and
+:func:`set_live`, which copy and return a new view and never touch the old one. The one
+owner of a view's arrays (the daemon's state table) may instead update them in place
+with :func:`write_gpu`, an O(1) write that keeps every derived field consistent; it must
+not do so while a selection runs. Selection never mutates a view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+I64 = npt.NDArray[np.int64]
+Mask = npt.NDArray[np.bool_]
+
+KV_BITS: Final = 40
+"""Bits of the KV part in ``order_conc`` (``order_conc >> KV_BITS`` is the concurrency)."""
+MAX_CONCURRENCY_LIMIT: Final = 1 << 20
+"""Upper bound (exclusive) on any ``max_concurrency`` (requests); keeps packed keys in int64."""
+MAX_KV_LIMIT: Final = 1 << KV_BITS
+"""Upper bound (exclusive) on any ``max_kv_tokens`` (tokens); keeps packed keys in int64."""
+INT64_MAX: Final = int(np.iinfo(np.int64).max)
+INT64_MIN: Final = int(np.iinfo(np.int64).min)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """Per-GPU load and capacity of the decode fleet; all arrays have shape ``(n_gpus,)``.
+
+    Construct with :meth:`build`; the plain constructor trusts its arguments (derived
+    fields must be consistent, see :meth:`check`).
+    """
+
+    concurrency: I64
+    kv_tokens: I64
+    max_concurrency: I64
+    max_kv_tokens: I64
+    live: Mask
+    headroom: I64
+    order_conc: I64
+    order_kv: I64
+    totals: I64
+
+    @property
+    def total_concurrency(self) -> int:
+        """Requests held on live GPUs."""
+        return int(self.totals[0])
+
+    @property
+    def total_kv_tokens(self) -> int:
+        """KV tokens held on live GPUs."""
+        return int(self.totals[1])
+
+    @staticmethod
+    def build(
+        concurrency: npt.ArrayLike,
+        kv_tokens: npt.ArrayLike,
+        max_concurrency: npt.ArrayLike,
+        max_kv_tokens: npt.ArrayLike,
+        live: npt.ArrayLike | None = None,
+    ) -> FleetView:
+        """Copy, validate and derive a view. Raises ValueError on bad shapes or values.
+
+        ``live`` defaults to all GPUs live. Loads may exceed capacity (an engine report
+        is the truth); such a GPU simply receives nothing until it drains.
+        """
+        conc = np.array(concurrency, dtype=np.int64, copy=True).reshape(-1)
+        kv = np.array(kv_tokens, dtype=np.int64, copy=True).reshape(-1)
+        mc = np.array(max_concurrency, dtype=np.int64, copy=True).reshape(-1)
+        mk = np.array(max_kv_tokens, dtype=np.int64, copy=True).reshape(-1)
+        n = conc.shape[0]
+        lv = (
+            np.ones(n, dtype=np.bool_)
+            if live is None
+            else np.array(live, dtype=np.bool_, copy=True).reshape(-1)
+        )
+        for name, arr in (
+            ("kv_tokens", kv),
+            ("max_concurrency", mc),
+            ("max_kv_tokens", mk),
+            ("live", lv),
+        ):
+            if arr.shape != (n,):
+                raise ValueError(f"{name}: shape {arr.shape} != ({n},)")
+        if (conc < 0).any():
+            raise ValueError("concurrency: must be >= 0")
+        if (kv < 0).any():
+            raise ValueError("kv_tokens: must be >= 0")
+        if ((mc < 1) | (mc >= MAX_CONCURRENCY_LIMIT)).any():
+            raise ValueError(f"max_concurrency: must be in [1, {MAX_CONCURRENCY_LIMIT})")
+        if ((mk < 1) | (mk >= MAX_KV_LIMIT)).any():
+            raise ValueError(f"max_kv_tokens: must be in [1, {MAX_KV_LIMIT})")
+        if (conc >= MAX_CONCURRENCY_LIMIT).any() or (kv >= MAX_KV_LIMIT).any():
+            raise ValueError("concurrency/kv_tokens: absurdly large")
+        is_open = lv & (conc < mc)
+        headroom = np.where(is_open, mk - kv, -1).astype(np.int64)
+        order_conc = np.where(
+            is_open, conc * MAX_KV_LIMIT + (MAX_KV_LIMIT - 1 - kv), INT64_MAX
+        ).astype(np.int64)
+        order_kv = np.where(is_open, kv * MAX_CONCURRENCY_LIMIT + conc, INT64_MAX).astype(np.int64)
+        return FleetView(
+            concurrency=conc,
+            kv_tokens=kv,
+            max_concurrency=mc,
+            max_kv_tokens=mk,
+            live=lv,
+            headroom=headroom,
+            order_conc=order_conc,
+            order_kv=order_kv,
+            totals=np.array([int(conc[lv].sum()), int(kv[lv].sum())], dtype=np.int64),
+        )
+
+    @staticmethod
+    def empty_like(max_concurrency: npt.ArrayLike, max_kv_tokens: npt.ArrayLike) -> FleetView:
+        """An idle, all-live fleet with the given capacities."""
+        mc = np.asarray(max_concurrency, dtype=np.int64).reshape(-1)
+        zeros = np.zeros(mc.shape[0], dtype=np.int64)
+        return FleetView.build(zeros, zeros, mc, max_kv_tokens)
+
+    @property
+    def n_gpus(self) -> int:
+        """Number of GPU slots (live or not)."""
+        return int(self.concurrency.shape[0])
+
+    def mean_kv_per_request(self) -> float | None:
+        """Mean KV length per request over live GPUs (tokens); None when no request is held."""
+        reqs = int(self.totals[0])
+        if reqs <= 0:
+            return None
+        return int(self.totals[1]) / reqs
+
+    def check(self) -> None:
+        """Raise AssertionError unless the derived fields match the arrays (for tests)."""
+        expect = FleetView.build(
+            self.concurrency, self.kv_tokens, self.max_concurrency, self.max_kv_tokens, self.live
+        )
+        assert np.array_equal(self.headroom, expect.headroom), "headroom out of date"
+        assert np.array_equal(self.order_conc, expect.order_conc), "order_conc out of date"
+        assert np.array_equal(self.order_kv, expect.order_kv), "order_kv out of date"
+        assert self.total_concurrency == expect.total_concurrency, "total_concurrency"
+        assert self.total_kv_tokens == expect.total_kv_tokens, "total_kv_tokens"
+
+    def same_as(self, other: FleetView) -> bool:
+        """Exact equality of every array and total (dataclass ``==`` is ambiguous on arrays)."""
+        return (
+            np.array_equal(self.concurrency, other.concurrency)
+            and np.array_equal(self.kv_tokens, other.kv_tokens)
+            and np.array_equal(self.max_concurrency, other.max_concurrency)
+            and np.array_equal(self.max_kv_tokens, other.max_kv_tokens)
+            and np.array_equal(self.live, other.live)
+            and np.array_equal(self.headroom, other.headroom)
+            and np.array_equal(self.order_conc, other.order_conc)
+            and np.array_equal(self.order_kv, other.order_kv)
+            and np.array_equal(self.totals, other.totals)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A placement choice.
+
+    ``gpu``: index into the view's arrays. ``kind``: policy-specific branch label with a
+    bounded set of values ("short"/"long" for dual, "" otherwise). ``cursor``: the policy
+    state to pass to the next ``select`` (round_robin's next start index; other policies
+    return the cursor they were given).
+    """
+
+    gpu: int
+    kind: str = ""
+    cursor: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NoCapacity:
+    """No GPU can take the request; ``reason`` is a human-readable sentence.
+
+    Counts are over the fleet at decision time: ``live_gpus`` live GPUs, of which
+    ``with_slot`` have a free concurrency slot and ``with_kv_room`` have at least the
+    request's KV length free (tokens); ``largest_room`` is the most free KV (tokens) on
+    any live GPU with a free slot (-1 when none). ``kind``: the policy's branch label,
+    as in Decision ("short"/"long" for dual, "" otherwise).
+    """
+
+    reason: str
+    live_gpus: int
+    with_slot: int
+    with_kv_room: int
+    largest_room: int
+    kind: str = ""
+
+
+def _derived_at(conc: int, kv: int, mc: int, mk: int, live: bool) -> tuple[int, int, int]:
+    """(headroom, order_conc, order_kv) of one GPU; see the module docstring."""
+    if live and conc < mc:
+        return (
+            mk - kv,
+            conc * MAX_KV_LIMIT + (MAX_KV_LIMIT - 1 - kv),
+            kv * MAX_CONCURRENCY_LIMIT + conc,
+        )
+    return -1, INT64_MAX, INT64_MAX
+
+
+def _check_gpu(view: FleetView, gpu: int) -> None:
+    if not 0 <= gpu < view.n_gpus:
+        raise ValueError(f"gpu: index {gpu} out of range [0, {view.n_gpus})")
+
+
+def write_gpu(view: FleetView, gpu: int, concurrency: int, kv_tokens: int, live: bool) -> None:
+    """IN PLACE: set GPU ``gpu`` to ``concurrency`` requests, ``kv_tokens`` tokens, ``live``.
+
+    O(1); keeps ``headroom``, ``order_conc``, ``order_kv`` and ``totals`` consistent. For
+    the single owner of the view's arrays only (see the module docstring). Raises
+    ValueError, changing nothing, on a bad index or an out-of-range load.
+    """
+    _check_gpu(view, gpu)
+    if not (0 <= concurrency < MAX_CONCURRENCY_LIMIT and 0 <= kv_tokens < MAX_KV_LIMIT):
+        raise ValueError(
+            f"gpu {gpu}: load out of range ({concurrency} requests, {kv_tokens} KV tokens)"
+        )
+    totals = view.totals
+    if view.live[gpu]:
+        totals[0] -= view.concurrency[gpu]
+        totals[1] -= view.kv_tokens[gpu]
+    if live:
+        totals[0] += concurrency
+        totals[1] += kv_tokens
+    view.concurrency[gpu] = concurrency
+    view.kv_tokens[gpu] = kv_tokens
+    view.live[gpu] = live
+    view.headroom[gpu], view.order_conc[gpu], view.order_kv[gpu] = _derived_at(
+        concurrency, kv_tokens, int(view.max_concurrency[gpu]), int(view.max_kv_tokens[gpu]), live
+    )
+
+
+def write_range(view: FleetView, start: int, concurrency: I64, kv_tokens: I64) -> None:
+    """IN PLACE: set the loads of GPUs ``start .. start + len(concurrency) - 1`` (requests,
+    tokens; arrays of equal shape ``(k,)``), keeping every derived field consistent.
+
+    One vectorised pass over the range (a heartbeat of a whole instance); liveness is
+    unchanged. For the single owner of the view's arrays only. Raises ValueError, changing
+    nothing, on a bad range or an out-of-range load.
+    """
+    k = int(concurrency.shape[0])
+    if kv_tokens.shape != (k,) or not 0 <= start <= start + k <= view.n_gpus:
+        raise ValueError(f"range [{start}, {start + k}) or shapes do not fit the view")
+    if k == 0:
+        return
+    if bool(((concurrency < 0) | (concurrency >= MAX_CONCURRENCY_LIMIT)).any()):
+        raise ValueError(f"concurrency: must be in [0, {MAX_CONCURRENCY_LIMIT})")
+    if bool(((kv_tokens < 0) | (kv_tokens >= MAX_KV_LIMIT)).any()):
+        raise ValueError(f"kv_tokens: must be in [0, {MAX_KV_LIMIT})")
+    end = start + k
+    live = view.live[start:end]
+    view.totals[0] += int(concurrency[live].sum()) - int(view.concurrency[start:end][live].sum())
+    view.totals[1] += int(kv_tokens[live].sum()) - int(view.kv_tokens[start:end][live].sum())
+    view.concurrency[start:end] = concurrency
+    view.kv_tokens[start:end] = kv_tokens
+    is_open = live & (concurrency < view.max_concurrency[start:end])
+    view.headroom[start:end] = np.where(is_open, view.max_kv_tokens[start:end] - kv_tokens, -1)
+    view.order_conc[start:end] = np.where(
+        is_open, concurrency * MAX_KV_LIMIT + (MAX_KV_LIMIT - 1 - kv_tokens), INT64_MAX
+    )
+    view.order_kv[start:end] = np.where(
+        is_open, kv_tokens * MAX_CONCURRENCY_LIMIT + concurrency, INT64_MAX
+    )
+
+
+def copy_view(view: FleetView) -> FleetView:
+    """A deep copy (every array copied)."""
+    return FleetView(
+        concurrency=view.concurrency.copy(),
+        kv_tokens=view.kv_tokens.copy(),
+        max_concurrency=view.max_concurrency,
+        max_kv_tokens=view.max_kv_tokens,
+        live=view.live.copy(),
+        headroom=view.headroom.copy(),
+        order_conc=view.order_conc.copy(),
+        order_kv=view.order_kv.copy(),
+        totals=view.totals.copy(),
+    )
+
+
+def _with_gpu(view: FleetView, gpu: int, conc: int, kv: int, live: bool) -> FleetView:
+    """New view where GPU ``gpu`` holds ``conc`` requests and ``kv`` tokens and is ``live``."""
+    _check_gpu(view, gpu)
+    out = copy_view(view)
+    write_gpu(out, gpu, conc, kv, live)
+    return out
+
+
+def commit(view: FleetView, gpu: int, kv_tokens: int) -> FleetView:
+    """Place one request of ``kv_tokens`` tokens on ``gpu``: concurrency +1, KV +kv_tokens.
+
+    Does not re-check capacity (selection does); raises ValueError on a bad index or
+    ``kv_tokens < 1``.
+    """
+    _check_gpu(view, gpu)
+    if kv_tokens < 1:
+        raise ValueError("kv_tokens: must be > 0")
+    return _with_gpu(
+        view,
+        gpu,
+        int(view.concurrency[gpu]) + 1,
+        int(view.kv_tokens[gpu]) + kv_tokens,
+        bool(view.live[gpu]),
+    )
+
+
+def release(view: FleetView, gpu: int, kv_tokens: int) -> FleetView:
+    """Remove one request holding ``kv_tokens`` tokens from ``gpu`` (inverse of commit).
+
+    Raises ValueError when the GPU holds no request or fewer than ``kv_tokens`` tokens.
+    """
+    _check_gpu(view, gpu)
+    conc = int(view.concurrency[gpu])
+    kv = int(view.kv_tokens[gpu])
+    if kv_tokens < 0:
+        raise ValueError("kv_tokens: must be >= 0")
+    if conc < 1:
+        raise ValueError(f"gpu {gpu}: holds no request to release")
+    if kv < kv_tokens:
+        raise ValueError(f"gpu {gpu}: holds {kv} KV tokens, cannot release {kv_tokens}")
+    return _with_gpu(view, gpu, conc - 1, kv - kv_tokens, bool(view.live[gpu]))
+
+
+def grow(view: FleetView, gpu: int, delta_kv_tokens: int) -> FleetView:
+    """Add ``delta_kv_tokens`` (>= 0) generated tokens to the KV held on ``gpu``."""
+    _check_gpu(view, gpu)
+    if delta_kv_tokens < 0:
+        raise ValueError("delta_kv_tokens: must be >= 0")
+    return _with_gpu(
+        view,
+        gpu,
+        int(view.concurrency[gpu]),
+        int(view.kv_tokens[gpu]) + delta_kv_tokens,
+        bool(view.live[gpu]),
+    )
+
+
+def observe(view: FleetView, gpu: int, concurrency: int, kv_tokens: int) -> FleetView:
+    """Set the load of ``gpu`` (requests, tokens), e.g. from a heartbeat plus placements since."""
+    _check_gpu(view, gpu)
+    if concurrency < 0 or concurrency >= MAX_CONCURRENCY_LIMIT:
+        raise ValueError(f"concurrency: must be in [0, {MAX_CONCURRENCY_LIMIT})")
+    if kv_tokens < 0 or kv_tokens >= MAX_KV_LIMIT:
+        raise ValueError(f"kv_tokens: must be in [0, {MAX_KV_LIMIT})")
+    return _with_gpu(view, gpu, concurrency, kv_tokens, bool(view.live[gpu]))
+
+
+def set_live(view: FleetView, gpu: int, live: bool) -> FleetView:
+    """Mark ``gpu`` live (placeable) or not; its load arrays are kept as they are."""
+    _check_gpu(view, gpu)
+    return _with_gpu(view, gpu, int(view.concurrency[gpu]), int(view.kv_tokens[gpu]), live)
+
+
+def imbalance(values: npt.NDArray[np.int64], live: Mask) -> float:
+    """max/mean of ``values`` over live GPUs; 1.0 is perfect (and when all are 0 or none live)."""
+    sel = values[live]
+    if sel.size == 0:
+        return 1.0
+    mean = float(sel.mean())
+    if mean <= 0.0:
+        return 1.0
+    return float(sel.max()) / mean

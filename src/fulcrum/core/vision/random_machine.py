@@ -1,0 +1,39 @@
+"""``random_machine``: the published VE rule (SPEC.md section 5), the default.
+
+Rule: pick a VE machine uniformly at random, with the injected
+``numpy.random.Generator``, among the machines that have at least one eligible GPU
+(live, and with room for the image's patches when a per-GPU capacity is set); on that
+machine the image goes to the eligible GPU with the fewest patches in flight, ties to the
+lowest GPU index. Draws (see :func:`fulcrum.core.vision.base.draw_machine`): one
+``rng.integers`` over the live machines, plus one over the eligible machines only if the
+first machine had no room. Cost: O(GPUs per machine); one vectorised O(G) pass only when
+the first machine drawn is full.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+
+from fulcrum.core.vision.base import check_patches, draw_machine
+from fulcrum.core.vision.fleet import Placement, VisionFleet
+
+__all__ = ["NAME", "RandomMachine"]
+
+NAME: Final = "random_machine"
+
+
+class RandomMachine:
+    """Uniformly random eligible machine, then its least-loaded eligible GPU."""
+
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        return NAME
+
+    def select(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Placement:
+        check_patches(patches)
+        machine, gpu = draw_machine(fleet, patches, rng)
+        return Placement(machine=machine, gpu=gpu, patches=int(patches))

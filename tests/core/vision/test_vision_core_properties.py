@@ -1,0 +1,143 @@
+"""Hypothesis invariants of the VE policies.
+
+- place then release (in any order) restores the fleet exactly;
+- the same seed gives the same decisions;
+- no placement ever breaks a capacity, or lands on a GPU that is not live;
+- the chosen GPU is the least loaded eligible GPU of its machine (global for
+  ``least_patches``); a placement fails exactly when no GPU is eligible;
+- selection never mutates the fleet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fulcrum.core.vision.base import place_many
+from fulcrum.core.vision.fleet import (
+    MachineSpec,
+    NoEligibleGpuError,
+    VisionFleet,
+    VisionTopology,
+    commit,
+    release,
+)
+from fulcrum.core.vision.registry import make_policy, policy_names
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+policies = st.sampled_from(policy_names())
+image = st.integers(1, 6_000)
+
+
+@st.composite
+def fleets(draw: st.DrawFn) -> VisionFleet:
+    n = draw(st.integers(1, 6))
+    specs = []
+    for i in range(n):
+        gpus = draw(st.integers(1, 8))
+        cap = draw(st.sampled_from([0, 0, draw(st.integers(1, 20_000))]))
+        live = draw(st.booleans()) if n > 1 else True
+        specs.append(MachineSpec(f"m{i}", tuple(range(gpus)), max_patches=cap, live=live))
+    topo = VisionTopology.build(specs)
+    loads = [draw(st.integers(0, int(c) if c > 0 else 20_000)) for c in topo.capacity.tolist()]
+    return VisionFleet(topo, np.asarray(loads, dtype=np.int64))
+
+
+def eligible(fleet: VisionFleet, p: int) -> npt.NDArray[np.bool_]:
+    t = fleet.topology
+    load = fleet.patches_in_flight
+    return np.asarray(t.live & ((t.capacity == 0) | (load + p <= t.capacity)), dtype=np.bool_)
+
+
+@SETTINGS
+@given(
+    fleet=fleets(),
+    images=st.lists(image, min_size=1, max_size=8),
+    name=policies,
+    seed=st.integers(0, 2**32 - 1),
+    data=st.data(),
+)
+def test_place_then_release_restores_exactly(
+    fleet: VisionFleet, images: list[int], name: str, seed: int, data: st.DataObject
+) -> None:
+    before = fleet.patches_in_flight.copy()
+    try:
+        placed, after = place_many(make_policy(name), fleet, images, np.random.default_rng(seed))
+    except NoEligibleGpuError:
+        assert np.array_equal(fleet.patches_in_flight, before)
+        return
+    order = data.draw(st.permutations(range(len(placed))))
+    cur = after
+    for k in order:
+        cur = release(cur, placed[k].gpu, placed[k].patches)
+    assert np.array_equal(cur.patches_in_flight, before)
+    assert cur.patches_in_flight.dtype == np.int64
+    assert np.array_equal(fleet.patches_in_flight, before)  # input untouched
+
+
+@SETTINGS
+@given(
+    fleet=fleets(),
+    images=st.lists(image, min_size=1, max_size=12),
+    name=policies,
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_same_seed_same_decisions(
+    fleet: VisionFleet, images: list[int], name: str, seed: int
+) -> None:
+    def run() -> object:
+        rng = np.random.default_rng(seed)
+        out: list[object] = []
+        cur = fleet
+        for p in images:
+            try:
+                pl = make_policy(name).select(cur, p, rng)
+            except NoEligibleGpuError as exc:
+                out.append(exc.reason)
+                continue
+            out.append(pl)
+            cur = commit(cur, pl)
+        return out
+
+    assert run() == run()
+
+
+@SETTINGS
+@given(
+    fleet=fleets(),
+    images=st.lists(image, min_size=1, max_size=20),
+    name=policies,
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_capacity_and_liveness_never_broken(
+    fleet: VisionFleet, images: list[int], name: str, seed: int
+) -> None:
+    t = fleet.topology
+    rng = np.random.default_rng(seed)
+    pol = make_policy(name)
+    cur = fleet
+    for p in images:
+        ok = eligible(cur, p)
+        snapshot = cur.patches_in_flight.copy()
+        try:
+            pl = pol.select(cur, p, rng)
+        except NoEligibleGpuError:
+            assert not ok.any()
+            continue
+        assert np.array_equal(cur.patches_in_flight, snapshot)  # select is pure
+        assert ok[pl.gpu]
+        assert pl.patches == p
+        assert int(t.gpu_machine[pl.gpu]) == pl.machine
+        load = cur.patches_in_flight
+        if name == "least_patches":
+            assert load[pl.gpu] == load[ok].min()
+            assert pl.gpu == int(np.flatnonzero(ok & (load == load[ok].min()))[0])
+        else:
+            mine = ok & (t.gpu_machine == pl.machine)
+            assert load[pl.gpu] == load[mine].min()
+            assert pl.gpu == int(np.flatnonzero(mine & (load == load[mine].min()))[0])
+        cur = commit(cur, pl)
+        limited = t.capacity > 0
+        assert np.all(cur.patches_in_flight[limited] <= t.capacity[limited])
