@@ -64,8 +64,15 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     from fulcrum.client import check_health
+    from fulcrum.client.tls import channel_credentials, read_token
 
-    status = asyncio.run(check_health(args.target, args.service, timeout_s=args.timeout))
+    creds = None
+    if args.ca or args.cert or args.key or args.token:
+        creds = channel_credentials(args.ca, args.cert, args.key)
+    token = read_token(args.token) if args.token else None
+    status = asyncio.run(
+        check_health(args.target, args.service, args.timeout, credentials=creds, token=token)
+    )
     print(status)
     return 0 if status == "SERVING" else 1
 
@@ -94,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT")
     p.add_argument("--service", default="", help="service name ('' = whole server)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    p.add_argument("--ca", help="PEM file of the CA that signed the server (turns on TLS)")
+    p.add_argument("--cert", help="client certificate, PEM (mutual TLS)")
+    p.add_argument("--key", help="client private key, PEM (mutual TLS)")
+    p.add_argument("--token", help="file holding a bearer token (sent over TLS only)")
     p.set_defaults(fn=cmd_health)
     sub.add_parser("fit-cost", help="fit the prefill cost model from samples (CSV q,c,ns)")
     sub.add_parser("simulate", help="replay a trace through the policies (see --help)")

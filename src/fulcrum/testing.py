@@ -15,7 +15,13 @@ def test_settings(overrides: dict[str, Any] | None = None) -> Settings:
     """Default settings on loopback with free ports and a fixed seed, plus ``overrides``
     (nested dict, e.g. ``{"decode": {"policy": "least_kv"}}``)."""
     base = {
-        "server": {"host": "127.0.0.1", "port": 0, "seed": 1234, "grace_period_s": 5.0},
+        "server": {
+            "host": "127.0.0.1",
+            "port": 0,
+            "seed": 1234,
+            "grace_period_s": 5.0,
+            "drain_linger_s": 0.0,
+        },
         "metrics": {"port": 0},
         "logging": {"level": "warning", "format": "json"},
     }

@@ -75,6 +75,9 @@ class FulcrumClient:
             ("grpc.enable_retries", 1),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            # Reconnect within ~2 s after a daemon restart (gRPC's default backs off to 2 min).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
             *(options or []),
         ]
         interceptors = [_DefaultDeadline(timeout_s)]
@@ -108,10 +111,18 @@ class FulcrumClient:
         await self.close()
 
 
-async def check_health(target: str, service: str = "", timeout_s: float = 3.0) -> str:
+async def check_health(
+    target: str,
+    service: str = "",
+    timeout_s: float = 3.0,
+    credentials: grpc.ChannelCredentials | None = None,
+    token: str | None = None,
+) -> str:
     """Health status name of ``service`` at ``target`` ("SERVING", "NOT_SERVING", ...);
     a connection failure or error gives the gRPC status name instead."""
-    async with FulcrumClient(target, timeout_s=timeout_s) as client:
+    async with FulcrumClient(
+        target, timeout_s=timeout_s, credentials=credentials, metadata_token=token
+    ) as client:
         try:
             reply = await client.health.Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s

@@ -17,6 +17,13 @@ class ServerSettings(Section):
     grace_period_s: float = Field(
         10.0, gt=0, le=600, description="drain: time calls in flight get to finish, seconds"
     )
+    drain_linger_s: float = Field(
+        1.0,
+        ge=0,
+        le=60,
+        description="drain: after the last call in flight ends, keep refusing new calls with "
+        "UNAVAILABLE (so clients retry elsewhere) this long before closing, seconds",
+    )
     max_message_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, le=1 << 30, description="largest message, bytes"
     )

@@ -1,30 +1,142 @@
-"""PrefillBalancerService: placeholder until the balancer lands; every method answers UNIMPLEMENTED."""
+"""PrefillBalancerService: submit by the entrypoint, pull by engines, step-time reports.
+
+Thin: validate -> convert -> call :class:`fulcrum.state.prefill.PrefillState` -> reply.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
+import structlog
 
-from fulcrum.errors import Unimplemented
+from fulcrum.config import Settings
+from fulcrum.core.types import MemberKind
 from fulcrum.service.app import App
+from fulcrum.service.errors import require_id
+from fulcrum.state.prefill import Batch, PrefillState, wait_ns
 from fulcrum.v1 import prefill_pb2 as pb
 from fulcrum.v1 import prefill_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["PrefillBalancerService"].full_name
+log = structlog.get_logger(__name__)
+
+#: Margin kept under ``server.max_call_s`` so that a long wait ends with our own status.
+_CALL_MARGIN_NS = 500_000_000
 
 
-class _Placeholder(pb_grpc.PrefillBalancerServiceServicer):
-    def __getattribute__(self, name: str) -> Any:
-        if name[:1].isupper():
+class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
+    """See the proto for the contract of each method."""
 
-            async def unimplemented(*_: Any) -> Any:
-                raise Unimplemented(f"{SERVICE}/{name} is not implemented yet")
+    def __init__(self, app: App, state: PrefillState) -> None:
+        self._app = app
+        self._state = state
+        self._settings = state.settings
+        self._max_call_ns = int(app.settings.server.max_call_s * 1e9) - _CALL_MARGIN_NS
 
-            return unimplemented
-        return super().__getattribute__(name)
+    def _cap_wait(self, ns: int, context: grpc.aio.ServicerContext) -> int:
+        ns = min(ns, max(0, self._max_call_ns))
+        remaining = context.time_remaining()
+        if remaining is not None:
+            ns = min(ns, max(0, int(remaining * 1e9) - 50_000_000))
+        return ns
+
+    async def Submit(
+        self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SubmitResponse:
+        request_id = require_id(request.request_id, "request_id")
+        s = self._settings
+        wait = wait_ns(request.max_wait_ms, s.submit_wait_ms, s.max_submit_wait_ms)
+        delivery = await self._state.submit(
+            request_id,
+            int(request.total_tokens),
+            int(request.cached_tokens),
+            self._cap_wait(wait, context),
+        )
+        return pb.SubmitResponse(
+            engine_id=delivery.engine_id,
+            dp_rank=delivery.dp_rank,
+            tier=delivery.tier,
+            tier_name=self._state.labels[delivery.tier],
+            predicted_cost_ns=delivery.predicted_cost_ns,
+            waited_ns=delivery.waited_ns,
+        )
+
+    async def Pull(
+        self, request: pb.PullRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PullResponse:
+        require_id(request.engine_id, "engine_id")
+        s = self._settings
+        wait = wait_ns(request.max_wait_ms, s.pull_wait_ms, s.max_pull_wait_ms)
+        batch = await self._state.pull(
+            request.engine_id,
+            int(request.incarnation),
+            int(request.remaining_quota_ns),
+            [int(x) for x in request.rank_loads_ns],
+            self._cap_wait(wait, context),
+            int(request.max_requests),
+        )
+        return self._reply(batch)
+
+    def _reply(self, batch: Batch) -> pb.PullResponse:
+        st = self._state
+        return pb.PullResponse(
+            tier=max(batch.tier, 0),
+            tier_name=st.labels[batch.tier] if batch.tier >= 0 else "",
+            requests=[
+                pb.PulledRequest(
+                    request_id=it.request_id,
+                    total_tokens=it.total_tokens,
+                    cached_tokens=it.cached_tokens,
+                    dp_rank=it.dp_rank,
+                    predicted_cost_ns=it.predicted_cost_ns,
+                )
+                for it in batch.items
+            ],
+            batch_quota_ns=batch.quota_ns,
+            cost_model_version=st.model_version,
+        )
+
+    async def ReportStepTimes(
+        self, request: pb.ReportStepTimesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportStepTimesResponse:
+        require_id(request.engine_id, "engine_id")
+        self._state.validate_pull(request.engine_id, 0, ())
+        samples = [(int(s.q), int(s.c), int(s.measured_ns)) for s in request.samples]
+        accepted = self._state.report_samples(samples)
+        return pb.ReportStepTimesResponse(accepted=accepted)
+
+    async def GetCostModel(
+        self, request: pb.GetCostModelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetCostModelResponse:
+        st = self._state
+        return pb.GetCostModelResponse(
+            a=st.model.a,
+            b=st.model.b,
+            k=st.model.k,
+            version=st.model_version,
+            step_quota_ns=self._settings.step_quota_ns,
+            max_chunk_tokens=self._settings.max_chunk_tokens,
+        )
 
 
 def register(server: grpc.aio.Server, app: App) -> list[str]:
-    pb_grpc.add_PrefillBalancerServiceServicer_to_server(_Placeholder(), server)
+    """Build the prefill state, follow prefill engines, schedule rounds and refits."""
+    settings = app.settings.prefill
+    state = PrefillState(settings, app.fleet, app.clock)
+    app.fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
+    app.components["prefill"] = state
+    app.drain_hooks.append(state.drain)
+
+    def reload(new: Settings) -> None:
+        state.apply_settings(new.prefill)
+
+    app.reload_hooks.append(reload)
+    app.every(settings.round_period_ms / 1000, state.tick, "prefill-round")
+    if settings.refit.enabled:
+
+        def refit(now_ns: int) -> None:
+            state.refit(now_ns)
+
+        app.every(settings.refit.period_s, refit, "prefill-refit")
+    pb_grpc.add_PrefillBalancerServiceServicer_to_server(PrefillServicer(app, state), server)
+    log.debug("prefill_registered", tiers=list(state.labels))
     return [SERVICE]

@@ -22,7 +22,12 @@ Health checking and reflection stay open. A method missing from :data:`METHOD_RU
 (for example one added later) is admin-only: the table fails closed. Denials end
 UNAUTHENTICATED (no or unknown token, no identity) or PERMISSION_DENIED (role or bound id),
 are counted in ``fulcrum_auth_denials_total`` and logged with the method, reason and
-identity name, never a token.
+identity name, never a token. ``fleet`` members of every kind (prefill engines, decode
+instances, VE machines) use the ``engine`` role.
+
+Input guard (always on): request bytes that do not parse as the method's message are
+answered INVALID_ARGUMENT (gRPC itself would answer UNKNOWN), after authentication, and
+counted in ``fulcrum_rpc_malformed_requests_total``.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import structlog
 
 from fulcrum.config import Settings
 from fulcrum.config.security import SecuritySettings, read_tokens
-from fulcrum.errors import PermissionDenied
+from fulcrum.errors import InvalidArgument, PermissionDenied
 from fulcrum.metrics import RPC_REQUESTS
 from fulcrum.metrics.security import (
     AUTH_ALLOWED,
@@ -48,6 +53,7 @@ from fulcrum.metrics.security import (
     AUTH_ENABLED,
     AUTH_IDENTITIES,
     CERT_EXPIRY,
+    MALFORMED,
     MTLS_ENABLED,
     TLS_ENABLED,
 )
@@ -103,12 +109,16 @@ METHOD_RULES: Final[dict[str, Rule]] = {
     "/fulcrum.v1.VisionBalancerService/PlaceImages": _rule(ENTRYPOINT),
     "/fulcrum.v1.VisionBalancerService/ReleaseImages": _rule(ENTRYPOINT),
     "/fulcrum.v1.VisionBalancerService/PlaceImagesStream": _rule(ENTRYPOINT),
+    # a VE machine may read the balancer's view of itself
+    "/fulcrum.v1.VisionBalancerService/GetMachineLoad": _rule(ENGINE, id_field="machine_id"),
     # EPLB: engines of a group act for its group id; forcing a rebalance is admin's
     "/fulcrum.v1.ExpertBalancerService/RegisterGroup": _rule(ENGINE, id_field="group_id"),
+    "/fulcrum.v1.ExpertBalancerService/DeregisterGroup": _rule(ENGINE, id_field="group_id"),
     "/fulcrum.v1.ExpertBalancerService/ReportLoad": _rule(ENGINE, id_field="group_id"),
     "/fulcrum.v1.ExpertBalancerService/GetMap": _rule(ENGINE, id_field="group_id"),
     "/fulcrum.v1.ExpertBalancerService/WatchMaps": _rule(ENGINE, id_field="group_id"),
     "/fulcrum.v1.ExpertBalancerService/Rebalance": _ADMIN_ONLY,
+    "/fulcrum.v1.ExpertBalancerService/GetGroupStatus": _ADMIN_ONLY,
 }
 
 
@@ -212,11 +222,13 @@ class Authorizer:
             if ident is not None:
                 return ident
         if names:
-            raise Denied(
+            denied = Denied(
                 grpc.StatusCode.PERMISSION_DENIED,
                 "unknown_identity",
                 "the client certificate names no configured identity",
             )
+            denied.who = names[-1].decode("utf-8", "replace")[:128]  # the subject CN
+            raise denied
         raise Denied(
             grpc.StatusCode.UNAUTHENTICATED,
             "no_identity",
@@ -276,10 +288,38 @@ def _labels(method: str) -> tuple[str, str]:
     return service.rsplit(".", 1)[-1], name
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Authenticates and authorises every call (see the module docstring). Installed
-    always; a pass-through while ``security.auth.enabled`` is false, so that a reload
-    can turn it on."""
+class _Malformed:
+    """What the lenient deserializer returns for bytes that do not parse."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+_MALFORMED_MESSAGE = "request: not a valid protobuf message of this method's type"
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """Wrap a request deserializer so that malformed bytes yield :class:`_Malformed`
+    instead of an exception (which grpc would turn into UNKNOWN)."""
+    if deserializer is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as err:  # any parse failure is the caller's fault
+            return _Malformed(type(err).__name__)
+
+    return parse
+
+
+class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """The outermost interceptor. On every call it refuses malformed request bytes with
+    INVALID_ARGUMENT (grpc itself would answer UNKNOWN), and, while
+    ``security.auth.enabled``, authenticates and authorises the caller (see the module
+    docstring). It is always installed, so that a reload can turn authorisation on."""
 
     def __init__(self, authorizer: Authorizer) -> None:
         self._auth = authorizer
@@ -291,34 +331,33 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or not self._auth.enabled:
-            return handler
+        if handler is None:
+            return None
         method: str = details.method
         rule = rule_for(method)
-        if rule is None:
-            return handler
+        deserializer = _lenient(handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, rule, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._server_stream(method, rule, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary is not None:
             return grpc.stream_unary_rpc_method_handler(
                 self._client_stream(method, rule, handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
                 self._client_stream(method, rule, handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -357,21 +396,38 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._record(method, denied, context)
         await context.abort(denied.code, denied.message)
 
+    async def _malformed(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        service, name = _labels(method)
+        MALFORMED.labels(service, name).inc()
+        RPC_REQUESTS.labels(service, name, grpc.StatusCode.INVALID_ARGUMENT.name).inc()
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED_MESSAGE)
+
     async def _pre(
-        self, method: str, rule: Rule, request: Any, context: grpc.aio.ServicerContext
+        self, method: str, rule: Rule | None, request: Any, context: grpc.aio.ServicerContext
     ) -> None:
-        try:
-            ident = self._admit(method, rule, context)
-        except Denied as denied:
-            await self._deny(method, denied, context)
-            return
-        try:
-            self._auth.authorize_id(ident, rule, request)
-        except Denied as denied:
-            await self._deny(method, denied, context)
+        """Checks of a call with one request message (aborts on refusal): identity and
+        role first (an unauthenticated caller learns nothing else), then the bytes, then
+        the id the request acts for."""
+        ident: Identity | None = None
+        if rule is not None and self._auth.enabled:
+            try:
+                ident = self._admit(method, rule, context)
+            except Denied as denied:
+                await self._deny(method, denied, context)
+                return
+        if isinstance(request, _Malformed):
+            await self._malformed(method, context)
+        if ident is not None and rule is not None:
+            try:
+                self._auth.authorize_id(ident, rule, request)
+            except Denied as denied:
+                await self._deny(method, denied, context)
 
     def _unary(
-        self, method: str, rule: Rule, behavior: Callable[[Any, grpc.aio.ServicerContext], Any]
+        self,
+        method: str,
+        rule: Rule | None,
+        behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await self._pre(method, rule, request, context)
@@ -380,7 +436,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return wrapped
 
     def _server_stream(
-        self, method: str, rule: Rule, behavior: Callable[[Any, grpc.aio.ServicerContext], Any]
+        self,
+        method: str,
+        rule: Rule | None,
+        behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
             await self._pre(method, rule, request, context)
@@ -389,30 +448,42 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return wrapped
 
     def _client_stream(
-        self, method: str, rule: Rule, behavior: Callable[[Any, grpc.aio.ServicerContext], Any]
+        self,
+        method: str,
+        rule: Rule | None,
+        behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         auth = self._auth
 
         async def checked(
-            requests: AsyncIterator[Any], ident: Identity, context: grpc.aio.ServicerContext
+            requests: AsyncIterator[Any],
+            ident: Identity | None,
+            context: grpc.aio.ServicerContext,
         ) -> AsyncIterator[Any]:
             async for item in requests:
-                try:
-                    auth.authorize_id(ident, rule, item)
-                except Denied as denied:
-                    self._record(method, denied, context)
-                    raise PermissionDenied(denied.message) from None
+                if isinstance(item, _Malformed):
+                    service, name = _labels(method)
+                    MALFORMED.labels(service, name).inc()
+                    raise InvalidArgument("request", "not a valid protobuf message")
+                if ident is not None and rule is not None:
+                    try:
+                        auth.authorize_id(ident, rule, item)
+                    except Denied as denied:
+                        self._record(method, denied, context)
+                        raise PermissionDenied(denied.message) from None
                 yield item
 
         async def wrapped(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                ident = self._admit(method, rule, context)
-            except Denied as denied:
-                await self._deny(method, denied, context)
-                return None
-            if rule.id_field is not None and ident.role != ADMIN:
-                requests = checked(requests, ident, context)
-            return await _run(behavior(requests, context), context)
+            ident: Identity | None = None
+            if rule is not None and auth.enabled:
+                try:
+                    ident = self._admit(method, rule, context)
+                except Denied as denied:
+                    await self._deny(method, denied, context)
+                    return None
+                if rule.id_field is None or ident.role == ADMIN:
+                    ident = None  # nothing to check per message
+            return await _run(behavior(checked(requests, ident, context), context), context)
 
         return wrapped
 
@@ -459,7 +530,7 @@ def interceptors(settings: Settings, app: App) -> list[grpc.aio.ServerIntercepto
         )
         if settings.security.plaintext:
             log.warning("bearer_tokens_over_plaintext", hint="configure security.tls")
-    return [AuthInterceptor(authorizer)]
+    return [GuardInterceptor(authorizer)]
 
 
 def _read(path: str) -> bytes:

@@ -88,6 +88,11 @@ class Daemon:
             await asyncio.wait_for(self.app.wait_idle(), timeout=grace)
         except TimeoutError:
             log.warning("drain_grace_expired", in_flight=self.app.in_flight)
+        linger = min(self.app.settings.server.drain_linger_s, deadline - loop.time())
+        if linger > 0:
+            # Calls arriving now still get a clean UNAVAILABLE from the interceptor;
+            # once the server stops they would be cancelled by the transport instead.
+            await asyncio.sleep(linger)
         await self.server.stop(max(0.0, deadline - loop.time()))
         await self.app.stop_tasks()
         if self._metrics_server is not None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66ulcrum/v1/decode.proto\x12\nfulcrum.v1\";\n\x12PlaceDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tkv_tokens\x18\x02 \x01(\x04\"_\n\x13PlaceDecodeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"*\n\x14ReleaseDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x17\n\x15ReleaseDecodeResponse\"\x98\x01\n\x18PlaceDecodeStreamRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12/\n\x05place\x18\x02 \x01(\x0b\x32\x1e.fulcrum.v1.PlaceDecodeRequestH\x00\x12\x33\n\x07release\x18\x03 \x01(\x0b\x32 .fulcrum.v1.ReleaseDecodeRequestH\x00\x42\x04\n\x02op\"\xbe\x01\n\x19PlaceDecodeStreamResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x30\n\x05place\x18\x04 \x01(\x0b\x32\x1f.fulcrum.v1.PlaceDecodeResponseH\x00\x12\x34\n\x07release\x18\x05 \x01(\x0b\x32!.fulcrum.v1.ReleaseDecodeResponseH\x00\x42\x08\n\x06result2\xa3\x02\n\x15\x44\x65\x63odeBalancerService\x12N\n\x0bPlaceDecode\x12\x1e.fulcrum.v1.PlaceDecodeRequest\x1a\x1f.fulcrum.v1.PlaceDecodeResponse\x12T\n\rReleaseDecode\x12 .fulcrum.v1.ReleaseDecodeRequest\x1a!.fulcrum.v1.ReleaseDecodeResponse\x12\x64\n\x11PlaceDecodeStream\x12$.fulcrum.v1.PlaceDecodeStreamRequest\x1a%.fulcrum.v1.PlaceDecodeStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66ulcrum/v1/decode.proto\x12\nfulcrum.v1\";\n\x12PlaceDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tkv_tokens\x18\x02 \x01(\x04\"\xb4\x01\n\x13PlaceDecodeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x0e\n\x06\x62ranch\x18\x06 \x01(\t\x12\x17\n\x0fgpu_concurrency\x18\x07 \x01(\r\x12\x15\n\rgpu_kv_tokens\x18\x08 \x01(\x04\"*\n\x14ReleaseDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"P\n\x15ReleaseDecodeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\x0f\n\x07held_ms\x18\x03 \x01(\x04\"\x98\x01\n\x18PlaceDecodeStreamRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12/\n\x05place\x18\x02 \x01(\x0b\x32\x1e.fulcrum.v1.PlaceDecodeRequestH\x00\x12\x33\n\x07release\x18\x03 \x01(\x0b\x32 .fulcrum.v1.ReleaseDecodeRequestH\x00\x42\x04\n\x02op\"\xbe\x01\n\x19PlaceDecodeStreamResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x30\n\x05place\x18\x04 \x01(\x0b\x32\x1f.fulcrum.v1.PlaceDecodeResponseH\x00\x12\x34\n\x07release\x18\x05 \x01(\x0b\x32!.fulcrum.v1.ReleaseDecodeResponseH\x00\x42\x08\n\x06result2\xa3\x02\n\x15\x44\x65\x63odeBalancerService\x12N\n\x0bPlaceDecode\x12\x1e.fulcrum.v1.PlaceDecodeRequest\x1a\x1f.fulcrum.v1.PlaceDecodeResponse\x12T\n\rReleaseDecode\x12 .fulcrum.v1.ReleaseDecodeRequest\x1a!.fulcrum.v1.ReleaseDecodeResponse\x12\x64\n\x11PlaceDecodeStream\x12$.fulcrum.v1.PlaceDecodeStreamRequest\x1a%.fulcrum.v1.PlaceDecodeStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,16 +33,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PLACEDECODEREQUEST']._serialized_start=39
   _globals['_PLACEDECODEREQUEST']._serialized_end=98
-  _globals['_PLACEDECODERESPONSE']._serialized_start=100
-  _globals['_PLACEDECODERESPONSE']._serialized_end=195
-  _globals['_RELEASEDECODEREQUEST']._serialized_start=197
-  _globals['_RELEASEDECODEREQUEST']._serialized_end=239
-  _globals['_RELEASEDECODERESPONSE']._serialized_start=241
-  _globals['_RELEASEDECODERESPONSE']._serialized_end=264
-  _globals['_PLACEDECODESTREAMREQUEST']._serialized_start=267
-  _globals['_PLACEDECODESTREAMREQUEST']._serialized_end=419
-  _globals['_PLACEDECODESTREAMRESPONSE']._serialized_start=422
-  _globals['_PLACEDECODESTREAMRESPONSE']._serialized_end=612
-  _globals['_DECODEBALANCERSERVICE']._serialized_start=615
-  _globals['_DECODEBALANCERSERVICE']._serialized_end=906
+  _globals['_PLACEDECODERESPONSE']._serialized_start=101
+  _globals['_PLACEDECODERESPONSE']._serialized_end=281
+  _globals['_RELEASEDECODEREQUEST']._serialized_start=283
+  _globals['_RELEASEDECODEREQUEST']._serialized_end=325
+  _globals['_RELEASEDECODERESPONSE']._serialized_start=327
+  _globals['_RELEASEDECODERESPONSE']._serialized_end=407
+  _globals['_PLACEDECODESTREAMREQUEST']._serialized_start=410
+  _globals['_PLACEDECODESTREAMREQUEST']._serialized_end=562
+  _globals['_PLACEDECODESTREAMRESPONSE']._serialized_start=565
+  _globals['_PLACEDECODESTREAMRESPONSE']._serialized_end=755
+  _globals['_DECODEBALANCERSERVICE']._serialized_start=758
+  _globals['_DECODEBALANCERSERVICE']._serialized_end=1049
 # @@protoc_insertion_point(module_scope)

@@ -25,9 +25,13 @@ class PlaceDecodeRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     KV_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Unique id of the request, 1 to 128 printable characters."""
+    """Unique id of the request among held placements, 1 to 128 printable ASCII characters
+    without spaces; a duplicate of a held placement gets ALREADY_EXISTS.
+    """
     kv_tokens: _builtins.int
-    """KV length the request brings to decode, in tokens (> 0)."""
+    """KV length the request brings to decode, in tokens (> 0, at most
+    decode.max_request_kv_tokens).
+    """
     def __init__(
         self,
         *,
@@ -52,14 +56,28 @@ class PlaceDecodeResponse(_message.Message):
     GPU_INDEX_FIELD_NUMBER: _builtins.int
     POLICY_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    BRANCH_FIELD_NUMBER: _builtins.int
+    GPU_CONCURRENCY_FIELD_NUMBER: _builtins.int
+    GPU_KV_TOKENS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """Decode instance chosen."""
     gpu_index: _builtins.int
-    """GPU index inside the instance."""
+    """GPU index inside the instance (0-based, as registered)."""
     policy: _builtins.str
-    """Policy that decided."""
+    """Policy that decided (decode.policy)."""
     lease_ms: _builtins.int
-    """Lease of the placement, in milliseconds: released automatically after it."""
+    """Lease of the placement (decode.lease_ms), in milliseconds: unless released within it,
+    the placement expires, frees its GPU share and is counted.
+    """
+    incarnation: _builtins.int
+    """Incarnation of the chosen instance (from its registration)."""
+    branch: _builtins.str
+    """Branch of the policy that decided: "short" or "long" for dual, empty otherwise."""
+    gpu_concurrency: _builtins.int
+    """Requests on the chosen GPU after this placement (balancer's view)."""
+    gpu_kv_tokens: _builtins.int
+    """Total KV on the chosen GPU after this placement, in tokens (balancer's view)."""
     def __init__(
         self,
         *,
@@ -67,10 +85,14 @@ class PlaceDecodeResponse(_message.Message):
         gpu_index: _builtins.int = ...,
         policy: _builtins.str = ...,
         lease_ms: _builtins.int = ...,
+        incarnation: _builtins.int = ...,
+        branch: _builtins.str = ...,
+        gpu_concurrency: _builtins.int = ...,
+        gpu_kv_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_index", b"gpu_index", "instance_id", b"instance_id", "lease_ms", b"lease_ms", "policy", b"policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["branch", b"branch", "gpu_concurrency", b"gpu_concurrency", "gpu_index", b"gpu_index", "gpu_kv_tokens", b"gpu_kv_tokens", "incarnation", b"incarnation", "instance_id", b"instance_id", "lease_ms", b"lease_ms", "policy", b"policy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -84,7 +106,7 @@ class ReleaseDecodeRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Id given to Place."""
+    """Id given to PlaceDecode."""
     def __init__(
         self,
         *,
@@ -104,12 +126,25 @@ class ReleaseDecodeResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    GPU_INDEX_FIELD_NUMBER: _builtins.int
+    HELD_MS_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    """Decode instance that held the placement."""
+    gpu_index: _builtins.int
+    """GPU index inside the instance."""
+    held_ms: _builtins.int
+    """How long the placement was held, in milliseconds."""
     def __init__(
         self,
+        *,
+        instance_id: _builtins.str = ...,
+        gpu_index: _builtins.int = ...,
+        held_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpu_index", b"gpu_index", "held_ms", b"held_ms", "instance_id", b"instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -165,9 +200,9 @@ class PlaceDecodeStreamResponse(_message.Message):
     sequence: _builtins.int
     """Sequence of the message answered."""
     code: _builtins.int
-    """gRPC status code of the operation (0 = OK)."""
+    """gRPC status code of the operation (0 = OK), as the unary call would return."""
     message: _builtins.str
-    """Error message when code != 0."""
+    """Error message when code != 0 (the unary call's status details)."""
     @_builtins.property
     def place(self) -> Global___PlaceDecodeResponse:
         """Result of a placement."""

@@ -27,7 +27,11 @@ if _version_not_supported:
 
 class DecodeBalancerServiceStub:
     """DecodeBalancerService places requests on decode GPUs, balancing per-GPU concurrency and
-    per-GPU total KV length together. Observed loads arrive through FleetService heartbeats.
+    per-GPU total KV length together. Decode instances register their GPUs (capacity per GPU)
+    and heartbeat each GPU's observed concurrency and total KV through FleetService; the
+    balancer's view of a GPU is its last report plus the placements made since it.
+    Capacity is a filter before any policy scores: a GPU that would exceed its concurrency
+    or KV limit is never chosen (RESOURCE_EXHAUSTED with the reason when none fits).
     """
 
     def __init__(self, channel):
@@ -55,27 +59,33 @@ class DecodeBalancerServiceStub:
 
 class DecodeBalancerServiceServicer:
     """DecodeBalancerService places requests on decode GPUs, balancing per-GPU concurrency and
-    per-GPU total KV length together. Observed loads arrive through FleetService heartbeats.
+    per-GPU total KV length together. Decode instances register their GPUs (capacity per GPU)
+    and heartbeat each GPU's observed concurrency and total KV through FleetService; the
+    balancer's view of a GPU is its last report plus the placements made since it.
+    Capacity is a filter before any policy scores: a GPU that would exceed its concurrency
+    or KV limit is never chosen (RESOURCE_EXHAUSTED with the reason when none fits).
     """
 
     def PlaceDecode(self, request, context):
-        """PlaceDecode chooses a decode GPU for a request.
+        """PlaceDecode chooses a decode GPU for a request and holds the placement under a lease.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseDecode(self, request, context):
-        """ReleaseDecode frees a placement when its request is done.
+        """ReleaseDecode frees a placement when its request is done (NOT_FOUND if unknown,
+        already released, expired, or lost with its instance).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PlaceDecodeStream(self, request_iterator, context):
-        """PlaceDecodeStream carries PlaceDecode and ReleaseDecode on one open stream, for the entrypoint's
-        high-rate path: one reply per message, in order, with the same semantics as the
-        unary calls. A bad message gets an error reply; the stream stays open.
+        """PlaceDecodeStream carries PlaceDecode and ReleaseDecode on one open stream, for the
+        entrypoint's high-rate path: one reply per message, in order, with the same semantics
+        as the unary calls. A bad message gets an error reply (code and message); the stream
+        stays open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,7 +119,11 @@ def add_DecodeBalancerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class DecodeBalancerService:
     """DecodeBalancerService places requests on decode GPUs, balancing per-GPU concurrency and
-    per-GPU total KV length together. Observed loads arrive through FleetService heartbeats.
+    per-GPU total KV length together. Decode instances register their GPUs (capacity per GPU)
+    and heartbeat each GPU's observed concurrency and total KV through FleetService; the
+    balancer's view of a GPU is its last report plus the placements made since it.
+    Capacity is a filter before any policy scores: a GPU that would exceed its concurrency
+    or KV limit is never chosen (RESOURCE_EXHAUSTED with the reason when none fits).
     """
 
     @staticmethod

@@ -28,7 +28,11 @@ GRPC_VERSION: str
 
 class DecodeBalancerServiceStub:
     """DecodeBalancerService places requests on decode GPUs, balancing per-GPU concurrency and
-    per-GPU total KV length together. Observed loads arrive through FleetService heartbeats.
+    per-GPU total KV length together. Decode instances register their GPUs (capacity per GPU)
+    and heartbeat each GPU's observed concurrency and total KV through FleetService; the
+    balancer's view of a GPU is its last report plus the placements made since it.
+    Capacity is a filter before any policy scores: a GPU that would exceed its concurrency
+    or KV limit is never chosen (RESOURCE_EXHAUSTED with the reason when none fits).
     """
 
     @_typing.overload
@@ -36,35 +40,49 @@ class DecodeBalancerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> DecodeBalancerServiceAsyncStub: ...
     PlaceDecode: _grpc.UnaryUnaryMultiCallable[_decode_pb2.PlaceDecodeRequest, _decode_pb2.PlaceDecodeResponse]
-    """PlaceDecode chooses a decode GPU for a request."""
+    """PlaceDecode chooses a decode GPU for a request and holds the placement under a lease."""
     ReleaseDecode: _grpc.UnaryUnaryMultiCallable[_decode_pb2.ReleaseDecodeRequest, _decode_pb2.ReleaseDecodeResponse]
-    """ReleaseDecode frees a placement when its request is done."""
+    """ReleaseDecode frees a placement when its request is done (NOT_FOUND if unknown,
+    already released, expired, or lost with its instance).
+    """
     PlaceDecodeStream: _grpc.StreamStreamMultiCallable[_decode_pb2.PlaceDecodeStreamRequest, _decode_pb2.PlaceDecodeStreamResponse]
-    """PlaceDecodeStream carries PlaceDecode and ReleaseDecode on one open stream, for the entrypoint's
-    high-rate path: one reply per message, in order, with the same semantics as the
-    unary calls. A bad message gets an error reply; the stream stays open.
+    """PlaceDecodeStream carries PlaceDecode and ReleaseDecode on one open stream, for the
+    entrypoint's high-rate path: one reply per message, in order, with the same semantics
+    as the unary calls. A bad message gets an error reply (code and message); the stream
+    stays open.
     """
 
 @_typing.type_check_only
 class DecodeBalancerServiceAsyncStub(DecodeBalancerServiceStub):
     """DecodeBalancerService places requests on decode GPUs, balancing per-GPU concurrency and
-    per-GPU total KV length together. Observed loads arrive through FleetService heartbeats.
+    per-GPU total KV length together. Decode instances register their GPUs (capacity per GPU)
+    and heartbeat each GPU's observed concurrency and total KV through FleetService; the
+    balancer's view of a GPU is its last report plus the placements made since it.
+    Capacity is a filter before any policy scores: a GPU that would exceed its concurrency
+    or KV limit is never chosen (RESOURCE_EXHAUSTED with the reason when none fits).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     PlaceDecode: _aio.UnaryUnaryMultiCallable[_decode_pb2.PlaceDecodeRequest, _decode_pb2.PlaceDecodeResponse]  # type: ignore[assignment]
-    """PlaceDecode chooses a decode GPU for a request."""
+    """PlaceDecode chooses a decode GPU for a request and holds the placement under a lease."""
     ReleaseDecode: _aio.UnaryUnaryMultiCallable[_decode_pb2.ReleaseDecodeRequest, _decode_pb2.ReleaseDecodeResponse]  # type: ignore[assignment]
-    """ReleaseDecode frees a placement when its request is done."""
+    """ReleaseDecode frees a placement when its request is done (NOT_FOUND if unknown,
+    already released, expired, or lost with its instance).
+    """
     PlaceDecodeStream: _aio.StreamStreamMultiCallable[_decode_pb2.PlaceDecodeStreamRequest, _decode_pb2.PlaceDecodeStreamResponse]  # type: ignore[assignment]
-    """PlaceDecodeStream carries PlaceDecode and ReleaseDecode on one open stream, for the entrypoint's
-    high-rate path: one reply per message, in order, with the same semantics as the
-    unary calls. A bad message gets an error reply; the stream stays open.
+    """PlaceDecodeStream carries PlaceDecode and ReleaseDecode on one open stream, for the
+    entrypoint's high-rate path: one reply per message, in order, with the same semantics
+    as the unary calls. A bad message gets an error reply (code and message); the stream
+    stays open.
     """
 
 class DecodeBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
     """DecodeBalancerService places requests on decode GPUs, balancing per-GPU concurrency and
-    per-GPU total KV length together. Observed loads arrive through FleetService heartbeats.
+    per-GPU total KV length together. Decode instances register their GPUs (capacity per GPU)
+    and heartbeat each GPU's observed concurrency and total KV through FleetService; the
+    balancer's view of a GPU is its last report plus the placements made since it.
+    Capacity is a filter before any policy scores: a GPU that would exceed its concurrency
+    or KV limit is never chosen (RESOURCE_EXHAUSTED with the reason when none fits).
     """
 
     @_abc_1.abstractmethod
@@ -73,7 +91,7 @@ class DecodeBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _decode_pb2.PlaceDecodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_decode_pb2.PlaceDecodeResponse, _abc.Awaitable[_decode_pb2.PlaceDecodeResponse]]:
-        """PlaceDecode chooses a decode GPU for a request."""
+        """PlaceDecode chooses a decode GPU for a request and holds the placement under a lease."""
 
     @_abc_1.abstractmethod
     def ReleaseDecode(
@@ -81,7 +99,9 @@ class DecodeBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _decode_pb2.ReleaseDecodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_decode_pb2.ReleaseDecodeResponse, _abc.Awaitable[_decode_pb2.ReleaseDecodeResponse]]:
-        """ReleaseDecode frees a placement when its request is done."""
+        """ReleaseDecode frees a placement when its request is done (NOT_FOUND if unknown,
+        already released, expired, or lost with its instance).
+        """
 
     @_abc_1.abstractmethod
     def PlaceDecodeStream(
@@ -89,9 +109,10 @@ class DecodeBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_decode_pb2.PlaceDecodeStreamRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_decode_pb2.PlaceDecodeStreamResponse], _abc.AsyncIterator[_decode_pb2.PlaceDecodeStreamResponse]]:
-        """PlaceDecodeStream carries PlaceDecode and ReleaseDecode on one open stream, for the entrypoint's
-        high-rate path: one reply per message, in order, with the same semantics as the
-        unary calls. A bad message gets an error reply; the stream stays open.
+        """PlaceDecodeStream carries PlaceDecode and ReleaseDecode on one open stream, for the
+        entrypoint's high-rate path: one reply per message, in order, with the same semantics
+        as the unary calls. A bad message gets an error reply (code and message); the stream
+        stays open.
         """
 
 def add_DecodeBalancerServiceServicer_to_server(servicer: DecodeBalancerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -24,41 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66ulcrum/v1/expert.proto\x12\nfulcrum.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x96\x02\n\x14RegisterGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.fulcrum.v1.GroupRole\x12\x0f\n\x07\x65p_size\x18\x03 \x01(\r\x12\x15\n\rgpus_per_node\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bnum_experts\x18\x06 \x01(\r\x12\x19\n\x11num_expert_groups\x18\x07 \x01(\r\x12\x19\n\x11redundant_per_gpu\x18\x08 \x01(\r\x12\x14\n\x0cwindow_steps\x18\t \x01(\r\x12\x14\n\x0cperiod_steps\x18\n \x01(\r\x12\x14\n\x0c\x65xpert_bytes\x18\x0b \x01(\x04\"\xb6\x01\n\nGroupShape\x12\x0f\n\x07\x65p_size\x18\x01 \x01(\r\x12\x15\n\rgpus_per_node\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x13\n\x0bnum_experts\x18\x04 \x01(\r\x12\x14\n\x0cnum_physical\x18\x05 \x01(\r\x12\x15\n\rslots_per_gpu\x18\x06 \x01(\r\x12\x14\n\x0cwindow_steps\x18\x07 \x01(\r\x12\x14\n\x0cperiod_steps\x18\x08 \x01(\r\"S\n\x15RegisterGroupResponse\x12%\n\x05shape\x18\x01 \x01(\x0b\x32\x16.fulcrum.v1.GroupShape\x12\x13\n\x0bmap_version\x18\x02 \x01(\x04\"\x82\x01\n\x11ReportLoadRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x13\n\x0bmap_version\x18\x02 \x01(\x04\x12\x12\n\nstep_begin\x18\x03 \x01(\x04\x12\x10\n\x08step_end\x18\x04 \x01(\x04\x12 \n\x04load\x18\x05 \x01(\x0b\x32\x12.fulcrum.v1.Tensor\"B\n\x12ReportLoadResponse\x12\x13\n\x0bmap_version\x18\x01 \x01(\x04\x12\x17\n\x0fobserved_moe_lb\x18\x02 \x01(\x01\"\xe4\x01\n\tExpertMap\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12/\n\x13physical_to_logical\x18\x03 \x01(\x0b\x32\x12.fulcrum.v1.Tensor\x12*\n\x0ereplica_counts\x18\x04 \x01(\x0b\x32\x12.fulcrum.v1.Tensor\x12\x18\n\x10predicted_moe_lb\x18\x05 \x01(\x01\x12\x15\n\rslots_changed\x18\x06 \x01(\r\x12\x13\n\x0b\x62ytes_moved\x18\x07 \x01(\x04\x12\x11\n\talgorithm\x18\x08 \x01(\t\"2\n\rGetMapRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"4\n\x0eGetMapResponse\x12\"\n\x03map\x18\x01 \x01(\x0b\x32\x15.fulcrum.v1.ExpertMap\"$\n\x10WatchMapsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"7\n\x11WatchMapsResponse\x12\"\n\x03map\x18\x01 \x01(\x0b\x32\x15.fulcrum.v1.ExpertMap\"7\n\x10RebalanceRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\"q\n\x11RebalanceResponse\x12\"\n\x03map\x18\x01 \x01(\x0b\x32\x15.fulcrum.v1.ExpertMap\x12\x1f\n\x17predicted_moe_lb_before\x18\x02 \x01(\x01\x12\x17\n\x0f\x63opies_received\x18\x03 \x01(\r*V\n\tGroupRole\x12\x1a\n\x16GROUP_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12GROUP_ROLE_PREFILL\x10\x01\x12\x15\n\x11GROUP_ROLE_DECODE\x10\x02\x32\x91\x03\n\x15\x45xpertBalancerService\x12T\n\rRegisterGroup\x12 .fulcrum.v1.RegisterGroupRequest\x1a!.fulcrum.v1.RegisterGroupResponse\x12K\n\nReportLoad\x12\x1d.fulcrum.v1.ReportLoadRequest\x1a\x1e.fulcrum.v1.ReportLoadResponse\x12?\n\x06GetMap\x12\x19.fulcrum.v1.GetMapRequest\x1a\x1a.fulcrum.v1.GetMapResponse\x12J\n\tWatchMaps\x12\x1c.fulcrum.v1.WatchMapsRequest\x1a\x1d.fulcrum.v1.WatchMapsResponse0\x01\x12H\n\tRebalance\x12\x1c.fulcrum.v1.RebalanceRequest\x1a\x1d.fulcrum.v1.RebalanceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66ulcrum/v1/expert.proto\x12\nfulcrum.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xda\x02\n\x14RegisterGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.fulcrum.v1.GroupRole\x12\x0f\n\x07\x65p_size\x18\x03 \x01(\r\x12\x15\n\rgpus_per_node\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bnum_experts\x18\x06 \x01(\r\x12\x19\n\x11num_expert_groups\x18\x07 \x01(\r\x12\x1e\n\x11redundant_per_gpu\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x0cwindow_steps\x18\t \x01(\r\x12\x14\n\x0cperiod_steps\x18\n \x01(\r\x12\x14\n\x0c\x65xpert_bytes\x18\x0b \x01(\x04\x12\'\n\x0binitial_map\x18\x0c \x01(\x0b\x32\x12.fulcrum.v1.TensorB\x14\n\x12_redundant_per_gpu\"\xa7\x02\n\nGroupShape\x12\x0f\n\x07\x65p_size\x18\x01 \x01(\r\x12\x15\n\rgpus_per_node\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x13\n\x0bnum_experts\x18\x04 \x01(\r\x12\x14\n\x0cnum_physical\x18\x05 \x01(\r\x12\x15\n\rslots_per_gpu\x18\x06 \x01(\r\x12\x14\n\x0cwindow_steps\x18\x07 \x01(\r\x12\x14\n\x0cperiod_steps\x18\x08 \x01(\r\x12#\n\x04role\x18\t \x01(\x0e\x32\x15.fulcrum.v1.GroupRole\x12\x19\n\x11num_expert_groups\x18\n \x01(\r\x12\x19\n\x11redundant_per_gpu\x18\x0b \x01(\r\x12\x14\n\x0c\x65xpert_bytes\x18\x0c \x01(\x04\"d\n\x15RegisterGroupResponse\x12%\n\x05shape\x18\x01 \x01(\x0b\x32\x16.fulcrum.v1.GroupShape\x12\x13\n\x0bmap_version\x18\x02 \x01(\x04\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x08\"*\n\x16\x44\x65registerGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x19\n\x17\x44\x65registerGroupResponse\"\x97\x01\n\x11ReportLoadRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x13\n\x0bmap_version\x18\x02 \x01(\x04\x12\x12\n\nstep_begin\x18\x03 \x01(\x04\x12\x10\n\x08step_end\x18\x04 \x01(\x04\x12 \n\x04load\x18\x05 \x01(\x0b\x32\x12.fulcrum.v1.Tensor\x12\x13\n\x0bload_values\x18\x06 \x03(\x03\"\x88\x01\n\x12ReportLoadResponse\x12\x13\n\x0bmap_version\x18\x01 \x01(\x04\x12\x17\n\x0fobserved_moe_lb\x18\x02 \x01(\x01\x12\x12\n\nrebalanced\x18\x03 \x01(\x08\x12\x14\n\x0cwindow_steps\x18\x04 \x01(\x04\x12\x1a\n\x12steps_to_rebalance\x18\x05 \x01(\x04\"\xd6\x02\n\tExpertMap\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12/\n\x13physical_to_logical\x18\x03 \x01(\x0b\x32\x12.fulcrum.v1.Tensor\x12*\n\x0ereplica_counts\x18\x04 \x01(\x0b\x32\x12.fulcrum.v1.Tensor\x12\x18\n\x10predicted_moe_lb\x18\x05 \x01(\x01\x12\x15\n\rslots_changed\x18\x06 \x01(\r\x12\x13\n\x0b\x62ytes_moved\x18\x07 \x01(\x04\x12\x11\n\talgorithm\x18\x08 \x01(\t\x12/\n\x13logical_to_physical\x18\t \x01(\x0b\x32\x12.fulcrum.v1.Tensor\x12\x17\n\x0f\x63opies_received\x18\n \x01(\r\x12\x0f\n\x07\x65p_size\x18\x0b \x01(\r\x12\x15\n\rslots_per_gpu\x18\x0c \x01(\r\"2\n\rGetMapRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"4\n\x0eGetMapResponse\x12\"\n\x03map\x18\x01 \x01(\x0b\x32\x15.fulcrum.v1.ExpertMap\"$\n\x10WatchMapsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"7\n\x11WatchMapsResponse\x12\"\n\x03map\x18\x01 \x01(\x0b\x32\x15.fulcrum.v1.ExpertMap\"H\n\x10RebalanceRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\talgorithm\x18\x02 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x03 \x01(\x08\"\x9b\x01\n\x11RebalanceResponse\x12\"\n\x03map\x18\x01 \x01(\x0b\x32\x15.fulcrum.v1.ExpertMap\x12\x1f\n\x17predicted_moe_lb_before\x18\x02 \x01(\x01\x12\x17\n\x0f\x63opies_received\x18\x03 \x01(\r\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x08\x12\x17\n\x0f\x63ompute_seconds\x18\x05 \x01(\x01\")\n\x15GetGroupStatusRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x80\x02\n\x16GetGroupStatusResponse\x12%\n\x05shape\x18\x01 \x01(\x0b\x32\x16.fulcrum.v1.GroupShape\x12\x13\n\x0bmap_version\x18\x02 \x01(\x04\x12\x17\n\x0fobserved_moe_lb\x18\x03 \x01(\x01\x12!\n\x19observed_moe_lb_per_layer\x18\x04 \x03(\x01\x12\x14\n\x0cwindow_steps\x18\x05 \x01(\x04\x12\x15\n\rlast_step_end\x18\x06 \x01(\x04\x12\x1a\n\x12steps_to_rebalance\x18\x07 \x01(\x04\x12\x12\n\nrebalances\x18\x08 \x01(\x04\x12\x11\n\talgorithm\x18\t \x01(\t*V\n\tGroupRole\x12\x1a\n\x16GROUP_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12GROUP_ROLE_PREFILL\x10\x01\x12\x15\n\x11GROUP_ROLE_DECODE\x10\x02\x32\xc6\x04\n\x15\x45xpertBalancerService\x12T\n\rRegisterGroup\x12 .fulcrum.v1.RegisterGroupRequest\x1a!.fulcrum.v1.RegisterGroupResponse\x12Z\n\x0f\x44\x65registerGroup\x12\".fulcrum.v1.DeregisterGroupRequest\x1a#.fulcrum.v1.DeregisterGroupResponse\x12K\n\nReportLoad\x12\x1d.fulcrum.v1.ReportLoadRequest\x1a\x1e.fulcrum.v1.ReportLoadResponse\x12?\n\x06GetMap\x12\x19.fulcrum.v1.GetMapRequest\x1a\x1a.fulcrum.v1.GetMapResponse\x12J\n\tWatchMaps\x12\x1c.fulcrum.v1.WatchMapsRequest\x1a\x1d.fulcrum.v1.WatchMapsResponse0\x01\x12H\n\tRebalance\x12\x1c.fulcrum.v1.RebalanceRequest\x1a\x1d.fulcrum.v1.RebalanceResponse\x12W\n\x0eGetGroupStatus\x12!.fulcrum.v1.GetGroupStatusRequest\x1a\".fulcrum.v1.GetGroupStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fulcrum.v1.expert_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GROUPROLE']._serialized_start=1449
-  _globals['_GROUPROLE']._serialized_end=1535
+  _globals['_GROUPROLE']._serialized_start=2286
+  _globals['_GROUPROLE']._serialized_end=2372
   _globals['_TENSOR']._serialized_start=39
   _globals['_TENSOR']._serialized_end=91
   _globals['_REGISTERGROUPREQUEST']._serialized_start=94
-  _globals['_REGISTERGROUPREQUEST']._serialized_end=372
-  _globals['_GROUPSHAPE']._serialized_start=375
-  _globals['_GROUPSHAPE']._serialized_end=557
-  _globals['_REGISTERGROUPRESPONSE']._serialized_start=559
-  _globals['_REGISTERGROUPRESPONSE']._serialized_end=642
-  _globals['_REPORTLOADREQUEST']._serialized_start=645
-  _globals['_REPORTLOADREQUEST']._serialized_end=775
-  _globals['_REPORTLOADRESPONSE']._serialized_start=777
-  _globals['_REPORTLOADRESPONSE']._serialized_end=843
-  _globals['_EXPERTMAP']._serialized_start=846
-  _globals['_EXPERTMAP']._serialized_end=1074
-  _globals['_GETMAPREQUEST']._serialized_start=1076
-  _globals['_GETMAPREQUEST']._serialized_end=1126
-  _globals['_GETMAPRESPONSE']._serialized_start=1128
-  _globals['_GETMAPRESPONSE']._serialized_end=1180
-  _globals['_WATCHMAPSREQUEST']._serialized_start=1182
-  _globals['_WATCHMAPSREQUEST']._serialized_end=1218
-  _globals['_WATCHMAPSRESPONSE']._serialized_start=1220
-  _globals['_WATCHMAPSRESPONSE']._serialized_end=1275
-  _globals['_REBALANCEREQUEST']._serialized_start=1277
-  _globals['_REBALANCEREQUEST']._serialized_end=1332
-  _globals['_REBALANCERESPONSE']._serialized_start=1334
-  _globals['_REBALANCERESPONSE']._serialized_end=1447
-  _globals['_EXPERTBALANCERSERVICE']._serialized_start=1538
-  _globals['_EXPERTBALANCERSERVICE']._serialized_end=1939
+  _globals['_REGISTERGROUPREQUEST']._serialized_end=440
+  _globals['_GROUPSHAPE']._serialized_start=443
+  _globals['_GROUPSHAPE']._serialized_end=738
+  _globals['_REGISTERGROUPRESPONSE']._serialized_start=740
+  _globals['_REGISTERGROUPRESPONSE']._serialized_end=840
+  _globals['_DEREGISTERGROUPREQUEST']._serialized_start=842
+  _globals['_DEREGISTERGROUPREQUEST']._serialized_end=884
+  _globals['_DEREGISTERGROUPRESPONSE']._serialized_start=886
+  _globals['_DEREGISTERGROUPRESPONSE']._serialized_end=911
+  _globals['_REPORTLOADREQUEST']._serialized_start=914
+  _globals['_REPORTLOADREQUEST']._serialized_end=1065
+  _globals['_REPORTLOADRESPONSE']._serialized_start=1068
+  _globals['_REPORTLOADRESPONSE']._serialized_end=1204
+  _globals['_EXPERTMAP']._serialized_start=1207
+  _globals['_EXPERTMAP']._serialized_end=1549
+  _globals['_GETMAPREQUEST']._serialized_start=1551
+  _globals['_GETMAPREQUEST']._serialized_end=1601
+  _globals['_GETMAPRESPONSE']._serialized_start=1603
+  _globals['_GETMAPRESPONSE']._serialized_end=1655
+  _globals['_WATCHMAPSREQUEST']._serialized_start=1657
+  _globals['_WATCHMAPSREQUEST']._serialized_end=1693
+  _globals['_WATCHMAPSRESPONSE']._serialized_start=1695
+  _globals['_WATCHMAPSRESPONSE']._serialized_end=1750
+  _globals['_REBALANCEREQUEST']._serialized_start=1752
+  _globals['_REBALANCEREQUEST']._serialized_end=1824
+  _globals['_REBALANCERESPONSE']._serialized_start=1827
+  _globals['_REBALANCERESPONSE']._serialized_end=1982
+  _globals['_GETGROUPSTATUSREQUEST']._serialized_start=1984
+  _globals['_GETGROUPSTATUSREQUEST']._serialized_end=2025
+  _globals['_GETGROUPSTATUSRESPONSE']._serialized_start=2028
+  _globals['_GETGROUPSTATUSRESPONSE']._serialized_end=2284
+  _globals['_EXPERTBALANCERSERVICE']._serialized_start=2375
+  _globals['_EXPERTBALANCERSERVICE']._serialized_end=2957
 # @@protoc_insertion_point(module_scope)

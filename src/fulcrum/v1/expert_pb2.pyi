@@ -45,7 +45,10 @@ Global___GroupRole: _TypeAlias = GroupRole  # noqa: Y015
 
 @_typing.final
 class Tensor(_message.Message):
-    """Tensor is a dense array: raw little-endian bytes with an explicit dtype and shape."""
+    """Tensor is a dense array: raw little-endian bytes with an explicit dtype and shape.
+    With numpy: Tensor(dtype=a.dtype.name, shape=a.shape, data=a.tobytes()) and
+    numpy.frombuffer(t.data, t.dtype).reshape(t.shape).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -53,7 +56,7 @@ class Tensor(_message.Message):
     SHAPE_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     dtype: _builtins.str
-    """numpy dtype string: "int64", "int32", "float32" or "float64"."""
+    """numpy dtype name: "int64", "int32", "float32" or "float64"."""
     data: _builtins.bytes
     """Raw little-endian bytes, C order."""
     @_builtins.property
@@ -92,30 +95,40 @@ class RegisterGroupRequest(_message.Message):
     WINDOW_STEPS_FIELD_NUMBER: _builtins.int
     PERIOD_STEPS_FIELD_NUMBER: _builtins.int
     EXPERT_BYTES_FIELD_NUMBER: _builtins.int
+    INITIAL_MAP_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
-    """Unique id of the group."""
+    """Unique id of the group (1-128 printable ASCII characters, no spaces)."""
     role: Global___GroupRole.ValueType
     """Role; sets the defaults below."""
     ep_size: _builtins.int
     """Number of GPUs (EP ranks) in the group."""
     gpus_per_node: _builtins.int
-    """GPUs per node (for hierarchical placement); must divide ep_size."""
+    """GPUs per node (for hierarchical placement); 0 = 8. ep_size must be at most this or a
+    multiple of it.
+    """
     num_layers: _builtins.int
     """Number of MoE layers."""
     num_experts: _builtins.int
     """Routed (logical) experts per layer; the shared expert is not counted."""
     num_expert_groups: _builtins.int
-    """Expert groups for node-limited routing (0 or 1 = none)."""
+    """Expert groups for node-limited routing (0 or 1 = none); must divide num_experts."""
     redundant_per_gpu: _builtins.int
-    """Redundant slots per GPU (0 = the role default); the total of physical experts is
-    rounded up to a multiple of ep_size.
+    """Redundant slots per GPU; unset = the role default (prefill 4, decode 1). The total of
+    physical experts is rounded up to a multiple of ep_size.
     """
     window_steps: _builtins.int
     """Statistics window N, in steps (0 = the role default)."""
     period_steps: _builtins.int
-    """Rebalance period M, in steps (0 = the role default)."""
+    """Rebalance period M, in reported steps (0 = the role default)."""
     expert_bytes: _builtins.int
-    """Size of one expert's weights (one layer), in bytes."""
+    """Size of one expert's weights (one layer, one replica), in bytes."""
+    @_builtins.property
+    def initial_map(self) -> Global___Tensor:
+        """Optional map the engines already run: int32 or int64, shape (num_layers,
+        num_physical), logical expert per physical slot; every expert must appear. Absent =
+        the identity map (slot s holds expert s mod num_experts).
+        """
+
     def __init__(
         self,
         *,
@@ -126,16 +139,19 @@ class RegisterGroupRequest(_message.Message):
         num_layers: _builtins.int = ...,
         num_experts: _builtins.int = ...,
         num_expert_groups: _builtins.int = ...,
-        redundant_per_gpu: _builtins.int = ...,
+        redundant_per_gpu: _builtins.int | None = ...,
         window_steps: _builtins.int = ...,
         period_steps: _builtins.int = ...,
         expert_bytes: _builtins.int = ...,
+        initial_map: Global___Tensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_redundant_per_gpu", b"_redundant_per_gpu", "initial_map", b"initial_map", "redundant_per_gpu", b"redundant_per_gpu"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "expert_bytes", b"expert_bytes", "gpus_per_node", b"gpus_per_node", "group_id", b"group_id", "num_expert_groups", b"num_expert_groups", "num_experts", b"num_experts", "num_layers", b"num_layers", "period_steps", b"period_steps", "redundant_per_gpu", b"redundant_per_gpu", "role", b"role", "window_steps", b"window_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_redundant_per_gpu", b"_redundant_per_gpu", "ep_size", b"ep_size", "expert_bytes", b"expert_bytes", "gpus_per_node", b"gpus_per_node", "group_id", b"group_id", "initial_map", b"initial_map", "num_expert_groups", b"num_expert_groups", "num_experts", b"num_experts", "num_layers", b"num_layers", "period_steps", b"period_steps", "redundant_per_gpu", b"redundant_per_gpu", "role", b"role", "window_steps", b"window_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__redundant_per_gpu: _TypeAlias = _typing.Literal["redundant_per_gpu"]  # noqa: Y015
+    _WhichOneofArgType__redundant_per_gpu: _TypeAlias = _typing.Literal["_redundant_per_gpu", b"_redundant_per_gpu"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__redundant_per_gpu) -> _WhichOneofReturnType__redundant_per_gpu | None: ...
 
 Global___RegisterGroupRequest: _TypeAlias = RegisterGroupRequest  # noqa: Y015
 
@@ -153,6 +169,10 @@ class GroupShape(_message.Message):
     SLOTS_PER_GPU_FIELD_NUMBER: _builtins.int
     WINDOW_STEPS_FIELD_NUMBER: _builtins.int
     PERIOD_STEPS_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    NUM_EXPERT_GROUPS_FIELD_NUMBER: _builtins.int
+    REDUNDANT_PER_GPU_FIELD_NUMBER: _builtins.int
+    EXPERT_BYTES_FIELD_NUMBER: _builtins.int
     ep_size: _builtins.int
     """Number of GPUs."""
     gpus_per_node: _builtins.int
@@ -168,7 +188,15 @@ class GroupShape(_message.Message):
     window_steps: _builtins.int
     """Window N, in steps."""
     period_steps: _builtins.int
-    """Period M, in steps."""
+    """Period M, in reported steps."""
+    role: Global___GroupRole.ValueType
+    """Role."""
+    num_expert_groups: _builtins.int
+    """Expert groups (1 = none)."""
+    redundant_per_gpu: _builtins.int
+    """Redundant slots per GPU requested (before rounding)."""
+    expert_bytes: _builtins.int
+    """Bytes of one expert's weights."""
     def __init__(
         self,
         *,
@@ -180,10 +208,14 @@ class GroupShape(_message.Message):
         slots_per_gpu: _builtins.int = ...,
         window_steps: _builtins.int = ...,
         period_steps: _builtins.int = ...,
+        role: Global___GroupRole.ValueType = ...,
+        num_expert_groups: _builtins.int = ...,
+        redundant_per_gpu: _builtins.int = ...,
+        expert_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "gpus_per_node", b"gpus_per_node", "num_experts", b"num_experts", "num_layers", b"num_layers", "num_physical", b"num_physical", "period_steps", b"period_steps", "slots_per_gpu", b"slots_per_gpu", "window_steps", b"window_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ep_size", b"ep_size", "expert_bytes", b"expert_bytes", "gpus_per_node", b"gpus_per_node", "num_expert_groups", b"num_expert_groups", "num_experts", b"num_experts", "num_layers", b"num_layers", "num_physical", b"num_physical", "period_steps", b"period_steps", "redundant_per_gpu", b"redundant_per_gpu", "role", b"role", "slots_per_gpu", b"slots_per_gpu", "window_steps", b"window_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -191,14 +223,17 @@ Global___GroupShape: _TypeAlias = GroupShape  # noqa: Y015
 
 @_typing.final
 class RegisterGroupResponse(_message.Message):
-    """RegisterGroupResponse returns the resolved shape and the first map's version."""
+    """RegisterGroupResponse returns the resolved shape and the map in force."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     SHAPE_FIELD_NUMBER: _builtins.int
     MAP_VERSION_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
     map_version: _builtins.int
     """Version of the map in force."""
+    created: _builtins.bool
+    """False when the group already existed with this shape (nothing changed)."""
     @_builtins.property
     def shape(self) -> Global___GroupShape:
         """The resolved shape."""
@@ -208,14 +243,54 @@ class RegisterGroupResponse(_message.Message):
         *,
         shape: Global___GroupShape | None = ...,
         map_version: _builtins.int = ...,
+        created: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shape", b"shape"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["map_version", b"map_version", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "map_version", b"map_version", "shape", b"shape"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterGroupResponse: _TypeAlias = RegisterGroupResponse  # noqa: Y015
+
+@_typing.final
+class DeregisterGroupRequest(_message.Message):
+    """DeregisterGroupRequest names the group to forget."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    """The group."""
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeregisterGroupRequest: _TypeAlias = DeregisterGroupRequest  # noqa: Y015
+
+@_typing.final
+class DeregisterGroupResponse(_message.Message):
+    """DeregisterGroupResponse acknowledges."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeregisterGroupResponse: _TypeAlias = DeregisterGroupResponse  # noqa: Y015
 
 @_typing.final
 class ReportLoadRequest(_message.Message):
@@ -228,17 +303,27 @@ class ReportLoadRequest(_message.Message):
     STEP_BEGIN_FIELD_NUMBER: _builtins.int
     STEP_END_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    LOAD_VALUES_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """The group."""
     map_version: _builtins.int
-    """Version of the map in force when the steps ran."""
+    """Version of the map in force when the steps ran; must be the current version."""
     step_begin: _builtins.int
-    """First step covered (inclusive)."""
+    """First step covered (inclusive); >= the step_end of the previous report."""
     step_end: _builtins.int
     """Step after the last one covered (exclusive); > step_begin."""
     @_builtins.property
     def load(self) -> Global___Tensor:
-        """Tokens routed to each logical expert over those steps: shape (num_layers, num_experts)."""
+        """Tokens routed to each logical expert over those steps: shape (num_layers,
+        num_experts), any numeric dtype of Tensor, values >= 0. Exactly one of load and
+        load_values is set.
+        """
+
+    @_builtins.property
+    def load_values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The same as a packed list (row-major, num_layers * num_experts values), for clients
+        without numpy; building it from a numpy array is tens of times slower than `load`.
+        """
 
     def __init__(
         self,
@@ -248,10 +333,11 @@ class ReportLoadRequest(_message.Message):
         step_begin: _builtins.int = ...,
         step_end: _builtins.int = ...,
         load: Global___Tensor | None = ...,
+        load_values: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["load", b"load"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "load", b"load", "map_version", b"map_version", "step_begin", b"step_begin", "step_end", b"step_end"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "load", b"load", "load_values", b"load_values", "map_version", b"map_version", "step_begin", b"step_begin", "step_end", b"step_end"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -265,19 +351,33 @@ class ReportLoadResponse(_message.Message):
 
     MAP_VERSION_FIELD_NUMBER: _builtins.int
     OBSERVED_MOE_LB_FIELD_NUMBER: _builtins.int
+    REBALANCED_FIELD_NUMBER: _builtins.int
+    WINDOW_STEPS_FIELD_NUMBER: _builtins.int
+    STEPS_TO_REBALANCE_FIELD_NUMBER: _builtins.int
     map_version: _builtins.int
     """Version of the map in force after this report (a new one if it triggered a rebalance)."""
     observed_moe_lb: _builtins.float
-    """Observed moe_lb of the map in force over the window (slowest GPU / mean; 1.0 = perfect)."""
+    """Observed moe_lb of the map in force over the steps reported since it took effect
+    (slowest GPU / mean GPU, summed over layers; 1.0 = perfect).
+    """
+    rebalanced: _builtins.bool
+    """True when this report completed a period and a rebalance ran."""
+    window_steps: _builtins.int
+    """Steps held in the statistics window."""
+    steps_to_rebalance: _builtins.int
+    """Reported steps until the next periodic rebalance."""
     def __init__(
         self,
         *,
         map_version: _builtins.int = ...,
         observed_moe_lb: _builtins.float = ...,
+        rebalanced: _builtins.bool = ...,
+        window_steps: _builtins.int = ...,
+        steps_to_rebalance: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["map_version", b"map_version", "observed_moe_lb", b"observed_moe_lb"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["map_version", b"map_version", "observed_moe_lb", b"observed_moe_lb", "rebalanced", b"rebalanced", "steps_to_rebalance", b"steps_to_rebalance", "window_steps", b"window_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -297,27 +397,46 @@ class ExpertMap(_message.Message):
     SLOTS_CHANGED_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
     ALGORITHM_FIELD_NUMBER: _builtins.int
+    LOGICAL_TO_PHYSICAL_FIELD_NUMBER: _builtins.int
+    COPIES_RECEIVED_FIELD_NUMBER: _builtins.int
+    EP_SIZE_FIELD_NUMBER: _builtins.int
+    SLOTS_PER_GPU_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """The group."""
     version: _builtins.int
-    """Version."""
+    """Version (starts at 1 and grows by 1 with every change)."""
     predicted_moe_lb: _builtins.float
-    """Predicted moe_lb of this map on the window it was computed from."""
+    """Predicted moe_lb of this map on the window it was computed from (1.0 for a map not
+    computed from statistics).
+    """
     slots_changed: _builtins.int
     """Slots whose expert changed against the previous version."""
     bytes_moved: _builtins.int
     """Expert weights to move against the previous version, in bytes."""
     algorithm: _builtins.str
-    """Algorithm that computed the map."""
+    """Algorithm that computed the map ("initial" for the registration map)."""
+    copies_received: _builtins.int
+    """Expert copies that GPUs must receive from another GPU against the previous version."""
+    ep_size: _builtins.int
+    """Number of GPUs (EP ranks)."""
+    slots_per_gpu: _builtins.int
+    """Slots per GPU per layer."""
     @_builtins.property
     def physical_to_logical(self) -> Global___Tensor:
         """Physical slot -> logical expert: int32, shape (num_layers, num_physical). Slot s lives
-        on GPU s / slots_per_gpu.
+        on GPU s / slots_per_gpu, so the slots of GPU g are [g * slots_per_gpu, (g + 1) *
+        slots_per_gpu).
         """
 
     @_builtins.property
     def replica_counts(self) -> Global___Tensor:
         """Replica count of each logical expert: int32, shape (num_layers, num_experts)."""
+
+    @_builtins.property
+    def logical_to_physical(self) -> Global___Tensor:
+        """Logical expert -> its slots: int32, shape (num_layers, num_experts, max_replicas), in
+        ascending slot order, padded with -1.
+        """
 
     def __init__(
         self,
@@ -330,10 +449,14 @@ class ExpertMap(_message.Message):
         slots_changed: _builtins.int = ...,
         bytes_moved: _builtins.int = ...,
         algorithm: _builtins.str = ...,
+        logical_to_physical: Global___Tensor | None = ...,
+        copies_received: _builtins.int = ...,
+        ep_size: _builtins.int = ...,
+        slots_per_gpu: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["physical_to_logical", b"physical_to_logical", "replica_counts", b"replica_counts"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["logical_to_physical", b"logical_to_physical", "physical_to_logical", b"physical_to_logical", "replica_counts", b"replica_counts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "bytes_moved", b"bytes_moved", "group_id", b"group_id", "physical_to_logical", b"physical_to_logical", "predicted_moe_lb", b"predicted_moe_lb", "replica_counts", b"replica_counts", "slots_changed", b"slots_changed", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "bytes_moved", b"bytes_moved", "copies_received", b"copies_received", "ep_size", b"ep_size", "group_id", b"group_id", "logical_to_physical", b"logical_to_physical", "physical_to_logical", b"physical_to_logical", "predicted_moe_lb", b"predicted_moe_lb", "replica_counts", b"replica_counts", "slots_changed", b"slots_changed", "slots_per_gpu", b"slots_per_gpu", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -443,19 +566,23 @@ class RebalanceRequest(_message.Message):
 
     GROUP_ID_FIELD_NUMBER: _builtins.int
     ALGORITHM_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
     group_id: _builtins.str
     """The group."""
     algorithm: _builtins.str
-    """Algorithm to use this time ("" = the configured one)."""
+    """Algorithm to use this time ("" = the configured one): "stable" or "reference"."""
+    dry_run: _builtins.bool
+    """Compute and return the map without putting it in force."""
     def __init__(
         self,
         *,
         group_id: _builtins.str = ...,
         algorithm: _builtins.str = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "group_id", b"group_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "dry_run", b"dry_run", "group_id", b"group_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -470,13 +597,19 @@ class RebalanceResponse(_message.Message):
     MAP_FIELD_NUMBER: _builtins.int
     PREDICTED_MOE_LB_BEFORE_FIELD_NUMBER: _builtins.int
     COPIES_RECEIVED_FIELD_NUMBER: _builtins.int
+    APPLIED_FIELD_NUMBER: _builtins.int
+    COMPUTE_SECONDS_FIELD_NUMBER: _builtins.int
     predicted_moe_lb_before: _builtins.float
     """Predicted moe_lb of the previous map on the same window."""
     copies_received: _builtins.int
     """Expert copies that must be received from another GPU."""
+    applied: _builtins.bool
+    """False when the map did not change (no new version) or for a dry run."""
+    compute_seconds: _builtins.float
+    """Time to compute the map, in seconds."""
     @_builtins.property
     def map(self) -> Global___ExpertMap:
-        """The map now in force."""
+        """The map now in force (or, for a dry run, the map that would be, with version 0)."""
 
     def __init__(
         self,
@@ -484,11 +617,93 @@ class RebalanceResponse(_message.Message):
         map: Global___ExpertMap | None = ...,
         predicted_moe_lb_before: _builtins.float = ...,
         copies_received: _builtins.int = ...,
+        applied: _builtins.bool = ...,
+        compute_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["map", b"map"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["copies_received", b"copies_received", "map", b"map", "predicted_moe_lb_before", b"predicted_moe_lb_before"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "compute_seconds", b"compute_seconds", "copies_received", b"copies_received", "map", b"map", "predicted_moe_lb_before", b"predicted_moe_lb_before"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RebalanceResponse: _TypeAlias = RebalanceResponse  # noqa: Y015
+
+@_typing.final
+class GetGroupStatusRequest(_message.Message):
+    """GetGroupStatusRequest names a group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    """The group."""
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetGroupStatusRequest: _TypeAlias = GetGroupStatusRequest  # noqa: Y015
+
+@_typing.final
+class GetGroupStatusResponse(_message.Message):
+    """GetGroupStatusResponse describes a group's state."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHAPE_FIELD_NUMBER: _builtins.int
+    MAP_VERSION_FIELD_NUMBER: _builtins.int
+    OBSERVED_MOE_LB_FIELD_NUMBER: _builtins.int
+    OBSERVED_MOE_LB_PER_LAYER_FIELD_NUMBER: _builtins.int
+    WINDOW_STEPS_FIELD_NUMBER: _builtins.int
+    LAST_STEP_END_FIELD_NUMBER: _builtins.int
+    STEPS_TO_REBALANCE_FIELD_NUMBER: _builtins.int
+    REBALANCES_FIELD_NUMBER: _builtins.int
+    ALGORITHM_FIELD_NUMBER: _builtins.int
+    map_version: _builtins.int
+    """Version of the map in force."""
+    observed_moe_lb: _builtins.float
+    """Observed moe_lb of the map in force (see ReportLoadResponse)."""
+    window_steps: _builtins.int
+    """Steps held in the statistics window."""
+    last_step_end: _builtins.int
+    """step_end of the last accepted report (0 = none yet)."""
+    steps_to_rebalance: _builtins.int
+    """Reported steps until the next periodic rebalance."""
+    rebalances: _builtins.int
+    """Rebalances that produced a new version since the group was registered (or restored)."""
+    algorithm: _builtins.str
+    """Algorithm configured for periodic rebalances."""
+    @_builtins.property
+    def shape(self) -> Global___GroupShape:
+        """The resolved shape."""
+
+    @_builtins.property
+    def observed_moe_lb_per_layer(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Observed moe_lb per layer, shape (num_layers)."""
+
+    def __init__(
+        self,
+        *,
+        shape: Global___GroupShape | None = ...,
+        map_version: _builtins.int = ...,
+        observed_moe_lb: _builtins.float = ...,
+        observed_moe_lb_per_layer: _abc.Iterable[_builtins.float] | None = ...,
+        window_steps: _builtins.int = ...,
+        last_step_end: _builtins.int = ...,
+        steps_to_rebalance: _builtins.int = ...,
+        rebalances: _builtins.int = ...,
+        algorithm: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shape", b"shape"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "last_step_end", b"last_step_end", "map_version", b"map_version", "observed_moe_lb", b"observed_moe_lb", "observed_moe_lb_per_layer", b"observed_moe_lb_per_layer", "rebalances", b"rebalances", "shape", b"shape", "steps_to_rebalance", b"steps_to_rebalance", "window_steps", b"window_steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetGroupStatusResponse: _TypeAlias = GetGroupStatusResponse  # noqa: Y015

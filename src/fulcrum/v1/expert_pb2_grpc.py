@@ -27,8 +27,9 @@ if _version_not_supported:
 
 class ExpertBalancerServiceStub:
     """ExpertBalancerService (EPLB) keeps expert-parallel groups balanced: engines report the
-    load of every expert, the service keeps the last N steps and every M steps recomputes
-    the expert-to-GPU map, which engines fetch by version or watch.
+    load of every expert, the service keeps the last N steps and every M reported steps
+    recomputes the expert-to-GPU map, which engines fetch by version or watch. One reporter
+    per group (typically EP rank 0 after its all-reduce of the expert counters).
     """
 
     def __init__(self, channel):
@@ -41,6 +42,11 @@ class ExpertBalancerServiceStub:
                 '/fulcrum.v1.ExpertBalancerService/RegisterGroup',
                 request_serializer=fulcrum_dot_v1_dot_expert__pb2.RegisterGroupRequest.SerializeToString,
                 response_deserializer=fulcrum_dot_v1_dot_expert__pb2.RegisterGroupResponse.FromString,
+                _registered_method=True)
+        self.DeregisterGroup = channel.unary_unary(
+                '/fulcrum.v1.ExpertBalancerService/DeregisterGroup',
+                request_serializer=fulcrum_dot_v1_dot_expert__pb2.DeregisterGroupRequest.SerializeToString,
+                response_deserializer=fulcrum_dot_v1_dot_expert__pb2.DeregisterGroupResponse.FromString,
                 _registered_method=True)
         self.ReportLoad = channel.unary_unary(
                 '/fulcrum.v1.ExpertBalancerService/ReportLoad',
@@ -62,30 +68,49 @@ class ExpertBalancerServiceStub:
                 request_serializer=fulcrum_dot_v1_dot_expert__pb2.RebalanceRequest.SerializeToString,
                 response_deserializer=fulcrum_dot_v1_dot_expert__pb2.RebalanceResponse.FromString,
                 _registered_method=True)
+        self.GetGroupStatus = channel.unary_unary(
+                '/fulcrum.v1.ExpertBalancerService/GetGroupStatus',
+                request_serializer=fulcrum_dot_v1_dot_expert__pb2.GetGroupStatusRequest.SerializeToString,
+                response_deserializer=fulcrum_dot_v1_dot_expert__pb2.GetGroupStatusResponse.FromString,
+                _registered_method=True)
 
 
 class ExpertBalancerServiceServicer:
     """ExpertBalancerService (EPLB) keeps expert-parallel groups balanced: engines report the
-    load of every expert, the service keeps the last N steps and every M steps recomputes
-    the expert-to-GPU map, which engines fetch by version or watch.
+    load of every expert, the service keeps the last N steps and every M reported steps
+    recomputes the expert-to-GPU map, which engines fetch by version or watch. One reporter
+    per group (typically EP rank 0 after its all-reduce of the expert counters).
     """
 
     def RegisterGroup(self, request, context):
-        """RegisterGroup creates an EP group (ALREADY_EXISTS if the id is taken with another shape).
+        """RegisterGroup creates an EP group. Registering again with the same shape returns the
+        group as it is (idempotent); with another shape it fails with ALREADY_EXISTS.
+        RESOURCE_EXHAUSTED when the configured number of groups is reached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeregisterGroup(self, request, context):
+        """DeregisterGroup forgets a group, its statistics and its maps (NOT_FOUND if unknown).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReportLoad(self, request, context):
-        """ReportLoad adds expert load statistics for a range of steps.
+        """ReportLoad adds expert load statistics for a range of steps. Refused, changing
+        nothing: unknown group (NOT_FOUND), wrong tensor shape or dtype (INVALID_ARGUMENT),
+        a map version other than the one in force, or a step range that starts before the
+        end of the previous report (FAILED_PRECONDITION).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetMap(self, request, context):
-        """GetMap returns the map of a version (0 = the one in force).
+        """GetMap returns the map of a version (0 = the one in force); the last few versions are
+        kept (NOT_FOUND for older ones).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,7 +124,15 @@ class ExpertBalancerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Rebalance(self, request, context):
-        """Rebalance forces a recomputation now (admin).
+        """Rebalance forces a recomputation now (admin); FAILED_PRECONDITION when no load has
+        been reported yet.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetGroupStatus(self, request, context):
+        """GetGroupStatus returns the statistics of a group (admin, dashboards).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,6 +145,11 @@ def add_ExpertBalancerServiceServicer_to_server(servicer, server):
                     servicer.RegisterGroup,
                     request_deserializer=fulcrum_dot_v1_dot_expert__pb2.RegisterGroupRequest.FromString,
                     response_serializer=fulcrum_dot_v1_dot_expert__pb2.RegisterGroupResponse.SerializeToString,
+            ),
+            'DeregisterGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterGroup,
+                    request_deserializer=fulcrum_dot_v1_dot_expert__pb2.DeregisterGroupRequest.FromString,
+                    response_serializer=fulcrum_dot_v1_dot_expert__pb2.DeregisterGroupResponse.SerializeToString,
             ),
             'ReportLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportLoad,
@@ -133,6 +171,11 @@ def add_ExpertBalancerServiceServicer_to_server(servicer, server):
                     request_deserializer=fulcrum_dot_v1_dot_expert__pb2.RebalanceRequest.FromString,
                     response_serializer=fulcrum_dot_v1_dot_expert__pb2.RebalanceResponse.SerializeToString,
             ),
+            'GetGroupStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGroupStatus,
+                    request_deserializer=fulcrum_dot_v1_dot_expert__pb2.GetGroupStatusRequest.FromString,
+                    response_serializer=fulcrum_dot_v1_dot_expert__pb2.GetGroupStatusResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'fulcrum.v1.ExpertBalancerService', rpc_method_handlers)
@@ -143,8 +186,9 @@ def add_ExpertBalancerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ExpertBalancerService:
     """ExpertBalancerService (EPLB) keeps expert-parallel groups balanced: engines report the
-    load of every expert, the service keeps the last N steps and every M steps recomputes
-    the expert-to-GPU map, which engines fetch by version or watch.
+    load of every expert, the service keeps the last N steps and every M reported steps
+    recomputes the expert-to-GPU map, which engines fetch by version or watch. One reporter
+    per group (typically EP rank 0 after its all-reduce of the expert counters).
     """
 
     @staticmethod
@@ -164,6 +208,33 @@ class ExpertBalancerService:
             '/fulcrum.v1.ExpertBalancerService/RegisterGroup',
             fulcrum_dot_v1_dot_expert__pb2.RegisterGroupRequest.SerializeToString,
             fulcrum_dot_v1_dot_expert__pb2.RegisterGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fulcrum.v1.ExpertBalancerService/DeregisterGroup',
+            fulcrum_dot_v1_dot_expert__pb2.DeregisterGroupRequest.SerializeToString,
+            fulcrum_dot_v1_dot_expert__pb2.DeregisterGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -272,6 +343,33 @@ class ExpertBalancerService:
             '/fulcrum.v1.ExpertBalancerService/Rebalance',
             fulcrum_dot_v1_dot_expert__pb2.RebalanceRequest.SerializeToString,
             fulcrum_dot_v1_dot_expert__pb2.RebalanceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGroupStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fulcrum.v1.ExpertBalancerService/GetGroupStatus',
+            fulcrum_dot_v1_dot_expert__pb2.GetGroupStatusRequest.SerializeToString,
+            fulcrum_dot_v1_dot_expert__pb2.GetGroupStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

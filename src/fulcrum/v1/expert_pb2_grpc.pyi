@@ -28,8 +28,9 @@ GRPC_VERSION: str
 
 class ExpertBalancerServiceStub:
     """ExpertBalancerService (EPLB) keeps expert-parallel groups balanced: engines report the
-    load of every expert, the service keeps the last N steps and every M steps recomputes
-    the expert-to-GPU map, which engines fetch by version or watch.
+    load of every expert, the service keeps the last N steps and every M reported steps
+    recomputes the expert-to-GPU map, which engines fetch by version or watch. One reporter
+    per group (typically EP rank 0 after its all-reduce of the expert counters).
     """
 
     @_typing.overload
@@ -37,39 +38,71 @@ class ExpertBalancerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> ExpertBalancerServiceAsyncStub: ...
     RegisterGroup: _grpc.UnaryUnaryMultiCallable[_expert_pb2.RegisterGroupRequest, _expert_pb2.RegisterGroupResponse]
-    """RegisterGroup creates an EP group (ALREADY_EXISTS if the id is taken with another shape)."""
+    """RegisterGroup creates an EP group. Registering again with the same shape returns the
+    group as it is (idempotent); with another shape it fails with ALREADY_EXISTS.
+    RESOURCE_EXHAUSTED when the configured number of groups is reached.
+    """
+    DeregisterGroup: _grpc.UnaryUnaryMultiCallable[_expert_pb2.DeregisterGroupRequest, _expert_pb2.DeregisterGroupResponse]
+    """DeregisterGroup forgets a group, its statistics and its maps (NOT_FOUND if unknown)."""
     ReportLoad: _grpc.UnaryUnaryMultiCallable[_expert_pb2.ReportLoadRequest, _expert_pb2.ReportLoadResponse]
-    """ReportLoad adds expert load statistics for a range of steps."""
+    """ReportLoad adds expert load statistics for a range of steps. Refused, changing
+    nothing: unknown group (NOT_FOUND), wrong tensor shape or dtype (INVALID_ARGUMENT),
+    a map version other than the one in force, or a step range that starts before the
+    end of the previous report (FAILED_PRECONDITION).
+    """
     GetMap: _grpc.UnaryUnaryMultiCallable[_expert_pb2.GetMapRequest, _expert_pb2.GetMapResponse]
-    """GetMap returns the map of a version (0 = the one in force)."""
+    """GetMap returns the map of a version (0 = the one in force); the last few versions are
+    kept (NOT_FOUND for older ones).
+    """
     WatchMaps: _grpc.UnaryStreamMultiCallable[_expert_pb2.WatchMapsRequest, _expert_pb2.WatchMapsResponse]
     """WatchMaps sends the map in force on connect, then each new version."""
     Rebalance: _grpc.UnaryUnaryMultiCallable[_expert_pb2.RebalanceRequest, _expert_pb2.RebalanceResponse]
-    """Rebalance forces a recomputation now (admin)."""
+    """Rebalance forces a recomputation now (admin); FAILED_PRECONDITION when no load has
+    been reported yet.
+    """
+    GetGroupStatus: _grpc.UnaryUnaryMultiCallable[_expert_pb2.GetGroupStatusRequest, _expert_pb2.GetGroupStatusResponse]
+    """GetGroupStatus returns the statistics of a group (admin, dashboards)."""
 
 @_typing.type_check_only
 class ExpertBalancerServiceAsyncStub(ExpertBalancerServiceStub):
     """ExpertBalancerService (EPLB) keeps expert-parallel groups balanced: engines report the
-    load of every expert, the service keeps the last N steps and every M steps recomputes
-    the expert-to-GPU map, which engines fetch by version or watch.
+    load of every expert, the service keeps the last N steps and every M reported steps
+    recomputes the expert-to-GPU map, which engines fetch by version or watch. One reporter
+    per group (typically EP rank 0 after its all-reduce of the expert counters).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterGroup: _aio.UnaryUnaryMultiCallable[_expert_pb2.RegisterGroupRequest, _expert_pb2.RegisterGroupResponse]  # type: ignore[assignment]
-    """RegisterGroup creates an EP group (ALREADY_EXISTS if the id is taken with another shape)."""
+    """RegisterGroup creates an EP group. Registering again with the same shape returns the
+    group as it is (idempotent); with another shape it fails with ALREADY_EXISTS.
+    RESOURCE_EXHAUSTED when the configured number of groups is reached.
+    """
+    DeregisterGroup: _aio.UnaryUnaryMultiCallable[_expert_pb2.DeregisterGroupRequest, _expert_pb2.DeregisterGroupResponse]  # type: ignore[assignment]
+    """DeregisterGroup forgets a group, its statistics and its maps (NOT_FOUND if unknown)."""
     ReportLoad: _aio.UnaryUnaryMultiCallable[_expert_pb2.ReportLoadRequest, _expert_pb2.ReportLoadResponse]  # type: ignore[assignment]
-    """ReportLoad adds expert load statistics for a range of steps."""
+    """ReportLoad adds expert load statistics for a range of steps. Refused, changing
+    nothing: unknown group (NOT_FOUND), wrong tensor shape or dtype (INVALID_ARGUMENT),
+    a map version other than the one in force, or a step range that starts before the
+    end of the previous report (FAILED_PRECONDITION).
+    """
     GetMap: _aio.UnaryUnaryMultiCallable[_expert_pb2.GetMapRequest, _expert_pb2.GetMapResponse]  # type: ignore[assignment]
-    """GetMap returns the map of a version (0 = the one in force)."""
+    """GetMap returns the map of a version (0 = the one in force); the last few versions are
+    kept (NOT_FOUND for older ones).
+    """
     WatchMaps: _aio.UnaryStreamMultiCallable[_expert_pb2.WatchMapsRequest, _expert_pb2.WatchMapsResponse]  # type: ignore[assignment]
     """WatchMaps sends the map in force on connect, then each new version."""
     Rebalance: _aio.UnaryUnaryMultiCallable[_expert_pb2.RebalanceRequest, _expert_pb2.RebalanceResponse]  # type: ignore[assignment]
-    """Rebalance forces a recomputation now (admin)."""
+    """Rebalance forces a recomputation now (admin); FAILED_PRECONDITION when no load has
+    been reported yet.
+    """
+    GetGroupStatus: _aio.UnaryUnaryMultiCallable[_expert_pb2.GetGroupStatusRequest, _expert_pb2.GetGroupStatusResponse]  # type: ignore[assignment]
+    """GetGroupStatus returns the statistics of a group (admin, dashboards)."""
 
 class ExpertBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
     """ExpertBalancerService (EPLB) keeps expert-parallel groups balanced: engines report the
-    load of every expert, the service keeps the last N steps and every M steps recomputes
-    the expert-to-GPU map, which engines fetch by version or watch.
+    load of every expert, the service keeps the last N steps and every M reported steps
+    recomputes the expert-to-GPU map, which engines fetch by version or watch. One reporter
+    per group (typically EP rank 0 after its all-reduce of the expert counters).
     """
 
     @_abc_1.abstractmethod
@@ -78,7 +111,18 @@ class ExpertBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _expert_pb2.RegisterGroupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_expert_pb2.RegisterGroupResponse, _abc.Awaitable[_expert_pb2.RegisterGroupResponse]]:
-        """RegisterGroup creates an EP group (ALREADY_EXISTS if the id is taken with another shape)."""
+        """RegisterGroup creates an EP group. Registering again with the same shape returns the
+        group as it is (idempotent); with another shape it fails with ALREADY_EXISTS.
+        RESOURCE_EXHAUSTED when the configured number of groups is reached.
+        """
+
+    @_abc_1.abstractmethod
+    def DeregisterGroup(
+        self,
+        request: _expert_pb2.DeregisterGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_expert_pb2.DeregisterGroupResponse, _abc.Awaitable[_expert_pb2.DeregisterGroupResponse]]:
+        """DeregisterGroup forgets a group, its statistics and its maps (NOT_FOUND if unknown)."""
 
     @_abc_1.abstractmethod
     def ReportLoad(
@@ -86,7 +130,11 @@ class ExpertBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _expert_pb2.ReportLoadRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_expert_pb2.ReportLoadResponse, _abc.Awaitable[_expert_pb2.ReportLoadResponse]]:
-        """ReportLoad adds expert load statistics for a range of steps."""
+        """ReportLoad adds expert load statistics for a range of steps. Refused, changing
+        nothing: unknown group (NOT_FOUND), wrong tensor shape or dtype (INVALID_ARGUMENT),
+        a map version other than the one in force, or a step range that starts before the
+        end of the previous report (FAILED_PRECONDITION).
+        """
 
     @_abc_1.abstractmethod
     def GetMap(
@@ -94,7 +142,9 @@ class ExpertBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _expert_pb2.GetMapRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_expert_pb2.GetMapResponse, _abc.Awaitable[_expert_pb2.GetMapResponse]]:
-        """GetMap returns the map of a version (0 = the one in force)."""
+        """GetMap returns the map of a version (0 = the one in force); the last few versions are
+        kept (NOT_FOUND for older ones).
+        """
 
     @_abc_1.abstractmethod
     def WatchMaps(
@@ -110,6 +160,16 @@ class ExpertBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _expert_pb2.RebalanceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_expert_pb2.RebalanceResponse, _abc.Awaitable[_expert_pb2.RebalanceResponse]]:
-        """Rebalance forces a recomputation now (admin)."""
+        """Rebalance forces a recomputation now (admin); FAILED_PRECONDITION when no load has
+        been reported yet.
+        """
+
+    @_abc_1.abstractmethod
+    def GetGroupStatus(
+        self,
+        request: _expert_pb2.GetGroupStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_expert_pb2.GetGroupStatusResponse, _abc.Awaitable[_expert_pb2.GetGroupStatusResponse]]:
+        """GetGroupStatus returns the statistics of a group (admin, dashboards)."""
 
 def add_ExpertBalancerServiceServicer_to_server(servicer: ExpertBalancerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

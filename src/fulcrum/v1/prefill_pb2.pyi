@@ -186,12 +186,17 @@ class PullResponse(_message.Message):
     TIER_NAME_FIELD_NUMBER: _builtins.int
     REQUESTS_FIELD_NUMBER: _builtins.int
     BATCH_QUOTA_NS_FIELD_NUMBER: _builtins.int
+    COST_MODEL_VERSION_FIELD_NUMBER: _builtins.int
     tier: _builtins.int
     """Tier the engine serves this round."""
     tier_name: _builtins.str
     """Tier name."""
     batch_quota_ns: _builtins.int
     """Sum of the batch's predicted costs, in nanoseconds."""
+    cost_model_version: _builtins.int
+    """Version of the cost model in force; call GetCostModel when it differs from the
+    version the engine plans chunks with.
+    """
     @_builtins.property
     def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___PulledRequest]:
         """The batch, in FIFO order."""
@@ -203,10 +208,11 @@ class PullResponse(_message.Message):
         tier_name: _builtins.str = ...,
         requests: _abc.Iterable[Global___PulledRequest] | None = ...,
         batch_quota_ns: _builtins.int = ...,
+        cost_model_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_quota_ns", b"batch_quota_ns", "requests", b"requests", "tier", b"tier", "tier_name", b"tier_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_quota_ns", b"batch_quota_ns", "cost_model_version", b"cost_model_version", "requests", b"requests", "tier", b"tier", "tier_name", b"tier_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -71,8 +71,11 @@ class PrefillBalancerServiceServicer:
 
     def Submit(self, request, context):
         """Submit queues a prefill request and resolves when an engine has pulled it.
-        DEADLINE_EXCEEDED if no engine takes it in time; a cancelled call is removed from
-        the queue and never handed to an engine.
+        DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED when the tier's
+        queue is at its bound; ALREADY_EXISTS when the id is already queued;
+        INVALID_ARGUMENT when cached_tokens >= total_tokens or a length is out of range;
+        UNAVAILABLE when the daemon drains. A cancelled call is removed from the queue and
+        never handed to an engine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,7 +83,9 @@ class PrefillBalancerServiceServicer:
 
     def Pull(self, request, context):
         """Pull hands an engine a FIFO batch from its tier, within its remaining quota and the
-        tier's batch cap, with DP ranks assigned. Waits (long poll) while the queue is empty.
+        tier's batch cap, with DP ranks assigned. Waits (long poll) while there is nothing it
+        may take. A request larger than the quota or the cap is served alone to an idle
+        engine (all rank loads zero). NOT_FOUND for unknown or lapsed engines.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -40,12 +40,17 @@ class PrefillBalancerServiceStub:
     def __new__(cls, channel: _aio.Channel) -> PrefillBalancerServiceAsyncStub: ...
     Submit: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.SubmitRequest, _prefill_pb2.SubmitResponse]
     """Submit queues a prefill request and resolves when an engine has pulled it.
-    DEADLINE_EXCEEDED if no engine takes it in time; a cancelled call is removed from
-    the queue and never handed to an engine.
+    DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED when the tier's
+    queue is at its bound; ALREADY_EXISTS when the id is already queued;
+    INVALID_ARGUMENT when cached_tokens >= total_tokens or a length is out of range;
+    UNAVAILABLE when the daemon drains. A cancelled call is removed from the queue and
+    never handed to an engine.
     """
     Pull: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.PullRequest, _prefill_pb2.PullResponse]
     """Pull hands an engine a FIFO batch from its tier, within its remaining quota and the
-    tier's batch cap, with DP ranks assigned. Waits (long poll) while the queue is empty.
+    tier's batch cap, with DP ranks assigned. Waits (long poll) while there is nothing it
+    may take. A request larger than the quota or the cap is served alone to an idle
+    engine (all rank loads zero). NOT_FOUND for unknown or lapsed engines.
     """
     ReportStepTimes: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.ReportStepTimesRequest, _prefill_pb2.ReportStepTimesResponse]
     """ReportStepTimes feeds measured step times into the online cost-model fit."""
@@ -64,12 +69,17 @@ class PrefillBalancerServiceAsyncStub(PrefillBalancerServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Submit: _aio.UnaryUnaryMultiCallable[_prefill_pb2.SubmitRequest, _prefill_pb2.SubmitResponse]  # type: ignore[assignment]
     """Submit queues a prefill request and resolves when an engine has pulled it.
-    DEADLINE_EXCEEDED if no engine takes it in time; a cancelled call is removed from
-    the queue and never handed to an engine.
+    DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED when the tier's
+    queue is at its bound; ALREADY_EXISTS when the id is already queued;
+    INVALID_ARGUMENT when cached_tokens >= total_tokens or a length is out of range;
+    UNAVAILABLE when the daemon drains. A cancelled call is removed from the queue and
+    never handed to an engine.
     """
     Pull: _aio.UnaryUnaryMultiCallable[_prefill_pb2.PullRequest, _prefill_pb2.PullResponse]  # type: ignore[assignment]
     """Pull hands an engine a FIFO batch from its tier, within its remaining quota and the
-    tier's batch cap, with DP ranks assigned. Waits (long poll) while the queue is empty.
+    tier's batch cap, with DP ranks assigned. Waits (long poll) while there is nothing it
+    may take. A request larger than the quota or the cap is served alone to an idle
+    engine (all rank loads zero). NOT_FOUND for unknown or lapsed engines.
     """
     ReportStepTimes: _aio.UnaryUnaryMultiCallable[_prefill_pb2.ReportStepTimesRequest, _prefill_pb2.ReportStepTimesResponse]  # type: ignore[assignment]
     """ReportStepTimes feeds measured step times into the online cost-model fit."""
@@ -91,8 +101,11 @@ class PrefillBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_prefill_pb2.SubmitResponse, _abc.Awaitable[_prefill_pb2.SubmitResponse]]:
         """Submit queues a prefill request and resolves when an engine has pulled it.
-        DEADLINE_EXCEEDED if no engine takes it in time; a cancelled call is removed from
-        the queue and never handed to an engine.
+        DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED when the tier's
+        queue is at its bound; ALREADY_EXISTS when the id is already queued;
+        INVALID_ARGUMENT when cached_tokens >= total_tokens or a length is out of range;
+        UNAVAILABLE when the daemon drains. A cancelled call is removed from the queue and
+        never handed to an engine.
         """
 
     @_abc_1.abstractmethod
@@ -102,7 +115,9 @@ class PrefillBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_prefill_pb2.PullResponse, _abc.Awaitable[_prefill_pb2.PullResponse]]:
         """Pull hands an engine a FIFO batch from its tier, within its remaining quota and the
-        tier's batch cap, with DP ranks assigned. Waits (long poll) while the queue is empty.
+        tier's batch cap, with DP ranks assigned. Waits (long poll) while there is nothing it
+        may take. A request larger than the quota or the cap is served alone to an idle
+        engine (all rank loads zero). NOT_FOUND for unknown or lapsed engines.
         """
 
     @_abc_1.abstractmethod

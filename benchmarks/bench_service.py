@@ -1,0 +1,317 @@
+"""Service benchmark: calls through the real daemon on loopback, against the no-op Ping.
+
+The daemon runs as its own process (``python -m fulcrum.cli serve``) so that its CPU time
+is measured apart from the client's (``/proc/<pid>/stat``). Every call is measured in
+the same run as the no-op ``Ping`` (unary) and ``PingStream`` (one request / one reply
+per message on a bidirectional stream), with the same number of concurrent callers;
+figures: calls/s, latency p50/p99 seen by the client, daemon CPU per call, and each
+call's throughput as a ratio to its no-op.
+
+Calls already measured by another balancer's benchmark (their module names the RPC) are
+left to that benchmark; this one covers the rest: prefill ``Submit`` (the entrypoint,
+which resolves when an engine pulls the request) and ``Pull`` (the engine's long poll),
+measured together as one hand-off, and EPLB ``ReportLoad`` / ``GetMap``.
+
+Run alone: ``.venv/bin/python benchmarks/bench_service.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # pragma: no cover - direct execution
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import fmt_rate, md_table, percentiles  # noqa: E402
+from fulcrum.client import FulcrumClient, check_health  # noqa: E402
+from fulcrum.v1 import diagnostics_pb2 as dpb  # noqa: E402
+from fulcrum.v1 import expert_pb2 as epb  # noqa: E402
+from fulcrum.v1 import fleet_pb2 as fpb  # noqa: E402
+from fulcrum.v1 import prefill_pb2 as ppb  # noqa: E402
+
+WORKERS = 8
+HERE = Path(__file__).resolve().parent
+
+
+def measured_elsewhere(rpc: str) -> str | None:
+    """The other benchmark module whose source calls ``rpc`` (None when none does)."""
+    for path in sorted(HERE.glob("bench_*.py")):
+        if path.name == Path(__file__).name:
+            continue
+        text = path.read_text()
+        if f".{rpc}(" in text:
+            return path.stem
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+@contextlib.contextmanager
+def daemon_process() -> Iterator[tuple[str, int]]:
+    """Start the daemon in a child process; yield (address, pid); stop it."""
+    port = _free_port()
+    cfg = {
+        "server": {"host": "127.0.0.1", "port": port, "seed": 7},
+        "metrics": {"enabled": False},
+        "logging": {"level": "error", "format": "json"},
+        "prefill": {"submit_wait_ms": 10_000, "pull_wait_ms": 200},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fulcrum.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fulcrum.cli", "serve", "--config", str(path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        address = f"127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 30.0
+            while True:
+                if proc.poll() is not None:
+                    err = proc.stderr.read().decode() if proc.stderr else ""
+                    raise RuntimeError(f"daemon exited early: {err[-2000:]}")
+                try:
+                    status = asyncio.run(check_health(address, "", timeout_s=1.0))
+                except Exception:  # not listening yet
+                    status = ""
+                if status == "SERVING":
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("daemon did not become healthy in 30 s")
+                time.sleep(0.1)
+            yield address, proc.pid
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass
+class Figures:
+    """One measured call."""
+
+    name: str
+    calls: int
+    wall_s: float
+    latencies_s: list[float]
+    cpu_s: float
+
+    @property
+    def rate(self) -> float:
+        """Calls per second."""
+        return self.calls / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+async def _measure(
+    name: str, pid: int, per_worker: int, worker: Callable[[int, list[float]], Awaitable[None]]
+) -> Figures:
+    """Run ``WORKERS`` copies of ``worker(n, latencies)`` and collect the figures."""
+    lat: list[float] = []
+    cpu0 = _cpu_s(pid)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(per_worker, lat) for _ in range(WORKERS)))
+    wall = time.perf_counter() - t0
+    cpu = _cpu_s(pid) - cpu0
+    return Figures(name, len(lat), wall, lat, cpu)
+
+
+async def _stream_worker(
+    call: Callable[[AsyncIterator[object]], AsyncIterator[object]],
+    make: Callable[[int], object],
+    n: int,
+    lat: list[float],
+) -> None:
+    """One bidirectional stream, strict ping-pong: latency = send to matching reply."""
+    queue: asyncio.Queue[object | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[object]:
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            yield item
+
+    stream = call(requests())
+    it = stream.__aiter__()
+    for i in range(n):
+        t = time.perf_counter()
+        await queue.put(make(i))
+        await it.__anext__()
+        lat.append(time.perf_counter() - t)
+    await queue.put(None)
+    with contextlib.suppress(StopAsyncIteration):
+        await it.__anext__()
+
+
+async def _bench(address: str, pid: int, quick: bool) -> list[tuple[Figures, str]]:
+    per = 150 if quick else 1_500
+    out: list[tuple[Figures, str]] = []
+    async with FulcrumClient(address) as c:
+        # Warm up the channel and the daemon's code paths.
+        for _ in range(50):
+            await c.diagnostics.Ping(dpb.PingRequest())
+
+        async def ping(n: int, lat: list[float]) -> None:
+            for _ in range(n):
+                t = time.perf_counter()
+                await c.diagnostics.Ping(dpb.PingRequest())
+                lat.append(time.perf_counter() - t)
+
+        async def ping_stream(n: int, lat: list[float]) -> None:
+            await _stream_worker(c.diagnostics.PingStream, lambda i: dpb.PingStreamRequest(),
+                                 n, lat)
+
+        ping_u = await _measure("Ping", pid, per, ping)
+        ping_s = await _measure("PingStream", pid, per, ping_stream)
+        out.append((ping_u, "Ping"))
+        out.append((ping_s, "PingStream"))
+
+        # -- prefill: Submit resolves when an engine's Pull takes it --------------------
+        if measured_elsewhere("Submit") is None and measured_elsewhere("Pull") is None:
+            engines = []
+            for e in range(2):
+                reg = await c.fleet.Register(fpb.RegisterRequest(
+                    member_id=f"bench-engine-{e}",
+                    prefill_engine=fpb.PrefillEngineShape(dp_ranks=4,
+                                                          step_quota_ns=1_000_000_000)))
+                engines.append((f"bench-engine-{e}", reg.incarnation))
+            stop = asyncio.Event()
+            pull_lat: list[float] = []
+            pulls = 0
+
+            async def puller(eid: str, inc: int) -> None:
+                nonlocal pulls
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    await c.prefill.Pull(ppb.PullRequest(
+                        engine_id=eid, incarnation=inc,
+                        remaining_quota_ns=1 << 50, rank_loads_ns=[0, 0, 0, 0],
+                        max_wait_ms=50, max_requests=1))
+                    pull_lat.append(time.perf_counter() - t)
+                    pulls += 1
+
+            counter = iter(range(10**9))
+
+            async def submit(n: int, lat: list[float]) -> None:
+                for _ in range(n):
+                    t = time.perf_counter()
+                    await c.prefill.Submit(ppb.SubmitRequest(
+                        request_id=f"r{next(counter)}", total_tokens=2_048, cached_tokens=0))
+                    lat.append(time.perf_counter() - t)
+
+            pullers = [asyncio.create_task(puller(e, i)) for e, i in engines]
+            sub = await _measure("Submit + Pull", pid, per // 2, submit)
+            stop.set()
+            await asyncio.gather(*pullers)
+            pull_fig = Figures("Pull (during the above)", pulls, sub.wall_s, pull_lat, sub.cpu_s)
+            out.append((sub, "Ping"))
+            out.append((pull_fig, "Ping"))
+
+        # -- EPLB: ReportLoad and GetMap -----------------------------------------------
+        if measured_elsewhere("ReportLoad") is None:
+            layers, experts = 4, 384
+            reg_g = await c.expert.RegisterGroup(epb.RegisterGroupRequest(
+                group_id="bench-ep8", role=epb.GROUP_ROLE_DECODE, ep_size=8, gpus_per_node=8,
+                num_layers=layers, num_experts=experts, num_expert_groups=1,
+                window_steps=1_000, period_steps=1_000_000))
+            version = reg_g.map_version
+            rng = np.random.default_rng(1)
+            load = [int(x) for x in rng.poisson(20.0, size=layers * experts)]
+            step = iter(range(10**9))
+
+            async def report(n: int, lat: list[float]) -> None:
+                for _ in range(n):
+                    s = next(step)
+                    t = time.perf_counter()
+                    await c.expert.ReportLoad(epb.ReportLoadRequest(
+                        group_id="bench-ep8", map_version=version, step_begin=s,
+                        step_end=s + 1, load_values=load))
+                    lat.append(time.perf_counter() - t)
+
+            async def get_map(n: int, lat: list[float]) -> None:
+                for _ in range(n):
+                    t = time.perf_counter()
+                    await c.expert.GetMap(epb.GetMapRequest(group_id="bench-ep8"))
+                    lat.append(time.perf_counter() - t)
+
+            out.append((await _measure("ReportLoad (4 x 384 loads)", pid, per, report),
+                        "Ping"))
+            out.append((await _measure("GetMap (4 x 416 slots)", pid, per, get_map), "Ping"))
+    return out
+
+
+def run(quick: bool) -> str:
+    """The markdown section (see module docstring)."""
+    with daemon_process() as (address, pid):
+        figures = asyncio.run(_bench(address, pid, quick))
+    ref = {f.name: f for f, _ in figures if f.name in ("Ping", "PingStream")}
+    rows = []
+    for f, base in figures:
+        p50, p99 = percentiles(f.latencies_s)
+        rows.append([
+            f.name,
+            fmt_rate(f.rate),
+            f"{p50 * 1e3:.2f}",
+            f"{p99 * 1e3:.2f}",
+            f"{f.cpu_s / f.calls * 1e6:.0f}" if f.calls else "-",
+            f"{f.rate / ref[base].rate:.2f}x {base}" if f.name != base else "1.00x",
+        ])
+    skipped = [
+        f"`{rpc}` ({mod})"
+        for rpc in ("PlaceDecode", "PlaceDecodeStream", "PlaceImages", "PlaceImagesStream",
+                    "Submit", "Pull", "ReportLoad")
+        if (mod := measured_elsewhere(rpc)) is not None
+    ]
+    cmd = ".venv/bin/python benchmarks/bench_service.py" + (" --quick" if quick else "")
+    lines = [
+        "### Service: calls through the daemon on loopback",
+        "",
+        f"Command: `{cmd}`. The daemon runs in its own process (uvloop); the client "
+        f"(grpc.aio, one channel) keeps {WORKERS} calls in flight; latencies are seen by "
+        "the client; daemon CPU is its user + system time over the phase / calls (10 ms "
+        "clock ticks). Streams are strict ping-pong (one request, wait for its reply). "
+        "Submit + Pull: 8 submitters against 2 engines (4 DP ranks each) long-polling "
+        "with `max_requests = 1`; a Submit returns when an engine has pulled it, so its "
+        "latency includes the hand-off. The Pull row shares that phase's daemon CPU.",
+        "",
+        md_table(["call", "calls/s", "p50 (ms)", "p99 (ms)", "daemon CPU/call (us)",
+                  "throughput vs no-op"], rows),
+    ]
+    if skipped:
+        lines += ["", "Measured by their balancer's own benchmark (see those sections): "
+                  + ", ".join(skipped) + "."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(run("--quick" in sys.argv[1:]))

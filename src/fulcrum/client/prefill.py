@@ -1,0 +1,152 @@
+"""Typed async helpers of the prefill balancer for the entrypoint and for engines.
+
+* :func:`submit_prefill` -- the entrypoint's call: resolves when an engine has pulled the
+  request, with the engine, DP rank, tier, predicted cost (ns) and time waited (ns).
+* :class:`PrefillEngine` -- the engine side: pull batches by remaining quota, keep one
+  FIFO queue per DP rank in a :class:`~fulcrum.client.planner.ChunkPlanner` that sizes
+  chunks with the daemon's cost model (refreshed when its version changes), and report
+  measured step times for the online refit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fulcrum.client import FulcrumClient
+from fulcrum.client.planner import ChunkPlanner, CostModel, PrefillTask, StepPlan
+from fulcrum.v1 import prefill_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlacement:
+    """Where a submitted prefill request went (ns for cost and wait)."""
+
+    engine_id: str
+    dp_rank: int
+    tier: int
+    tier_name: str
+    predicted_cost_ns: int
+    waited_ns: int
+
+
+async def submit_prefill(
+    client: FulcrumClient,
+    request_id: str,
+    total_tokens: int,
+    cached_tokens: int = 0,
+    *,
+    max_wait_ms: int = 0,
+    timeout_s: float | None = None,
+) -> PrefillPlacement:
+    """Submit a prefill request and wait until an engine pulls it.
+
+    Raises ``grpc.aio.AioRpcError`` with DEADLINE_EXCEEDED (no engine in time),
+    RESOURCE_EXHAUSTED (tier queue full), ALREADY_EXISTS, INVALID_ARGUMENT or UNAVAILABLE.
+    """
+    reply = await client.prefill.Submit(
+        pb.SubmitRequest(
+            request_id=request_id,
+            total_tokens=total_tokens,
+            cached_tokens=cached_tokens,
+            max_wait_ms=max_wait_ms,
+        ),
+        timeout=timeout_s,
+    )
+    return PrefillPlacement(
+        engine_id=reply.engine_id,
+        dp_rank=reply.dp_rank,
+        tier=reply.tier,
+        tier_name=reply.tier_name,
+        predicted_cost_ns=reply.predicted_cost_ns,
+        waited_ns=reply.waited_ns,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PulledBatch:
+    """A pulled batch: the tier it came from and its requests (FIFO)."""
+
+    tier: int
+    tier_name: str
+    requests: tuple[pb.PulledRequest, ...]
+    quota_ns: int
+
+
+class PrefillEngine:
+    """One prefill engine (DP group) of ``dp_ranks`` ranks, registered as ``engine_id``."""
+
+    def __init__(
+        self, client: FulcrumClient, engine_id: str, incarnation: int, dp_ranks: int
+    ) -> None:
+        self._client = client
+        self.engine_id = engine_id
+        self.incarnation = incarnation
+        self.model_version = 0
+        self.step_quota_ns = 0
+        self.planner = ChunkPlanner(dp_ranks)
+
+    async def refresh_model(self) -> CostModel:
+        """Fetch the cost model in force and plan with it from now on."""
+        cm = await self._client.prefill.GetCostModel(pb.GetCostModelRequest())
+        model = CostModel(cm.a, cm.b, cm.k)
+        self.planner.model = model
+        self.planner.cap = cm.max_chunk_tokens
+        self.model_version = cm.version
+        self.step_quota_ns = cm.step_quota_ns
+        return model
+
+    def rank_loads_ns(self) -> list[int]:
+        """Outstanding load of each rank (ns): predicted cost of what it still has queued."""
+        model = self.planner.model
+        return [
+            sum(model.cost_ns(t.need, t.computed) for t in self.planner.queue(r))
+            for r in range(self.planner.n_ranks)
+        ]
+
+    async def pull(
+        self,
+        remaining_quota_ns: int,
+        *,
+        max_wait_ms: int = 0,
+        max_requests: int = 0,
+    ) -> PulledBatch:
+        """Pull a batch (long poll); its requests join their ranks' FIFO queues."""
+        if self.model_version == 0:
+            await self.refresh_model()
+        reply = await self._client.prefill.Pull(
+            pb.PullRequest(
+                engine_id=self.engine_id,
+                incarnation=self.incarnation,
+                remaining_quota_ns=remaining_quota_ns,
+                rank_loads_ns=self.rank_loads_ns(),
+                max_wait_ms=max_wait_ms,
+                max_requests=max_requests,
+            )
+        )
+        for r in reply.requests:
+            self.planner.add(
+                r.dp_rank, PrefillTask(r.request_id, int(r.cached_tokens), int(r.total_tokens))
+            )
+        if reply.cost_model_version != self.model_version:
+            await self.refresh_model()
+        return PulledBatch(
+            reply.tier, reply.tier_name, tuple(reply.requests), int(reply.batch_quota_ns)
+        )
+
+    def step(self, budgets_ns: Sequence[float] | None = None) -> StepPlan:
+        """Plan and commit one prefill step; ``budgets_ns`` per rank (default: the daemon's
+        step quota on every rank). The MIN across ranks applies."""
+        if budgets_ns is None:
+            budgets_ns = [float(self.step_quota_ns)] * self.planner.n_ranks
+        return self.planner.step(budgets_ns)
+
+    async def report(self, samples: Sequence[tuple[int, int, int]]) -> int:
+        """Report measured ``(q, c, ns)`` step samples; returns how many were accepted."""
+        reply = await self._client.prefill.ReportStepTimes(
+            pb.ReportStepTimesRequest(
+                engine_id=self.engine_id,
+                samples=[pb.StepSample(q=q, c=c, measured_ns=ns) for q, c, ns in samples],
+            )
+        )
+        return int(reply.accepted)

@@ -1,0 +1,72 @@
+"""Settings of the expert-parallel load balancer (EPLB)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from fulcrum.config.base import Section
+from fulcrum.core.eplb.registry import DEFAULT_ALGORITHM, REGISTRY
+
+
+class EplbSettings(Section):
+    """The EPLB: expert load statistics in, expert-to-GPU maps out."""
+
+    algorithm: str = Field(
+        DEFAULT_ALGORITHM,
+        description=(
+            "placement algorithm of periodic rebalances: stable (default; starts from the "
+            "map in force and moves experts only where the predicted moe_lb gain pays for "
+            "the transfer, never two replicas of one expert on one GPU) or reference (the "
+            "published algorithm, which ignores the map in force)"
+        ),
+    )
+    min_gain_per_gib: float = Field(
+        0.0002,
+        ge=0.0,
+        le=1e6,
+        description=(
+            "stable: drop in overall moe_lb a rebalance must predict per GiB of expert "
+            "weights it moves (0.0002 = 0.02 percentage points per GiB; 0 = any gain)"
+        ),
+    )
+    max_bytes_per_rebalance: int = Field(
+        0,
+        ge=0,
+        le=1 << 50,
+        description="stable: cap on expert weights moved by one rebalance, bytes (0 = no cap)",
+    )
+    max_groups: int = Field(
+        64, ge=1, le=4096, description="EP groups held at once; beyond it RESOURCE_EXHAUSTED"
+    )
+    max_layers: int = Field(512, ge=1, le=4096, description="largest num_layers accepted")
+    max_experts: int = Field(4096, ge=1, le=65_536, description="largest num_experts accepted")
+    max_ep_size: int = Field(1024, ge=1, le=65_536, description="largest ep_size accepted")
+    window_buckets: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description=(
+            "the window of N steps is kept as this many buckets of N / buckets steps "
+            "(memory per group = buckets x layers x experts x 8 bytes)"
+        ),
+    )
+    history_versions: int = Field(
+        8, ge=1, le=1024, description="map versions kept per group for GetMap by version"
+    )
+    max_watchers_per_group: int = Field(
+        1024, ge=1, le=1 << 20, description="concurrent WatchMaps streams per group"
+    )
+    snapshot_path: str | None = Field(
+        None,
+        description=(
+            "file where the maps in force are written (atomically) on every change and "
+            "read at start, so a restarted daemon serves the same versions (null = none)"
+        ),
+    )
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, value: str) -> str:
+        if value not in REGISTRY:
+            raise ValueError(f"unknown EPLB algorithm; known: {', '.join(sorted(REGISTRY))}")
+        return value

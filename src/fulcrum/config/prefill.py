@@ -1,0 +1,143 @@
+"""Settings of the prefill balancer (``prefill:`` section)."""
+
+from __future__ import annotations
+
+import itertools
+
+from pydantic import Field, model_validator
+
+from fulcrum.config.base import Section
+from fulcrum.core.cost import DEFAULT_COST_MODEL, DEFAULT_STEP_BUDGET_NS, MAX_CHUNK_TOKENS
+from fulcrum.core.prefill.tiers import DEFAULT_HYSTERESIS, DEFAULT_TIER_BOUNDS
+
+_S = 1_000_000_000  # ns per second
+
+
+class CostModelSettings(Section):
+    """Coefficients of ``cost(q, c) = a*q*(c + q/2) + b*q + k`` in nanoseconds
+    (``q`` tokens computed in the step, ``c`` prefix already computed). Defaults are our
+    estimate for a DeepSeek-V3-like prefill at EP4DP4; fit yours with ``fulcrum fit-cost``."""
+
+    a: float = Field(
+        DEFAULT_COST_MODEL.a, ge=0, le=1e6, description="attention coefficient, ns per token^2"
+    )
+    b: float = Field(
+        DEFAULT_COST_MODEL.b, ge=0, le=1e12, description="linear + MoE coefficient, ns per token"
+    )
+    k: float = Field(
+        DEFAULT_COST_MODEL.k, ge=0, le=1e12, description="fixed overhead of one step, ns"
+    )
+
+
+class RefitSettings(Section):
+    """Online refit of the cost model from the step times engines report."""
+
+    enabled: bool = Field(True, description="refit the cost model from reported step times")
+    window_samples: int = Field(
+        4096, ge=16, le=1_000_000, description="samples kept for the refit (newest win)"
+    )
+    min_samples: int = Field(
+        64, ge=3, le=1_000_000, description="samples needed before a refit is attempted"
+    )
+    period_s: float = Field(30.0, gt=0, le=86_400, description="time between refits, seconds")
+    adopt_margin: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description="adopt a refit only when its p90 relative error is lower than the "
+        "current model's on the same samples by this fraction",
+    )
+    max_samples_per_report: int = Field(
+        4096, ge=1, le=1_000_000, description="largest number of samples in one report"
+    )
+
+    @model_validator(mode="after")
+    def _min_fits_window(self) -> RefitSettings:
+        if self.min_samples > self.window_samples:
+            raise ValueError("min_samples: must be <= window_samples")
+        return self
+
+
+class PrefillSettings(Section):
+    """The prefill balancer: tiers, pull by compute quota, least-loaded rank, chunk size.
+
+    SPEC sections 2-3: requests are tiered by total context length, engines pull by
+    remaining compute quota (ns), each request goes to its engine's least-loaded DP rank,
+    and engines size chunks with the cost model."""
+
+    cost_model: CostModelSettings = Field(default_factory=lambda: CostModelSettings())
+    refit: RefitSettings = Field(default_factory=lambda: RefitSettings())
+    step_quota_ns: int = Field(
+        DEFAULT_STEP_BUDGET_NS,
+        ge=1_000_000,
+        le=3600 * _S,
+        description="compute_quota_limit: time budget of one prefill step, ns (default for "
+        "engines that register without one)",
+    )
+    max_chunk_tokens: int = Field(
+        MAX_CHUNK_TOKENS, ge=1, le=1 << 20, description="largest chunk of one step, tokens"
+    )
+    tier_bounds: list[int] = Field(
+        default_factory=lambda: list(DEFAULT_TIER_BOUNDS),
+        min_length=1,
+        max_length=15,
+        description="ascending tier bounds on total context length, tokens "
+        "(n bounds make n+1 tiers)",
+    )
+    tier_batch_cap_ns: list[int] = Field(
+        default_factory=lambda: [4 * _S, 8 * _S, 16 * _S, 64 * _S],
+        min_length=1,
+        description="per-batch quota cap of each tier, ns (one entry per tier, shortest "
+        "first); a single request above the cap is served alone by an idle engine",
+    )
+    max_batch_requests: int = Field(
+        256, ge=1, le=100_000, description="largest number of requests in one pulled batch"
+    )
+    max_queued_per_tier: int = Field(
+        10_000, ge=1, le=10_000_000, description="queue bound of each tier, requests"
+    )
+    max_total_tokens: int = Field(
+        16 * 1024 * 1024,
+        ge=1,
+        le=1 << 40,
+        description="longest accepted context, tokens (longer requests are refused)",
+    )
+    submit_wait_ms: int = Field(
+        30_000, ge=1, le=3_600_000, description="default time a submit waits for an engine, ms"
+    )
+    max_submit_wait_ms: int = Field(
+        55_000, ge=1, le=3_600_000, description="longest time a submit may ask to wait, ms"
+    )
+    pull_wait_ms: int = Field(
+        1_000, ge=0, le=3_600_000, description="default long-poll time of an empty pull, ms"
+    )
+    max_pull_wait_ms: int = Field(
+        30_000, ge=0, le=3_600_000, description="longest long-poll time a pull may ask, ms"
+    )
+    round_period_ms: int = Field(
+        1_000, ge=1, le=3_600_000, description="period of engine redistribution rounds, ms"
+    )
+    hysteresis: float = Field(
+        DEFAULT_HYSTERESIS,
+        ge=0,
+        le=1_000,
+        description="keep the current engine split while every tier is within this many "
+        "engines of its proportional share",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrefillSettings:
+        bounds = self.tier_bounds
+        if bounds[0] <= 0 or any(x >= y for x, y in itertools.pairwise(bounds)):
+            raise ValueError("tier_bounds: must be strictly ascending and > 0")
+        if len(self.tier_batch_cap_ns) != len(bounds) + 1:
+            raise ValueError(
+                f"tier_batch_cap_ns: must have {len(bounds) + 1} entries (one per tier)"
+            )
+        if any(c <= 0 for c in self.tier_batch_cap_ns):
+            raise ValueError("tier_batch_cap_ns: must be > 0")
+        if self.submit_wait_ms > self.max_submit_wait_ms:
+            raise ValueError("submit_wait_ms: must be <= max_submit_wait_ms")
+        if self.pull_wait_ms > self.max_pull_wait_ms:
+            raise ValueError("pull_wait_ms: must be <= max_pull_wait_ms")
+        return self

@@ -1,0 +1,63 @@
+"""Batch selection for an engine pull: FIFO prefix of a tier queue within quota.
+
+Rule (SPEC section 3, level 2): an engine pulls with its remaining compute quota (ns).
+The batch is the longest FIFO prefix of its tier's queue whose summed predicted cost (ns)
+is within ``min(remaining quota, tier batch cap)`` and holds at most ``max_requests``
+requests; no request jumps the queue. When not even the head fits and the engine is idle
+(no outstanding load), the head is served alone: an oversize request -- larger than any
+engine's quota or than the tier cap -- is never starved.
+
+When several engines wait on the same tier, the engine with the most remaining quota
+takes the work (:func:`pick_engine`); ties go to the lowest index, i.e. the caller's
+deterministic order (engine id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+NAME: Final = "fifo_quota"
+
+
+def select_batch(
+    costs_ns: Iterable[int],
+    remaining_ns: int,
+    cap_ns: int,
+    *,
+    idle: bool,
+    max_requests: int | None = None,
+) -> int:
+    """Number of requests to take from the head of a tier queue (a FIFO prefix length).
+
+    ``costs_ns``: predicted cost (ns) of each queued request, head first (may be lazy;
+    iteration stops as soon as the prefix is decided). ``remaining_ns``: the engine's
+    remaining quota (ns). ``cap_ns``: the tier's per-batch quota cap (ns). ``idle``: the
+    engine has no outstanding work. ``max_requests``: optional count cap (>= 1).
+    """
+    if max_requests is not None and max_requests < 1:
+        raise ValueError(f"max_requests: must be >= 1, got {max_requests}")
+    limit = min(remaining_ns, cap_ns)
+    used = 0
+    n = 0
+    for cost in costs_ns:
+        if max_requests is not None and n >= max_requests:
+            break
+        if used + cost > limit:
+            if n == 0 and idle:
+                return 1  # oversize head on an idle engine: served alone
+            break
+        used += cost
+        n += 1
+    return n
+
+
+def pick_engine(remaining_ns: Sequence[int]) -> int:
+    """Index of the waiting engine with the most remaining quota (ns); ties: lowest index."""
+    if not remaining_ns:
+        raise ValueError("remaining_ns: need at least one engine")
+    best = 0
+    for i, value in enumerate(remaining_ns):
+        if value > remaining_ns[best]:
+            best = i
+    return best

@@ -1,0 +1,164 @@
+"""Cluster model of the simulator, loadable from YAML (``--cluster FILE``).
+
+Defaults describe a realistic mid-size disaggregated deployment of a DeepSeek-V3-like
+MoE model on H800-class GPUs (our decision; the published guide gives no cluster size):
+
+* **prefill**: 8 engines, each an EP4DP4 group (4 DP ranks) -> 32 GPUs. A rank's step
+  time is the cost model of ``fulcrum.core.cost`` (``a = 2 ns/token^2, b = 56 us/token,
+  k = 5 ms``); the group moves at its slowest rank; step budget
+  ``compute_quota_limit`` = 1 s; at most 32,768 tokens per rank per step. Engines
+  belong to tiers ``<16K, 16K-64K, 64K-256K, >=256K`` re-split every ``round_s`` = 1 s
+  by the round's demand (quota served + still queued), and at once when work arrives
+  for a tier without an engine. Per-batch quota caps are 8/32/128/512 s, each above
+  the cost of the tier's largest fresh request (a fresh 256K-token prompt costs 83 s):
+  the daemon's defaults (4/8/16/64 s) make every fresh request above about 150K tokens
+  "oversize", served alone by a fully idle engine (see the bench's ablation). A
+  simulated engine pulls while its remaining quota -- the sum over its
+  ranks of ``max(0, horizon - outstanding)``, per-tier ``horizon_s`` 2/8/30/120 s -- is
+  positive, and counts as idle (may take an oversize request alone) when no rank has
+  outstanding work.
+* **decode**: 4 instances of EP8DP8 (32 GPUs), per-GPU step
+  ``d0 + d1 * concurrency + d2 * total_kv`` with ``d0 = 10 ms``, ``d1 = 50 us/request``,
+  ``d2 = 10 ns/KV token`` (MLA KV of about 40 KB/token read at about 4 TB/s); at most
+  256 requests and 2M KV tokens per GPU.
+* **vision**: 2 VE machines x 8 GPUs; an image takes ``v0 + v1 * patches`` =
+  2 ms + 5 us/patch (a 1280x800 screenshot, 4,000 patches, takes 22 ms); one image at a
+  time per GPU, FIFO.
+* **experts**: 384 routed experts, top-8, popularity log-normal with ``skew`` = 1.0
+  (std of log-popularity) drifting as an Ornstein-Uhlenbeck process with time constant
+  ``drift_tau_s`` = 300 s; modelled on ``layers`` = 4 representative MoE layers. EPLB
+  window/period/redundancy follow SPEC section 6 (prefill N = 100, M = 1,000, 4
+  redundant slots per GPU; decode N = 1,000, M = 10,000, 1 per GPU). The MoE share of a
+  step (``moe_fraction`` of the linear term) is stretched by ``moe_lb``.
+* **cache**: shared KV store of 100,000 blocks of 512 tokens (51M tokens), LRU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class PrefillCluster(_Section):
+    """Prefill engines (DP groups) and the prefill balancer's knobs."""
+
+    engines: int = Field(8, ge=1)
+    ranks_per_engine: int = Field(4, ge=1)
+    cost_a: float = Field(2.0, ge=0)
+    cost_b: float = Field(56_000.0, ge=0)
+    cost_k: float = Field(5_000_000.0, ge=0)
+    step_budget_ns: float = Field(1_000_000_000.0, gt=0)
+    max_chunk_tokens: int = Field(32_768, ge=1)
+    tier_bounds: tuple[int, ...] = (16 * 1024, 64 * 1024, 256 * 1024)
+    horizon_s: tuple[float, ...] = (2.0, 8.0, 30.0, 120.0)
+    batch_cap_s: tuple[float, ...] = (8.0, 32.0, 128.0, 512.0)
+    round_s: float = Field(1.0, gt=0)
+    hysteresis: float = Field(1.0, ge=0)
+    moe_fraction: float = Field(0.6, ge=0, le=1)
+    baseline_chunk_tokens: int = Field(8_192, ge=1)
+
+    @model_validator(mode="after")
+    def _tiers(self) -> PrefillCluster:
+        n = len(self.tier_bounds) + 1
+        if len(self.horizon_s) != n or len(self.batch_cap_s) != n:
+            raise ValueError(f"horizon_s, batch_cap_s: need one value per tier ({n})")
+        return self
+
+    @property
+    def n_ranks(self) -> int:
+        """Prefill GPUs (DP ranks) in the cluster."""
+        return self.engines * self.ranks_per_engine
+
+
+class DecodeCluster(_Section):
+    """Decode instances (EP groups) and the per-GPU step model."""
+
+    instances: int = Field(2, ge=1)
+    gpus_per_instance: int = Field(16, ge=1)
+    d0_ns: float = Field(10_000_000.0, ge=0)
+    d1_ns: float = Field(50_000.0, ge=0)
+    d2_ns: float = Field(10.0, ge=0)
+    max_concurrency: int = Field(256, ge=1)
+    max_kv_tokens: int = Field(2_000_000, ge=1)
+    moe_fraction: float = Field(0.5, ge=0, le=1)
+
+    @property
+    def n_gpus(self) -> int:
+        """Decode GPUs in the cluster."""
+        return self.instances * self.gpus_per_instance
+
+
+class VisionCluster(_Section):
+    """Vision-encoder machines and the per-image time model."""
+
+    machines: int = Field(2, ge=1)
+    gpus_per_machine: int = Field(8, ge=1)
+    v0_ns: float = Field(2_000_000.0, ge=0)
+    v1_ns: float = Field(5_000.0, ge=0)
+
+    @property
+    def n_gpus(self) -> int:
+        """VE GPUs in the cluster."""
+        return self.machines * self.gpus_per_machine
+
+
+class ExpertModel(_Section):
+    """Expert popularity, its drift, and the EPLB cadence per role."""
+
+    n_logical: int = Field(384, ge=1)
+    top_k: int = Field(8, ge=1)
+    layers: int = Field(4, ge=1)
+    skew: float = Field(1.0, ge=0)
+    drift_tau_s: float = Field(300.0, gt=0)
+    prefill_redundant_per_gpu: int = Field(4, ge=0)
+    prefill_window_steps: int = Field(100, ge=1)
+    prefill_period_steps: int = Field(1_000, ge=1)
+    decode_redundant_per_gpu: int = Field(1, ge=0)
+    decode_window_steps: int = Field(1_000, ge=1)
+    decode_period_steps: int = Field(10_000, ge=1)
+
+
+class CacheModel(_Section):
+    """Shared prefix-cache store (LRU)."""
+
+    capacity_blocks: int | None = Field(100_000, ge=0)
+
+
+class Cluster(_Section):
+    """The whole simulated deployment."""
+
+    prefill: PrefillCluster = PrefillCluster()
+    decode: DecodeCluster = DecodeCluster()
+    vision: VisionCluster = VisionCluster()
+    experts: ExpertModel = ExpertModel()
+    cache: CacheModel = CacheModel()
+
+    def with_overrides(self, **sections: dict[str, Any]) -> Cluster:
+        """A copy with some fields of some sections replaced (validated)."""
+        raw = self.model_dump()
+        for name, fields in sections.items():
+            raw[name] = {**raw[name], **fields}
+        return Cluster.model_validate(raw)
+
+
+def load_cluster(path: Path | None) -> Cluster:
+    """The cluster of a YAML file (missing keys take the defaults); defaults when None."""
+    if path is None:
+        return Cluster()
+    with path.open() as fh:
+        raw = yaml.safe_load(fh) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: must hold a mapping")
+    return Cluster.model_validate(raw)
+
+
+def dump_cluster(cluster: Cluster) -> str:
+    """The cluster as YAML (round-trips through :func:`load_cluster`)."""
+    return yaml.safe_dump(cluster.model_dump(mode="json"), sort_keys=False)

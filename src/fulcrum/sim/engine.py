@@ -1,0 +1,688 @@
+"""Discrete-event simulator: a virtual clock, a heap of events, the core policies.
+
+Request path (all times ns on the virtual clock):
+
+1. **Arrival.** The prefix cache (:class:`~fulcrum.sim.cache.BlockCache`) gives the cached
+   prefix ``c0``; the request's compute quota is the variable part of
+   ``cost(input - c0, c0)`` (ns), its tier follows its total input length.
+2. **Vision.** Each image is placed on a VE GPU by the VE policy and queued there (FIFO,
+   one image at a time, ``v0 + v1 * patches`` each). When the last image is encoded the
+   request is ready for prefill.
+3. **Prefill.** Default: the request joins its tier's FIFO queue; engines of that tier
+   pull batches (core ``select_batch`` / ``pick_engine``), spread them over their DP
+   ranks (core ``assign_ranks``). Baselines push each request to one DP rank. An engine
+   steps while any rank has work: the core ``plan_step`` plans each rank's chunks; the
+   step lasts ``max over ranks of cost`` plus the MoE stretch
+   ``moe_fraction * b * mean tokens per rank * (moe_lb - 1)``; the ideal step lasts
+   ``mean over ranks of cost``. The first token is produced when the last chunk ends.
+4. **Decode.** The decode policy picks a GPU (core FleetView); a request with no room
+   waits in FIFO until a GPU frees. An instance steps while it holds requests; GPU ``g``
+   needs ``d0 + d1 * conc_g + d2 * kv_g``, the instance moves at its slowest GPU plus
+   the MoE stretch ``moe_fraction * d1 * mean conc * (moe_lb - 1)``; ideal: the mean.
+   Each step adds one token per request; a request finishes after ``output - 1`` steps.
+
+The first tier split uses the demand of the first round (warm start).
+
+Events at the same instant run arrivals first, then others in scheduling order; steps
+are started by a "kick" event so that simultaneous arrivals share a step. Everything is
+deterministic for a given seed: one ``numpy.random.Generator`` per concern, derived
+from the seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from fulcrum.core.cost import CostModel
+from fulcrum.core.decode import DecodeParams
+from fulcrum.core.prefill import batch as core_batch
+from fulcrum.core.prefill import chunks as core_chunks
+from fulcrum.core.prefill import ranks as core_ranks
+from fulcrum.core.prefill import tiers as core_tiers
+from fulcrum.sim import baselines
+from fulcrum.sim.cache import BlockCache
+from fulcrum.sim.cluster import Cluster
+from fulcrum.sim.experts import EplbGroup, Popularity, eplb_policy
+from fulcrum.sim.policies import FULCRUM, DecodeChooser, PolicySet, VisionChooser
+from fulcrum.sim.workload import Request
+
+_PREFILL_DONE: Final = 1
+_DECODE_DONE: Final = 2
+_VE_DONE: Final = 3
+_ROUND: Final = 4
+_PREFILL_KICK: Final = 5
+_DECODE_KICK: Final = 6
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(slots=True)
+class Series:
+    """A time series: ``t_ns[i]``, ``value[i]`` and a weight (e.g. the step's tokens)."""
+
+    t_ns: list[int] = field(default_factory=list)
+    value: list[float] = field(default_factory=list)
+    weight: list[float] = field(default_factory=list)
+
+    def add(self, t: int, v: float, w: float = 1.0) -> None:
+        """Append one point."""
+        self.t_ns.append(t)
+        self.value.append(v)
+        self.weight.append(w)
+
+    def mean(self) -> float | None:
+        """Weighted mean of the values (None when empty or weightless)."""
+        total = sum(self.weight)
+        if not self.value or total <= 0:
+            return None
+        return sum(v * w for v, w in zip(self.value, self.weight, strict=True)) / total
+
+
+@dataclass(slots=True)
+class StageTotals:
+    """Sums over the steps of one stage: GPU-weighted actual and ideal time (ns x GPUs)."""
+
+    steps: int = 0
+    actual_ns: float = 0.0
+    ideal_ns: float = 0.0
+    tokens: int = 0
+    window_ideal_ns: float = 0.0
+
+    @property
+    def fraction(self) -> float:
+        """Ideal / actual time: throughput as a fraction of ideal (1.0 when no step ran)."""
+        return self.ideal_ns / self.actual_ns if self.actual_ns > 0 else 1.0
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Raw output of one run; :mod:`fulcrum.sim.report` summarises it.
+
+    Per-request arrays have shape (n_requests,); times in ns, -1 when the event did not
+    happen before the run ended.
+    """
+
+    policy: str
+    seed: int
+    tier_bounds: tuple[int, ...]
+    arrival_ns: I64
+    input_tokens: I64
+    output_tokens: I64
+    cached_tokens: I64
+    ve_done_ns: I64
+    first_token_ns: I64
+    finish_ns: I64
+    prefill: StageTotals
+    decode: StageTotals
+    prefill_imbalance: Series
+    decode_imbalance: Series
+    ve_imbalance: Series
+    prefill_moe_lb: Series
+    decode_moe_lb: Series
+    prefill_gpus: int
+    decode_gpus: int
+    cache_hit_ratio: float
+    end_ns: int
+    eplb_rebalances: int
+    window_ns: tuple[int, int] = (0, 0)
+
+    @property
+    def prefill_capacity_fraction(self) -> float:
+        """Balanced prefill work done in the measurement window / (prefill GPUs x window).
+
+        The window runs from 10% into the arrival span to the last arrival. When the
+        offered load exceeds capacity (work always waits), this is throughput as a fraction
+        of the ideal fleet, counting idle engines as lost; under light load it is the
+        utilisation.
+        """
+        span = self.window_ns[1] - self.window_ns[0]
+        if span <= 0:
+            return 1.0
+        return self.prefill.window_ideal_ns / (span * self.prefill_gpus)
+
+
+class Simulator:
+    """One run of a workload through a cluster under a policy set (see module docstring)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        policy: PolicySet,
+        requests: Sequence[Request],
+        *,
+        seed: int = 0,
+        drain_s: float = 1_800.0,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self.reqs = sorted(requests, key=lambda r: (r.arrival_ns, r.rid))
+        self.seed = seed
+        self.progress = progress
+        ss = np.random.SeedSequence(seed)
+        (r_route, r_pop_p, r_pop_d, r_moe_p, r_moe_d, r_ve) = (
+            np.random.default_rng(s) for s in ss.spawn(6)
+        )
+        self.rng_route = r_route
+        self.rng_ve = r_ve
+        p, d, v, x = cluster.prefill, cluster.decode, cluster.vision, cluster.experts
+        self.model = CostModel(a=p.cost_a, b=p.cost_b, k=p.cost_k)
+        self.n = len(self.reqs)
+        first = self.reqs[0].arrival_ns if self.reqs else 0
+        last = self.reqs[-1].arrival_ns if self.reqs else 0
+        self.horizon_ns = last + int(drain_s * 1e9)
+        self.window = (first + (last - first) // 10, last)
+
+        # -- per request -------------------------------------------------------------------
+        n = self.n
+        self.arrival = np.array([r.arrival_ns for r in self.reqs], dtype=np.int64)
+        self.inp = np.array([r.input_tokens for r in self.reqs], dtype=np.int64)
+        self.outp = np.array([r.output_tokens for r in self.reqs], dtype=np.int64)
+        self.cached = np.zeros(n, dtype=np.int64)
+        self.ve_done = np.full(n, -1, dtype=np.int64)
+        self.first_tok = np.full(n, -1, dtype=np.int64)
+        self.finish = np.full(n, -1, dtype=np.int64)
+        self.quota: list[int] = [0] * n
+        self.images_left: list[int] = [0] * n
+        self.decode_gpu: list[int] = [-1] * n
+        self.cache = BlockCache(cluster.cache.capacity_blocks)
+
+        # -- prefill -----------------------------------------------------------------------
+        self.n_engines = p.engines
+        self.n_ranks = p.ranks_per_engine
+        self.bounds = core_tiers.validate_bounds(p.tier_bounds)
+        self.n_tiers = len(self.bounds) + 1
+        self.queues: list[list[deque[core_chunks.PrefillTask]]] = [
+            [deque() for _ in range(p.ranks_per_engine)] for _ in range(p.engines)
+        ]
+        self.rank_load: list[list[float]] = [
+            [0.0] * p.ranks_per_engine for _ in range(p.engines)
+        ]
+        self.rank_reqs = np.zeros(p.engines * p.ranks_per_engine, dtype=np.int64)
+        self.engine_busy = [False] * p.engines
+        self.engine_kicked = [False] * p.engines
+        self.engine_plan: list[core_chunks.StepPlan | None] = [None] * p.engines
+        self.tier_queue: list[deque[int]] = [deque() for _ in range(self.n_tiers)]
+        self.tier_queued = [0] * self.n_tiers
+        self.tier_served = [0] * self.n_tiers
+        self.last_demand = [0.0] * self.n_tiers
+        self.horizon = [int(h * 1e9) for h in p.horizon_s]
+        self.batch_cap = [int(c * 1e9) for c in p.batch_cap_s]
+        self.fulcrum_prefill = policy.prefill == FULCRUM
+        if not self.fulcrum_prefill and policy.prefill not in baselines.NAMES:
+            raise ValueError(f"prefill: unknown policy {policy.prefill!r}")
+        self.rank_cursor = 0
+        # Warm start: the first split uses the first round's demand (a deployed system has
+        # history); without it every tier would start with an even share of the engines.
+        warm = np.zeros(self.n_tiers)
+        round_ns = int(p.round_s * 1e9)
+        for r in self.reqs:
+            if r.arrival_ns >= first + round_ns:
+                break
+            t = core_tiers.tier_of(r.input_tokens, self.bounds)
+            warm[t] += self.model.cost(r.input_tokens, 0) - self.model.k
+        counts = core_tiers.allocate(p.engines, warm)
+        self.engine_ids = [f"e{i:03d}" for i in range(p.engines)]
+        assign = core_tiers.assign_engines(self.engine_ids, {}, counts)
+        self.engine_tier = {e: t for e, t in assign.tiers.items()}
+        self.tier_counts = counts
+        if self.fulcrum_prefill:
+            self.budgets = [p.step_budget_ns] * p.ranks_per_engine
+            self.chunk_cap = p.max_chunk_tokens
+        else:
+            self.budgets = [math.inf] * p.ranks_per_engine
+            self.chunk_cap = p.baseline_chunk_tokens
+
+        # -- decode ------------------------------------------------------------------------
+        g = d.n_gpus
+        self.gpi = d.gpus_per_instance
+        self.conc = np.zeros(g, dtype=np.int64)
+        self.kv = np.zeros(g, dtype=np.int64)
+        self.max_conc = np.full(g, d.max_concurrency, dtype=np.int64)
+        self.max_kv = np.full(g, d.max_kv_tokens, dtype=np.int64)
+        self.inst_step = [0] * d.instances
+        self.inst_busy = [False] * d.instances
+        self.inst_kicked = [False] * d.instances
+        self.inst_heap: list[list[tuple[int, int, int]]] = [[] for _ in range(d.instances)]
+        self.inst_conc_snapshot: list[I64 | None] = [None] * d.instances
+        self.decode_wait: deque[int] = deque()
+        self.decode_policy = DecodeChooser(
+            policy.decode, DecodeParams(d0_ns=d.d0_ns, d1_ns=d.d1_ns, d2_ns=d.d2_ns)
+        )
+
+        # -- vision ------------------------------------------------------------------------
+        self.ve_patches = np.zeros(v.n_gpus, dtype=np.int64)
+        self.ve_images = np.zeros(v.n_gpus, dtype=np.int64)
+        self.ve_queue: list[deque[tuple[int, int]]] = [deque() for _ in range(v.n_gpus)]
+        self.ve_busy = [False] * v.n_gpus
+        self.vision_policy = VisionChooser(policy.vision, v.machines, v.gpus_per_machine)
+
+        # -- experts -----------------------------------------------------------------------
+        place = eplb_policy(policy.eplb)
+        pop_p = Popularity(x, r_pop_p)
+        pop_d = Popularity(x, r_pop_d)
+        self.eplb_prefill = [
+            EplbGroup("prefill", p.ranks_per_engine, pop_p, place, r_moe_p)
+            for _ in range(p.engines)
+        ]
+        self.eplb_decode = [
+            EplbGroup("decode", d.gpus_per_instance, pop_d, place, r_moe_d)
+            for _ in range(d.instances)
+        ]
+
+        # -- bookkeeping -------------------------------------------------------------------
+        self.now = 0
+        self.heap: list[tuple[int, int, int, int]] = []
+        self.seq = 0
+        self.pending = n
+        self.prefill_tot = StageTotals()
+        self.decode_tot = StageTotals()
+        self.s_pimb = Series()
+        self.s_dimb = Series()
+        self.s_veimb = Series()
+        self.s_plb = Series()
+        self.s_dlb = Series()
+
+    # -- event plumbing ---------------------------------------------------------------------
+    def _push(self, t: int, kind: int, arg: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, arg))
+
+    def run(self) -> SimResult:
+        """Run to completion (or the drain horizon) and return the raw result."""
+        reqs = self.reqs
+        i = 0
+        n = self.n
+        if self.fulcrum_prefill and n:
+            self._push(int(self.cluster.prefill.round_s * 1e9), _ROUND, 0)
+        next_report = 0.0
+        while True:
+            t_heap = self.heap[0][0] if self.heap else None
+            if i < n and (t_heap is None or reqs[i].arrival_ns <= t_heap):
+                self.now = reqs[i].arrival_ns
+                self._arrive(i)
+                i += 1
+                if self.progress is not None and i / n >= next_report:
+                    self.progress(i / n)
+                    next_report += 0.05
+                continue
+            if t_heap is None or (self.pending == 0 and i >= n):
+                break
+            t, _, kind, arg = heapq.heappop(self.heap)
+            if t > self.horizon_ns:
+                self.now = self.horizon_ns
+                break
+            self.now = t
+            if kind == _PREFILL_DONE:
+                self._prefill_done(arg)
+            elif kind == _DECODE_DONE:
+                self._decode_done(arg)
+            elif kind == _VE_DONE:
+                self._ve_done(arg)
+            elif kind == _ROUND:
+                self._round()
+            elif kind == _PREFILL_KICK:
+                self.engine_kicked[arg] = False
+                if not self.engine_busy[arg]:
+                    self._start_prefill_step(arg)
+            elif kind == _DECODE_KICK:
+                self.inst_kicked[arg] = False
+                if not self.inst_busy[arg]:
+                    self._start_decode_step(arg)
+        return self._result()
+
+    # -- arrival and vision -----------------------------------------------------------------
+    def _arrive(self, rid: int) -> None:
+        r = self.reqs[rid]
+        c0 = self.cache.lookup_and_insert(r.hash_ids, r.input_tokens)
+        self.cached[rid] = c0
+        q = r.input_tokens - c0
+        self.quota[rid] = max(0, math.ceil(self.model.cost(q, c0) - self.model.k))
+        if r.image_patches:
+            self.images_left[rid] = len(r.image_patches)
+            for patches in r.image_patches:
+                self._place_image(rid, patches)
+        else:
+            self._prefill_ready(rid)
+
+    def _place_image(self, rid: int, patches: int) -> None:
+        g = self.vision_policy.choose(self.ve_patches, self.ve_images, patches, self.rng_ve)
+        self.ve_patches[g] += patches
+        self.ve_images[g] += 1
+        mean = float(self.ve_patches.mean())
+        if mean > 0:
+            self.s_veimb.add(self.now, float(self.ve_patches.max()) / mean)
+        self.ve_queue[g].append((rid, patches))
+        if not self.ve_busy[g]:
+            self._start_ve(g)
+
+    def _start_ve(self, g: int) -> None:
+        if not self.ve_queue[g]:
+            self.ve_busy[g] = False
+            return
+        _, patches = self.ve_queue[g][0]
+        v = self.cluster.vision
+        self.ve_busy[g] = True
+        self._push(self.now + max(1, math.ceil(v.v0_ns + v.v1_ns * patches)), _VE_DONE, g)
+
+    def _ve_done(self, g: int) -> None:
+        rid, patches = self.ve_queue[g].popleft()
+        self.ve_patches[g] -= patches
+        self.ve_images[g] -= 1
+        self.images_left[rid] -= 1
+        if self.images_left[rid] == 0:
+            self.ve_done[rid] = self.now
+            self._prefill_ready(rid)
+        self._start_ve(g)
+
+    # -- prefill ----------------------------------------------------------------------------
+    def _prefill_ready(self, rid: int) -> None:
+        if self.fulcrum_prefill:
+            t = core_tiers.tier_of(int(self.inp[rid]), self.bounds)
+            self.tier_queue[t].append(rid)
+            self.tier_queued[t] += self.quota[rid]
+            if self.tier_counts[t] == 0:
+                self._rebalance(orphan=True)  # work for a tier with no engine: at once
+            self._pull(t)
+        else:
+            rank, self.rank_cursor = baselines.choose(
+                self.policy.prefill, self.rank_reqs, self.rng_route, self.rank_cursor
+            )
+            e, r = divmod(rank, self.n_ranks)
+            self._enqueue(e, r, rid)
+            self._kick_engine(e)
+
+    def _enqueue(self, e: int, r: int, rid: int) -> None:
+        total = int(self.inp[rid])
+        self.queues[e][r].append(
+            core_chunks.PrefillTask(str(rid), int(self.cached[rid]), total)
+        )
+        self.rank_load[e][r] += self.quota[rid]
+        self.rank_reqs[e * self.n_ranks + r] += 1
+
+    def _remaining(self, e: int, tier: int) -> int:
+        h = self.horizon[tier]
+        return int(sum(max(0.0, h - load) for load in self.rank_load[e]))
+
+    def _pull(self, tier: int) -> None:
+        queue = self.tier_queue[tier]
+        if not queue:
+            return
+        cands = [i for i, eid in enumerate(self.engine_ids) if self.engine_tier[eid] == tier]
+        while queue and cands:
+            remaining = [self._remaining(e, tier) for e in cands]
+            k = core_batch.pick_engine(remaining)
+            e = cands[k]
+            loads = self.rank_load[e]
+            idle = max(loads) <= 0.0
+            quota = self.quota
+            n = core_batch.select_batch(
+                (quota[rid] for rid in queue), remaining[k], self.batch_cap[tier], idle=idle
+            )
+            if n == 0:
+                cands.pop(k)
+                continue
+            batch = [queue.popleft() for _ in range(n)]
+            pulled = sum(quota[rid] for rid in batch)
+            self.tier_queued[tier] -= pulled
+            self.tier_served[tier] += pulled
+            plan = core_ranks.assign_ranks(
+                [max(0, int(x)) for x in loads], [quota[rid] for rid in batch]
+            )
+            for rid, r in zip(batch, plan.ranks, strict=True):
+                self._enqueue(e, r, rid)
+            self._kick_engine(e)
+
+    def _kick_engine(self, e: int) -> None:
+        if not self.engine_busy[e] and not self.engine_kicked[e]:
+            self.engine_kicked[e] = True
+            self._push(self.now, _PREFILL_KICK, e)
+
+    def _start_prefill_step(self, e: int) -> None:
+        queues = self.queues[e]
+        if not any(queues):
+            self.engine_busy[e] = False
+            return
+        cap = self.chunk_cap
+        heads: list[list[core_chunks.PrefillTask]] = []
+        for q in queues:
+            head: list[core_chunks.PrefillTask] = []
+            need = 0
+            for task in q:
+                head.append(task)
+                need += task.need
+                if need >= cap:
+                    break
+            heads.append(head)
+        plan = core_chunks.plan_step(heads, self.budgets, self.model, cap=cap)
+        costs = plan.cost_ns
+        tokens = sum(plan.tokens)
+        r = len(costs)
+        mean = sum(costs) / r
+        mx = max(costs)
+        if self.policy.ideal:
+            lb = 1.0
+            dur = mean
+        else:
+            lb = self.eplb_prefill[e].step(self.now, tokens)
+            extra = self.cluster.prefill.moe_fraction * self.model.b * tokens / r * (lb - 1.0)
+            dur = mx + extra
+        tot = self.prefill_tot
+        tot.steps += 1
+        tot.actual_ns += dur * r
+        tot.ideal_ns += mean * r
+        tot.tokens += tokens
+        if self.window[0] <= self.now < self.window[1]:
+            tot.window_ideal_ns += mean * r
+        if mean > 0:
+            self.s_pimb.add(self.now, mx / mean)
+        self.s_plb.add(self.now, lb, float(tokens))
+        self.engine_busy[e] = True
+        self.engine_plan[e] = plan
+        self._push(self.now + max(1, math.ceil(dur)), _PREFILL_DONE, e)
+
+    def _prefill_done(self, e: int) -> None:
+        plan = self.engine_plan[e]
+        assert plan is not None
+        self.engine_plan[e] = None
+        finished: list[int] = []
+        for r, chunks in enumerate(plan.chunks):
+            q = self.queues[e][r]
+            for ch in chunks:
+                task = q.popleft()
+                self.rank_load[e][r] -= ch.cost_ns
+                if ch.last:
+                    finished.append(int(task.request_id))
+                    self.rank_reqs[e * self.n_ranks + r] -= 1
+                else:
+                    q.appendleft(
+                        core_chunks.PrefillTask(task.request_id, ch.start + ch.tokens, task.total)
+                    )
+            if not q:
+                self.rank_load[e][r] = 0.0  # clear float drift
+        self.engine_busy[e] = False
+        for rid in finished:
+            self.first_tok[rid] = self.now
+            self._decode_admit(rid)
+        if self.fulcrum_prefill:
+            self._pull(self.engine_tier[self.engine_ids[e]])
+        self._start_prefill_step(e)
+
+    def _round(self) -> None:
+        self._rebalance(orphan=False)
+        if self.pending > 0:
+            self._push(self.now + int(self.cluster.prefill.round_s * 1e9), _ROUND, 0)
+
+    def _rebalance(self, *, orphan: bool) -> None:
+        """Re-split engines across tiers (core ``allocate`` + ``assign_engines``).
+
+        A round's demand per tier is the quota served in the round plus the quota still
+        queued (ns); an orphan rebalance (work for a tier without an engine) uses the
+        larger of the last round's demand and the current one, as the daemon does.
+        """
+        current = [float(s + q) for s, q in zip(self.tier_served, self.tier_queued,
+                                                 strict=True)]
+        if orphan:
+            demand = [max(a, b) for a, b in zip(self.last_demand, current, strict=True)]
+        else:
+            demand = current
+            self.last_demand = current
+            self.tier_served = [0] * self.n_tiers
+        counts = core_tiers.allocate(
+            self.n_engines, np.array(demand, dtype=np.float64), self.tier_counts,
+            self.cluster.prefill.hysteresis,
+        )
+        assign = core_tiers.assign_engines(self.engine_ids, self.engine_tier, counts)
+        self.engine_tier = dict(assign.tiers)
+        self.tier_counts = counts
+        for t in range(self.n_tiers):
+            self._pull(t)
+
+    # -- decode -----------------------------------------------------------------------------
+    def _decode_admit(self, rid: int) -> None:
+        if self.outp[rid] <= 1:
+            self._finish(rid)
+            return
+        if self.decode_wait:
+            self.decode_wait.append(rid)
+            return
+        if not self._try_place(rid):
+            self.decode_wait.append(rid)
+
+    def _try_place(self, rid: int) -> bool:
+        kv_tokens = int(self.inp[rid])
+        g = self.decode_policy.choose(
+            self.conc, self.kv, self.max_conc, self.max_kv, kv_tokens, self.rng_route
+        )
+        if g < 0:
+            return False
+        self.conc[g] += 1
+        self.kv[g] += kv_tokens
+        self.decode_gpu[rid] = g
+        inst = g // self.gpi
+        busy = 1 if self.inst_busy[inst] else 0
+        finish_step = self.inst_step[inst] + int(self.outp[rid]) - 1 + busy
+        heapq.heappush(self.inst_heap[inst], (finish_step, rid, g))
+        if not self.inst_busy[inst] and not self.inst_kicked[inst]:
+            self.inst_kicked[inst] = True
+            self._push(self.now, _DECODE_KICK, inst)
+        return True
+
+    def _start_decode_step(self, inst: int) -> None:
+        if not self.inst_heap[inst]:
+            self.inst_busy[inst] = False
+            return
+        d = self.cluster.decode
+        s = slice(inst * self.gpi, (inst + 1) * self.gpi)
+        conc = self.conc[s].copy()
+        kv = self.kv[s]
+        load = d.d1_ns * conc + d.d2_ns * kv
+        mx_load = float(load.max())
+        mean_load = float(load.mean())
+        tokens = int(conc.sum())
+        mean = d.d0_ns + mean_load
+        if self.policy.ideal:
+            lb = 1.0
+            dur = mean
+        else:
+            lb = self.eplb_decode[inst].step(self.now, tokens)
+            dur = d.d0_ns + mx_load + d.moe_fraction * d.d1_ns * tokens / self.gpi * (lb - 1.0)
+        tot = self.decode_tot
+        tot.steps += 1
+        tot.actual_ns += dur * self.gpi
+        tot.ideal_ns += mean * self.gpi
+        tot.tokens += tokens
+        if mean_load > 0:
+            self.s_dimb.add(self.now, mx_load / mean_load)
+        self.s_dlb.add(self.now, lb, float(tokens))
+        self.inst_conc_snapshot[inst] = conc
+        self.inst_busy[inst] = True
+        self._push(self.now + max(1, math.ceil(dur)), _DECODE_DONE, inst)
+
+    def _decode_done(self, inst: int) -> None:
+        s = slice(inst * self.gpi, (inst + 1) * self.gpi)
+        snap = self.inst_conc_snapshot[inst]
+        assert snap is not None
+        self.kv[s] += snap
+        self.inst_step[inst] += 1
+        step = self.inst_step[inst]
+        heap = self.inst_heap[inst]
+        released = False
+        while heap and heap[0][0] <= step:
+            _, rid, g = heapq.heappop(heap)
+            self.conc[g] -= 1
+            self.kv[g] -= int(self.inp[rid]) + int(self.outp[rid]) - 1
+            self._finish(rid)
+            released = True
+        self.inst_busy[inst] = False
+        if released:
+            while self.decode_wait and self._try_place(self.decode_wait[0]):
+                self.decode_wait.popleft()
+        self._start_decode_step(inst)
+
+    def _finish(self, rid: int) -> None:
+        self.finish[rid] = self.now
+        self.pending -= 1
+
+    # -- result -----------------------------------------------------------------------------
+    def _result(self) -> SimResult:
+        return SimResult(
+            policy=self.policy.name,
+            seed=self.seed,
+            tier_bounds=self.bounds,
+            arrival_ns=self.arrival,
+            input_tokens=self.inp,
+            output_tokens=self.outp,
+            cached_tokens=self.cached,
+            ve_done_ns=self.ve_done,
+            first_token_ns=self.first_tok,
+            finish_ns=self.finish,
+            prefill=self.prefill_tot,
+            decode=self.decode_tot,
+            prefill_imbalance=self.s_pimb,
+            decode_imbalance=self.s_dimb,
+            ve_imbalance=self.s_veimb,
+            prefill_moe_lb=self.s_plb,
+            decode_moe_lb=self.s_dlb,
+            prefill_gpus=self.n_engines * self.n_ranks,
+            decode_gpus=self.cluster.decode.n_gpus,
+            cache_hit_ratio=self.cache.hit_ratio,
+            end_ns=self.now,
+            eplb_rebalances=sum(g.rebalances for g in self.eplb_prefill + self.eplb_decode),
+            window_ns=self.window,
+        )
+
+
+def simulate(
+    cluster: Cluster,
+    policy: PolicySet,
+    requests: Sequence[Request],
+    *,
+    seed: int = 0,
+    drain_s: float = 1_800.0,
+    progress: bool = False,
+) -> SimResult:
+    """Convenience wrapper: build a :class:`Simulator`, run it, return the result."""
+
+    def report(frac: float) -> None:
+        sys.stderr.write(f"\r  {policy.name}: {frac * 100:5.1f}% of arrivals")
+        if frac >= 1.0:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    show = progress and sys.stderr.isatty()
+    sim = Simulator(
+        cluster, policy, requests, seed=seed, drain_s=drain_s,
+        progress=report if show else None,
+    )
+    return sim.run()

@@ -1,0 +1,259 @@
+"""Summaries of simulator runs: figures, a side-by-side table, JSON, PNG plots.
+
+Figures of one run (:func:`summarize`):
+
+* ``ttft_p50_s`` / ``ttft_p99_s`` per tier (tiers by total input length, the prefill
+  tiers' bounds), from arrival to the first token (VE time included);
+* ``tpot_p50_ms`` / ``tpot_p99_ms``: time per output token after the first;
+* ``prefill_imbalance`` / ``decode_imbalance``: mean over steps of max/mean over the
+  group's ranks of the step's work (prefill: the rank's predicted cost; decode: the
+  GPU's ``d1*conc + d2*kv``); ``ve_imbalance``: mean over placements of max/mean patches
+  in flight over VE GPUs;
+* ``prefill_moe_lb`` / ``decode_moe_lb``: mean moe_lb over steps, weighted by the
+  step's tokens (a step of a few tokens has a noisy but cheap MoE phase);
+* ``prefill_fraction`` / ``decode_fraction``: sum of the steps' ideal (perfectly balanced)
+  time / sum of their actual time, i.e. throughput as a fraction of ideal for the same
+  work; ``fraction``: the same over both stages, weighted by GPUs (GPU-seconds);
+* ``prefill_capacity_fraction``: balanced prefill work done while requests kept
+  arriving / (prefill GPUs x that time): under overload, throughput as a fraction of an
+  ideal fleet that also counts idle engines (tier fragmentation) as lost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fulcrum.core.prefill.tiers import tier_label
+from fulcrum.sim.engine import Series, SimResult
+
+
+def _pct(values: np.ndarray, q: float) -> float | None:
+    if values.size == 0:
+        return None
+    return float(np.percentile(values, q))
+
+
+def summarize(res: SimResult) -> dict[str, Any]:
+    """Headline figures of one run (see module docstring); JSON-ready."""
+    done = res.first_token_ns >= 0
+    ttft = (res.first_token_ns - res.arrival_ns) / 1e9
+    tiers = np.searchsorted(np.asarray(res.tier_bounds), res.input_tokens, side="right")
+    per_tier: dict[str, dict[str, Any]] = {}
+    for t in range(len(res.tier_bounds) + 1):
+        sel = done & (tiers == t)
+        total = int((tiers == t).sum())
+        if total == 0:
+            continue
+        vals = ttft[sel]
+        per_tier[tier_label(res.tier_bounds, t)] = {
+            "requests": total,
+            "ttft_p50_s": _pct(vals, 50),
+            "ttft_p99_s": _pct(vals, 99),
+        }
+    multi = (res.finish_ns >= 0) & (res.output_tokens > 1)
+    tpot = (res.finish_ns[multi] - res.first_token_ns[multi]) / (
+        res.output_tokens[multi] - 1
+    ) / 1e6
+    p, d = res.prefill, res.decode
+    wp, wd = res.prefill_gpus, res.decode_gpus
+    # Stage totals are already GPU-weighted (ns x GPUs).
+    actual = p.actual_ns + d.actual_ns
+    fraction = (p.ideal_ns + d.ideal_ns) / actual if actual > 0 else 1.0
+    del wp, wd
+    return {
+        "policy": res.policy,
+        "seed": res.seed,
+        "requests": int(res.arrival_ns.size),
+        "completed": int((res.finish_ns >= 0).sum()),
+        "virtual_s": res.end_ns / 1e9,
+        "cache_hit_ratio": res.cache_hit_ratio,
+        "ttft": per_tier,
+        "tpot_p50_ms": _pct(tpot, 50),
+        "tpot_p99_ms": _pct(tpot, 99),
+        "prefill_imbalance": res.prefill_imbalance.mean(),
+        "decode_imbalance": res.decode_imbalance.mean(),
+        "ve_imbalance": res.ve_imbalance.mean(),
+        "prefill_moe_lb": res.prefill_moe_lb.mean(),
+        "decode_moe_lb": res.decode_moe_lb.mean(),
+        "prefill_fraction": p.fraction,
+        "decode_fraction": d.fraction,
+        "fraction": fraction,
+        "prefill_capacity_fraction": res.prefill_capacity_fraction,
+        "prefill_steps": p.steps,
+        "decode_steps": d.steps,
+        "eplb_rebalances": res.eplb_rebalances,
+    }
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def table_rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """Rows (label, one cell per run) of the side-by-side table."""
+    tiers: list[str] = []
+    for s in summaries:
+        for t in s["ttft"]:
+            if t not in tiers:
+                tiers.append(t)
+    rows: list[tuple[str, list[str]]] = [
+        ("completed", [f"{s['completed']}/{s['requests']}" for s in summaries]),
+    ]
+    for t in tiers:
+        for key, name in (("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")):
+            rows.append(
+                (
+                    f"TTFT {name} {t} (s)",
+                    [_fmt(s["ttft"].get(t, {}).get(key), 2) for s in summaries],
+                )
+            )
+    spec = (
+        ("TPOT p50 (ms)", "tpot_p50_ms", 1),
+        ("TPOT p99 (ms)", "tpot_p99_ms", 1),
+        ("prefill imbalance", "prefill_imbalance", 3),
+        ("decode imbalance", "decode_imbalance", 3),
+        ("VE imbalance", "ve_imbalance", 3),
+        ("prefill moe_lb", "prefill_moe_lb", 3),
+        ("decode moe_lb", "decode_moe_lb", 3),
+        ("prefill fraction of ideal", "prefill_fraction", 3),
+        ("decode fraction of ideal", "decode_fraction", 3),
+        ("throughput fraction of ideal", "fraction", 3),
+        ("prefill capacity fraction", "prefill_capacity_fraction", 3),
+    )
+    for label, key, digits in spec:
+        rows.append((label, [_fmt(s[key], digits) for s in summaries]))
+    return rows
+
+
+def format_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """Plain-text table, one column per run."""
+    rows = table_rows(summaries)
+    head = ["metric"] + [s["policy"] for s in summaries]
+    width0 = max(len(head[0]), *(len(r[0]) for r in rows))
+    widths = [
+        max(len(head[i + 1]), *(len(r[1][i]) for r in rows)) for i in range(len(summaries))
+    ]
+    lines = [
+        head[0].ljust(width0) + "  " + "  ".join(h.rjust(w) for h, w in zip(head[1:], widths,
+                                                                          strict=True))
+    ]
+    lines.append("-" * len(lines[0]))
+    for label, cells in rows:
+        lines.append(
+            label.ljust(width0)
+            + "  "
+            + "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+        )
+    return "\n".join(lines)
+
+
+def format_markdown(summaries: Sequence[dict[str, Any]]) -> str:
+    """Markdown table, one column per run."""
+    rows = table_rows(summaries)
+    out = ["| metric | " + " | ".join(s["policy"] for s in summaries) + " |"]
+    out.append("|---|" + "---:|" * len(summaries))
+    for label, cells in rows:
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def to_json(summaries: Sequence[dict[str, Any]], meta: dict[str, Any] | None = None) -> str:
+    """JSON document of the summaries (and optional metadata)."""
+    return json.dumps({"meta": meta or {}, "runs": list(summaries)}, indent=2, sort_keys=True)
+
+
+# -- plots --------------------------------------------------------------------------------
+def _smooth(series: Series, bins: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    """Mean of ``series`` in ``bins`` equal time bins (s, value); empty bins dropped."""
+    if not series.t_ns:
+        return np.zeros(0), np.zeros(0)
+    t = np.asarray(series.t_ns, dtype=np.float64) / 1e9
+    v = np.asarray(series.value, dtype=np.float64)
+    edges = np.linspace(t.min(), t.max() + 1e-9, bins + 1)
+    idx = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, bins - 1)
+    sums = np.bincount(idx, weights=v, minlength=bins)
+    cnt = np.bincount(idx, minlength=bins)
+    ok = cnt > 0
+    centres = (edges[:-1] + edges[1:]) / 2
+    return centres[ok], sums[ok] / cnt[ok]
+
+
+def plot_runs(results: Sequence[SimResult], out_dir: Path, prefix: str = "") -> list[Path]:
+    """Write TTFT CDF per tier, imbalance over time and moe_lb over time as PNGs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    if not results:
+        return written
+    bounds = results[0].tier_bounds
+    n_tiers = len(bounds) + 1
+    present = [
+        t
+        for t in range(n_tiers)
+        if any(
+            (np.searchsorted(np.asarray(bounds), r.input_tokens, side="right") == t).any()
+            for r in results
+        )
+    ]
+    fig, axes = plt.subplots(1, max(1, len(present)), figsize=(4.2 * max(1, len(present)), 3.6),
+                             squeeze=False)
+    for ax, t in zip(axes[0], present, strict=False):
+        for r in results:
+            tiers = np.searchsorted(np.asarray(bounds), r.input_tokens, side="right")
+            sel = (tiers == t) & (r.first_token_ns >= 0)
+            vals = np.sort((r.first_token_ns[sel] - r.arrival_ns[sel]) / 1e9)
+            if vals.size:
+                ax.plot(vals, np.arange(1, vals.size + 1) / vals.size, label=r.policy)
+        ax.set_xscale("log")
+        ax.set_title(f"TTFT CDF, tier {tier_label(bounds, t)}")
+        ax.set_xlabel("TTFT (s)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("fraction of requests")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / f"{prefix}ttft_cdf.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+
+    panels: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+        ("imbalance", (("prefill", "prefill_imbalance"), ("decode", "decode_imbalance"),
+                       ("VE", "ve_imbalance"))),
+        ("moe_lb", (("prefill", "prefill_moe_lb"), ("decode", "decode_moe_lb"))),
+    )
+    for name, getters in panels:
+        fig, axes = plt.subplots(1, len(getters), figsize=(4.6 * len(getters), 3.4),
+                                 squeeze=False)
+        for ax, (stage, get) in zip(axes[0], getters, strict=True):
+            for r in results:
+                series: Series = getattr(r, get)
+                x, y = _smooth(series)
+                if x.size:
+                    ax.plot(x, y, label=r.policy, linewidth=1)
+            ax.set_title(f"{stage} {name} (max/mean)" if name == "imbalance"
+                         else f"{stage} moe_lb")
+            ax.set_xlabel("virtual time (s)")
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"{prefix}{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,365 @@
+"""Workloads for the simulator: request records, trace readers, scaling and mixing.
+
+A :class:`Request` carries everything the simulator needs about one request: its
+arrival time (ns, virtual clock), input and output lengths (tokens), the prefix-cache
+block ids of its input (Mooncake-style ``hash_ids``: one id per 512-token block, equal ids
+mean equal prefix blocks) and the patches of each of its images.
+
+Readers (all deterministic; random sampling takes a ``numpy.random.Generator``):
+
+* :func:`read_mooncake` -- Mooncake JSONL (``timestamp`` ms, ``input_length``,
+  ``output_length``, ``hash_ids``);
+* :func:`read_azure` -- Azure LLM inference CSV (``TIMESTAMP``, ``ContextTokens``,
+  ``GeneratedTokens``); no prefix information, so no cache hits;
+* :func:`servegen_requests` -- ServeGen multimodal client distributions (per ten-minute
+  window: rate and inter-arrival shape; per six hours: distributions of text tokens,
+  images per request, tokens per image, output tokens);
+* :mod:`fulcrum.sim.synthetic` -- long-context agent sessions, screenshots, tier surges.
+
+Transforms: :func:`scale_rate` (arrival rate), :func:`scale_length` (input lengths, with
+block ids remapped so shared prefixes stay shared), :func:`window`, :func:`merge`.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+
+BLOCK_TOKENS: Final = 512
+"""Tokens per prefix-cache block (Mooncake ``hash_ids`` granularity)."""
+
+PATCHES_PER_IMAGE_TOKEN: Final = 4
+"""Vision patches per image token after the encoder's 2x2 patch merge (our decision)."""
+
+NS_PER_S: Final = 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a workload.
+
+    ``arrival_ns`` -- arrival on the virtual clock (ns); ``input_tokens`` -- total context
+    (tokens, text + image tokens); ``output_tokens`` -- generated tokens (>= 1);
+    ``hash_ids`` -- prefix-cache block ids, one per :data:`BLOCK_TOKENS` tokens of input
+    (may be empty: no prefix information); ``image_patches`` -- patches of each image
+    (patches); ``source`` -- a short label of where the request came from.
+    """
+
+    rid: int
+    arrival_ns: int
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] = ()
+    image_patches: tuple[int, ...] = ()
+    source: str = ""
+
+
+def traces_dir() -> Path:
+    """Directory of the shared traces: ``$FULCRUM_TRACES`` or ``<repo>/../shared/traces``."""
+    env = os.environ.get("FULCRUM_TRACES")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[3]
+    return repo.parent / "shared" / "traces"
+
+
+def _renumber(reqs: Iterable[Request]) -> list[Request]:
+    ordered = sorted(reqs, key=lambda r: (r.arrival_ns, r.rid))
+    return [replace(r, rid=i) for i, r in enumerate(ordered)]
+
+
+def read_mooncake(path: Path, *, limit: int | None = None) -> list[Request]:
+    """Read a Mooncake JSONL trace; ``timestamp`` is ms from the start."""
+    out: list[Request] = []
+    with path.open() as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            out.append(
+                Request(
+                    rid=len(out),
+                    arrival_ns=int(row["timestamp"]) * 1_000_000,
+                    input_tokens=max(1, int(row["input_length"])),
+                    output_tokens=max(1, int(row["output_length"])),
+                    hash_ids=tuple(int(h) for h in row.get("hash_ids", ())),
+                    source="mooncake",
+                )
+            )
+            if limit is not None and len(out) >= limit:
+                break
+    return _renumber(out)
+
+
+def _azure_ts_ns(text: str) -> int:
+    """``2023-11-16 18:17:03.9799600`` -> ns since the epoch (fraction of any length)."""
+    base, _, frac = text.strip().partition(".")
+    dt = datetime.strptime(base, "%Y-%m-%d %H:%M:%S")
+    digits = (frac + "000000000")[:9]
+    return int(dt.timestamp()) * NS_PER_S + int(digits)
+
+
+def read_azure(path: Path, *, limit: int | None = None) -> list[Request]:
+    """Read an Azure LLM inference trace CSV; arrivals are relative to the first row."""
+    rows: list[tuple[int, int, int]] = []
+    with path.open(newline="") as fh:
+        for row in csv.DictReader(fh):
+            rows.append(
+                (
+                    _azure_ts_ns(row["TIMESTAMP"]),
+                    max(1, int(row["ContextTokens"])),
+                    max(1, int(row["GeneratedTokens"])),
+                )
+            )
+            if limit is not None and len(rows) >= limit:
+                break
+    if not rows:
+        return []
+    t0 = min(r[0] for r in rows)
+    label = "azure-" + path.stem.rsplit("_", 1)[-1]
+    return _renumber(
+        Request(rid=i, arrival_ns=t - t0, input_tokens=inp, output_tokens=out, source=label)
+        for i, (t, inp, out) in enumerate(rows)
+    )
+
+
+# -- ServeGen -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Discrete:
+    """A discrete distribution: ``values`` (shape (n,)) with probabilities ``probs``."""
+
+    values: tuple[int, ...]
+    probs: tuple[float, ...]
+
+    @staticmethod
+    def parse(text: str) -> Discrete:
+        """Parse ServeGen's ``"{value: probability, ...}"`` string."""
+        raw = ast.literal_eval(text)
+        if not isinstance(raw, dict) or not raw:
+            raise ValueError(f"distribution: expected a non-empty dict, got {text[:40]!r}")
+        vals = tuple(int(v) for v in raw)
+        total = float(sum(float(p) for p in raw.values()))
+        probs = tuple(float(p) / total for p in raw.values())
+        return Discrete(vals, probs)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` draws (shape (n,), int64)."""
+        idx = rng.choice(len(self.values), size=n, p=np.asarray(self.probs))
+        return np.asarray(self.values, dtype=np.int64)[idx]
+
+    def mean(self) -> float:
+        """Expected value."""
+        return float(np.dot(self.values, self.probs))
+
+
+@dataclass(frozen=True, slots=True)
+class ServeGenWindow:
+    """One ten-minute window of one ServeGen client: start (s), rate (req/s), inter-arrival
+    distribution (``Gamma`` or ``Weibull`` with ``shape`` and ``scale`` in s)."""
+
+    start_s: int
+    rate: float
+    dist: str
+    shape: float
+    scale: float
+
+
+def read_servegen_client(
+    directory: Path, chunk: int
+) -> tuple[list[ServeGenWindow], dict[int, dict[str, Discrete]]]:
+    """Windows and distributions (keyed by their start second) of one ServeGen client."""
+    windows: list[ServeGenWindow] = []
+    with (directory / f"chunk-{chunk}-trace.csv").open(newline="") as fh:
+        for row in csv.reader(fh):
+            if not row:
+                continue
+            windows.append(
+                ServeGenWindow(
+                    start_s=int(float(row[0])),
+                    rate=float(row[1]),
+                    dist=row[3] if len(row) > 3 else "",
+                    shape=float(row[4]) if len(row) > 4 and row[4] else 0.0,
+                    scale=float(row[5]) if len(row) > 5 and row[5] else 0.0,
+                )
+            )
+    with (directory / f"chunk-{chunk}-dataset.json").open() as fh:
+        raw = json.load(fh)
+    dists = {
+        int(k): {
+            name: Discrete.parse(v[name])
+            for name in ("text_tokens", "image_count", "image_tokens", "output_tokens")
+        }
+        for k, v in raw.items()
+    }
+    return windows, dists
+
+
+def _interarrivals(w: ServeGenWindow, rng: np.random.Generator, n: int) -> np.ndarray:
+    """``n`` inter-arrival gaps (s) of window ``w``."""
+    if w.dist == "Gamma" and w.shape > 0 and w.scale > 0:
+        return rng.gamma(w.shape, w.scale, size=n)
+    if w.dist == "Weibull" and w.shape > 0 and w.scale > 0:
+        return w.scale * rng.weibull(w.shape, size=n)
+    return rng.exponential(1.0 / w.rate, size=n)
+
+
+def servegen_requests(
+    directory: Path,
+    rng: np.random.Generator,
+    *,
+    start_s: int = 0,
+    duration_s: float = 600.0,
+    clients: Sequence[int] | None = None,
+    patches_per_token: int = PATCHES_PER_IMAGE_TOKEN,
+) -> list[Request]:
+    """Sample multimodal requests from ServeGen client distributions.
+
+    Arrivals of each client follow its window's inter-arrival distribution, rescaled so
+    the window's mean rate is the published rate; each request draws its text tokens,
+    image count, tokens per image (independently per image) and output tokens from the
+    client's distributions in force. ``input_tokens`` = text + image tokens;
+    ``image_patches`` = image tokens x ``patches_per_token``.
+    """
+    if clients is None:
+        clients = sorted(
+            int(p.name.split("-")[1]) for p in directory.glob("chunk-*-trace.csv")
+        )
+    out: list[Request] = []
+    end_s = start_s + duration_s
+    for chunk in clients:
+        windows, dists = read_servegen_client(directory, chunk)
+        keys = sorted(dists)
+        for w in windows:
+            lo, hi = max(w.start_s, start_s), min(w.start_s + 600.0, end_s)
+            if w.rate <= 0 or hi <= lo:
+                continue
+            n_expect = w.rate * (hi - lo)
+            gaps = _interarrivals(w, rng, int(n_expect * 2 + 20))
+            mean_gap = float(gaps.mean()) if gaps.size else 1.0
+            gaps *= (1.0 / w.rate) / mean_gap if mean_gap > 0 else 1.0
+            times = lo + np.cumsum(gaps) - gaps[0] * rng.random()
+            times = times[(times >= lo) & (times < hi)]
+            if times.size == 0:
+                continue
+            key = max([k for k in keys if k <= w.start_s] or [keys[0]])
+            d = dists[key]
+            n = int(times.size)
+            text = d["text_tokens"].sample(rng, n)
+            counts = d["image_count"].sample(rng, n)
+            outs = d["output_tokens"].sample(rng, n)
+            per_image = d["image_tokens"].sample(rng, int(counts.sum()))
+            pos = 0
+            for i in range(n):
+                k = int(counts[i])
+                toks = [int(t) for t in per_image[pos : pos + k]]
+                pos += k
+                inp = int(text[i]) + sum(toks)
+                if inp <= 0:
+                    continue
+                out.append(
+                    Request(
+                        rid=0,
+                        arrival_ns=int((times[i] - start_s) * NS_PER_S),
+                        input_tokens=inp,
+                        output_tokens=max(1, int(outs[i])),
+                        image_patches=tuple(t * patches_per_token for t in toks if t > 0),
+                        source="servegen",
+                    )
+                )
+    return _renumber(out)
+
+
+# -- transforms ---------------------------------------------------------------------------
+def scale_rate(reqs: Sequence[Request], factor: float) -> list[Request]:
+    """Arrival rate x ``factor`` (inter-arrival times / ``factor``)."""
+    if not factor > 0:
+        raise ValueError(f"rate scale: must be > 0, got {factor}")
+    return [replace(r, arrival_ns=int(r.arrival_ns / factor)) for r in reqs]
+
+
+def _scale_blocks(ids: tuple[int, ...], n_new: int, factor: float) -> tuple[int, ...]:
+    """Block ids of a request whose length was scaled by ``factor``.
+
+    New block ``j`` covers the tokens of old block ``i = floor(j / factor)``; its id is
+    derived from (old id, offset inside old block), so two requests sharing an old prefix
+    share the new prefix that covers it.
+    """
+    if not ids:
+        return ()
+    sub = max(1, math.ceil(factor) + 1)
+    out: list[int] = []
+    for j in range(n_new):
+        i = min(int(j / factor), len(ids) - 1)
+        first = math.ceil(i * factor)
+        out.append(ids[i] * sub + max(0, j - first) % sub)
+    return tuple(out)
+
+
+def scale_length(
+    reqs: Sequence[Request], factor: float, *, outputs: bool = False
+) -> list[Request]:
+    """Input lengths x ``factor`` (and outputs too when ``outputs``); prefixes stay shared."""
+    if not factor > 0:
+        raise ValueError(f"length scale: must be > 0, got {factor}")
+    if factor == 1.0:
+        return list(reqs)
+    out: list[Request] = []
+    for r in reqs:
+        inp = max(1, round(r.input_tokens * factor))
+        n_new = math.ceil(inp / BLOCK_TOKENS)
+        out.append(
+            replace(
+                r,
+                input_tokens=inp,
+                output_tokens=max(1, round(r.output_tokens * factor)) if outputs else
+                r.output_tokens,
+                hash_ids=_scale_blocks(r.hash_ids, n_new, factor),
+            )
+        )
+    return out
+
+
+def window(
+    reqs: Sequence[Request], *, start_s: float = 0.0, duration_s: float | None = None,
+    limit: int | None = None,
+) -> list[Request]:
+    """Requests arriving in ``[start_s, start_s + duration_s)``, re-based to 0."""
+    lo = int(start_s * NS_PER_S)
+    hi = None if duration_s is None else lo + int(duration_s * NS_PER_S)
+    sel = [
+        replace(r, arrival_ns=r.arrival_ns - lo)
+        for r in reqs
+        if r.arrival_ns >= lo and (hi is None or r.arrival_ns < hi)
+    ]
+    if limit is not None:
+        sel = sel[:limit]
+    return _renumber(sel)
+
+
+def merge(*workloads: Sequence[Request]) -> list[Request]:
+    """Union of workloads by arrival time, renumbered; block ids of each workload are
+    offset so that workloads never share a prefix by accident."""
+    out: list[Request] = []
+    for n, reqs in enumerate(workloads):
+        offset = n << 48
+        out.extend(
+            replace(r, hash_ids=tuple(h + offset for h in r.hash_ids)) for r in reqs
+        )
+    return _renumber(out)
+
+
+def duration_ns(reqs: Sequence[Request]) -> int:
+    """Time from the first to the last arrival (ns)."""
+    if not reqs:
+        return 0
+    return max(r.arrival_ns for r in reqs) - min(r.arrival_ns for r in reqs)

@@ -1,0 +1,151 @@
+"""Engine-side chunk planner: MIN budget, closed-form chunk sizes, FIFO, no starvation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fulcrum.client.planner import ChunkPlanner as ClientPlanner
+from fulcrum.core.cost import DEFAULT_COST_MODEL, DEFAULT_STEP_BUDGET_NS, CostModel
+from fulcrum.core.prefill import CHUNK_POLICIES, lookup
+from fulcrum.core.prefill.chunks import ChunkPlanner, PrefillTask, commit, plan_step
+
+M = DEFAULT_COST_MODEL
+B = DEFAULT_STEP_BUDGET_NS
+
+
+def test_client_reexport() -> None:
+    assert ClientPlanner is ChunkPlanner
+    assert lookup(CHUNK_POLICIES, "fifo_min_budget") is plan_step
+
+
+def test_worked_example_one_chunk() -> None:
+    planner = ChunkPlanner(4)
+    planner.add(2, PrefillTask("agent-turn-3", computed=96_896, total=100_000))
+    plan = planner.step([B] * 4)
+    assert [len(c) for c in plan.chunks] == [0, 0, 1, 0]
+    (chunk,) = plan.chunks[2]
+    assert (chunk.start, chunk.tokens, chunk.last) == (96_896, 3104, True)
+    assert plan.cost_ns[2] == pytest.approx(M.cost(3104, 96_896))
+    assert planner.pending_tokens() == (0, 0, 0, 0)
+
+
+def test_worked_example_split_when_budget_mostly_used() -> None:
+    planner = ChunkPlanner(1)
+    planner.add(0, PrefillTask("fresh-8k", computed=0, total=8192))
+    planner.add(0, PrefillTask("agent-turn-3", computed=96_896, total=100_000))
+    first = planner.step([B])
+    fresh, part = first.chunks[0]
+    assert (fresh.request_id, fresh.tokens, fresh.last) == ("fresh-8k", 8192, True)
+    assert part.request_id == "agent-turn-3" and 0 < part.tokens < 3104 and not part.last
+    assert first.cost_ns[0] <= B
+    second = planner.step([B])
+    (rest,) = second.chunks[0]
+    assert rest.start == 96_896 + part.tokens
+    assert part.tokens + rest.tokens == 3104 and rest.last
+
+
+def test_min_budget_across_ranks() -> None:
+    queues = [[PrefillTask(f"r{r}", 0, 30_000)] for r in range(4)]
+    plan = plan_step(queues, [B, B, 0.4 * B, B], M)
+    assert plan.budget_ns == 0.4 * B
+    sizes = [c[0].tokens for c in plan.chunks]
+    assert len(set(sizes)) == 1 and sizes[0] == M.max_tokens(0, 0.4 * B)
+    assert plan.step_ns <= 0.4 * B
+
+
+def test_cap_32768_per_rank_step() -> None:
+    free = CostModel(0.0, 1.0, 0.0)
+    queues = [[PrefillTask("a", 0, 20_000), PrefillTask("b", 0, 20_000)]]
+    plan = plan_step(queues, [1e18], free)
+    assert plan.tokens == (32_768,)
+    assert [c.tokens for c in plan.chunks[0]] == [20_000, 12_768]
+
+
+def test_starvation_guard() -> None:
+    huge = PrefillTask("huge", computed=10**9, total=10**9 + 2)
+    plan = plan_step([[huge]], [B], M)
+    assert plan.tokens == (1,)
+    plan = plan_step([[huge]], [B], M, force_progress=False)
+    assert plan.tokens == (0,) and plan.cost_ns == (0.0,)
+
+
+def test_commit_rejects_stale_plan() -> None:
+    queues = [[PrefillTask("a", 0, 100)]]
+    plan = plan_step(queues, [B], M)
+    assert commit(queues, plan) == ((),)
+    with pytest.raises(ValueError, match="stale"):
+        commit([[PrefillTask("b", 0, 100)]], plan)
+    planner = ChunkPlanner(1)
+    planner.add(0, PrefillTask("b", 0, 100))
+    with pytest.raises(ValueError, match="stale"):
+        planner.commit(plan)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: PrefillTask("x", -1, 5), "computed"),
+        (lambda: PrefillTask("x", 5, 5), "total"),
+        (lambda: ChunkPlanner(0), "n_ranks"),
+        (lambda: ChunkPlanner(1).add(1, PrefillTask("x", 0, 1)), "rank"),
+        (lambda: plan_step([[]], [B, B], M), "budgets_ns"),
+        (lambda: plan_step([[]], [B], M, cap=0), "cap"),
+    ],
+)
+def test_rejects(call: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()  # type: ignore[operator]
+
+
+tasks = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 200_000), st.integers(1, 60_000)),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tasks,
+    st.lists(st.floats(0.05 * B, 3 * B), min_size=4, max_size=4),
+)
+def test_planner_invariants(raw: list[tuple[int, int, int]], budget_scale: list[float]) -> None:
+    planner = ChunkPlanner(4, M)
+    order: dict[int, list[str]] = {r: [] for r in range(4)}
+    expected: dict[str, tuple[int, int]] = {}
+    for i, (rank, cached, need) in enumerate(raw):
+        rid = f"q{i}"
+        planner.add(rank, PrefillTask(rid, cached, cached + need))
+        order[rank].append(rid)
+        expected[rid] = (cached, cached + need)
+    covered: dict[str, int] = {rid: span[0] for rid, span in expected.items()}
+    finished: dict[int, list[str]] = {r: [] for r in range(4)}
+    steps = 0
+    limit = sum(n for _, _, n in raw) + 10  # every non-empty step computes >= 1 token
+    while any(planner.pending_tokens()):
+        steps += 1
+        assert steps <= limit, "starvation"
+        budgets = [budget_scale[(steps + r) % 4] for r in range(4)]
+        before = planner.pending_tokens()
+        plan = planner.step(budgets)
+        group = min(budgets)
+        for r, chunks in enumerate(plan.chunks):
+            assert plan.tokens[r] <= 32_768
+            assert sum(c.tokens for c in chunks) == plan.tokens[r]
+            if plan.tokens[r] > 1 or len(chunks) > 1:
+                assert plan.cost_ns[r] <= group * (1 + 1e-12)  # never over budget
+            if before[r] > 0:
+                assert plan.tokens[r] >= 1  # progress on every non-empty rank
+            for ch in chunks:
+                assert ch.start == covered[ch.request_id]  # contiguous, no token twice
+                covered[ch.request_id] += ch.tokens
+                assert covered[ch.request_id] <= expected[ch.request_id][1]
+                assert (covered[ch.request_id] == expected[ch.request_id][1]) == ch.last
+                # FIFO: only the head of the remaining order may progress.
+                assert order[r][len(finished[r])] == ch.request_id
+                if ch.last:
+                    finished[r].append(ch.request_id)
+    assert all(covered[rid] == span[1] for rid, span in expected.items())  # all exactly once
+    assert finished == order

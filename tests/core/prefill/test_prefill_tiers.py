@@ -1,0 +1,202 @@
+"""Tiers: request tier by total tokens; engine redistribution by quota-demand share."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fulcrum.core.prefill import TIER_POLICIES, lookup
+from fulcrum.core.prefill.tiers import (
+    DEFAULT_TIER_BOUNDS,
+    K,
+    allocate,
+    assign_engines,
+    ideal_shares,
+    largest_remainder,
+    tier_label,
+    tier_of,
+    tier_of_array,
+    validate_bounds,
+)
+
+
+@pytest.mark.parametrize(
+    ("total", "tier"),
+    [
+        (0, 0),
+        (16 * K - 1, 0),
+        (16 * K, 1),
+        (64 * K - 1, 1),
+        (64 * K, 2),
+        (100_000, 2),  # the worked example
+        (256 * K - 1, 2),
+        (256 * K, 3),
+        (10_000_000, 3),
+    ],
+)
+def test_tier_of(total: int, tier: int) -> None:
+    assert tier_of(total) == tier
+    assert int(tier_of_array([total])[0]) == tier
+
+
+def test_tier_of_custom_bounds_and_errors() -> None:
+    assert tier_of(5, (4, 8)) == 1
+    assert tier_of(8, (4, 8)) == 2
+    with pytest.raises(ValueError, match="total_tokens"):
+        tier_of(-1)
+
+
+@pytest.mark.parametrize("bounds", [(), (0, 5), (5, 5), (8, 4)])
+def test_validate_bounds_rejects(bounds: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="tier_bounds"):
+        validate_bounds(bounds)
+
+
+def test_tier_labels() -> None:
+    labels = [tier_label(DEFAULT_TIER_BOUNDS, t) for t in range(4)]
+    assert labels == ["<16K", "16K-64K", "64K-256K", ">=256K"]
+    assert tier_label((1000,), 1) == ">=1000"
+
+
+@pytest.mark.parametrize(
+    ("n", "demand", "expected"),
+    [
+        (8, [1, 1, 1, 1], [2, 2, 2, 2]),
+        (10, [1, 1, 1, 1], [3, 3, 2, 2]),  # equal remainders: lower tier index first
+        (10, [4, 3, 2, 1], [4, 3, 2, 1]),
+        (7, [50, 30, 20, 0], [4, 2, 1, 0]),  # 3.5/2.1/1.4: remainders .5 > .4 > .1
+        (8, [1000, 1, 1, 0], [6, 1, 1, 0]),  # pinned to one engine while engines suffice
+        (2, [1000, 1, 1, 0], [1, 1, 0, 0]),  # engines do not suffice: larger demand first
+        (4, [0, 0, 0, 0], [1, 1, 1, 1]),  # no demand at all: spread evenly
+        (0, [5, 5, 0, 0], [0, 0, 0, 0]),
+        (3, [0, 0, 0, 9], [0, 0, 0, 3]),
+    ],
+)
+def test_allocate_table(n: int, demand: list[int], expected: list[int]) -> None:
+    assert allocate(n, demand, hysteresis=0.0).tolist() == expected
+
+
+def test_ideal_shares_pinning() -> None:
+    shares = ideal_shares(8, [1000, 1, 1, 0])
+    assert shares.tolist() == pytest.approx([6.0, 1.0, 1.0, 0.0])
+    assert float(shares.sum()) == pytest.approx(8.0)
+
+
+def test_hysteresis_keeps_split_under_noise() -> None:
+    prev = np.array([4, 2, 1, 1])
+    # Ideal [4.2, 1.8, 1.1, 0.9]: within one engine everywhere -> unchanged.
+    assert allocate(8, [42, 18, 11, 9], prev, hysteresis=1.0).tolist() == [4, 2, 1, 1]
+    # Without hysteresis the largest remainder split is taken.
+    assert allocate(8, [42, 18, 11, 9], prev, hysteresis=0.0).tolist() == [4, 2, 1, 1]
+    assert allocate(8, [47, 13, 11, 9], prev, hysteresis=0.0).tolist() == [5, 1, 1, 1]
+    assert allocate(8, [47, 13, 11, 9], prev, hysteresis=1.0).tolist() == [4, 2, 1, 1]
+
+
+def test_surge_moves_engines_despite_hysteresis() -> None:
+    prev = np.array([4, 2, 1, 1])
+    # The >=256K tier surges to most of the demand.
+    out = allocate(8, [10, 5, 5, 80], prev, hysteresis=1.0)
+    assert out.tolist() == [1, 1, 1, 5]
+
+
+def test_infeasible_previous_is_recomputed() -> None:
+    # Engine count changed (an engine lapsed) -> previous split no longer sums to n.
+    assert allocate(7, [1, 1, 1, 1], [2, 2, 2, 2], hysteresis=5.0).sum() == 7
+    # A tier gained demand but has no engine -> must get one.
+    out = allocate(8, [10, 10, 10, 10], [4, 4, 0, 0], hysteresis=100.0)
+    assert out.tolist() == [2, 2, 2, 2]
+
+
+def test_allocate_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="hysteresis"):
+        allocate(4, [1, 1], hysteresis=-1.0)
+    with pytest.raises(ValueError, match="demand_ns"):
+        allocate(4, [1, -1])
+    with pytest.raises(ValueError, match="n_engines"):
+        largest_remainder(-1, [1, 1])
+
+
+demands = st.lists(st.integers(0, 10**12), min_size=1, max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 300), demands, st.floats(0.0, 3.0))
+def test_allocate_invariants(n: int, demand: list[int], hysteresis: float) -> None:
+    d = np.array(demand, dtype=np.float64)
+    out = allocate(n, d, hysteresis=hysteresis)
+    active = d > 0
+    assert np.all(out >= 0)
+    if n > 0:
+        assert int(out.sum()) == n
+    if active.any():
+        assert np.all(out[~active] == 0)  # tiers without demand get none
+        if n >= int(active.sum()):
+            assert np.all(out[active] >= 1)  # at least one while engines suffice
+        ideal = ideal_shares(n, d)
+        assert np.all(np.abs(out - ideal) < 1.0 + 1e-9)  # largest remainder stays within 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 100), demands, st.floats(0.0, 3.0), st.data())
+def test_allocate_hysteresis_invariants(
+    n: int, demand: list[int], hysteresis: float, data: st.DataObject
+) -> None:
+    d = np.array(demand, dtype=np.float64)
+    prev = data.draw(
+        st.lists(st.integers(0, n), min_size=len(demand), max_size=len(demand))
+    )
+    out = allocate(n, d, prev, hysteresis=hysteresis)
+    again = allocate(n, d, prev, hysteresis=hysteresis)
+    assert out.tolist() == again.tolist()  # deterministic
+    if d.sum() > 0:
+        assert int(out.sum()) == n
+        # Fed its own output, the allocation is stable (no shuffling on identical demand).
+        assert allocate(n, d, out, hysteresis=hysteresis).tolist() == out.tolist()
+        if hysteresis == 0.0:
+            assert out.tolist() == largest_remainder(n, d).tolist()
+
+
+def test_assign_engines_keeps_engines_in_place() -> None:
+    prev = {"e0": 0, "e1": 0, "e2": 1, "e3": 2, "gone": 3}
+    res = assign_engines(["e3", "e2", "e1", "e0", "new"], prev, [1, 1, 1, 2])
+    assert res.tiers == {"e0": 0, "e2": 1, "e3": 2, "e1": 3, "new": 3}
+    assert res.moves == 1  # e1 moved; "new" had no tier; "gone" lapsed
+
+
+def test_assign_engines_rejects_wrong_counts() -> None:
+    with pytest.raises(ValueError, match="counts"):
+        assign_engines(["a", "b"], {}, [1, 0, 0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sets(st.integers(0, 60), max_size=40),
+    st.dictionaries(st.integers(0, 80), st.integers(0, 3), max_size=50),
+    st.data(),
+)
+def test_assign_engines_invariants(
+    ids: set[int], prev_raw: dict[int, int], data: st.DataObject
+) -> None:
+    engines = [f"e{i:02d}" for i in sorted(ids)]
+    prev = {f"e{i:02d}": t for i, t in prev_raw.items()}
+    n = len(engines)
+    counts = allocate(n, data.draw(st.lists(st.integers(0, 100), min_size=4, max_size=4)))
+    if n == 0:
+        counts = np.zeros(4, dtype=np.int64)
+    res = assign_engines(list(reversed(engines)), prev, counts)
+    assert sorted(res.tiers) == engines
+    assert [sum(1 for t in res.tiers.values() if t == i) for i in range(4)] == counts.tolist()
+    # Minimal moves: an engine leaves its tier only if that tier is over-full.
+    for t in range(4):
+        stayed = sum(1 for e in engines if prev.get(e) == t and res.tiers[e] == t)
+        had = sum(1 for e in engines if prev.get(e) == t)
+        assert stayed == min(had, int(counts[t]))
+    assert res == assign_engines(engines, prev, counts)
+
+
+def test_registry_lookup() -> None:
+    assert lookup(TIER_POLICIES, "quota_share") is allocate
+    with pytest.raises(ValueError, match="unknown"):
+        lookup(TIER_POLICIES, "nope")

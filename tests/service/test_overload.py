@@ -1,0 +1,223 @@
+"""Overload: every configured bound answers RESOURCE_EXHAUSTED with a retry hint (the
+``retry-after-ms`` trailer) and changes nothing; under a burst of calls the daemon keeps
+answering health checks and Ping. Short and bounded: tiny limits, no timing assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from fulcrum.client import FulcrumClient
+from fulcrum.service.errors import RETRY_AFTER_KEY
+from fulcrum.testing import running_server
+from fulcrum.v1 import decode_pb2, diagnostics_pb2, expert_pb2, fleet_pb2, prefill_pb2, vision_pb2
+
+Call = Callable[[FulcrumClient, int], Awaitable[Any]]
+
+
+def _decode_member(i: int) -> fleet_pb2.RegisterRequest:
+    return fleet_pb2.RegisterRequest(
+        member_id=f"decode-{i}",
+        decode_instance=fleet_pb2.DecodeInstanceShape(
+            gpus=[fleet_pb2.DecodeGpuCapacity(max_concurrency=64, max_kv_tokens=1 << 24)] * 2
+        ),
+    )
+
+
+async def _setup_none(c: FulcrumClient) -> None:
+    return None
+
+
+async def _setup_decode(c: FulcrumClient) -> None:
+    await c.fleet.Register(_decode_member(0))
+
+
+async def _setup_vision(c: FulcrumClient) -> None:
+    await c.fleet.Register(
+        fleet_pb2.RegisterRequest(
+            member_id="ve-0",
+            vision_machine=fleet_pb2.VisionMachineShape(gpus=2, max_patches_in_flight=1 << 30),
+        )
+    )
+
+
+async def _register(c: FulcrumClient, i: int) -> Any:
+    return await c.fleet.Register(
+        fleet_pb2.RegisterRequest(
+            member_id=f"engine-{i}", prefill_engine=fleet_pb2.PrefillEngineShape(dp_ranks=1)
+        )
+    )
+
+
+async def _place_decode(c: FulcrumClient, i: int) -> Any:
+    return await c.decode.PlaceDecode(
+        decode_pb2.PlaceDecodeRequest(request_id=f"r-{i}", kv_tokens=1000)
+    )
+
+
+async def _place_images(c: FulcrumClient, i: int) -> Any:
+    return await c.vision.PlaceImages(
+        vision_pb2.PlaceImagesRequest(
+            request_id=f"r-{i}",
+            images=[vision_pb2.Image(width=64, height=64, patch_size=16)],
+        )
+    )
+
+
+async def _register_group(c: FulcrumClient, i: int) -> Any:
+    return await c.expert.RegisterGroup(
+        expert_pb2.RegisterGroupRequest(
+            group_id=f"g-{i}", role=expert_pb2.GROUP_ROLE_DECODE, ep_size=4, num_layers=2,
+            num_experts=8, expert_bytes=1024,
+        )
+    )
+
+
+# name (the bound), overrides, setup, the call (i = a fresh id), the bound
+CASES = [
+    pytest.param("fleet.max_members", {"fleet": {"max_members": 3}}, _setup_none, _register,
+                 3, id="fleet.max_members"),
+    pytest.param("decode.max_placements", {"decode": {"max_placements": 3}}, _setup_decode,
+                 _place_decode, 3, id="decode.max_placements"),
+    pytest.param("vision.max_placements", {"vision": {"max_placements": 3}}, _setup_vision,
+                 _place_images, 3, id="vision.max_placements"),
+    pytest.param("eplb.max_groups", {"eplb": {"max_groups": 2}}, _setup_none, _register_group,
+                 2, id="eplb.max_groups",
+                 marks=pytest.mark.xfail(reason="eplb's ResourceExhausted carries no "
+                                         "retry_after_ms yet", strict=False)),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "setup", "call", "bound"), CASES)
+async def test_bound_gives_resource_exhausted_with_retry_hint(
+    name: str,
+    overrides: dict[str, Any],
+    setup: Callable[[FulcrumClient], Awaitable[None]],
+    call: Call,
+    bound: int,
+) -> None:
+    overrides = {**overrides, "metrics": {"enabled": False}}
+    async with running_server(overrides) as d, FulcrumClient(d.address) as c:
+        await setup(c)
+        try:
+            for i in range(bound):
+                await call(c, i)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                pytest.skip(f"{name}: service not implemented in this build")
+            raise
+        for i in range(bound, bound + 2):  # refused again and again, state unchanged
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(c, i)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, name
+            trailers = dict(err.value.trailing_metadata() or ())
+            assert int(trailers.get(RETRY_AFTER_KEY, "0")) > 0, (name, trailers)
+        # a refused call changed nothing: the earlier ones still stand
+        with pytest.raises(grpc.aio.AioRpcError) as again:
+            await call(c, bound)
+        assert again.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_prefill_queue_bound() -> None:
+    """The per-tier queue bound refuses the next submit at once; queued ones still wait."""
+    over = {"prefill": {"max_queued_per_tier": 2}, "metrics": {"enabled": False}}
+    async with running_server(over) as d, FulcrumClient(
+        d.address
+    ) as c:
+        # an engine must exist for submits to queue
+        reply = await _register(c, 0)
+        assert reply.incarnation
+        waiting = [
+            asyncio.ensure_future(
+                c.prefill.Submit(
+                    prefill_pb2.SubmitRequest(request_id=f"q-{i}", total_tokens=1000,
+                                              max_wait_ms=30_000),
+                    timeout=30,
+                )
+            )
+            for i in range(2)
+        ]
+        try:
+            state = d.app.components.get("prefill")
+            if state is None:
+                pytest.skip("prefill balancer not in this build")
+            # wait (bounded) until both submits are queued
+            for _ in range(400):
+                if await _queued(c, waiting) >= 2:
+                    break
+                await asyncio.sleep(0.005)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.prefill.Submit(
+                    prefill_pb2.SubmitRequest(request_id="q-over", total_tokens=1000)
+                )
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            trailers = dict(err.value.trailing_metadata() or ())
+            assert int(trailers.get(RETRY_AFTER_KEY, "0")) > 0
+            assert not any(t.done() for t in waiting)
+        finally:
+            for t in waiting:
+                t.cancel()
+            for t in waiting:
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await t
+
+
+async def _queued(c: FulcrumClient, waiting: list[asyncio.Future[Any]]) -> int:
+    """How many submits are queued, read from the metrics the balancer exports."""
+    from fulcrum.metrics import REGISTRY
+
+    for t in waiting:
+        if t.done():
+            t.result()  # surfaces an unexpected failure
+    total = 0.0
+    for family in REGISTRY.collect():
+        if family.name == "fulcrum_prefill_queue_depth":
+            total = sum(s.value for s in family.samples)
+    return int(total)
+
+
+async def test_health_and_ping_answer_under_a_burst() -> None:
+    """A burst of slow calls (each Ping sleeps 200 ms) past the stream limit of its
+    connection (refused streams end UNAVAILABLE, which clients retry): health and a fresh
+    Ping on another connection still answer while it is in flight, and every call of the
+    burst ends OK, RESOURCE_EXHAUSTED, UNAVAILABLE or CANCELLED, never INTERNAL/UNKNOWN."""
+    over = {"server": {"max_concurrent_streams": 256}, "metrics": {"enabled": False}}
+    # the probe has its own connection (a local subchannel pool), as a kubelet would
+    probe_opts = [("grpc.use_local_subchannel_pool", 1)]
+    async with running_server(over) as d, FulcrumClient(d.address) as burst, FulcrumClient(
+        d.address, options=probe_opts
+    ) as probe:
+        calls = [
+            asyncio.ensure_future(
+                burst.diagnostics.Ping(diagnostics_pb2.PingRequest(delay_ms=200), timeout=30)
+            )
+            for _ in range(640)
+        ]
+        # started: wait (bounded) until the daemon holds many calls in flight
+        for _ in range(1000):
+            if d.app.in_flight >= 32:
+                break
+            await asyncio.sleep(0.002)
+        assert d.app.in_flight >= 32
+        health = await probe.health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        pong = await probe.diagnostics.Ping(diagnostics_pb2.PingRequest(payload=b"p"), timeout=10)
+        assert pong.payload == b"p"
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        codes = {
+            r.code() if isinstance(r, grpc.aio.AioRpcError) else grpc.StatusCode.OK
+            for r in results
+        }
+        # refused streams end UNAVAILABLE (or CANCELLED, gRPC's HTTP/2 layer decides)
+        assert codes <= {
+            grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.CANCELLED,
+        }, codes
+        assert d.app.in_flight == 0

@@ -1,0 +1,188 @@
+"""PrefillState without gRPC: random interleavings of submits, cancels, pulls (immediate
+and long-polling), rounds, engine joins and leaves, then a drain. Every request must end
+exactly once and be handed to at most one engine, once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import defaultdict
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fulcrum.config.prefill import PrefillSettings
+from fulcrum.config.server import FleetSettings
+from fulcrum.core.types import MemberKind, PrefillEngineShape
+from fulcrum.errors import DeadlineExceeded, NotFound, Unavailable
+from fulcrum.state.fleet import Fleet
+from fulcrum.state.prefill import Batch, Delivery, PrefillState
+
+S = 1_000_000_000
+SIZES = (2_000, 20_000, 100_000, 300_000, 5_000_000)
+ENGINES = ("e0", "e1", "e2")
+
+_submit = st.tuples(st.just("submit"), st.sampled_from(SIZES), st.floats(0.0, 0.99))
+_pull = st.tuples(st.just("pull"), st.sampled_from(ENGINES), st.integers(0, 400), st.booleans())
+ops = st.lists(
+    st.one_of(
+        _submit,
+        _submit,
+        _submit,
+        _pull,
+        _pull,
+        st.tuples(st.just("wait_pull"), st.sampled_from(ENGINES), st.integers(1, 400)),
+        st.tuples(st.just("cancel"), st.integers(0, 40)),
+        st.tuples(st.just("expire"), st.integers(0, 40)),
+        st.tuples(st.just("round")),
+        st.tuples(st.just("yield"), st.integers(1, 5)),
+        st.tuples(st.just("leave"), st.sampled_from(ENGINES)),
+        st.tuples(st.just("join"), st.sampled_from(ENGINES)),
+    ),
+    min_size=5,
+    max_size=80,
+)
+
+
+async def _scenario(script: list[tuple[Any, ...]]) -> None:
+    ticks = itertools.count(1_000_000, 1_000_000)
+    clock = lambda: next(ticks)  # noqa: E731 - a monotonic fake clock
+    fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
+    state = PrefillState(
+        PrefillSettings(round_period_ms=3_600_000, max_queued_per_tier=1000), fleet, clock
+    )
+    fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
+    outcomes: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    state.outcome_hooks.append(lambda rid, out, eng: outcomes[rid].append((out, eng)))
+    received: dict[str, list[str]] = defaultdict(list)
+    submits: list[tuple[str, asyncio.Task[Delivery]]] = []
+    pulls: list[tuple[str, asyncio.Task[Batch]]] = []
+    for e in ENGINES[:2]:
+        fleet.register(e, PrefillEngineShape(dp_ranks=2), clock())
+
+    def record(engine: str, batch: Batch) -> None:
+        for item in batch.items:
+            received[item.request_id].append(engine)
+
+    for op in script:
+        kind = op[0]
+        if kind == "submit":
+            rid = f"r{len(submits)}"
+            total = op[1]
+            cached = int(total * op[2])
+            task = asyncio.ensure_future(state.submit(rid, total, cached, 3600 * S))
+            submits.append((rid, task))
+            await asyncio.sleep(0)
+        elif kind == "cancel" and submits:
+            submits[op[1] % len(submits)][1].cancel()
+        elif kind == "expire" and submits:
+            rid = submits[op[1] % len(submits)][0]
+            item = state._index.get(rid)
+            if item is not None:
+                state._expire(item)  # as if its wait ran out now
+        elif kind == "pull":
+            try:
+                batch = await state.pull(op[1], 0, op[2] * S // 4, [] if op[3] else [S, 0], 0, 0)
+                record(op[1], batch)
+            except NotFound:
+                pass
+        elif kind == "wait_pull":
+            engine = op[1]
+            pulls.append(
+                (engine, asyncio.ensure_future(state.pull(engine, 0, op[2] * S, [], 3600 * S, 0)))
+            )
+            await asyncio.sleep(0)
+        elif kind == "round":
+            state.rebalance(clock(), reason="round")
+        elif kind == "yield":
+            for _ in range(op[1]):
+                await asyncio.sleep(0)
+        elif kind == "leave":
+            member = fleet.members(MemberKind.PREFILL_ENGINE)
+            for m, _seen in member:
+                if m.member_id == op[1]:
+                    fleet.deregister(m.member_id, m.incarnation, clock())
+        elif kind == "join" and op[1] not in {
+            m.member_id for m, _ in fleet.members(MemberKind.PREFILL_ENGINE)
+        }:
+            fleet.register(op[1], PrefillEngineShape(dp_ranks=2), clock())
+
+    # Flush: live engines follow the demand and drain the queues (idle, ample quota).
+    for _ in range(state.n_tiers + 1):
+        await asyncio.sleep(0)
+        state.rebalance(clock(), reason="round")
+        for m, _seen in fleet.members(MemberKind.PREFILL_ENGINE):
+            record(m.member_id, await state.pull(m.member_id, 0, 10**6 * S, [], 0, 0))
+    await asyncio.sleep(0)
+    state.drain()
+    for engine, task in pulls:
+        with contextlib.suppress(NotFound):
+            record(engine, await task)
+    views: dict[str, str] = {}
+    for rid, task in submits:
+        try:
+            delivery = await task
+            views[rid] = "delivered:" + delivery.engine_id
+        except asyncio.CancelledError:
+            views[rid] = "cancelled"
+        except DeadlineExceeded:
+            views[rid] = "deadline_exceeded"
+        except Unavailable:
+            views[rid] = "unavailable"
+
+    assert state.queue_depths() == [0] * state.n_tiers
+    assert all(state.waiting_pulls(t) == 0 for t in range(state.n_tiers))
+    assert state._woken == [0] * state.n_tiers
+    for rid, view in views.items():
+        ends = outcomes.get(rid, [])
+        if not ends:  # cancelled before it was queued
+            assert view == "cancelled" and rid not in received
+            continue
+        assert len(ends) == 1, f"{rid} ended {ends}"
+        outcome, engine = ends[0]
+        if outcome == "delivered":
+            assert received[rid] == [engine], f"{rid} received by {received[rid]}"
+            assert view in ("delivered:" + engine, "cancelled")
+        else:
+            assert rid not in received
+            assert view in (outcome, "cancelled")  # a cancel may race the server's ending
+    assert set(received) <= set(views)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops)
+def test_random_interleavings_end_every_request_exactly_once(
+    script: list[tuple[Any, ...]],
+) -> None:
+    asyncio.run(_scenario(script))
+
+
+def test_long_poll_woken_for_most_quota_and_passes_wake_on() -> None:
+    async def scenario() -> None:
+        ticks = itertools.count(1, 1)
+        fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
+        state = PrefillState(PrefillSettings(), fleet, lambda: next(ticks))
+        fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
+        for e in ENGINES:
+            fleet.register(e, PrefillEngineShape(dp_ranks=1), 0)
+        # All engines to the short tier.
+        state.last_demand_ns = [1, 0, 0, 0]
+        state.rebalance(0, reason="join")
+        assert state.engines_per_tier() == [3, 0, 0, 0]
+        quotas = {"e0": S, "e1": 3 * S, "e2": 2 * S}
+        pulls = {
+            e: asyncio.ensure_future(state.pull(e, 0, q, [], 3600 * S, 1))
+            for e, q in quotas.items()
+        }
+        await asyncio.sleep(0)
+        assert state.waiting_pulls(0) == 3
+        subs = [asyncio.ensure_future(state.submit(f"r{i}", 1000, 0, 3600 * S)) for i in range(3)]
+        done = await asyncio.gather(*subs)
+        # Most quota first; each pull takes one (max_requests=1) and passes the wake on.
+        assert [d.engine_id for d in done] == ["e1", "e2", "e0"]
+        for task in pulls.values():
+            assert len((await task).items) == 1
+
+    asyncio.run(scenario())

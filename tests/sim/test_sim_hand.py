@@ -1,0 +1,110 @@
+"""The simulator's arithmetic on small hand-computed scenarios."""
+
+from __future__ import annotations
+
+import pytest
+
+from fulcrum.sim.cluster import Cluster
+from fulcrum.sim.engine import simulate
+from fulcrum.sim.policies import get_policy_set
+from fulcrum.sim.workload import Request
+
+MS = 1_000_000
+
+
+def tiny(**over: dict[str, object]) -> Cluster:
+    """1 engine x 2 ranks, 1 decode GPU, 1 VE GPU, no MoE stretch, no cache."""
+    base: dict[str, dict[str, object]] = {
+        "prefill": {"engines": 1, "ranks_per_engine": 2, "moe_fraction": 0.0},
+        "decode": {"instances": 1, "gpus_per_instance": 1, "moe_fraction": 0.0,
+                   "d0_ns": 1_000_000.0, "d1_ns": 10_000.0, "d2_ns": 100.0},
+        "vision": {"machines": 1, "gpus_per_machine": 1},
+        "cache": {"capacity_blocks": 0},
+    }
+    for k, v in over.items():
+        base[k] = {**base.get(k, {}), **v}
+    return Cluster().with_overrides(**base)
+
+
+def req(rid: int, t: int, inp: int, out: int = 1, images: tuple[int, ...] = ()) -> Request:
+    return Request(rid=rid, arrival_ns=t, input_tokens=inp, output_tokens=out,
+                   image_patches=images)
+
+
+def test_two_ranks_three_requests() -> None:
+    # Quotas (variable cost, ns): A(1000) = 2*1000*500 + 56e3*1000 = 57e6,
+    # B(2000) = 4e6 + 112e6 = 116e6, C(500) = 0.25e6 + 28e6 = 28.25e6.
+    # Least-loaded ranks: A -> r0, B -> r1, C -> r0 (57e6 < 116e6).
+    # One step: r0 = k + 57e6 + 28.25e6 = 90.25e6, r1 = k + 116e6 = 121e6 -> 121 ms.
+    reqs = [req(0, 0, 1000), req(1, 0, 2000), req(2, 0, 500)]
+    res = simulate(tiny(), get_policy_set("default"), reqs, seed=0)
+    assert res.first_token_ns.tolist() == [121 * MS] * 3
+    assert res.finish_ns.tolist() == [121 * MS] * 3
+    assert res.prefill.steps == 1
+    assert res.prefill.actual_ns == pytest.approx(2 * 121e6)
+    assert res.prefill.ideal_ns == pytest.approx(90.25e6 + 121e6)
+    assert res.prefill.fraction == pytest.approx(105.625 / 121)
+    assert res.prefill_imbalance.value == [pytest.approx(121 / 105.625)]
+
+
+def test_two_ranks_round_robin_baseline() -> None:
+    # Round robin: A -> r0, B -> r1, C -> r0; fixed 8,192-token chunks -> same single step.
+    reqs = [req(0, 0, 1000), req(1, 0, 2000), req(2, 0, 500)]
+    res = simulate(tiny(), get_policy_set("round_robin"), reqs, seed=0)
+    assert res.first_token_ns.tolist() == [121 * MS] * 3
+
+
+def test_chunked_over_two_steps() -> None:
+    # Budget 100 ms: one 2,000-token request on one rank. Step 1 takes the largest q with
+    # 5e6 + q^2 + 56e3 q <= 1e8 -> q = 1,647 (99,944,609 ns; 1,648 would cost
+    # 100,003,904); step 2 computes the other 353 tokens at c = 1,647:
+    # 5e6 + 2*353*(1647 + 176.5) + 56e3*353 = 26,055,391 ns.
+    c = tiny(prefill={"ranks_per_engine": 1, "step_budget_ns": 100_000_000.0})
+    res = simulate(c, get_policy_set("default"), [req(0, 0, 2000)], seed=0)
+    assert res.prefill.steps == 2
+    assert res.first_token_ns.tolist() == [99_944_609 + 26_055_391]
+
+
+def test_one_decode_gpu() -> None:
+    # Prefill of 100 tokens on one rank: 5e6 + 2*100*50 + 56e3*100 = 10,610,000 ns.
+    # Decode, 2 steps: 1e6 + 1e4 + 100*100 = 1,020,000; then KV 101 -> 1,020,100.
+    c = tiny(prefill={"ranks_per_engine": 1})
+    res = simulate(c, get_policy_set("default"), [req(0, 0, 100, out=3)], seed=0)
+    assert res.first_token_ns.tolist() == [10_610_000]
+    assert res.finish_ns.tolist() == [10_610_000 + 1_020_000 + 1_020_100]
+    assert res.decode.steps == 2
+    assert res.decode.fraction == pytest.approx(1.0)
+
+
+def test_one_decode_gpu_two_requests_share_steps() -> None:
+    # Both prefill in one step on the one rank: each 100-token request costs
+    # 2*100*50 + 56e3*100 = 5,610,000 ns -> step 5e6 + 2 * 5,610,000 = 16,220,000 ns.
+    # Decode: step 1 holds both (KV 200): 1e6 + 2*1e4 + 100*200 = 1,040,000 and A (2 output
+    # tokens, 1 decode step) finishes; step 2 holds B alone (KV 101): 1,020,100.
+    c = tiny(prefill={"ranks_per_engine": 1})
+    reqs = [req(0, 0, 100, out=2), req(1, 0, 100, out=3)]
+    res = simulate(c, get_policy_set("default"), reqs, seed=0)
+    t0 = 16_220_000
+    assert res.first_token_ns.tolist() == [t0, t0]
+    assert res.finish_ns.tolist() == [t0 + 1_040_000, t0 + 1_040_000 + 1_020_100]
+
+
+def test_one_ve_gpu() -> None:
+    # VE: 2 ms + 5 us/patch, FIFO on the only GPU: 4,000 patches -> 22 ms, then
+    # 1,000 patches -> 7 ms more (29 ms). A starts a prefill step at 22 ms; B, ready at
+    # 29 ms, waits for that step to end (the group steps together).
+    reqs = [req(0, 0, 1000, images=(4000,)), req(1, 0, 500, images=(1000,))]
+    res = simulate(tiny(), get_policy_set("default"), reqs, seed=0)
+    assert res.ve_done_ns.tolist() == [22 * MS, 29 * MS]
+    # A: step from 22 ms lasting 5e6 + 57e6 = 62 ms -> 84 ms; B then runs alone:
+    # 5e6 + 28.25e6 = 33.25 ms -> 117.25 ms.
+    assert res.first_token_ns.tolist() == [84 * MS, 84 * MS + 33_250_000]
+    assert res.ve_imbalance.value == [1.0, 1.0]
+
+
+def test_ideal_runs_at_mean_step_time() -> None:
+    reqs = [req(0, 0, 1000), req(1, 0, 2000), req(2, 0, 500)]
+    res = simulate(tiny(), get_policy_set("ideal"), reqs, seed=0)
+    # One step of (90.25e6 + 121e6) / 2 = 105.625 ms.
+    assert res.first_token_ns.tolist() == [105_625_000] * 3
+    assert res.prefill.fraction == pytest.approx(1.0)

@@ -1,0 +1,122 @@
+"""Whole runs: determinism, invariants, every policy set, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fulcrum.sim.cli import main
+from fulcrum.sim.cluster import Cluster, dump_cluster, load_cluster
+from fulcrum.sim.engine import simulate
+from fulcrum.sim.policies import get_policy_set, policy_sets
+from fulcrum.sim.report import format_table, summarize
+from fulcrum.sim.synthetic import SyntheticSpec, generate
+from fulcrum.sim.workload import Request, scale_rate
+
+SMALL = Cluster().with_overrides(
+    prefill={"engines": 2, "ranks_per_engine": 2},
+    decode={"instances": 1, "gpus_per_instance": 4},
+    vision={"machines": 2, "gpus_per_machine": 2},
+)
+
+
+def workload(seed: int) -> list[Request]:
+    spec = SyntheticSpec(duration_s=60, agent_sessions=3, agent_max_tokens=120_000,
+                         chat_rate=3.0, surge_start_s=20, surge_duration_s=5,
+                         surge_rate=0.4, surge_min_tokens=40_000, surge_max_tokens=80_000)
+    return scale_rate(generate(spec, np.random.default_rng(seed)), 1.0)
+
+
+@pytest.mark.parametrize("name", ["default", "random", "power_of_two"])
+def test_same_seed_same_output(name: str) -> None:
+    reqs = workload(3)
+    a = simulate(SMALL, get_policy_set(name), reqs, seed=11)
+    b = simulate(SMALL, get_policy_set(name), reqs, seed=11)
+    assert json.dumps(summarize(a), sort_keys=True) == json.dumps(summarize(b), sort_keys=True)
+    assert np.array_equal(a.first_token_ns, b.first_token_ns)
+    assert np.array_equal(a.finish_ns, b.finish_ns)
+    assert a.prefill_moe_lb.value == b.prefill_moe_lb.value
+
+
+def test_every_policy_set_completes_everything() -> None:
+    reqs = workload(4)
+    sums = []
+    for ps in policy_sets().values():
+        res = simulate(SMALL, ps, reqs, seed=1)
+        s = summarize(res)
+        assert s["completed"] == s["requests"] == len(reqs), ps.name
+        assert 0.0 < s["prefill_fraction"] <= 1.0 + 1e-9
+        assert 0.0 < s["decode_fraction"] <= 1.0 + 1e-9
+        sums.append(s)
+    table = format_table(sums)
+    assert "throughput fraction of ideal" in table and "round_robin" in table
+
+
+@settings(max_examples=12)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3_000), st.integers(1, 70_000), st.integers(1, 40),
+                  st.integers(0, 2)),
+        min_size=1, max_size=25,
+    ),
+    st.sampled_from(["default", "round_robin", "least_requests", "ideal"]),
+)
+def test_invariants(rows: list[tuple[int, int, int, int]], policy: str) -> None:
+    reqs = [
+        Request(i, t * 1_000_000, inp, out, image_patches=(1000,) * imgs)
+        for i, (t, inp, out, imgs) in enumerate(sorted(rows))
+    ]
+    res = simulate(SMALL, get_policy_set(policy), reqs, seed=0)
+    assert (res.finish_ns >= 0).all()
+    assert (res.first_token_ns >= res.arrival_ns).all()
+    assert (res.finish_ns >= res.first_token_ns).all()
+    has_img = np.array([bool(r.image_patches) for r in res_reqs(reqs)])
+    assert (res.ve_done_ns[has_img] >= res.arrival_ns[has_img]).all()
+    assert (res.first_token_ns[has_img] > res.ve_done_ns[has_img]).all()
+    assert res.prefill.ideal_ns <= res.prefill.actual_ns + 1e-6
+
+
+def res_reqs(reqs: list[Request]) -> list[Request]:
+    return sorted(reqs, key=lambda r: (r.arrival_ns, r.rid))
+
+
+def test_cluster_yaml_round_trip(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(dump_cluster(SMALL))
+    assert load_cluster(p) == SMALL
+    p.write_text("prefill: {engines: 3}\n")
+    assert load_cluster(p).prefill.engines == 3
+    p.write_text("prefill: {enignes: 3}\n")
+    with pytest.raises(ValueError):
+        load_cluster(p)
+
+
+def test_unknown_policy_set() -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        get_policy_set("nope")
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--trace", "synthetic", "--duration", "40", "--policies",
+               "default,round_robin", "--json", "--quiet", "--seed", "2"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["policy"] for r in doc["runs"]] == ["default", "round_robin"]
+    assert doc["meta"]["trace"] == "synthetic"
+
+
+def test_cli_plots_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--trace", "synthetic", "--duration", "30", "--policies", "default",
+               "--load", "0.5", "--quiet", "--out", str(tmp_path)])
+    assert rc == 0
+    assert "fraction of ideal" in capsys.readouterr().out
+    for name in ("ttft_cdf.png", "imbalance.png", "moe_lb.png", "summary.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert main(["--trace", "nope", "--quiet"]) == 2
+    assert main(["--policies", "nope", "--quiet"]) == 2
+    assert main(["--print-cluster"]) == 0
