@@ -7,10 +7,12 @@ per message on a bidirectional stream), with the same number of concurrent calle
 figures: calls/s, latency p50/p99 seen by the client, daemon CPU per call, and each
 call's throughput as a ratio to its no-op.
 
-Calls already measured by another balancer's benchmark (their module names the RPC) are
-left to that benchmark; this one covers the rest: prefill ``Submit`` (the entrypoint,
-which resolves when an engine pulls the request) and ``Pull`` (the engine's long poll),
-measured together as one hand-off, and EPLB ``ReportLoad`` / ``GetMap``.
+Calls: decode ``PlaceDecode`` and ``PlaceDecodeStream`` (64 GPUs), VE ``PlaceImages``
+and ``PlaceImagesStream`` (one 1280x800 screenshot, 64 GPUs), prefill ``Submit`` (the
+entrypoint; it resolves when an engine pulls the request) with ``Pull`` (the engine's
+long poll) as one hand-off, and EPLB ``ReportLoad`` / ``GetMap``. The balancer sections
+also give calls/s of some of these from their own runs; this table is the one place with
+latency percentiles and daemon CPU per call for all of them, in one setup.
 
 Run alone: ``.venv/bin/python benchmarks/bench_service.py [--quick]``.
 """
@@ -38,24 +40,14 @@ if str(ROOT) not in sys.path:  # pragma: no cover - direct execution
 
 from benchmarks.common import fmt_rate, md_table, percentiles  # noqa: E402
 from fulcrum.client import FulcrumClient, check_health  # noqa: E402
+from fulcrum.v1 import decode_pb2 as decpb  # noqa: E402
 from fulcrum.v1 import diagnostics_pb2 as dpb  # noqa: E402
 from fulcrum.v1 import expert_pb2 as epb  # noqa: E402
 from fulcrum.v1 import fleet_pb2 as fpb  # noqa: E402
 from fulcrum.v1 import prefill_pb2 as ppb  # noqa: E402
+from fulcrum.v1 import vision_pb2 as vpb  # noqa: E402
 
 WORKERS = 8
-HERE = Path(__file__).resolve().parent
-
-
-def measured_elsewhere(rpc: str) -> str | None:
-    """The other benchmark module whose source calls ``rpc`` (None when none does)."""
-    for path in sorted(HERE.glob("bench_*.py")):
-        if path.name == Path(__file__).name:
-            continue
-        text = path.read_text()
-        if f".{rpc}(" in text:
-            return path.stem
-    return None
 
 
 def _free_port() -> int:
@@ -81,6 +73,9 @@ def daemon_process() -> Iterator[tuple[str, int]]:
         "metrics": {"enabled": False},
         "logging": {"level": "error", "format": "json"},
         "prefill": {"submit_wait_ms": 10_000, "pull_wait_ms": 200},
+        "decode": {"max_placements": 10_000_000},
+        "vision": {"max_placements": 10_000_000},
+        "fleet": {"heartbeat_timeout_ms": 3_600_000},  # members do not heartbeat here
     }
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fulcrum.yaml"
@@ -173,12 +168,12 @@ async def _stream_worker(
         await it.__anext__()
 
 
-async def _bench(address: str, pid: int, quick: bool) -> list[tuple[Figures, str]]:
-    per = 150 if quick else 1_500
-    out: list[tuple[Figures, str]] = []
+async def _bench(address: str, pid: int, quick: bool) -> list[tuple[Figures, Figures]]:
+    per = 100 if quick else 500
+    out: list[tuple[Figures, Figures]] = []
     async with FulcrumClient(address) as c:
         # Warm up the channel and the daemon's code paths.
-        for _ in range(50):
+        for _ in range(500):
             await c.diagnostics.Ping(dpb.PingRequest())
 
         async def ping(n: int, lat: list[float]) -> None:
@@ -191,82 +186,144 @@ async def _bench(address: str, pid: int, quick: bool) -> list[tuple[Figures, str
             await _stream_worker(c.diagnostics.PingStream, lambda i: dpb.PingStreamRequest(),
                                  n, lat)
 
-        ping_u = await _measure("Ping", pid, per, ping)
-        ping_s = await _measure("PingStream", pid, per, ping_stream)
-        out.append((ping_u, "Ping"))
-        out.append((ping_s, "PingStream"))
+        async def noop(stream: bool) -> Figures:
+            """The no-op measured right before a call (same conditions)."""
+            if stream:
+                return await _measure("PingStream", pid, per, ping_stream)
+            return await _measure("Ping", pid, per, ping)
+
+        ping_u = await noop(False)
+        ping_s = await noop(True)
+        out.append((ping_u, ping_u))
+        out.append((ping_s, ping_s))
+
+        counter = iter(range(10**12))
+
+        # -- decode: PlaceDecode, unary and streamed ------------------------------------
+        gpus = [fpb.DecodeGpuCapacity(max_concurrency=1_000_000, max_kv_tokens=1 << 39)] * 8
+        for i in range(8):
+            await c.fleet.Register(fpb.RegisterRequest(
+                member_id=f"bench-dec-{i}", decode_instance=fpb.DecodeInstanceShape(gpus=gpus)))
+
+        def decode_req(k: int) -> decpb.PlaceDecodeRequest:
+            return decpb.PlaceDecodeRequest(request_id=f"d{k}",
+                                            kv_tokens=100_000 if k % 10 == 0 else 2_000)
+
+        async def place_decode(n: int, lat: list[float]) -> None:
+            for _ in range(n):
+                req = decode_req(next(counter))
+                t = time.perf_counter()
+                await c.decode.PlaceDecode(req)
+                lat.append(time.perf_counter() - t)
+
+        async def place_decode_stream(n: int, lat: list[float]) -> None:
+            await _stream_worker(
+                c.decode.PlaceDecodeStream,
+                lambda i: decpb.PlaceDecodeStreamRequest(sequence=i,
+                                                         place=decode_req(next(counter))),
+                n, lat)
+
+        ref = await noop(False)
+        out.append((await _measure("PlaceDecode", pid, per, place_decode), ref))
+        ref = await noop(True)
+        out.append((await _measure("PlaceDecodeStream", pid, per, place_decode_stream), ref))
+
+        # -- vision: PlaceImages, unary and streamed ------------------------------------
+        for i in range(8):
+            await c.fleet.Register(fpb.RegisterRequest(
+                member_id=f"bench-ve-{i}", vision_machine=fpb.VisionMachineShape(gpus=8)))
+        shot = vpb.Image(width=1280, height=800)
+
+        async def place_images(n: int, lat: list[float]) -> None:
+            for _ in range(n):
+                req = vpb.PlaceImagesRequest(request_id=f"v{next(counter)}", images=[shot])
+                t = time.perf_counter()
+                await c.vision.PlaceImages(req)
+                lat.append(time.perf_counter() - t)
+
+        async def place_images_stream(n: int, lat: list[float]) -> None:
+            await _stream_worker(
+                c.vision.PlaceImagesStream,
+                lambda i: vpb.PlaceImagesStreamRequest(
+                    sequence=i,
+                    place=vpb.PlaceImagesRequest(request_id=f"v{next(counter)}",
+                                                 images=[shot])),
+                n, lat)
+
+        ref = await noop(False)
+        out.append((await _measure("PlaceImages (1 screenshot)", pid, per, place_images), ref))
+        ref = await noop(True)
+        out.append((await _measure("PlaceImagesStream", pid, per, place_images_stream), ref))
 
         # -- prefill: Submit resolves when an engine's Pull takes it --------------------
-        if measured_elsewhere("Submit") is None and measured_elsewhere("Pull") is None:
-            engines = []
-            for e in range(2):
-                reg = await c.fleet.Register(fpb.RegisterRequest(
-                    member_id=f"bench-engine-{e}",
-                    prefill_engine=fpb.PrefillEngineShape(dp_ranks=4,
-                                                          step_quota_ns=1_000_000_000)))
-                engines.append((f"bench-engine-{e}", reg.incarnation))
-            stop = asyncio.Event()
-            pull_lat: list[float] = []
-            pulls = 0
+        engines = []
+        for e in range(2):
+            reg = await c.fleet.Register(fpb.RegisterRequest(
+                member_id=f"bench-engine-{e}",
+                prefill_engine=fpb.PrefillEngineShape(dp_ranks=4,
+                                                      step_quota_ns=1_000_000_000)))
+            engines.append((f"bench-engine-{e}", reg.incarnation))
+        stop = asyncio.Event()
+        pull_lat: list[float] = []
+        pulls = 0
 
-            async def puller(eid: str, inc: int) -> None:
-                nonlocal pulls
-                while not stop.is_set():
-                    t = time.perf_counter()
-                    await c.prefill.Pull(ppb.PullRequest(
-                        engine_id=eid, incarnation=inc,
-                        remaining_quota_ns=1 << 50, rank_loads_ns=[0, 0, 0, 0],
-                        max_wait_ms=50, max_requests=1))
-                    pull_lat.append(time.perf_counter() - t)
-                    pulls += 1
+        async def puller(eid: str, inc: int) -> None:
+            nonlocal pulls
+            while not stop.is_set():
+                t = time.perf_counter()
+                await c.prefill.Pull(ppb.PullRequest(
+                    engine_id=eid, incarnation=inc,
+                    remaining_quota_ns=1 << 50, rank_loads_ns=[0, 0, 0, 0],
+                    max_wait_ms=50, max_requests=1))
+                pull_lat.append(time.perf_counter() - t)
+                pulls += 1
 
-            counter = iter(range(10**9))
+        async def submit(n: int, lat: list[float]) -> None:
+            for _ in range(n):
+                t = time.perf_counter()
+                await c.prefill.Submit(ppb.SubmitRequest(
+                    request_id=f"r{next(counter)}", total_tokens=2_048, cached_tokens=0))
+                lat.append(time.perf_counter() - t)
 
-            async def submit(n: int, lat: list[float]) -> None:
-                for _ in range(n):
-                    t = time.perf_counter()
-                    await c.prefill.Submit(ppb.SubmitRequest(
-                        request_id=f"r{next(counter)}", total_tokens=2_048, cached_tokens=0))
-                    lat.append(time.perf_counter() - t)
-
-            pullers = [asyncio.create_task(puller(e, i)) for e, i in engines]
-            sub = await _measure("Submit + Pull", pid, per // 2, submit)
-            stop.set()
-            await asyncio.gather(*pullers)
-            pull_fig = Figures("Pull (during the above)", pulls, sub.wall_s, pull_lat, sub.cpu_s)
-            out.append((sub, "Ping"))
-            out.append((pull_fig, "Ping"))
+        ref = await noop(False)
+        pullers = [asyncio.create_task(puller(e, i)) for e, i in engines]
+        sub = await _measure("Submit + Pull", pid, per // 2, submit)
+        stop.set()
+        await asyncio.gather(*pullers)
+        pull_fig = Figures("Pull (during the above)", pulls, sub.wall_s, pull_lat, sub.cpu_s)
+        out.append((sub, ref))
+        out.append((pull_fig, ref))
 
         # -- EPLB: ReportLoad and GetMap -----------------------------------------------
-        if measured_elsewhere("ReportLoad") is None:
-            layers, experts = 4, 384
-            reg_g = await c.expert.RegisterGroup(epb.RegisterGroupRequest(
-                group_id="bench-ep8", role=epb.GROUP_ROLE_DECODE, ep_size=8, gpus_per_node=8,
-                num_layers=layers, num_experts=experts, num_expert_groups=1,
-                window_steps=1_000, period_steps=1_000_000))
-            version = reg_g.map_version
-            rng = np.random.default_rng(1)
-            load = [int(x) for x in rng.poisson(20.0, size=layers * experts)]
-            step = iter(range(10**9))
+        layers, experts = 4, 384
+        reg_g = await c.expert.RegisterGroup(epb.RegisterGroupRequest(
+            group_id="bench-ep8", role=epb.GROUP_ROLE_DECODE, ep_size=8, gpus_per_node=8,
+            num_layers=layers, num_experts=experts, num_expert_groups=1,
+            window_steps=1_000, period_steps=1_000_000, expert_bytes=44_040_192))
+        version = reg_g.map_version
+        rng = np.random.default_rng(1)
+        load = [int(x) for x in rng.poisson(20.0, size=layers * experts)]
+        step = iter(range(10**9))
 
-            async def report(n: int, lat: list[float]) -> None:
-                for _ in range(n):
-                    s = next(step)
-                    t = time.perf_counter()
-                    await c.expert.ReportLoad(epb.ReportLoadRequest(
-                        group_id="bench-ep8", map_version=version, step_begin=s,
-                        step_end=s + 1, load_values=load))
-                    lat.append(time.perf_counter() - t)
+        async def report(n: int, lat: list[float]) -> None:
+            for _ in range(n):
+                s = next(step)
+                t = time.perf_counter()
+                await c.expert.ReportLoad(epb.ReportLoadRequest(
+                    group_id="bench-ep8", map_version=version, step_begin=s,
+                    step_end=s + 1, load_values=load))
+                lat.append(time.perf_counter() - t)
 
-            async def get_map(n: int, lat: list[float]) -> None:
-                for _ in range(n):
-                    t = time.perf_counter()
-                    await c.expert.GetMap(epb.GetMapRequest(group_id="bench-ep8"))
-                    lat.append(time.perf_counter() - t)
+        async def get_map(n: int, lat: list[float]) -> None:
+            for _ in range(n):
+                t = time.perf_counter()
+                await c.expert.GetMap(epb.GetMapRequest(group_id="bench-ep8"))
+                lat.append(time.perf_counter() - t)
 
-            out.append((await _measure("ReportLoad (4 x 384 loads)", pid, per, report),
-                        "Ping"))
-            out.append((await _measure("GetMap (4 x 416 slots)", pid, per, get_map), "Ping"))
+        ref = await noop(False)
+        out.append((await _measure("ReportLoad (4 x 384 loads)", pid, per, report), ref))
+        ref = await noop(False)
+        out.append((await _measure("GetMap (4 x 416 slots)", pid, per, get_map), ref))
     return out
 
 
@@ -274,7 +331,6 @@ def run(quick: bool) -> str:
     """The markdown section (see module docstring)."""
     with daemon_process() as (address, pid):
         figures = asyncio.run(_bench(address, pid, quick))
-    ref = {f.name: f for f, _ in figures if f.name in ("Ping", "PingStream")}
     rows = []
     for f, base in figures:
         p50, p99 = percentiles(f.latencies_s)
@@ -284,14 +340,9 @@ def run(quick: bool) -> str:
             f"{p50 * 1e3:.2f}",
             f"{p99 * 1e3:.2f}",
             f"{f.cpu_s / f.calls * 1e6:.0f}" if f.calls else "-",
-            f"{f.rate / ref[base].rate:.2f}x {base}" if f.name != base else "1.00x",
+            "-" if f is base else f"{fmt_rate(base.rate)} ({base.name})",
+            "1.00x" if f is base else f"{f.rate / base.rate:.2f}x",
         ])
-    skipped = [
-        f"`{rpc}` ({mod})"
-        for rpc in ("PlaceDecode", "PlaceDecodeStream", "PlaceImages", "PlaceImagesStream",
-                    "Submit", "Pull", "ReportLoad")
-        if (mod := measured_elsewhere(rpc)) is not None
-    ]
     cmd = ".venv/bin/python benchmarks/bench_service.py" + (" --quick" if quick else "")
     lines = [
         "### Service: calls through the daemon on loopback",
@@ -299,17 +350,16 @@ def run(quick: bool) -> str:
         f"Command: `{cmd}`. The daemon runs in its own process (uvloop); the client "
         f"(grpc.aio, one channel) keeps {WORKERS} calls in flight; latencies are seen by "
         "the client; daemon CPU is its user + system time over the phase / calls (10 ms "
-        "clock ticks). Streams are strict ping-pong (one request, wait for its reply). "
+        "clock ticks). Each call is preceded by its no-op (Ping for unary, PingStream "
+        "for streams) measured under the same conditions, and compared with it. "
+        "Streams are strict ping-pong (one request, wait for its reply). "
         "Submit + Pull: 8 submitters against 2 engines (4 DP ranks each) long-polling "
         "with `max_requests = 1`; a Submit returns when an engine has pulled it, so its "
         "latency includes the hand-off. The Pull row shares that phase's daemon CPU.",
         "",
         md_table(["call", "calls/s", "p50 (ms)", "p99 (ms)", "daemon CPU/call (us)",
-                  "throughput vs no-op"], rows),
+                  "no-op calls/s (same phase)", "throughput vs no-op"], rows),
     ]
-    if skipped:
-        lines += ["", "Measured by their balancer's own benchmark (see those sections): "
-                  + ", ".join(skipped) + "."]
     return "\n".join(lines) + "\n"
 
 

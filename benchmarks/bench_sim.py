@@ -33,7 +33,8 @@ from fulcrum.sim.report import format_markdown, plot_runs, summarize  # noqa: E4
 LOAD = 0.9
 SEED = 0
 POLICIES = ("default", "round_robin", "random", "least_requests", "power_of_two", "ideal")
-QUICK_POLICIES = ("default", "round_robin", "least_requests", "ideal")
+QUICK_POLICIES = ("default", "round_robin", "ideal")
+QUICK_CASES = ("mooncake", "azure-code", "synthetic")
 PLOTTED = ("mooncake", "synthetic")
 DOCS = ROOT / "docs"
 
@@ -49,11 +50,11 @@ class Case:
 
 
 CASES = (
-    Case("mooncake", "Mooncake (FAST'25 synthetic trace)", None, 250.0),
-    Case("azure-code", "Azure LLM 2023, code", None, 900.0),
+    Case("mooncake", "Mooncake (FAST'25 synthetic trace)", None, 200.0),
+    Case("azure-code", "Azure LLM 2023, code", None, 600.0),
     Case("azure-conv", "Azure LLM 2023, conversation", None, 600.0),
     Case("servegen", "ServeGen mm-image (sampled, 35 clients)", 1_200.0, 150.0),
-    Case("synthetic", "Synthetic agents >256K + screenshots + surge", 600.0, 120.0),
+    Case("synthetic", "Synthetic agents >256K + screenshots + surge", 600.0, 100.0),
 )
 
 
@@ -141,7 +142,7 @@ def _caps_table(quick: bool) -> str:
 def run(quick: bool) -> str:
     """The markdown section (see module docstring)."""
     t_start = time.perf_counter()
-    cases = [_run_case(c, quick) for c in CASES]
+    cases = [_run_case(c, quick) for c in CASES if not quick or c.name in QUICK_CASES]
     names = list(QUICK_POLICIES if quick else POLICIES)
     baselines = [n for n in names if n not in ("default", "ideal")]
 
@@ -187,8 +188,9 @@ def run(quick: bool) -> str:
             for path in plot_runs(shown, DOCS, prefix=f"sim_{meta['case'].name}_"):
                 plots.append(str(path.relative_to(ROOT)))
     moon = next(m for m, _ in cases if m["case"].name == "mooncake")
-    eplb = _eplb_table(quick)
-    caps = _caps_table(quick)
+    skipped = "(skipped in quick mode)"
+    eplb = skipped if quick else _eplb_table(quick)
+    caps = skipped if quick else _caps_table(quick)
     wall = time.perf_counter() - t_start
     cmd = ".venv/bin/python benchmarks/bench_sim.py" + (" --quick" if quick else "")
     detail = "\n\n".join(
@@ -248,6 +250,18 @@ def run(quick: bool) -> str:
         "fully idle engine and runs alone on one of its four ranks:",
         "",
         caps,
+        "",
+        "Reading the tables: the default policies win most where prompts are long and "
+        "mixed (Mooncake, the synthetic agents): time-budget chunks keep the ranks of a "
+        "group level where fixed-size chunks let one long-context rank hold the others "
+        "back. On the short-prompt Azure and ServeGen traces every policy is close. "
+        "Where the default's capacity fraction trails the baselines (ServeGen) the loss "
+        "is tier fragmentation, not balance inside a group: a tier holding a handful of "
+        "16K-64K requests keeps one of the eight engines, because the tier split's "
+        "hysteresis (1 engine) also keeps an engine on a tier whose demand fell to zero. "
+        "The synthetic workload stays far from ideal for every policy: a fresh "
+        "256K-400K-token prompt runs on one DP rank for 80-180 s, and no rank assignment "
+        "can spread one request over the group.",
         "",
         "<details><summary>Full side-by-side tables</summary>",
         "",

@@ -13,6 +13,7 @@ import pytest
 
 from fulcrum.client import FulcrumClient
 from fulcrum.metrics import REGISTRY
+from fulcrum.service.errors import RETRY_AFTER_KEY
 from fulcrum.service.server import Daemon
 from fulcrum.state.eplb import EplbState
 from fulcrum.testing import running_server
@@ -288,12 +289,14 @@ async def test_forced_rebalance_errors_and_dry_run(client: FulcrumClient) -> Non
 
 
 async def test_group_bound_and_deregistration() -> None:
-    async with running_server({"eplb": {"max_groups": 1}}) as d, FulcrumClient(d.address) as c:
+    over = {"eplb": {"max_groups": 1, "retry_after_ms": 250}}
+    async with running_server(over) as d, FulcrumClient(d.address) as c:
         await c.expert.RegisterGroup(register_request("one"))
-        assert (
-            await code_of(c.expert.RegisterGroup(register_request("two")))
-            == grpc.StatusCode.RESOURCE_EXHAUSTED
-        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.expert.RegisterGroup(register_request("two"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(err.value.trailing_metadata() or ())
+        assert trailers.get(RETRY_AFTER_KEY) == "250"
         await c.expert.DeregisterGroup(pb.DeregisterGroupRequest(group_id="one"))
         assert (
             await code_of(c.expert.GetMap(pb.GetMapRequest(group_id="one")))

@@ -219,8 +219,7 @@ async def test_batch_within_quota_and_cap_fifo_ranks() -> None:
 async def test_cost_model_report_and_refit() -> None:
     settings = {"prefill": {"refit": {"min_samples": 16, "adopt_margin": 0.1}}}
     async with prefill_daemon(settings) as (_, c, st):
-        inc = await register(c, "e1")
-        del inc
+        await register(c, "e1")
         cm = await c.prefill.GetCostModel(prefill_pb2.GetCostModelRequest())
         assert (cm.a, cm.b, cm.k, cm.version) == (2.0, 56_000.0, 5_000_000.0, 1)
         assert cm.max_chunk_tokens == 32_768 and cm.step_quota_ns == S

@@ -186,3 +186,22 @@ def test_long_poll_woken_for_most_quota_and_passes_wake_on() -> None:
             assert len((await task).items) == 1
 
     asyncio.run(scenario())
+
+
+def test_orphan_tiers_do_not_thrash_when_engines_are_scarce() -> None:
+    async def scenario() -> None:
+        fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
+        state = PrefillState(PrefillSettings(), fleet, lambda: 0)
+        fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
+        fleet.register("only", PrefillEngineShape(dp_ranks=1), 0)
+        tasks = [
+            asyncio.ensure_future(state.submit(f"r{i}", 1_000 if i % 2 else 30_000, 0, S))
+            for i in range(20)
+        ]
+        await asyncio.sleep(0)
+        # One engine, two tiers with demand: at most one move at once, none per submit.
+        assert state.moves_total <= 1
+        state.drain()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())

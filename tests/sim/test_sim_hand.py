@@ -108,3 +108,10 @@ def test_ideal_runs_at_mean_step_time() -> None:
     # One step of (90.25e6 + 121e6) / 2 = 105.625 ms.
     assert res.first_token_ns.tolist() == [105_625_000] * 3
     assert res.prefill.fraction == pytest.approx(1.0)
+
+
+def test_request_too_long_for_any_decode_gpu_is_counted() -> None:
+    c = tiny(prefill={"ranks_per_engine": 1}, decode={"max_kv_tokens": 150})
+    res = simulate(c, get_policy_set("default"), [req(0, 0, 100, out=60)], seed=0)
+    assert res.decode_rejected == 1
+    assert res.finish_ns.tolist() == res.first_token_ns.tolist()

@@ -26,9 +26,10 @@ SMALL = Cluster().with_overrides(
 
 
 def workload(seed: int) -> list[Request]:
-    spec = SyntheticSpec(duration_s=60, agent_sessions=3, agent_max_tokens=120_000,
-                         chat_rate=3.0, surge_start_s=20, surge_duration_s=5,
-                         surge_rate=0.4, surge_min_tokens=40_000, surge_max_tokens=80_000)
+    spec = SyntheticSpec(duration_s=25, agent_sessions=3, agent_max_tokens=120_000,
+                         agent_gap_s=3.0, chat_rate=3.0, chat_output_median=40.0,
+                         agent_output_median=40.0, surge_start_s=8, surge_duration_s=5,
+                         surge_rate=0.6, surge_min_tokens=40_000, surge_max_tokens=80_000)
     return scale_rate(generate(spec, np.random.default_rng(seed)), 1.0)
 
 
@@ -102,7 +103,7 @@ def test_unknown_policy_set() -> None:
 
 
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["--trace", "synthetic", "--duration", "40", "--policies",
+    rc = main(["--trace", "synthetic", "--duration", "40", "--limit", "60", "--policies",
                "default,round_robin", "--json", "--quiet", "--seed", "2"])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
@@ -111,8 +112,8 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_plots_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["--trace", "synthetic", "--duration", "30", "--policies", "default",
-               "--load", "0.5", "--quiet", "--out", str(tmp_path)])
+    rc = main(["--trace", "synthetic", "--duration", "30", "--limit", "60", "--policies",
+               "default", "--load", "0.5", "--quiet", "--out", str(tmp_path)])
     assert rc == 0
     assert "fraction of ideal" in capsys.readouterr().out
     for name in ("ttft_cdf.png", "imbalance.png", "moe_lb.png", "summary.json"):

@@ -38,6 +38,15 @@ class EplbSettings(Section):
     max_groups: int = Field(
         64, ge=1, le=4096, description="EP groups held at once; beyond it RESOURCE_EXHAUSTED"
     )
+    retry_after_ms: int = Field(
+        1000,
+        ge=1,
+        le=3_600_000,
+        description=(
+            "retry hint sent with RESOURCE_EXHAUSTED (max_groups, max_watchers_per_group), "
+            "milliseconds (the retry-after-ms trailer)"
+        ),
+    )
     max_layers: int = Field(512, ge=1, le=4096, description="largest num_layers accepted")
     max_experts: int = Field(4096, ge=1, le=65_536, description="largest num_experts accepted")
     max_ep_size: int = Field(1024, ge=1, le=65_536, description="largest ep_size accepted")

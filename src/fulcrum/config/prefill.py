@@ -8,7 +8,11 @@ from pydantic import Field, model_validator
 
 from fulcrum.config.base import Section
 from fulcrum.core.cost import DEFAULT_COST_MODEL, DEFAULT_STEP_BUDGET_NS, MAX_CHUNK_TOKENS
-from fulcrum.core.prefill.tiers import DEFAULT_HYSTERESIS, DEFAULT_TIER_BOUNDS
+from fulcrum.core.prefill.tiers import (
+    DEFAULT_BACKLOG_ROUNDS,
+    DEFAULT_HYSTERESIS,
+    DEFAULT_TIER_BOUNDS,
+)
 
 _S = 1_000_000_000  # ns per second
 
@@ -116,6 +120,13 @@ class PrefillSettings(Section):
     )
     round_period_ms: int = Field(
         1_000, ge=1, le=3_600_000, description="period of engine redistribution rounds, ms"
+    )
+    backlog_rounds: float = Field(
+        DEFAULT_BACKLOG_ROUNDS,
+        ge=1,
+        le=1e9,
+        description="a tier's demand in a round is the quota that arrived plus its queued "
+        "quota spread over this many rounds (1 = all of the backlog at once)",
     )
     hysteresis: float = Field(
         DEFAULT_HYSTERESIS,

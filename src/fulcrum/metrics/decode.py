@@ -3,18 +3,22 @@
 Labels are bounded: ``policy`` is a registered decode policy name (6), ``branch`` is
 "short", "long" or "" (dual's branch), ``outcome`` and ``reason`` come from fixed sets,
 ``instance``/``gpu`` are bounded by the fleet size and disappear with the instance. The
-per-GPU gauges and the imbalances are read from the daemon's state at scrape time, so a
-placement costs no gauge update.
+per-GPU gauges, the imbalances and the placement/release counters are read from the
+daemon's state at scrape time, so a placement costs no collector update (the counters
+are plain ints in :class:`DecodeCounts`: no lock, no label lookup on the decision path).
+The scrape source is the latest daemon state created in the process (one daemon per
+process in production).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fulcrum.metrics import REGISTRY
@@ -24,19 +28,6 @@ PLACE_OUTCOMES = ("placed", "invalid_argument", "already_exists", "resource_exha
 #: Outcomes of a ReleaseDecode call.
 RELEASE_OUTCOMES = ("released", "invalid_argument", "not_found")
 
-PLACEMENTS = Counter(
-    "fulcrum_decode_placements",
-    "PlaceDecode calls (unary or streamed), by policy, dual branch (short, long, or empty) "
-    "and outcome (placed, invalid_argument, already_exists, resource_exhausted).",
-    ["policy", "branch", "outcome"],
-    registry=REGISTRY,
-)
-RELEASES = Counter(
-    "fulcrum_decode_releases",
-    "ReleaseDecode calls (unary or streamed), by outcome (released, invalid_argument, not_found).",
-    ["outcome"],
-    registry=REGISTRY,
-)
 EXPIRATIONS = Counter(
     "fulcrum_decode_expirations",
     "Placements whose lease ran out before they were released.",
@@ -49,6 +40,16 @@ LOST = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+
+
+@dataclass(slots=True)
+class DecodeCounts:
+    """Per-call counters kept as plain ints by the state and exported at scrape time."""
+
+    #: (policy, branch, outcome) -> PlaceDecode calls; outcome in :data:`PLACE_OUTCOMES`.
+    placements: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    #: outcome -> ReleaseDecode calls; outcome in :data:`RELEASE_OUTCOMES`.
+    releases: dict[str, int] = field(default_factory=dict)
 
 
 class DecodeSource(Protocol):
@@ -70,6 +71,19 @@ class DecodeSource(Protocol):
         """Placements held (not yet released, expired or lost)."""
         ...
 
+    @property
+    def counts(self) -> DecodeCounts: ...
+
+
+_Families = tuple[
+    GaugeMetricFamily,
+    GaugeMetricFamily,
+    GaugeMetricFamily,
+    GaugeMetricFamily,
+    CounterMetricFamily,
+    CounterMetricFamily,
+]
+
 
 class _ScrapeCollector(Collector):
     """Per-GPU concurrency and KV and the imbalances, read from the current source."""
@@ -80,9 +94,7 @@ class _ScrapeCollector(Collector):
     def set_source(self, source: DecodeSource) -> None:
         self._source = weakref.ref(source)
 
-    def _families(
-        self,
-    ) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+    def _families(self) -> _Families:
         return (
             GaugeMetricFamily(
                 "fulcrum_decode_gpu_concurrency",
@@ -105,13 +117,27 @@ class _ScrapeCollector(Collector):
                 "fulcrum_decode_placements_held",
                 "Placements held (not yet released, expired or lost).",
             ),
+            CounterMetricFamily(
+                "fulcrum_decode_placements",
+                "PlaceDecode calls (unary or streamed), by policy, dual branch (short, long, "
+                "or empty) and outcome (placed, invalid_argument, already_exists, "
+                "resource_exhausted).",
+                labels=["policy", "branch", "outcome"],
+            ),
+            CounterMetricFamily(
+                "fulcrum_decode_releases",
+                "ReleaseDecode calls (unary or streamed), by outcome (released, "
+                "invalid_argument, not_found).",
+                labels=["outcome"],
+            ),
         )
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
+    def describe(self) -> Iterator[Metric]:
         yield from self._families()
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        conc, kv, imbalance, held = self._families()
+    def collect(self) -> Iterator[Metric]:
+        fams = self._families()
+        conc, kv, imbalance, held, placements, releases = fams
         source = self._source() if self._source is not None else None
         if source is not None:
             for instance, gpu, c, k in source.gpu_loads():
@@ -121,10 +147,12 @@ class _ScrapeCollector(Collector):
             imbalance.add_metric([source.policy_name, "concurrency"], imb_c)
             imbalance.add_metric([source.policy_name, "kv_tokens"], imb_k)
             held.add_metric([], float(source.held))
-        yield conc
-        yield kv
-        yield imbalance
-        yield held
+            counts = source.counts
+            for labels, n in sorted(counts.placements.items()):
+                placements.add_metric(list(labels), float(n))
+            for outcome, n in sorted(counts.releases.items()):
+                releases.add_metric([outcome], float(n))
+        yield from fams
 
 
 SCRAPE = _ScrapeCollector()

@@ -38,7 +38,7 @@ ENGINES = Gauge(
 )
 DEMAND = Gauge(
     "fulcrum_prefill_quota_demand_seconds",
-    "Quota demand of each tier in the last round (served + still queued), seconds.",
+    "Quota demand of each tier in the last round (submitted + backlog share), seconds.",
     ["tier"],
     registry=REGISTRY,
 )

@@ -257,7 +257,8 @@ class ExpertServicer(pb_grpc.ExpertBalancerServiceServicer):
         limit = self._state.settings.max_watchers_per_group
         if group.watchers >= limit:
             raise ResourceExhausted(
-                f"group_id: {limit} watchers on {gid!r} (eplb.max_watchers_per_group)"
+                f"group_id: {limit} watchers on {gid!r} (eplb.max_watchers_per_group)",
+                retry_after_ms=self._state.settings.retry_after_ms,
             )
         group.watchers += 1
         m.WATCHERS.inc()

@@ -72,14 +72,15 @@ class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
         request_iterator: AsyncIterator[pb.PlaceImagesStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.PlaceImagesStreamResponse]:
+        reply_type = pb.PlaceImagesStreamResponse
+        place, release = self.place, self.release
         async for message in request_iterator:
-            reply = pb.PlaceImagesStreamResponse(sequence=message.sequence)
+            reply = reply_type(sequence=message.sequence)
             try:
-                op = message.WhichOneof("op")
-                if op == "place":
-                    self.place(message.place, reply.place)
-                elif op == "release":
-                    self.release(message.release, reply.release)
+                if message.HasField("place"):
+                    place(message.place, reply.place)
+                elif message.HasField("release"):
+                    release(message.release, reply.release)
                 else:
                     raise InvalidArgument("op", "one of place, release must be set")
             except FulcrumError as err:

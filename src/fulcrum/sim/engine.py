@@ -135,6 +135,7 @@ class SimResult:
     end_ns: int
     eplb_rebalances: int
     window_ns: tuple[int, int] = (0, 0)
+    decode_rejected: int = 0
 
     @property
     def prefill_capacity_fraction(self) -> float:
@@ -256,6 +257,7 @@ class Simulator:
         self.inst_heap: list[list[tuple[int, int, int]]] = [[] for _ in range(d.instances)]
         self.inst_conc_snapshot: list[I64 | None] = [None] * d.instances
         self.decode_wait: deque[int] = deque()
+        self.decode_rejected = 0
         self.decode_policy = DecodeChooser(
             policy.decode, DecodeParams(d0_ns=d.d0_ns, d1_ns=d.d1_ns, d2_ns=d.d2_ns)
         )
@@ -553,6 +555,10 @@ class Simulator:
         if self.outp[rid] <= 1:
             self._finish(rid)
             return
+        if int(self.inp[rid]) + int(self.outp[rid]) > self.cluster.decode.max_kv_tokens:
+            self.decode_rejected += 1  # can never fit one decode GPU: dropped, counted
+            self._finish(rid)
+            return
         if self.decode_wait:
             self.decode_wait.append(rid)
             return
@@ -660,6 +666,7 @@ class Simulator:
             end_ns=self.now,
             eplb_rebalances=sum(g.rebalances for g in self.eplb_prefill + self.eplb_decode),
             window_ns=self.window,
+            decode_rejected=self.decode_rejected,
         )
 
 

@@ -36,7 +36,7 @@ F64 = npt.NDArray[np.float64]
 PlaceFn = Callable[[GroupLayout, F64, PlacementMap | None, RebalanceParams], PlacementMap]
 
 STATIC: Final = "static"
-EXACT_ROUTINGS: Final = 1_024
+EXACT_ROUTINGS: Final = 512
 """Routings per layer up to which a step's expert loads are drawn exactly."""
 
 
@@ -66,7 +66,7 @@ def default_eplb_policy() -> str:
 class Popularity:
     """Drifting expert popularity shared by every group of a stage."""
 
-    __slots__ = ("_cum", "_probs", "_t_ns", "model", "rng", "theta")
+    __slots__ = ("_cum", "_probs", "_t_ns", "model", "rng", "theta", "warm_maps")
 
     def __init__(self, model: ExpertModel, rng: np.random.Generator) -> None:
         self.model = model
@@ -75,6 +75,7 @@ class Popularity:
         self._t_ns = 0
         self._probs: F64 | None = None
         self._cum: F64 | None = None
+        self.warm_maps: dict[tuple[int, GroupLayout], PlacementMap] = {}
 
     def probs(self, now_ns: int) -> F64:
         """Routing probabilities at ``now_ns``, shape (layers, n_logical); advances drift."""
@@ -171,8 +172,14 @@ class EplbGroup:
         self.rebalances = 0
         start = identity_map(self.layout)
         if place_fn is not None:
-            expected = pop.probs(0) * 1e6
-            start = place_fn(self.layout, expected, start, params)
+            # Groups of one stage share the popularity, so their warm-start maps are equal:
+            # compute it once per (stage, layout, policy).
+            key = (id(place_fn), self.layout)
+            cached = pop.warm_maps.get(key)
+            if cached is None:
+                cached = place_fn(self.layout, pop.probs(0) * 1e6, start, params)
+                pop.warm_maps[key] = cached
+            start = cached
         self.map = start
         self._set_map(start)
 

@@ -71,6 +71,7 @@ def summarize(res: SimResult) -> dict[str, Any]:
         "seed": res.seed,
         "requests": int(res.arrival_ns.size),
         "completed": int((res.finish_ns >= 0).sum()),
+        "decode_rejected": res.decode_rejected,
         "virtual_s": res.end_ns / 1e9,
         "cache_hit_ratio": res.cache_hit_ratio,
         "ttft": per_tier,

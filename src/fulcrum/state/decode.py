@@ -26,6 +26,7 @@ import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import structlog
@@ -51,9 +52,12 @@ log = structlog.get_logger(__name__)
 Liveness = Callable[[str, int, int], bool]
 
 
-@dataclass(frozen=True, slots=True)
-class PlaceResult:
-    """Where a request went. Loads are the chosen GPU's after the placement."""
+class PlaceResult(NamedTuple):
+    """Where a request went. Loads are the chosen GPU's after the placement.
+
+    (A NamedTuple rather than a frozen dataclass: it is built once per placement and a
+    tuple is several times cheaper to construct.)
+    """
 
     instance_id: str
     incarnation: int
@@ -64,8 +68,7 @@ class PlaceResult:
     lease_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class ReleaseResult:
+class ReleaseResult(NamedTuple):
     """Which GPU a released placement held, and for how long (ns)."""
 
     instance_id: str
@@ -120,23 +123,30 @@ class DecodeState:
         self._lease_ns = settings.lease_ms * 1_000_000
         self.expired_total = 0
         self.lost_total = 0
+        self._max_request_kv = settings.max_request_kv_tokens
+        self._max_placements = settings.max_placements
+        self._counts = metrics.DecodeCounts()
         self._bind_metrics()
         metrics.set_source(self)
 
     # -- configuration -------------------------------------------------------------------
 
     def _bind_metrics(self) -> None:
+        """Zero the counters of the policy in force (exported at once) and precompute the
+        keys the decision path increments (plain ints: no lock, no label lookup)."""
         name = self._policy.name
-        self._m_placed = {
-            b: metrics.PLACEMENTS.labels(name, b, "placed") for b in ("", "short", "long")
-        }
-        self._m_refused = {
-            o: metrics.PLACEMENTS.labels(name, "", o) for o in metrics.PLACE_OUTCOMES[1:]
-        }
-        self._m_released = metrics.RELEASES.labels("released")
-        self._m_release_refused = {
-            o: metrics.RELEASES.labels(o) for o in metrics.RELEASE_OUTCOMES[1:]
-        }
+        c = self._counts
+        self._k_placed = {b: (name, b, "placed") for b in ("", "short", "long")}
+        self._k_refused = {o: (name, "", o) for o in metrics.PLACE_OUTCOMES[1:]}
+        for key in (*self._k_placed.values(), *self._k_refused.values()):
+            c.placements.setdefault(key, 0)
+        for outcome in metrics.RELEASE_OUTCOMES:
+            c.releases.setdefault(outcome, 0)
+
+    @property
+    def counts(self) -> metrics.DecodeCounts:
+        """Placement and release counters (exported at scrape time)."""
+        return self._counts
 
     @property
     def settings(self) -> DecodeSettings:
@@ -164,6 +174,8 @@ class DecodeState:
         self._policy = make_policy(settings.policy, settings.params())
         self._settings = settings
         self._lease_ns = settings.lease_ms * 1_000_000
+        self._max_request_kv = settings.max_request_kv_tokens
+        self._max_placements = settings.max_placements
         self._bind_metrics()
         log.info("decode_reconfigured", policy=settings.policy, lease_ms=settings.lease_ms)
 
@@ -171,7 +183,7 @@ class DecodeState:
 
     def count_refused(self, outcome: str) -> None:
         """Count a PlaceDecode refused before it reached the table (e.g. a bad id)."""
-        self._m_refused[outcome].inc()
+        self._counts.placements[self._k_refused[outcome]] += 1
 
     def place(self, request_id: str, kv_tokens: int, now_ns: int) -> PlaceResult:
         """Choose a GPU for ``kv_tokens`` tokens and hold the placement under the lease.
@@ -180,49 +192,55 @@ class DecodeState:
         ResourceExhausted (table full, or no GPU fits); a refused call changes nothing
         except expiring due leases.
         """
-        limit = self._settings.max_request_kv_tokens
-        if not 1 <= kv_tokens <= limit:
-            self._m_refused["invalid_argument"].inc()
-            raise InvalidArgument("kv_tokens", f"must be in [1, {limit}], got {kv_tokens}")
-        self.expire(now_ns)
-        if request_id in self._held:
-            self._m_refused["already_exists"].inc()
+        counts = self._counts.placements
+        if not 1 <= kv_tokens <= self._max_request_kv:
+            counts[self._k_refused["invalid_argument"]] += 1
+            raise InvalidArgument(
+                "kv_tokens", f"must be in [1, {self._max_request_kv}], got {kv_tokens}"
+            )
+        held = self._held
+        if held and next(iter(held.values())).deadline_ns <= now_ns:
+            self.expire(now_ns)
+        if request_id in held:
+            counts[self._k_refused["already_exists"]] += 1
             raise AlreadyExists(f"request_id: {request_id!r} already holds a decode placement")
-        if len(self._held) >= self._settings.max_placements:
-            self._m_refused["resource_exhausted"].inc()
+        if len(held) >= self._max_placements:
+            counts[self._k_refused["resource_exhausted"]] += 1
             raise ResourceExhausted(
-                f"decode placements: table full ({self._settings.max_placements} held); "
+                f"decode placements: table full ({self._max_placements} held); "
                 "release finished requests",
                 self._settings.sweep_interval_ms,
             )
-        for _ in range(len(self._instances) + 1):
-            out = self._policy.select(self._view, kv_tokens, self._rng, self._cursor)
+        liveness = self._liveness
+        rounds = len(self._instances) + 1
+        while True:
+            view = self._view
+            out = self._policy.select(view, kv_tokens, self._rng, self._cursor)
             if isinstance(out, NoCapacity):
-                metrics.PLACEMENTS.labels(self._policy.name, out.kind, "resource_exhausted").inc()
+                key = (self._policy.name, out.kind, "resource_exhausted")
+                counts[key] = counts.get(key, 0) + 1
                 raise ResourceExhausted(f"decode: {out.reason}", self._settings.sweep_interval_ms)
-            instance, gpu_index = self._slots[out.gpu]
+            slot = out.gpu
+            instance, gpu_index = self._slots[slot]
             member = instance.member
-            if self._liveness is None or self._liveness(
-                member.member_id, member.incarnation, now_ns
-            ):
+            if liveness is None or liveness(member.member_id, member.incarnation, now_ns):
                 break
             # The fleet found it lapsed (and normally told us through on_leave already).
             if self._instances.get(member.member_id) is instance:
                 self._remove(instance, "lapsed")
-        else:  # pragma: no cover - every round removes one instance
-            self._m_refused["resource_exhausted"].inc()
-            raise ResourceExhausted("decode: no live decode instance", 1000)
-        slot = out.gpu
-        view = self._view
-        conc = int(view.concurrency[slot]) + 1
-        kv = int(view.kv_tokens[slot]) + kv_tokens
+            rounds -= 1
+            if rounds <= 0:  # pragma: no cover - every round removes one instance
+                counts[self._k_refused["resource_exhausted"]] += 1
+                raise ResourceExhausted("decode: no live decode instance", 1000)
+        # The chosen GPU is live, has a free slot and room (the selection's filter), so
+        # the new load is in range: the O(1) in-place write of the core.
+        conc = view.concurrency.item(slot) + 1
+        kv = view.kv_tokens.item(slot) + kv_tokens
         write_gpu(view, slot, conc, kv, True)
         self._cursor = out.cursor
-        self._held[request_id] = _Held(
-            instance, gpu_index, kv_tokens, now_ns, now_ns + self._lease_ns
-        )
+        held[request_id] = _Held(instance, gpu_index, kv_tokens, now_ns, now_ns + self._lease_ns)
         instance.requests.add(request_id)
-        self._m_placed[out.kind].inc()
+        counts[self._k_placed[out.kind]] += 1
         if self._debug_log:
             log.debug(
                 "decode_placed",
@@ -233,35 +251,33 @@ class DecodeState:
                 branch=out.kind,
             )
         return PlaceResult(
-            instance_id=member.member_id,
-            incarnation=member.incarnation,
-            gpu_index=gpu_index,
-            branch=out.kind,
-            gpu_concurrency=conc,
-            gpu_kv_tokens=kv,
-            lease_ms=self._lease_ns // 1_000_000,
+            member.member_id,
+            member.incarnation,
+            gpu_index,
+            out.kind,
+            conc,
+            kv,
+            self._lease_ns // 1_000_000,
         )
 
     def release(self, request_id: str, now_ns: int) -> ReleaseResult:
         """Free a held placement; NotFound when unknown, released, expired or lost."""
         held = self._held.pop(request_id, None)
         if held is None:
-            self._m_release_refused["not_found"].inc()
+            self._counts.releases["not_found"] += 1
             raise NotFound(
                 f"request_id: {request_id!r} holds no decode placement "
                 "(unknown, already released, expired, or lost with its instance)"
             )
         self._unhold(request_id, held)
-        self._m_released.inc()
+        self._counts.releases["released"] += 1
         return ReleaseResult(
-            instance_id=held.instance.member.member_id,
-            gpu_index=held.gpu_index,
-            held_ns=max(now_ns - held.placed_ns, 0),
+            held.instance.member.member_id, held.gpu_index, max(now_ns - held.placed_ns, 0)
         )
 
     def count_release_refused(self, outcome: str) -> None:
         """Count a ReleaseDecode refused before it reached the table (e.g. a bad id)."""
-        self._m_release_refused[outcome].inc()
+        self._counts.releases[outcome] += 1
 
     def _unhold(self, request_id: str, held: _Held) -> None:
         """Take a popped placement's share off its GPU (never below 0)."""
@@ -271,9 +287,9 @@ class DecodeState:
             return
         slot = instance.start + held.gpu_index
         view = self._view
-        conc = max(int(view.concurrency[slot]) - 1, 0)
-        kv = max(int(view.kv_tokens[slot]) - held.kv_tokens, 0)
-        write_gpu(view, slot, conc, kv, bool(view.live[slot]))
+        conc = max(view.concurrency.item(slot) - 1, 0)
+        kv = max(view.kv_tokens.item(slot) - held.kv_tokens, 0)
+        write_gpu(view, slot, conc, kv, bool(view.live.item(slot)))
 
     def expire(self, now_ns: int) -> int:
         """Expire placements whose lease ran out (in placement order); returns how many."""

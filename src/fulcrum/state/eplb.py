@@ -284,7 +284,8 @@ class EplbState:
             return existing, False
         if len(self.groups) >= self.settings.max_groups:
             raise ResourceExhausted(
-                f"eplb: {self.settings.max_groups} groups registered (eplb.max_groups)"
+                f"eplb: {self.settings.max_groups} groups registered (eplb.max_groups)",
+                retry_after_ms=self.settings.retry_after_ms,
             )
         if initial is None:
             placement = identity_map(layout)

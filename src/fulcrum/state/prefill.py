@@ -15,7 +15,7 @@ in exactly one place at a time):
    wake on if work is left.
 
 Engines follow the fleet (join/leave). Every round, engines are redistributed across
-tiers by the previous round's quota demand (served + still queued, ns); joins, leaves and
+tiers by the previous round's quota demand (submitted + backlog share, ns); joins, leaves and
 a tier receiving work with no engine ("orphan") trigger an immediate redistribution.
 Engines report step times; a bounded window feeds a periodic refit of the cost model,
 adopted only when better by the configured margin.
@@ -35,7 +35,13 @@ from fulcrum.config.prefill import PrefillSettings
 from fulcrum.core.cost import CostModel, evaluate, fit, should_adopt
 from fulcrum.core.prefill.batch import pick_engine, select_batch
 from fulcrum.core.prefill.ranks import assign_ranks
-from fulcrum.core.prefill.tiers import allocate, assign_engines, tier_label, tier_of
+from fulcrum.core.prefill.tiers import (
+    allocate,
+    assign_engines,
+    round_demand,
+    tier_label,
+    tier_of,
+)
 from fulcrum.core.types import Member, MemberKind, MemberLoad, PrefillEngineShape
 from fulcrum.errors import (
     AlreadyExists,
@@ -177,7 +183,7 @@ class PrefillState:
         ]
         self._index: dict[str, _Queued] = {}
         self._queued_ns = [0] * self.n_tiers
-        self._served_ns = [0] * self.n_tiers  # this round
+        self._arrived_ns = [0] * self.n_tiers  # quota submitted this round
         self.last_demand_ns: list[int] = [0] * self.n_tiers
         self._engines: dict[str, _Engine] = {}
         self._waiters: list[list[_Waiter]] = [[] for _ in range(self.n_tiers)]
@@ -277,11 +283,12 @@ class PrefillState:
         self._queues[tier][request_id] = item
         self._index[request_id] = item
         self._queued_ns[tier] += item.cost_ns
+        self._arrived_ns[tier] += item.cost_ns
         item.timer = loop.call_later(max(0.0, wait_ns / NS_PER_S), self._expire, item)
         self._m[tier].predicted.observe(item.cost_ns / NS_PER_S)
         self._gauge_tier(tier)
         self._log.debug("prefill_queued", request_id=request_id, tier=tier, cost_ns=item.cost_ns)
-        if self._engines and self._counts[tier] == 0:
+        if self._counts[tier] == 0 and self._can_cover_all():
             self.rebalance(now, reason="orphan")
         self._dispatch(tier)
         try:
@@ -290,6 +297,17 @@ class PrefillState:
             if self._index.get(request_id) is item:
                 self._drop(item, "cancelled")
             raise
+
+    def _can_cover_all(self) -> bool:
+        """True when there are engines for every tier with demand (so an orphan tier can be
+        given one at once without taking the last engine of another tier with demand;
+        otherwise the next round decides, which avoids moving engines on every submit)."""
+        with_demand = sum(
+            1
+            for t in range(self.n_tiers)
+            if self._queued_ns[t] or self._arrived_ns[t] or self.last_demand_ns[t]
+        )
+        return 0 < with_demand <= len(self._engines)
 
     def _drop(self, item: _Queued, outcome: str, error: Exception | None = None) -> None:
         """Take a request out of its queue without delivering it."""
@@ -520,7 +538,6 @@ class PrefillState:
             tm.wait.observe(waited / NS_PER_S)
             for hook in self.outcome_hooks:
                 hook(item.request_id, "delivered", eng.member_id)
-        self._served_ns[tier] += total_ns
         tm.outcomes["delivered"].inc(len(items))
         self._gauge_tier(tier)
         self._log.debug("prefill_batch", engine_id=eng.member_id, tier=tier, n=len(items))
@@ -563,16 +580,19 @@ class PrefillState:
     def rebalance(self, now_ns: int, reason: str = "round") -> list[int]:
         """Redistribute engines across tiers; returns engines per tier.
 
-        ``reason="round"`` closes a round: the demand of each tier is the quota it was
-        served this round plus what it still has queued (ns), and becomes the previous
-        round's demand. Other reasons (join, leave, orphan) redistribute at once with the
-        larger of the previous round's demand and the current one.
+        ``reason="round"`` closes a round: each tier's demand is the quota submitted to it
+        this round plus its queued quota spread over ``backlog_rounds`` rounds (ns;
+        :func:`fulcrum.core.prefill.tiers.round_demand`) and becomes the previous round's
+        demand. Other reasons (join, leave, orphan) redistribute at once with the larger
+        of the previous round's demand and the current round's so far.
         """
-        current = [s + q for s, q in zip(self._served_ns, self._queued_ns, strict=True)]
+        current = round_demand(
+            self._arrived_ns, self._queued_ns, self.settings.backlog_rounds
+        ).tolist()
         if reason == "round":
             demand = current
-            self.last_demand_ns = current
-            self._served_ns = [0] * self.n_tiers
+            self.last_demand_ns = [int(x) for x in current]
+            self._arrived_ns = [0] * self.n_tiers
             for t in range(self.n_tiers):
                 self._m[t].demand.set(current[t] / NS_PER_S)
         else:

@@ -110,6 +110,9 @@ class VisionState:
         self._base: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         self._pending: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         self._pif: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        # The decision's input, built once per membership change (not per placement): the
+        # current topology over the very array ``_pif`` (updated in place).
+        self._fleet = VisionFleet(self._topology, self._pif)
         self._held: OrderedDict[str, _Held] = OrderedDict()
         self._settings = settings
         self._policy: VisionPolicy = make_policy(settings.policy)
@@ -257,6 +260,7 @@ class VisionState:
             np.concatenate(pending_parts).astype(np.int64) if pending_parts else empty.copy()
         )
         self._pif = self._base + self._pending
+        self._fleet = VisionFleet(self._topology, self._pif)
 
     # -- placement -----------------------------------------------------------------------
 
@@ -320,8 +324,8 @@ class VisionState:
             # each image sees the ones before it; undone if any image fails.
             if self._dirty:
                 self._rebuild()
-            topology, pif = self._topology, self._pif
-            fleet = VisionFleet(topology, pif)
+            fleet = self._fleet  # VisionFleet(self._topology, self._pif), kept by _rebuild
+            topology, pif = fleet.topology, fleet.patches_in_flight
             placed: list[Placement] = []
             try:
                 for n in counts:
@@ -369,6 +373,12 @@ class VisionState:
         self, placed: Sequence[Placement], topology: VisionTopology, now_ns: int
     ) -> bool:
         assert self._liveness is not None
+        if len(placed) == 1:  # the common case: one image, one machine, no set needed
+            machine = self._machines.get(topology.machine_ids[placed[0].machine])
+            if machine is not None:
+                member = machine.member
+                if self._liveness(member.member_id, member.incarnation, now_ns):
+                    return True
         seen: set[int] = set()
         for p in placed:
             m = p.machine

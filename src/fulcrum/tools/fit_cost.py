@@ -48,15 +48,20 @@ def read_samples(stream: TextIO) -> tuple[list[int], list[int], list[float]]:
     return q, c, ns
 
 
+def _num(x: float) -> str:
+    """Six significant digits, written without an exponent for ordinary magnitudes."""
+    return repr(float(f"{x:.6g}"))
+
+
 def format_yaml(result: FitResult) -> str:
     """The coefficients as a ``prefill.cost_model`` YAML snippet, quality as a comment."""
     m, f = result.model, result.quality
     return (
         "prefill:\n"
         "  cost_model:\n"
-        f"    a: {m.a:.6g}  # ns per token^2 (attention)\n"
-        f"    b: {m.b:.6g}  # ns per token (linear + MoE)\n"
-        f"    k: {m.k:.6g}  # ns per step (fixed overhead)\n"
+        f"    a: {_num(m.a)}  # ns per token^2 (attention)\n"
+        f"    b: {_num(m.b)}  # ns per token (linear + MoE)\n"
+        f"    k: {_num(m.k)}  # ns per step (fixed overhead)\n"
         f"# fit: n={f.n} r2={f.r2:.4f} rel_err p50={f.rel_err_p50:.1%} "
         f"p90={f.rel_err_p90:.1%} p99={f.rel_err_p99:.1%} mean={f.rel_err_mean:.1%}\n"
     )

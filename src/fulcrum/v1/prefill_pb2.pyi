@@ -109,7 +109,9 @@ class PullRequest(_message.Message):
     engine_id: _builtins.str
     """The engine's member id (registered through FleetService)."""
     incarnation: _builtins.int
-    """The incarnation returned by Register."""
+    """The incarnation returned by Register; a stale one gets FAILED_PRECONDITION. A pull
+    that quotes it also counts as a heartbeat. 0 skips the check (and the heartbeat).
+    """
     remaining_quota_ns: _builtins.int
     """Compute quota the engine can still take, in nanoseconds."""
     max_wait_ms: _builtins.int
@@ -118,7 +120,9 @@ class PullRequest(_message.Message):
     """Largest number of requests to take (0 = no limit beyond the tier's cap)."""
     @_builtins.property
     def rank_loads_ns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Outstanding quota load of each DP rank, in nanoseconds; one entry per rank."""
+        """Outstanding quota load of each DP rank, in nanoseconds; one entry per rank, or none
+        (all zero). The engine is idle when every entry is zero.
+        """
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ from fulcrum.core.prefill.tiers import (
     assign_engines,
     ideal_shares,
     largest_remainder,
+    round_demand,
     tier_label,
     tier_of,
     tier_of_array,
@@ -200,3 +201,22 @@ def test_registry_lookup() -> None:
     assert lookup(TIER_POLICIES, "quota_share") is allocate
     with pytest.raises(ValueError, match="unknown"):
         lookup(TIER_POLICIES, "nope")
+
+
+@pytest.mark.parametrize(
+    ("arrived", "queued", "rounds", "expected"),
+    [
+        ([10, 0, 0, 0], [0, 0, 0, 0], 8.0, [10, 0, 0, 0]),
+        ([10, 0, 0, 0], [80, 0, 0, 16], 8.0, [20, 0, 0, 2]),  # backlog keeps demand
+        ([10, 0, 0, 0], [80, 0, 0, 16], 1.0, [90, 0, 0, 16]),
+    ],
+)
+def test_round_demand(
+    arrived: list[int], queued: list[int], rounds: float, expected: list[int]
+) -> None:
+    assert round_demand(arrived, queued, rounds).tolist() == pytest.approx(expected)
+
+
+def test_round_demand_rejects_short_horizon() -> None:
+    with pytest.raises(ValueError, match="backlog_rounds"):
+        round_demand([1], [1], 0.5)

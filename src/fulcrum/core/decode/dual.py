@@ -61,10 +61,11 @@ class Dual:
 
     def threshold(self, view: FleetView) -> float:
         """KV length (tokens) at and above which a request counts as long."""
-        mean = view.mean_kv_per_request()
-        if mean is None:
+        totals: list[int] = view.totals.tolist()  # == mean_kv_per_request(), one numpy call
+        reqs = totals[0]
+        if reqs <= 0:
             return float(self.long_tokens)
-        return min(float(self.long_tokens), self.long_factor * mean)
+        return min(float(self.long_tokens), self.long_factor * (totals[1] / reqs))
 
     def is_long(self, view: FleetView, kv_tokens: int) -> bool:
         """Whether a request of ``kv_tokens`` tokens takes the long branch on ``view``."""
@@ -78,7 +79,7 @@ class Dual:
         cursor: int = 0,
     ) -> Decision | NoCapacity:
         check_kv_tokens(kv_tokens)
-        if self.is_long(view, kv_tokens):
+        if kv_tokens >= self.threshold(view):  # == self.is_long(view, kv_tokens)
             # order_kv: less KV first, then fewer requests (closed GPUs last).
             gpu = pick_min(view.order_kv, view, kv_tokens)
             kind = LONG

@@ -19,6 +19,7 @@ from fulcrum.core.decode.view import (
     I64,
     INT64_MAX,
     INT64_MIN,
+    MAX_KV_LIMIT,
     Decision,
     FleetView,
     Mask,
@@ -97,16 +98,41 @@ def argmax_where(key: I64, mask: Mask) -> int:
     return i if bool(mask[i]) else -1
 
 
+def masked_argmin(key: I64 | F64, headroom: I64, kv_tokens: int) -> int:
+    """Index of the smallest ``key`` among GPUs with ``headroom >= kv_tokens`` (ties: lowest
+    index); -1 when none. ``key`` (shape ``(n_gpus,)``) must be non-negative: int64, or
+    float64 finite or +inf.
+
+    One fused pass with a single temporary: ``d = headroom - kv_tokens`` is negative
+    exactly for the GPUs that lack room; ``d >> 63`` turns that into all-ones (-1) and
+    the rest into 0; OR-ing it into the key's bits makes an ineligible GPU's key the
+    largest unsigned 64-bit value, while an eligible GPU keeps its key. The bits of a
+    non-negative float64 compare like the float (IEEE 754), so one unsigned argmin over
+    those bits is the masked argmin for both key types, without a boolean mask, a branchy
+    ``np.where`` or a second full-size temporary.
+    """
+    n = key.shape[0]
+    if n == 0 or kv_tokens >= MAX_KV_LIMIT:  # nothing holds that much room
+        return -1
+    d = np.subtract(headroom, kv_tokens)
+    np.right_shift(d, 63, out=d)
+    np.bitwise_or(d, key.view(np.int64), out=d)
+    i = int(d.view(np.uint64).argmin())
+    return i if int(headroom[i]) >= kv_tokens else -1
+
+
 def pick_min(key: I64 | F64, view: FleetView, kv_tokens: int) -> int:
-    """Index of the smallest ``key`` (shape ``(n_gpus,)``) among GPUs eligible for
-    ``kv_tokens`` tokens (ties: lowest index); -1 when none.
+    """Index of the smallest ``key`` (shape ``(n_gpus,)``, non-negative: see
+    :func:`masked_argmin`) among GPUs eligible for ``kv_tokens`` tokens (ties: lowest
+    index); -1 when none.
 
     Fast path: the global argmin, accepted when its headroom fits (then it is also the
-    eligible argmin). Otherwise one masked pass.
+    eligible argmin). Otherwise one fused masked pass (:func:`masked_argmin`).
     """
     if key.shape[0] == 0:
         return -1
     i = int(key.argmin())
-    if int(view.headroom[i]) >= kv_tokens:
+    headroom = view.headroom
+    if headroom.item(i) >= kv_tokens:
         return i
-    return argmin_where(key, view.headroom >= kv_tokens)
+    return masked_argmin(key, headroom, kv_tokens)

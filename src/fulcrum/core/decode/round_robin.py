@@ -40,6 +40,8 @@ class RoundRobin:
         if n == 0:
             return no_capacity(view, kv_tokens)
         start = cursor % n
+        if view.headroom.item(start) >= kv_tokens:  # O(1) common case: the cursor's GPU fits
+            return Decision(gpu=start, cursor=(start + 1) % n)
         mask = eligible(view, kv_tokens)
         gpu = -1
         tail = mask[start:]

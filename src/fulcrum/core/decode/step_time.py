@@ -52,6 +52,7 @@ class StepTime:
         # d1 > 0 neither, and leaves one multiply-add.
         key: F64 | I64
         if self.d1_ns > 0.0:
+            # The key is >= 0 (finite parameters >= 0), as pick_min requires.
             key = np.multiply(view.kv_tokens, self.d2_ns / self.d1_ns, dtype=np.float64)
             key += view.concurrency
         elif self.d2_ns > 0.0:

@@ -220,17 +220,6 @@ class NoCapacity:
     kind: str = ""
 
 
-def _derived_at(conc: int, kv: int, mc: int, mk: int, live: bool) -> tuple[int, int, int]:
-    """(headroom, order_conc, order_kv) of one GPU; see the module docstring."""
-    if live and conc < mc:
-        return (
-            mk - kv,
-            conc * MAX_KV_LIMIT + (MAX_KV_LIMIT - 1 - kv),
-            kv * MAX_CONCURRENCY_LIMIT + conc,
-        )
-    return -1, INT64_MAX, INT64_MAX
-
-
 def _check_gpu(view: FleetView, gpu: int) -> None:
     if not 0 <= gpu < view.n_gpus:
         raise ValueError(f"gpu: index {gpu} out of range [0, {view.n_gpus})")
@@ -242,25 +231,40 @@ def write_gpu(view: FleetView, gpu: int, concurrency: int, kv_tokens: int, live:
     O(1); keeps ``headroom``, ``order_conc``, ``order_kv`` and ``totals`` consistent. For
     the single owner of the view's arrays only (see the module docstring). Raises
     ValueError, changing nothing, on a bad index or an out-of-range load.
+
+    This is the daemon's per-placement write, so it uses scalar ``item`` reads and plain
+    Python arithmetic (no numpy scalars) and skips writes that would change nothing.
     """
-    _check_gpu(view, gpu)
+    if not 0 <= gpu < view.concurrency.shape[0]:
+        _check_gpu(view, gpu)
     if not (0 <= concurrency < MAX_CONCURRENCY_LIMIT and 0 <= kv_tokens < MAX_KV_LIMIT):
         raise ValueError(
             f"gpu {gpu}: load out of range ({concurrency} requests, {kv_tokens} KV tokens)"
         )
-    totals = view.totals
-    if view.live[gpu]:
-        totals[0] -= view.concurrency[gpu]
-        totals[1] -= view.kv_tokens[gpu]
-    if live:
-        totals[0] += concurrency
-        totals[1] += kv_tokens
+    was_live = bool(view.live.item(gpu))
+    if was_live or live:
+        totals = view.totals
+        reqs, kv = totals.tolist()
+        if was_live:
+            reqs -= view.concurrency.item(gpu)
+            kv -= view.kv_tokens.item(gpu)
+        if live:
+            reqs += concurrency
+            kv += kv_tokens
+        totals[0] = reqs
+        totals[1] = kv
     view.concurrency[gpu] = concurrency
     view.kv_tokens[gpu] = kv_tokens
-    view.live[gpu] = live
-    view.headroom[gpu], view.order_conc[gpu], view.order_kv[gpu] = _derived_at(
-        concurrency, kv_tokens, int(view.max_concurrency[gpu]), int(view.max_kv_tokens[gpu]), live
-    )
+    if was_live != live:
+        view.live[gpu] = live
+    if live and concurrency < view.max_concurrency.item(gpu):
+        view.headroom[gpu] = view.max_kv_tokens.item(gpu) - kv_tokens
+        view.order_conc[gpu] = concurrency * MAX_KV_LIMIT + (MAX_KV_LIMIT - 1 - kv_tokens)
+        view.order_kv[gpu] = kv_tokens * MAX_CONCURRENCY_LIMIT + concurrency
+    else:
+        view.headroom[gpu] = -1
+        view.order_conc[gpu] = INT64_MAX
+        view.order_kv[gpu] = INT64_MAX
 
 
 def write_range(view: FleetView, start: int, concurrency: I64, kv_tokens: I64) -> None:

@@ -151,6 +151,27 @@ class GroupLayout:
         )
 
     @property
+    def node_limited(self) -> bool:
+        """Whether every expert group must keep all its replicas on one node.
+
+        True when the group spans several nodes, the hierarchical policy applies (expert
+        groups, experts and slots divide evenly over nodes) and a node's experts can fill
+        a GPU without two replicas of one expert (``n_logical / n_nodes >=
+        slots_per_gpu``). Node ``k`` then hosts ``n_groups / n_nodes`` whole expert groups
+        and only their experts, on its ``n_physical / n_nodes`` slots.
+        """
+        return (
+            self.n_nodes > 1
+            and self.hierarchical
+            and self.n_logical // self.n_nodes >= self.slots_per_gpu
+        )
+
+    @property
+    def group_size(self) -> int:
+        """Logical experts per expert group (expert ``e`` is in group ``e // group_size``)."""
+        return self.n_logical // self.n_groups
+
+    @property
     def map_bytes(self) -> int:
         """Bytes of all expert weights held by the group (every slot of every layer)."""
         return self.n_layers * self.n_physical * self.expert_bytes
@@ -224,9 +245,12 @@ class PlacementMap:
             raise ValueError(f"phy2log: {n_phys} slots do not divide over {ep_size} GPUs")
         if p2l.size and (p2l.min() < 0 or p2l.max() >= n_logical):
             raise ValueError(f"phy2log: expert ids must lie in [0, {n_logical})")
-        counts = np.zeros((n_layers, n_logical), dtype=np.int64)
-        rows = np.repeat(np.arange(n_layers), n_phys)
-        np.add.at(counts, (rows, p2l.ravel()), 1)
+        keys = (np.arange(n_layers)[:, None] * n_logical + p2l).ravel()
+        counts = (
+            np.bincount(keys, minlength=n_layers * n_logical)
+            .reshape(n_layers, n_logical)
+            .astype(np.int64, copy=False)
+        )
         width = int(counts.max()) if counts.size else 0
         log2phy = np.full((n_layers, n_logical, max(width, 1)), -1, dtype=np.int64)
         if p2l.size:
@@ -280,8 +304,19 @@ def identity_map(layout: GroupLayout) -> PlacementMap:
 
     Redundant slots wrap around to experts 0, 1, ...; two slots of one GPU are at most
     ``slots_per_gpu - 1 < n_logical`` apart, so no GPU holds two replicas of one expert.
+    When the layout is ``node_limited`` the same rule applies per node: slot ``j`` of node
+    ``k`` (of ``n_physical / n_nodes``) holds expert ``k * m + j % m`` with
+    ``m = n_logical / n_nodes``, so node ``k`` hosts expert groups ``k * n_groups / n_nodes``
+    onwards, whole.
     """
-    base = np.arange(layout.n_physical, dtype=np.int64) % layout.n_logical
+    if layout.node_limited:
+        per_node = layout.n_logical // layout.n_nodes
+        slot = np.arange(layout.n_physical, dtype=np.int64)
+        node = slot // (layout.n_physical // layout.n_nodes)
+        local = slot % (layout.n_physical // layout.n_nodes)
+        base = node * per_node + local % per_node
+    else:
+        base = np.arange(layout.n_physical, dtype=np.int64) % layout.n_logical
     return PlacementMap.from_phy2log(
         np.tile(base, (layout.n_layers, 1)), layout.ep_size, layout.n_logical
     )

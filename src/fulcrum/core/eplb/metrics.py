@@ -47,9 +47,11 @@ def gpu_loads(loads: npt.ArrayLike, phy2log: I64, ep_size: int) -> F64:
     """
     w = np.asarray(loads, dtype=np.float64)
     n_layers, n_phys = phy2log.shape
-    counts = np.zeros(w.shape, dtype=np.float64)
     rows = np.arange(n_layers)[:, None]
-    np.add.at(counts, (np.broadcast_to(rows, phy2log.shape), phy2log), 1.0)
+    n_logical = w.shape[1]
+    counts = np.bincount(
+        (rows * n_logical + phy2log).ravel(), minlength=n_layers * n_logical
+    ).reshape(w.shape)
     per_slot = w[rows, phy2log] / counts[rows, phy2log]
     out: F64 = per_slot.reshape(n_layers, ep_size, n_phys // ep_size).sum(axis=-1)
     return out

@@ -30,6 +30,16 @@ Rule, per MoE layer (loads in tokens, the even-split load model of ``metrics``):
    a layer stops at its first rejected segment. The accepted prefix of each layer's moves
    is applied to the map in force.
 
+4. Node-limited routing (``layout.node_limited``: expert groups divide evenly over the
+   nodes, as in the published hierarchical policy): every expert group keeps all its
+   replicas on one node, ``n_groups / n_nodes`` groups per node. The groups' nodes are read
+   from the map in force (a map that breaks the rule is repaired: each group goes to the
+   node holding most of its replicas, and replicas on another node are replaced as in
+   rule 1, within the node); with no map in force the groups are packed onto nodes by the
+   published balanced packing of group loads and each node is started like a group of its
+   own. Swap partners are then the lightest GPUs of the hottest GPU's node and a new
+   replica goes to a slot of that node, so no move ever leaves a node.
+
 With no map in force, rule 2 runs from the greedy start (same stopping floor) and every
 move is kept: nothing is loaded yet, so nothing migrates.
 
@@ -48,6 +58,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from fulcrum.core.eplb import reference
 from fulcrum.core.eplb.layout import GroupLayout, PlacementMap
 from fulcrum.core.eplb.params import GIB, RebalanceParams
 
@@ -80,10 +91,11 @@ class _Trace:
 
 
 def _counts(phy: I64, n_logical: int) -> I64:
+    """Replicas of each expert, shape (n_layers, n_logical)."""
     n_layers = phy.shape[0]
-    cnt = np.zeros((n_layers, n_logical), dtype=np.int64)
-    np.add.at(cnt, (np.broadcast_to(np.arange(n_layers)[:, None], phy.shape), phy), 1)
-    return cnt
+    keys = (np.arange(n_layers)[:, None] * n_logical + phy).ravel()
+    cnt: I64 = np.bincount(keys, minlength=n_layers * n_logical).reshape(n_layers, n_logical)
+    return cnt.astype(np.int64, copy=False)
 
 
 def _initial(w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
@@ -118,31 +130,108 @@ def _initial(w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
     return phy
 
 
-def _repair(phy: I64, w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
-    """Remove co-located replicas and restore missing experts (rule 1); returns a copy."""
+def _expert_nodes(phy: I64, layout: GroupLayout) -> I64:
+    """Node of each expert, shape (n_layers, n_logical), for a ``node_limited`` layout (rule 4).
+
+    A layer whose every expert group sits on one node, ``n_groups / n_nodes`` groups per
+    node, keeps that assignment. Otherwise whole groups are assigned greedily, the
+    (group, node) pair holding the most replicas first (ties: lower group, then node).
+    """
+    n_layers, n_phys = phy.shape
+    n_nodes, n_grp, size = layout.n_nodes, layout.n_groups, layout.group_size
+    per_node = n_grp // n_nodes
+    slot_node = np.arange(n_phys) // (n_phys // n_nodes)
+    keys = ((np.arange(n_layers)[:, None] * n_grp + phy // size) * n_nodes + slot_node).ravel()
+    held = np.bincount(keys, minlength=n_layers * n_grp * n_nodes).reshape(
+        n_layers, n_grp, n_nodes
+    )
+    gnode = held.argmax(axis=2)
+    per = np.bincount(
+        (np.arange(n_layers)[:, None] * n_nodes + gnode).ravel(), minlength=n_layers * n_nodes
+    ).reshape(n_layers, n_nodes)
+    ok = ((held > 0).sum(axis=2) <= 1).all(axis=1) & (per == per_node).all(axis=1)
+    for layer in np.flatnonzero(~ok).tolist():
+        h = held[layer]
+        pairs = sorted((-int(h[g, k]), g, k) for g in range(n_grp) for k in range(n_nodes))
+        room = [per_node] * n_nodes
+        assigned = [-1] * n_grp
+        for _, g, k in pairs:
+            if assigned[g] < 0 and room[k] > 0:
+                assigned[g] = k
+                room[k] -= 1
+        gnode[layer] = assigned
+    out: I64 = np.repeat(gnode, size, axis=1).astype(np.int64, copy=False)
+    return out
+
+
+def _initial_limited(w: F64, layout: GroupLayout) -> tuple[I64, I64]:
+    """Greedy start for a ``node_limited`` layout (rules 1 and 4).
+
+    Whole expert groups are packed onto nodes by the published balanced packing of group
+    loads, then each node is placed like a group of its own (``_initial`` on the node's
+    experts, GPUs and slots). Returns the map (n_layers, n_physical) and the node of each
+    expert (n_layers, n_logical).
+    """
+    n_layers, n_logical = w.shape
+    n_nodes, size = layout.n_nodes, layout.group_size
+    per_node = n_logical // n_nodes
+    group_w = w.reshape(n_layers, layout.n_groups, size).sum(axis=2).astype(np.float32)
+    gpack, _ = reference.balanced_packing(group_w, n_nodes)
+    enode: I64 = np.repeat(gpack, size, axis=1)
+    perm = np.argsort(enode, axis=1, kind="stable")  # experts in node-major order
+    w_local = np.take_along_axis(w, perm, axis=1).reshape(n_layers * n_nodes, per_node)
+    local = _initial(w_local, layout.gpus_per_node, layout.slots_per_gpu, per_node)
+    phy = np.take_along_axis(perm.reshape(n_layers * n_nodes, per_node), local, axis=1)
+    return phy.reshape(n_layers, layout.n_physical), enode
+
+
+def _repair(
+    phy: I64,
+    w: F64,
+    n_gpus: int,
+    spg: int,
+    n_logical: int,
+    enode: I64 | None = None,
+    gpus_per_domain: int | None = None,
+) -> I64:
+    """Remove co-located replicas and restore missing experts (rule 1); returns a copy.
+
+    With ``enode`` (node of each expert, (n_layers, n_logical)) and ``gpus_per_domain``
+    (rule 4), a replica on another node than its expert's is removed as well, and every
+    refill stays on the expert's node.
+    """
     phy = phy.copy()
     n_layers, n_phys = phy.shape
+    dom = n_gpus if gpus_per_domain is None else gpus_per_domain
+    slot_node = np.arange(n_phys) // spg // dom
     grouped = np.sort(phy.reshape(n_layers, n_gpus, spg), axis=-1)
     dup = (grouped[..., 1:] == grouped[..., :-1]).any(axis=(1, 2))
     missing = (_counts(phy, n_logical) == 0).any(axis=1)
-    for layer in np.flatnonzero(dup | missing):
+    if enode is None:
+        enode = np.zeros((n_layers, n_logical), dtype=np.int64)
+    rows = np.arange(n_layers)[:, None]
+    foreign = (enode[rows, phy] != slot_node[None, :]).any(axis=1)
+    for layer in np.flatnonzero(dup | missing | foreign):
         row = phy[layer]
         wl = w[layer]
+        en = enode[layer]
         cnt = np.bincount(row, minlength=n_logical)
         on = np.zeros((n_logical, n_gpus), dtype=np.bool_)
         free: list[int] = []
         for s in range(n_phys):
             g, e = s // spg, int(row[s])
-            if on[e, g]:
+            if on[e, g] or en[e] != slot_node[s]:
                 free.append(s)
                 cnt[e] -= 1
             else:
                 on[e, g] = True
         for e in sorted(np.flatnonzero(cnt == 0).tolist(), key=lambda x: (-wl[x], x)):
-            if free:
-                s = free.pop(0)
+            k = en[e]
+            here = [i for i, f in enumerate(free) if slot_node[f] == k]
+            if here:
+                s = free.pop(here[0])
             else:
-                donors = np.flatnonzero(cnt[row] >= 2)
+                donors = np.flatnonzero((cnt[row] >= 2) & (slot_node == k))
                 per_replica = wl[row[donors]] / cnt[row[donors]]
                 s = int(donors[np.argmin(per_replica)])
                 y = int(row[s])
@@ -153,7 +242,7 @@ def _repair(phy: I64, w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
             on[e, s // spg] = True
         for s in free:
             g = s // spg
-            score = np.where(on[:, g], -np.inf, wl / np.maximum(cnt, 1))
+            score = np.where(on[:, g] | (en != slot_node[s]), -np.inf, wl / np.maximum(cnt, 1))
             z = int(np.argmax(score))
             row[s] = z
             cnt[z] += 1
@@ -162,109 +251,165 @@ def _repair(phy: I64, w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
 
 
 def _search(
-    w: F64, phy: I64, n_gpus: int, spg: int, max_iter: int, floor_per_copy: float
+    w: F64,
+    phy: I64,
+    n_gpus: int,
+    spg: int,
+    max_iter: int,
+    floor_per_copy: float,
+    gpus_per_domain: int | None = None,
 ) -> tuple[I64, _Trace]:
     """Local search (rule 2) on all layers at once; returns the final map and its trace.
 
     A layer stops when its best move lowers the max GPU load by no more than
-    ``floor_per_copy`` tokens per copy (or 1e-9 of its mean GPU load).
+    ``floor_per_copy`` tokens per copy (or 1e-9 of its mean GPU load). With
+    ``gpus_per_domain`` (node-limited routing, rule 4) every move stays inside the node of
+    the hottest GPU: swap partners are the lightest GPUs of that node and a new replica
+    goes to a slot of that node.
+
+    Per-slot loads (n_layers, n_physical), GPU loads (n_layers, n_gpus) and the
+    re-replication targets are kept across iterations and recomputed only for the layers
+    a move changed, from the same expressions, so every value equals a recomputation from
+    scratch and the search still depends only on the map and the loads.
     """
     phy = phy.copy()
     n_layers, n_logical = w.shape
     n_phys = n_gpus * spg
+    dom = n_gpus if gpus_per_domain is None else gpus_per_domain
+    n_dom = n_gpus // dom
     slot_gpu = np.arange(n_phys) // spg
+    rows_all = np.arange(n_layers)[:, None]
     cnt = _counts(phy, n_logical)
     on = np.zeros((n_layers, n_logical, n_gpus), dtype=np.bool_)
-    on[np.arange(n_layers)[:, None], phy, slot_gpu[None, :]] = True
+    on[rows_all, phy, slot_gpu[None, :]] = True
     on_flat = on.reshape(-1)  # a view: index (layer * n_logical + expert) * n_gpus + gpu
     floor = np.maximum(_EPS * w.sum(axis=1) / n_gpus, floor_per_copy)
     active = (w.sum(axis=1) > 0) & (n_gpus > 1)
-    k_partner = int(np.clip(_SWAP_PARTNER_SLOTS // spg, 1, max(n_gpus - 1, 1)))
+    k_partner = int(np.clip(_SWAP_PARTNER_SLOTS // spg, 1, max(dom - 1, 1)))
     k_src = min(spg, _REPLICATE_SOURCES)
     n_targets = max(1, min(n_phys, 2 * (n_phys - n_logical)))
     ar_s = np.arange(spg)
+
+    def slot_loads(lay: I64) -> F64:
+        r = np.arange(lay.size)[:, None]
+        out: F64 = (w[lay] / cnt[lay])[r, phy[lay]]
+        return out
+
+    def singles(lay: I64) -> B:
+        out: B = (cnt[lay] < 2)[np.arange(lay.size)[:, None], phy[lay]]
+        return out
+
+    def targets(single: B) -> I64:
+        # slots whose expert has >= 2 replicas (at most 2 * redundant of them) come first;
+        # a function of the row of ``single`` only
+        if n_targets < n_phys:
+            out: I64 = np.argpartition(single, n_targets - 1, axis=1)[:, :n_targets]
+            return out
+        return np.broadcast_to(np.arange(n_phys), (single.shape[0], n_phys)).copy()
+
+    every = np.arange(n_layers)
+    sl = slot_loads(every)  # (L, P) tokens per slot
+    sl3 = sl.reshape(n_layers, n_gpus, spg)  # a view
+    gl = sl3.sum(axis=2)  # (L, G) tokens per GPU
+    single_all = singles(every)  # (L, P) slot holds an expert with one replica
+    tgt = targets(single_all)  # (L, n_targets) re-replication target slots
+    host_buf = np.empty(n_layers * n_logical)
     moves: list[tuple[I64, I64, I64, I64, I64, I64, F64]] = []
     for _ in range(max_iter):
         act = np.flatnonzero(active)
-        if act.size == 0:
-            break
         n = act.size
+        if n == 0:
+            break
         r1 = np.arange(n)[:, None]
+        r0 = r1[:, 0]
         ph = phy[act]
-        wa = w[act]
         cn = cnt[act]
-        sl = np.take_along_axis(wa / cn, ph, axis=1)  # (n, P) load per slot
-        gl = sl.reshape(n, n_gpus, spg).sum(axis=2)  # (n, G)
-        order = np.argsort(-gl, axis=1, kind="stable")
+        wa = w[act]
+        sla = sl[act]
+        gla = gl[act]
+        order = np.argsort(-gla, axis=1, kind="stable")
         g0 = order[:, 0]
         g1 = order[:, 1]
-        lmax = gl[r1[:, 0], g0]
-        load1 = gl[r1[:, 0], g1]
-        load2 = gl[r1[:, 0], order[:, 2]] if n_gpus >= 3 else np.full(n, -np.inf)
+        lmax = gla[r0, g0]
+        load1 = gla[r0, g1]
+        load2 = gla[r0, order[:, 2]] if n_gpus >= 3 else np.full(n, -np.inf)
+        if n_dom == 1:
+            partners = order[:, n_gpus - k_partner :]  # (n, k) lightest GPUs
+        else:
+            d0 = g0 // dom
+            in_dom = gla.reshape(n, n_dom, dom)[r0, d0]
+            o_dom = np.argsort(-in_dom, axis=1, kind="stable")
+            partners = d0[:, None] * dom + o_dom[:, dom - k_partner :]
+        base_e = act * n_logical
 
         # swaps: slot a on the hottest GPU <-> slot b on one of the lightest GPUs
         a_slots = g0[:, None] * spg + ar_s  # (n, S)
         xa = ph[r1, a_slots]
-        la = sl[r1, a_slots]
-        partners = order[:, n_gpus - k_partner :]
+        la = sla[r1, a_slots]
         b_slots = (partners[:, :, None] * spg + ar_s).reshape(n, -1)  # (n, kS)
         yb = ph[r1, b_slots]
-        lb = sl[r1, b_slots]
-        gb = b_slots // spg
-        d = la[:, :, None] - lb[:, None, :]
-        other = np.where(gb == g1[:, None], load2[:, None], load1[:, None])[:, None, :]
-        pair_max = np.maximum(lmax[:, None, None] - d, gl[r1, gb][:, None, :] + d)
-        new_max = np.maximum(pair_max, other)
-        base_e = (act * n_logical)[:, None, None]
-        valid = (
-            (d > 0)
-            & ~on_flat[(base_e + xa[:, :, None]) * n_gpus + gb[:, None, :]]
-            & ~on_flat[(base_e + yb[:, None, :]) * n_gpus + g0[:, None, None]]
-        )
-        swap_gain = np.where(valid, lmax[:, None, None] - new_max, -np.inf).reshape(n, -1)
+        lb = sla[r1, b_slots]
+        glp = gla[r1, partners]  # (n, k)
+        d = (la[:, :, None] - lb[:, None, :]).reshape(n, spg, k_partner, spg)
+        other = np.where(partners == g1[:, None], load2[:, None], load1[:, None])
+        lm4 = lmax[:, None, None, None]
+        pair_max = glp[:, None, :, None] + d
+        swap_gain = lm4 - d
+        np.maximum(pair_max, swap_gain, out=pair_max)
+        np.maximum(pair_max, other[:, None, :, None], out=swap_gain)
+        np.subtract(lm4, swap_gain, out=swap_gain)  # gain = lmax - new max
+        x_free = on_flat[(base_e[:, None, None] + xa[:, :, None]) * n_gpus + partners[:, None, :]]
+        y_free = on_flat[(base_e[:, None] + yb) * n_gpus + g0[:, None]]
+        invalid = d <= 0
+        invalid |= x_free[:, :, :, None]
+        invalid |= y_free.reshape(n, 1, k_partner, spg)
+        swap_gain[invalid] = -np.inf
+        swap_gain = swap_gain.reshape(n, -1)
         # among equal gains prefer the swap that leaves the two GPUs most even
-        swap_idx = np.argmax(swap_gain - _TIE * pair_max.reshape(n, -1), axis=1)
-        swap_best = swap_gain[r1[:, 0], swap_idx]
+        pair_max *= _TIE
+        np.subtract(swap_gain, pair_max.reshape(n, -1), out=pair_max.reshape(n, -1))
+        swap_idx = np.argmax(pair_max.reshape(n, -1), axis=1)
+        swap_best = swap_gain[r0, swap_idx]
 
         # re-replication: a new replica of a hot expert x over a replica of y (cnt >= 2)
         cx_all = cn[r1, xa]
         wx_all = wa[r1, xa]
         relief = wx_all / cx_all - wx_all / (cx_all + 1)
         src = np.argsort(-relief, axis=1, kind="stable")[:, :k_src]
-        xs = np.take_along_axis(xa, src, axis=1)  # (n, k)
-        dx = np.take_along_axis(relief, src, axis=1)
-        wx = np.take_along_axis(wx_all, src, axis=1)
-        new_x = wx / (np.take_along_axis(cx_all, src, axis=1) + 1)
-        # targets: slots whose expert has >= 2 replicas (at most 2 * redundant of them)
-        single = np.take_along_axis(cn < 2, ph, axis=1)  # (n, P) slot of a 1-replica expert
-        if n_targets < n_phys:  # every multi-replica slot, in a deterministic order
-            t_slots = np.argpartition(single, n_targets - 1, axis=1)[:, :n_targets]
-        else:
-            t_slots = np.broadcast_to(np.arange(n_phys), (n, n_phys))
+        xs = xa[r1, src]  # (n, k)
+        dx = relief[r1, src]
+        new_x = wx_all[r1, src] / (cx_all[r1, src] + 1)
+        t_slots = tgt[act]
         yt = ph[r1, t_slots]
         cy = cn[r1, yt]
         wy = wa[r1, yt]
         gt = slot_gpu[t_slots]
-        dy = np.where(cy >= 2, wy / np.maximum(cy - 1, 1) - wy / cy, 0.0)
-        # bound on the load of y's other hosts: the hottest GPU holding y (conservative)
-        host_max = np.full(n * n_logical, -np.inf)
-        np.maximum.at(host_max, (r1 * n_logical + ph).ravel(), np.repeat(gl, spg, axis=1).ravel())
-        y_other = host_max[r1 * n_logical + yt]
+        multi = cy >= 2
+        dy = np.where(multi, wy / np.maximum(cy - 1, 1) - wy / cy, 0.0)
+        # bound on the load of y's other hosts: the hottest GPU holding y (conservative);
+        # every slot of an expert with >= 2 replicas is a target
+        ey = (r1 * n_logical + yt).ravel()
+        glt = gla[r1, gt]
+        host = host_buf[: n * n_logical]
+        host[ey] = -np.inf
+        np.maximum.at(host, ey, glt.ravel())
+        y_other = host[ey].reshape(n, n_targets)
         other_t = np.where(gt == g1[:, None], load2[:, None], load1[:, None])
-        pair_r = np.maximum(
-            np.maximum(
-                (lmax[:, None] - dx)[:, :, None],
-                (gl[r1, gt] - sl[r1, t_slots])[:, None, :] + new_x[:, :, None],
-            ),
-            (y_other + dy)[:, None, :],
-        )
-        new_max_r = np.maximum(pair_r, other_t[:, None, :])
-        valid_r = (cy >= 2)[:, None, :] & ~on_flat[
-            (base_e + xs[:, :, None]) * n_gpus + gt[:, None, :]
-        ]
-        rep_gain = np.where(valid_r, lmax[:, None, None] - new_max_r, -np.inf).reshape(n, -1)
-        rep_idx = np.argmax(rep_gain - _TIE * pair_r.reshape(n, -1), axis=1)
-        rep_best = rep_gain[r1[:, 0], rep_idx]
+        pair_r = (glt - sla[r1, t_slots])[:, None, :] + new_x[:, :, None]
+        np.maximum(pair_r, (lmax[:, None] - dx)[:, :, None], out=pair_r)
+        np.maximum(pair_r, (y_other + dy)[:, None, :], out=pair_r)
+        if n_dom > 1:
+            multi = multi & (gt // dom == (g0 // dom)[:, None])
+        x_held = on_flat[(base_e[:, None, None] + xs[:, :, None]) * n_gpus + gt[:, None, :]]
+        x_held |= ~multi[:, None, :]
+        rep_gain = np.maximum(pair_r, other_t[:, None, :])
+        np.subtract(lmax[:, None, None], rep_gain, out=rep_gain)
+        rep_gain[x_held] = -np.inf
+        rep_gain = rep_gain.reshape(n, -1)
+        pair_r *= _TIE
+        np.subtract(rep_gain, pair_r.reshape(n, -1), out=pair_r.reshape(n, -1))
+        rep_idx = np.argmax(pair_r.reshape(n, -1), axis=1)
+        rep_best = rep_gain[r0, rep_idx]
 
         use_swap = swap_best / 2.0 >= rep_best
         per_copy = np.where(use_swap, swap_best / 2.0, rep_best)
@@ -272,7 +417,7 @@ def _search(
         active[act[~moving]] = False
         if not moving.any():
             break
-        # apply swaps
+        # apply swaps (slot loads are permuted with the experts: counts are unchanged)
         sw = np.flatnonzero(moving & use_swap)
         lay_s = act[sw]
         ia, ib = np.divmod(swap_idx[sw], b_slots.shape[1])
@@ -286,6 +431,18 @@ def _search(
         on[lay_s, y_s, slot_gpu[sb]] = False
         on[lay_s, x_s, slot_gpu[sb]] = True
         on[lay_s, y_s, slot_gpu[sa]] = True
+        l_a = sl[lay_s, sa]
+        sl[lay_s, sa] = sl[lay_s, sb]
+        sl[lay_s, sb] = l_a
+        ga, gb_ = slot_gpu[sa], slot_gpu[sb]
+        gl[lay_s, ga] = sl3[lay_s, ga].sum(axis=1)
+        gl[lay_s, gb_] = sl3[lay_s, gb_].sum(axis=1)
+        s_a = single_all[lay_s, sa]
+        s_b = single_all[lay_s, sb]
+        flip = s_a != s_b
+        single_all[lay_s, sa] = s_b
+        single_all[lay_s, sb] = s_a
+        redo = lay_s[flip]
         # apply re-replications
         rp = np.flatnonzero(moving & ~use_swap)
         lay_r = act[rp]
@@ -298,6 +455,15 @@ def _search(
         cnt[lay_r, y_r] -= 1
         on[lay_r, y_r, slot_gpu[it]] = False
         on[lay_r, x_r, slot_gpu[it]] = True
+        if lay_r.size:
+            sl[lay_r] = slot_loads(lay_r)
+            gl[lay_r] = sl3[lay_r].sum(axis=2)
+            s_new = singles(lay_r)
+            differs = (s_new != single_all[lay_r]).any(axis=1)
+            single_all[lay_r] = s_new
+            redo = np.concatenate([redo, lay_r[differs]])
+        if redo.size:
+            tgt[redo] = targets(single_all[redo])
         moves.append(
             (
                 np.concatenate([lay_s, lay_r]),
@@ -309,9 +475,7 @@ def _search(
                 np.concatenate([lmax[sw], lmax[rp]]),
             )
         )
-    rows = np.arange(n_layers)[:, None]
-    final_gl = (w[rows, phy] / cnt[rows, phy]).reshape(n_layers, n_gpus, spg).sum(axis=2)
-    return phy, _Trace(moves=moves, final_max=final_gl.max(axis=1))
+    return phy, _Trace(moves=moves, final_max=gl.max(axis=1))
 
 
 def _hull_segments(copies: list[int], gains: list[float]) -> list[tuple[int, int, float]]:
@@ -416,12 +580,21 @@ def place(
     # almost never accept them); in tokens per copy. The first placement stops at the same
     # floor, so that re-running it as a rebalance on the same loads finds nothing to do.
     floor = _FLOOR * params.min_gain_per_gib * layout.expert_bytes / GIB * total_mean
+    dom = layout.gpus_per_node if layout.node_limited else None
+    enode: I64 | None = None
     if previous is None:
-        start = _repair(_initial(w, n_gpus, spg, n_log), w, n_gpus, spg, n_log)
-        final, _ = _search(w, start, n_gpus, spg, params.max_iterations, floor)
+        if dom is None:
+            start = _initial(w, n_gpus, spg, n_log)
+        else:
+            start, enode = _initial_limited(w, layout)
+        start = _repair(start, w, n_gpus, spg, n_log, enode, dom)
+        final, _ = _search(w, start, n_gpus, spg, params.max_iterations, floor, dom)
         return PlacementMap.from_phy2log(final, n_gpus, n_log)
-    base = _repair(np.asarray(previous.phy2log, dtype=np.int64), w, n_gpus, spg, n_log)
-    _, trace = _search(w, base, n_gpus, spg, params.max_iterations, floor)
+    prev = np.asarray(previous.phy2log, dtype=np.int64)
+    if dom is not None:
+        enode = _expert_nodes(prev, layout)
+    base = _repair(prev, w, n_gpus, spg, n_log, enode, dom)
+    _, trace = _search(w, base, n_gpus, spg, params.max_iterations, floor, dom)
     if not trace.moves or total_mean <= 0:
         return PlacementMap.from_phy2log(base, n_gpus, n_log)
     accepted = _select(trace, w.shape[0], total_mean, layout, params)

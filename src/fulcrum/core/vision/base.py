@@ -55,6 +55,8 @@ class VisionPolicy(Protocol):
 
 def check_patches(patches: int) -> None:
     """Raise ``ValueError`` unless ``patches`` is an int >= 1."""
+    if type(patches) is int and patches >= 1:  # the decision path's case, one check
+        return
     if isinstance(patches, bool) or not isinstance(patches, int | np.integer):
         raise ValueError("patches: must be an integer")
     if patches < 1:
