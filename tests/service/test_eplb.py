@@ -372,3 +372,45 @@ async def test_full_size_decode_group_rebalances_through_the_daemon(client: Fulc
     s = np.sort(phy, axis=-1)
     assert not (s[..., 1:] == s[..., :-1]).any()
     assert (array(new.replica_counts) >= 1).all()
+
+
+async def test_restart_resumes_the_window_and_the_period(tmp_path: Path) -> None:
+    """The window and the period counter survive a restart (written at drain)."""
+    snap = tmp_path / "maps.json"
+    overrides = {"eplb": {"snapshot_path": str(snap), "window_snapshot_interval_s": 0}}
+    async with running_server(overrides) as d1, FulcrumClient(d1.address) as c:
+        await c.expert.RegisterGroup(register_request())  # window 20 steps, period 40
+        await c.expert.ReportLoad(report(1, 0, 15, skewed(6, 15)))
+        before = await c.expert.ReportLoad(report(1, 15, 30, skewed(7, 15)))
+        assert before.steps_to_rebalance == 10 and not before.rebalanced
+        window_before = state(d1).groups["g1"].window_sum.copy()  # type: ignore[union-attr]
+    assert (tmp_path / "maps.json.window").exists()
+    async with running_server(overrides) as d2, FulcrumClient(d2.address) as c:
+        g = state(d2).groups["g1"]
+        assert g.steps_since_rebalance == 30 and g.last_step_end == 30
+        assert np.array_equal(g.window_sum, window_before)  # type: ignore[arg-type]
+        # step ranges still may not go backwards across the restart
+        assert (
+            await code_of(c.expert.ReportLoad(report(1, 20, 25, skewed(8, 5))))
+            == grpc.StatusCode.FAILED_PRECONDITION
+        )
+        # the period continues: 10 more steps complete it (not 40)
+        done = await c.expert.ReportLoad(report(1, 30, 40, skewed(8, 10)))
+        assert done.rebalanced and done.map_version == 2
+
+
+async def test_window_snapshot_of_another_shape_is_ignored(tmp_path: Path) -> None:
+    snap = tmp_path / "maps.json"
+    overrides = {"eplb": {"snapshot_path": str(snap), "window_snapshot_interval_s": 0}}
+    async with running_server(overrides) as d1, FulcrumClient(d1.address) as c:
+        await c.expert.RegisterGroup(register_request())
+        await c.expert.ReportLoad(report(1, 0, 10, skewed(6)))
+    # another bucket size: the maps are restored, the window is not
+    other = {"eplb": {**overrides["eplb"], "window_buckets": 4}}
+    async with running_server(other) as d2:
+        g = state(d2).groups["g1"]
+        assert g.current.version == 1 and g.window_steps == 0 and g.last_step_end == 0
+    (tmp_path / "maps.json.window").write_bytes(b"not a zip")
+    async with running_server(overrides) as d3:
+        assert state(d3).groups["g1"].window_steps == 0
+    assert (tmp_path / "maps.json.window.corrupt").exists()

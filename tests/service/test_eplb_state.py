@@ -183,3 +183,32 @@ def test_rejected_reports_change_nothing(ops: list[tuple[int, int, int]]) -> Non
         expect = sum(v for e, v in accepted if (e - 1) // g.bucket_steps in kept)
         assert g.window_sum is not None and np.allclose(g.window_sum, expect)
         assert max(kept) - min(kept) < g.window_buckets
+
+
+async def test_window_snapshot_round_trip_and_failed_write(tmp_path: Path) -> None:
+    snap = tmp_path / "maps.json"
+    s = EplbSettings(snapshot_path=str(snap), window_buckets=4)
+    state = EplbState(s)
+    assert not state.save_window()  # nothing changed yet
+    state.register(spec(), None)
+    state.report("g", 1, 0, 5, load(1.0))
+    state.report("g", 1, 5, 12, load(2.0))
+    assert state.save_window()
+    assert not state.save_window()  # clean again: no rewrite
+    again = EplbState(s).get("g")
+    g = state.get("g")
+    assert again.buckets.keys() == g.buckets.keys()
+    assert again.bucket_step_counts == g.bucket_step_counts
+    assert np.array_equal(again.window_sum, g.window_sum)  # type: ignore[arg-type]
+    assert np.array_equal(again.observed_sum, g.observed_sum)  # type: ignore[arg-type]
+    assert again.observed_moe_lb == g.observed_moe_lb
+    assert (again.last_step_end, again.steps_since_rebalance) == (12, 12)
+    # a failed write keeps the state dirty and changes nothing on disk
+    before = (tmp_path / "maps.json.window").read_bytes()
+    state.report("g", 1, 12, 13, load(3.0))
+    (tmp_path / "maps.json.window").unlink()
+    (tmp_path / "maps.json.window").mkdir()  # os.replace onto a directory fails
+    assert not state.save_window()
+    (tmp_path / "maps.json.window").rmdir()
+    assert state.save_window()
+    assert (tmp_path / "maps.json.window").read_bytes() != before

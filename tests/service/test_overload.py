@@ -89,9 +89,7 @@ CASES = [
     pytest.param("vision.max_placements", {"vision": {"max_placements": 3}}, _setup_vision,
                  _place_images, 3, id="vision.max_placements"),
     pytest.param("eplb.max_groups", {"eplb": {"max_groups": 2}}, _setup_none, _register_group,
-                 2, id="eplb.max_groups",
-                 marks=pytest.mark.xfail(reason="eplb's ResourceExhausted carries no "
-                                         "retry_after_ms yet", strict=False)),
+                 2, id="eplb.max_groups"),
 ]
 
 

@@ -121,3 +121,15 @@ def test_cli_plots_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["--trace", "nope", "--quiet"]) == 2
     assert main(["--policies", "nope", "--quiet"]) == 2
     assert main(["--print-cluster"]) == 0
+
+
+def test_cli_scaling_and_mixing(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--trace", "azure-code", "--limit", "80", "--policies", "default",
+               "--rate-scale", "20", "--length-scale", "4", "--mix-synthetic",
+               "--cache-blocks", "1000", "--json", "--quiet"])
+    if rc == 2:  # shared traces absent
+        pytest.skip("shared traces absent")
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["meta"]["rate_scale"] == 20 and doc["meta"]["length_scale"] == 4
+    assert doc["meta"]["requests"] > 80  # the synthetic streams were merged in
+    assert main(["--load", "0.5", "--rate-scale", "2", "--quiet"]) == 2

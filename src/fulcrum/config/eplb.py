@@ -73,6 +73,18 @@ class EplbSettings(Section):
         ),
     )
 
+    window_snapshot_interval_s: float = Field(
+        10.0,
+        ge=0.0,
+        le=3600.0,
+        description=(
+            "how often the statistics windows (and the rebalance period counters) are "
+            "written to <snapshot_path>.window when they changed, seconds; they are also "
+            "written at drain, so a restarted daemon resumes the window and the period "
+            "instead of counting from zero (0 = at drain only; needs snapshot_path)"
+        ),
+    )
+
     @field_validator("algorithm")
     @classmethod
     def _known_algorithm(cls, value: str) -> str:

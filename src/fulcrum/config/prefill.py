@@ -89,10 +89,11 @@ class PrefillSettings(Section):
         "(n bounds make n+1 tiers)",
     )
     tier_batch_cap_ns: list[int] = Field(
-        default_factory=lambda: [4 * _S, 8 * _S, 16 * _S, 64 * _S],
+        default_factory=lambda: [8 * _S, 32 * _S, 128 * _S, 512 * _S],
         min_length=1,
         description="per-batch quota cap of each tier, ns (one entry per tier, shortest "
-        "first); a single request above the cap is served alone by an idle engine",
+        "first; each above the cost of a fresh prompt at its tier's upper bound, so only "
+        "outliers run alone); a single request above the cap is served alone by an idle engine",
     )
     max_batch_requests: int = Field(
         256, ge=1, le=100_000, description="largest number of requests in one pulled batch"

@@ -339,5 +339,15 @@ def register(server: grpc.aio.Server, app: App) -> list[str]:
         state.apply_settings(settings.eplb)
 
     app.reload_hooks.append(on_reload)
+    if state.window_path is not None:
+
+        def save_window(now_ns: int = 0) -> None:
+            del now_ns
+            state.save_window()
+
+        interval = app.settings.eplb.window_snapshot_interval_s
+        if interval > 0:
+            app.every(interval, save_window, "eplb_window_snapshot")
+        app.drain_hooks.append(save_window)
     pb_grpc.add_ExpertBalancerServiceServicer_to_server(ExpertServicer(app, state), server)
     return [SERVICE]

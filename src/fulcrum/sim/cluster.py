@@ -9,10 +9,10 @@ MoE model on H800-class GPUs (our decision; the published guide gives no cluster
   ``compute_quota_limit`` = 1 s; at most 32,768 tokens per rank per step. Engines
   belong to tiers ``<16K, 16K-64K, 64K-256K, >=256K`` re-split every ``round_s`` = 1 s
   by the round's demand (quota served + still queued), and at once when work arrives
-  for a tier without an engine. Per-batch quota caps are 8/32/128/512 s, each above
-  the cost of the tier's largest fresh request (a fresh 256K-token prompt costs 83 s):
-  the daemon's defaults (4/8/16/64 s) make every fresh request above about 150K tokens
-  "oversize", served alone by a fully idle engine (see the bench's ablation). A
+  for a tier without an engine. Cost model, step budget, chunk cap, tier bounds,
+  per-batch quota caps (8/32/128/512 s, each above the cost of the tier's largest fresh
+  request: a fresh 256K-token prompt costs 83 s) and hysteresis are the daemon's own
+  defaults (``fulcrum.config.prefill.PrefillSettings``), read from there. A
   simulated engine pulls while its remaining quota -- the sum over its
   ranks of ``max(0, horizon - outstanding)``, per-tier ``horizon_s`` 2/8/30/120 s -- is
   positive, and counts as idle (may take an oversize request alone) when no rank has
@@ -41,6 +41,11 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fulcrum.config.prefill import PrefillSettings
+
+#: The daemon's prefill defaults: the simulator models the same balancer, not a copy.
+_DAEMON = PrefillSettings()
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
@@ -51,16 +56,16 @@ class PrefillCluster(_Section):
 
     engines: int = Field(8, ge=1)
     ranks_per_engine: int = Field(4, ge=1)
-    cost_a: float = Field(2.0, ge=0)
-    cost_b: float = Field(56_000.0, ge=0)
-    cost_k: float = Field(5_000_000.0, ge=0)
-    step_budget_ns: float = Field(1_000_000_000.0, gt=0)
-    max_chunk_tokens: int = Field(32_768, ge=1)
-    tier_bounds: tuple[int, ...] = (16 * 1024, 64 * 1024, 256 * 1024)
+    cost_a: float = Field(_DAEMON.cost_model.a, ge=0)
+    cost_b: float = Field(_DAEMON.cost_model.b, ge=0)
+    cost_k: float = Field(_DAEMON.cost_model.k, ge=0)
+    step_budget_ns: float = Field(float(_DAEMON.step_quota_ns), gt=0)
+    max_chunk_tokens: int = Field(_DAEMON.max_chunk_tokens, ge=1)
+    tier_bounds: tuple[int, ...] = tuple(_DAEMON.tier_bounds)
     horizon_s: tuple[float, ...] = (2.0, 8.0, 30.0, 120.0)
-    batch_cap_s: tuple[float, ...] = (8.0, 32.0, 128.0, 512.0)
-    round_s: float = Field(1.0, gt=0)
-    hysteresis: float = Field(1.0, ge=0)
+    batch_cap_s: tuple[float, ...] = tuple(c / 1e9 for c in _DAEMON.tier_batch_cap_ns)
+    round_s: float = Field(_DAEMON.round_period_ms / 1000, gt=0)
+    hysteresis: float = Field(_DAEMON.hysteresis, ge=0)
     moe_fraction: float = Field(0.6, ge=0, le=1)
     baseline_chunk_tokens: int = Field(8_192, ge=1)
 

@@ -15,8 +15,16 @@ window, the load observed under the map in force, and the rebalance period count
 - Snapshot: every change of a map in force (registration, new version, deregistration) is
   first written to ``snapshot_path`` (temporary file, fsync, atomic rename) and only then
   applied in memory, so a failed write changes nothing. At start the file is read back:
-  a restarted daemon serves the same versions and so never triggers a reshuffle. The
-  statistics window is not persisted; the period counts again from zero.
+  a restarted daemon serves the same versions and so never triggers a reshuffle.
+- Window snapshot: the statistics windows, the period counters, the end of the last
+  reported step range and the load observed under the map in force are written to
+  ``<snapshot_path>.window`` (numpy ``.npz``, temporary file, fsync, atomic rename) by
+  :meth:`EplbState.save_window`, which the service calls every
+  ``window_snapshot_interval_s`` when something changed and at drain. At start they are
+  read back for the groups of the map snapshot with the same layout and bucket size, so
+  the rebalance period does not restart from zero (the load observed under the map in
+  force only if it is still the version in force). Reports after the last write are lost
+  on a crash, not on a drain. An unreadable file is moved aside as ``.corrupt``.
 
 Every mutating call validates all its inputs first and raises a ``fulcrum.errors`` error
 before changing anything.
@@ -198,8 +206,10 @@ class EplbState:
     def __init__(self, settings: EplbSettings) -> None:
         self.settings = settings
         self.groups: dict[str, Group] = {}
+        self._window_dirty = False
         if settings.snapshot_path:
             self._restore(Path(settings.snapshot_path))
+            self._restore_window()
 
     # -- settings ------------------------------------------------------------------------
 
@@ -409,6 +419,7 @@ class EplbState:
         else:
             group.window_sum += load
         group.last_step_end = step_end
+        self._window_dirty = True
         steps = step_end - step_begin
         group.steps_since_rebalance += steps
         assert group.observed_sum is not None
@@ -516,11 +527,119 @@ class EplbState:
         group.notify()
         return new, True
 
-    @staticmethod
-    def _restart_period(group: Group, job: RebalanceJob) -> None:
+    def _restart_period(self, group: Group, job: RebalanceJob) -> None:
         """The period counts again from the rebalance's start; steps reported while it was
         computed count toward the next one. A failed rebalance leaves the period due."""
         group.steps_since_rebalance = max(0, group.steps_since_rebalance - job.steps_at_prepare)
+        self._window_dirty = True
+
+    # -- window snapshot -----------------------------------------------------------------
+
+    @property
+    def window_path(self) -> Path | None:
+        """Where the statistics windows are written (None without ``snapshot_path``)."""
+        path = self.settings.snapshot_path
+        return Path(path + ".window") if path else None
+
+    def save_window(self) -> bool:
+        """Write every group's window and period counters if they changed since the last
+        write (atomic). Returns whether a file was written; a failed write is logged and
+        counted, the state is unchanged and the next call tries again."""
+        target = self.window_path
+        if target is None or not self._window_dirty:
+            return False
+        arrays: dict[str, npt.NDArray[Any]] = {}
+        meta: list[dict[str, Any]] = []
+        for i, g in enumerate(self.groups.values()):
+            keys = sorted(g.buckets)
+            for k in keys:
+                arrays[f"g{i}_b{k}"] = g.buckets[k]
+            if g.observed_sum is not None:
+                arrays[f"g{i}_observed"] = g.observed_sum
+            meta.append(
+                {
+                    "group_id": g.group_id,
+                    "layout": _group_doc(g, g.current)["layout"],
+                    "version": g.current.version,
+                    "bucket_steps": g.bucket_steps,
+                    "buckets": keys,
+                    "bucket_step_counts": [g.bucket_step_counts[k] for k in keys],
+                    "last_step_end": g.last_step_end,
+                    "steps_since_rebalance": g.steps_since_rebalance,
+                }
+            )
+        arrays["meta"] = np.array(json.dumps({"format": SNAPSHOT_FORMAT, "groups": meta}))
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".eplb-window-", suffix=".tmp", dir=target.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    np.savez(f, **arrays)  # type: ignore[arg-type]
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError as err:
+            m.SNAPSHOT_WRITES.labels("failed").inc()
+            log.error("eplb_window_snapshot_failed", path=str(target), error=str(err))
+            return False
+        m.SNAPSHOT_WRITES.labels("ok").inc()
+        self._window_dirty = False
+        return True
+
+    def _restore_window(self) -> None:
+        path = self.window_path
+        if path is None or not path.exists():
+            return
+        restored = 0
+        try:
+            with np.load(path, allow_pickle=False) as npz:
+                doc = json.loads(str(npz["meta"]))
+                if doc.get("format") != SNAPSHOT_FORMAT:
+                    raise ValueError(f"unknown window snapshot format {doc.get('format')!r}")
+                updates: list[tuple[Group, dict[str, Any], dict[int, F64], F64 | None]] = []
+                for i, gd in enumerate(doc["groups"]):
+                    group = self.groups.get(str(gd["group_id"]))
+                    if (
+                        group is None
+                        or GroupLayout(**gd["layout"]) != group.layout
+                        or int(gd["bucket_steps"]) != group.bucket_steps
+                    ):
+                        continue  # deregistered, re-shaped, or another bucket size
+                    shape = (group.layout.n_layers, group.layout.n_logical)
+                    buckets = {
+                        int(k): np.array(npz[f"g{i}_b{k}"], dtype=np.float64) for k in gd["buckets"]
+                    }
+                    observed = None
+                    if int(gd["version"]) == group.current.version and f"g{i}_observed" in npz:
+                        observed = np.array(npz[f"g{i}_observed"], dtype=np.float64)
+                    for a in (*buckets.values(), *([] if observed is None else [observed])):
+                        if a.shape != shape or not np.isfinite(a).all() or (a < 0).any():
+                            raise ValueError(f"group {gd['group_id']!r}: bad window array")
+                    updates.append((group, gd, buckets, observed))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            aside = path.with_name(path.name + ".corrupt")
+            with contextlib.suppress(OSError):
+                os.replace(path, aside)
+            log.error("eplb_window_unreadable", path=str(path), moved_to=str(aside), error=str(err))
+            return
+        for group, gd, buckets, observed in updates:  # all validated: apply
+            group.buckets = buckets
+            group.bucket_step_counts = {
+                int(k): int(n) for k, n in zip(gd["buckets"], gd["bucket_step_counts"], strict=True)
+            }
+            group.window_sum = np.sum(list(buckets.values()), axis=0) if buckets else None
+            group.last_step_end = int(gd["last_step_end"])
+            group.steps_since_rebalance = int(gd["steps_since_rebalance"])
+            if observed is not None:
+                group.observed_sum = observed
+                self._update_observed(group)
+            m.WINDOW_STEPS.labels(group.group_id).set(group.window_steps)
+            restored += 1
+        log.info("eplb_window_restored", path=str(path), groups=restored)
 
     # -- snapshot ------------------------------------------------------------------------
 

@@ -330,7 +330,8 @@ class VisionState:
             try:
                 for n in counts:
                     decision = policy.select(fleet, n, rng)
-                    pif[decision.gpu] += n
+                    g = decision.gpu
+                    pif[g] = pif.item(g) + n  # scalar Python arithmetic: no numpy scalars
                     placed.append(decision)
             except NoEligibleGpuError as err:
                 for decision in placed:
@@ -348,7 +349,8 @@ class VisionState:
         out: list[PlacedImage] = []
         for decision in placed:
             machine = machines[decision.machine]
-            pending[decision.gpu] += decision.patches
+            g = decision.gpu
+            pending[g] = pending.item(g) + decision.patches
             member = machine.member
             out.append(
                 PlacedImage(

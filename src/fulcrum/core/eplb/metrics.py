@@ -130,12 +130,26 @@ def migration(old: PlacementMap | None, new: PlacementMap, expert_bytes: int) ->
         return Migration(0, 0, 0, total)
     if old.phy2log.shape != new.phy2log.shape or old.ep_size != new.ep_size:
         raise ValueError("previous_map: shape differs from the new map")
-    changed = int(np.count_nonzero(old.phy2log != new.phy2log))
+    diff = old.phy2log != new.phy2log
+    changed = int(np.count_nonzero(diff))
+    if changed == 0:
+        return Migration(0, 0, 0, total)
     n_log = max(new.n_logical, old.n_logical)
-    space = new.n_layers * new.ep_size * n_log
-    held = np.zeros(space, dtype=np.bool_)
-    held[_triples(old.phy2log, old.ep_size, n_log)] = True
-    wanted = np.zeros(space, dtype=np.bool_)
-    wanted[_triples(new.phy2log, new.ep_size, n_log)] = True
-    copies = int(np.count_nonzero(wanted & ~held))
+    if 8 * changed > total:  # most slots changed: mark every triple of both maps
+        space = new.n_layers * new.ep_size * n_log
+        held_all = np.zeros(space, dtype=np.bool_)
+        held_all[_triples(old.phy2log, old.ep_size, n_log)] = True
+        wanted = np.zeros(space, dtype=np.bool_)
+        wanted[_triples(new.phy2log, new.ep_size, n_log)] = True
+        copies = int(np.count_nonzero(wanted & ~held_all))
+        return Migration(changed, copies, copies * expert_bytes, total)
+    # a copy is received where a slot changed and its GPU held no replica of the new expert
+    # before; (layer, GPU, expert) triples are counted once
+    spg = new.slots_per_gpu
+    layer, slot = np.nonzero(diff)
+    gpu = slot // spg
+    expert = new.phy2log[layer, slot]
+    held = (old.gpu_slots[layer, gpu] == expert[:, None]).any(axis=1)
+    keys = ((layer * new.ep_size + gpu) * n_log + expert)[~held]
+    copies = int(np.unique(keys).size)
     return Migration(changed, copies, copies * expert_bytes, total)

@@ -29,7 +29,6 @@ Rule, per MoE layer (loads in tokens, the even-split load model of ``metrics``):
    per GiB is >= ``params.min_gain_per_gib`` and the bytes fit under ``params.max_bytes``;
    a layer stops at its first rejected segment. The accepted prefix of each layer's moves
    is applied to the map in force.
-
 4. Node-limited routing (``layout.node_limited``: expert groups divide evenly over the
    nodes, as in the published hierarchical policy): every expert group keeps all its
    replicas on one node, ``n_groups / n_nodes`` groups per node. The groups' nodes are read
@@ -47,6 +46,11 @@ Consequences: no two replicas of one expert share a GPU, every expert keeps a re
 and re-running on unchanged loads returns the unchanged map (the search from an accepted
 prefix regenerates the rejected suffix, whose hull slopes are unchanged), unless
 ``max_bytes`` cut the previous run short, in which case the next run continues.
+
+Cost: the search runs all layers at once in numpy, one move per layer per iteration; the
+per-slot loads, GPU loads and re-replication targets are kept between iterations and
+recomputed only for the layers a move changed (from the same expressions, so the result
+equals a recomputation from scratch, bit for bit).
 """
 
 from __future__ import annotations
@@ -142,9 +146,7 @@ def _expert_nodes(phy: I64, layout: GroupLayout) -> I64:
     per_node = n_grp // n_nodes
     slot_node = np.arange(n_phys) // (n_phys // n_nodes)
     keys = ((np.arange(n_layers)[:, None] * n_grp + phy // size) * n_nodes + slot_node).ravel()
-    held = np.bincount(keys, minlength=n_layers * n_grp * n_nodes).reshape(
-        n_layers, n_grp, n_nodes
-    )
+    held = np.bincount(keys, minlength=n_layers * n_grp * n_nodes).reshape(n_layers, n_grp, n_nodes)
     gnode = held.argmax(axis=2)
     per = np.bincount(
         (np.arange(n_layers)[:, None] * n_nodes + gnode).ravel(), minlength=n_layers * n_nodes
@@ -308,6 +310,7 @@ def _search(
         return np.broadcast_to(np.arange(n_phys), (single.shape[0], n_phys)).copy()
 
     every = np.arange(n_layers)
+    ar_layers = every
     sl = slot_loads(every)  # (L, P) tokens per slot
     sl3 = sl.reshape(n_layers, n_gpus, spg)  # a view
     gl = sl3.sum(axis=2)  # (L, G) tokens per GPU
@@ -320,12 +323,9 @@ def _search(
         n = act.size
         if n == 0:
             break
-        r1 = np.arange(n)[:, None]
-        r0 = r1[:, 0]
-        ph = phy[act]
-        cn = cnt[act]
-        wa = w[act]
-        sla = sl[act]
+        r0 = ar_layers[:n]
+        r1 = r0[:, None]
+        ra = act[:, None]  # rows of the full tables, no copies
         gla = gl[act]
         order = np.argsort(-gla, axis=1, kind="stable")
         g0 = order[:, 0]
@@ -344,11 +344,11 @@ def _search(
 
         # swaps: slot a on the hottest GPU <-> slot b on one of the lightest GPUs
         a_slots = g0[:, None] * spg + ar_s  # (n, S)
-        xa = ph[r1, a_slots]
-        la = sla[r1, a_slots]
+        xa = phy[ra, a_slots]
+        la = sl[ra, a_slots]
         b_slots = (partners[:, :, None] * spg + ar_s).reshape(n, -1)  # (n, kS)
-        yb = ph[r1, b_slots]
-        lb = sla[r1, b_slots]
+        yb = phy[ra, b_slots]
+        lb = sl[ra, b_slots]
         glp = gla[r1, partners]  # (n, k)
         d = (la[:, :, None] - lb[:, None, :]).reshape(n, spg, k_partner, spg)
         other = np.where(partners == g1[:, None], load2[:, None], load1[:, None])
@@ -372,17 +372,17 @@ def _search(
         swap_best = swap_gain[r0, swap_idx]
 
         # re-replication: a new replica of a hot expert x over a replica of y (cnt >= 2)
-        cx_all = cn[r1, xa]
-        wx_all = wa[r1, xa]
+        cx_all = cnt[ra, xa]
+        wx_all = w[ra, xa]
         relief = wx_all / cx_all - wx_all / (cx_all + 1)
         src = np.argsort(-relief, axis=1, kind="stable")[:, :k_src]
         xs = xa[r1, src]  # (n, k)
         dx = relief[r1, src]
         new_x = wx_all[r1, src] / (cx_all[r1, src] + 1)
         t_slots = tgt[act]
-        yt = ph[r1, t_slots]
-        cy = cn[r1, yt]
-        wy = wa[r1, yt]
+        yt = phy[ra, t_slots]
+        cy = cnt[ra, yt]
+        wy = w[ra, yt]
         gt = slot_gpu[t_slots]
         multi = cy >= 2
         dy = np.where(multi, wy / np.maximum(cy - 1, 1) - wy / cy, 0.0)
@@ -395,7 +395,7 @@ def _search(
         np.maximum.at(host, ey, glt.ravel())
         y_other = host[ey].reshape(n, n_targets)
         other_t = np.where(gt == g1[:, None], load2[:, None], load1[:, None])
-        pair_r = (glt - sla[r1, t_slots])[:, None, :] + new_x[:, :, None]
+        pair_r = (glt - sl[ra, t_slots])[:, None, :] + new_x[:, :, None]
         np.maximum(pair_r, (lmax[:, None] - dx)[:, :, None], out=pair_r)
         np.maximum(pair_r, (y_other + dy)[:, None, :], out=pair_r)
         if n_dom > 1:
@@ -419,62 +419,62 @@ def _search(
             break
         # apply swaps (slot loads are permuted with the experts: counts are unchanged)
         sw = np.flatnonzero(moving & use_swap)
-        lay_s = act[sw]
-        ia, ib = np.divmod(swap_idx[sw], b_slots.shape[1])
-        sa = a_slots[sw, ia]
-        sb = b_slots[sw, ib]
-        x_s = phy[lay_s, sa]
-        y_s = phy[lay_s, sb]
-        phy[lay_s, sa] = y_s
-        phy[lay_s, sb] = x_s
-        on[lay_s, x_s, slot_gpu[sa]] = False
-        on[lay_s, y_s, slot_gpu[sb]] = False
-        on[lay_s, x_s, slot_gpu[sb]] = True
-        on[lay_s, y_s, slot_gpu[sa]] = True
-        l_a = sl[lay_s, sa]
-        sl[lay_s, sa] = sl[lay_s, sb]
-        sl[lay_s, sb] = l_a
-        ga, gb_ = slot_gpu[sa], slot_gpu[sb]
-        gl[lay_s, ga] = sl3[lay_s, ga].sum(axis=1)
-        gl[lay_s, gb_] = sl3[lay_s, gb_].sum(axis=1)
-        s_a = single_all[lay_s, sa]
-        s_b = single_all[lay_s, sb]
-        flip = s_a != s_b
-        single_all[lay_s, sa] = s_b
-        single_all[lay_s, sb] = s_a
-        redo = lay_s[flip]
-        # apply re-replications
         rp = np.flatnonzero(moving & ~use_swap)
+        lay_s = act[sw]
         lay_r = act[rp]
-        ix, jt = np.divmod(rep_idx[rp], n_targets)
-        it = t_slots[rp, jt]
-        x_r = xs[rp, ix]
-        y_r = phy[lay_r, it]
-        phy[lay_r, it] = x_r
-        cnt[lay_r, x_r] += 1
-        cnt[lay_r, y_r] -= 1
-        on[lay_r, y_r, slot_gpu[it]] = False
-        on[lay_r, x_r, slot_gpu[it]] = True
-        if lay_r.size:
+        redo = lay_s[:0]
+        if sw.size:
+            ia, ib = np.divmod(swap_idx[sw], b_slots.shape[1])
+            sa = a_slots[sw, ia]
+            sb = b_slots[sw, ib]
+            x_s = phy[lay_s, sa]
+            y_s = phy[lay_s, sb]
+            phy[lay_s, sa] = y_s
+            phy[lay_s, sb] = x_s
+            ga, gb_ = slot_gpu[sa], slot_gpu[sb]
+            on[lay_s, x_s, ga] = False
+            on[lay_s, y_s, gb_] = False
+            on[lay_s, x_s, gb_] = True
+            on[lay_s, y_s, ga] = True
+            l_a = sl[lay_s, sa]
+            sl[lay_s, sa] = sl[lay_s, sb]
+            sl[lay_s, sb] = l_a
+            gl[lay_s, ga] = sl3[lay_s, ga].sum(axis=1)
+            gl[lay_s, gb_] = sl3[lay_s, gb_].sum(axis=1)
+            s_a = single_all[lay_s, sa]
+            s_b = single_all[lay_s, sb]
+            single_all[lay_s, sa] = s_b
+            single_all[lay_s, sb] = s_a
+            redo = lay_s[s_a != s_b]
+            swaps = (lay_s, sa, y_s, sb, x_s, np.full(sw.size, 2), lmax[sw])
+        # apply re-replications
+        if rp.size:
+            ix, jt = np.divmod(rep_idx[rp], n_targets)
+            it = t_slots[rp, jt]
+            x_r = xs[rp, ix]
+            y_r = phy[lay_r, it]
+            phy[lay_r, it] = x_r
+            cnt[lay_r, x_r] += 1
+            cnt[lay_r, y_r] -= 1
+            g_r = slot_gpu[it]
+            on[lay_r, y_r, g_r] = False
+            on[lay_r, x_r, g_r] = True
             sl[lay_r] = slot_loads(lay_r)
             gl[lay_r] = sl3[lay_r].sum(axis=2)
             s_new = singles(lay_r)
             differs = (s_new != single_all[lay_r]).any(axis=1)
             single_all[lay_r] = s_new
             redo = np.concatenate([redo, lay_r[differs]])
+            none = np.full(rp.size, -1, dtype=np.int64)
+            reps = (lay_r, it, x_r, none, none, np.ones(rp.size, dtype=np.int64), lmax[rp])
         if redo.size:
             tgt[redo] = targets(single_all[redo])
-        moves.append(
-            (
-                np.concatenate([lay_s, lay_r]),
-                np.concatenate([sa, it]),
-                np.concatenate([y_s, x_r]),
-                np.concatenate([sb, np.full(rp.size, -1, dtype=np.int64)]),
-                np.concatenate([x_s, np.full(rp.size, -1, dtype=np.int64)]),
-                np.concatenate([np.full(sw.size, 2), np.ones(rp.size, dtype=np.int64)]),
-                np.concatenate([lmax[sw], lmax[rp]]),
-            )
-        )
+        if not rp.size:
+            moves.append(swaps)
+        elif not sw.size:
+            moves.append(reps)
+        else:
+            moves.append(tuple(np.concatenate(pair) for pair in zip(swaps, reps, strict=True)))  # type: ignore[arg-type]
     return phy, _Trace(moves=moves, final_max=gl.max(axis=1))
 
 

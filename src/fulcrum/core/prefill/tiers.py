@@ -21,7 +21,8 @@ Rule (SPEC section 3, level 1):
      split is kept (or, without one, the engines are spread evenly).
 
   **Hysteresis** (engines, >= 0): the previous split is kept unchanged when it is still
-  feasible (sums to ``n``, honours rule 1) and no tier's count is more than
+  feasible (sums to ``n``, honours rule 1), holds no engine on a tier without demand
+  while another tier has demand, and no tier's count is more than
   ``hysteresis`` engines away from its ideal (pinned, fractional) share. With
   ``hysteresis = 0`` the result is always the largest-remainder split.
 * **Which engines move.** :func:`assign_engines` keeps every engine in its previous tier
@@ -204,7 +205,10 @@ def allocate(
         if n_engines <= 0:
             return np.zeros(d.shape, dtype=np.int64)
         return largest_remainder(n_engines, np.ones_like(d))
-    if prev is not None and _feasible(prev, n_engines, d):
+    # Hysteresis keeps the current split against noise, but never leaves an engine on a
+    # tier without demand while another tier has some (work for a tier without engines
+    # triggers a redistribution at once, so a rare tier gets one back when it needs it).
+    if prev is not None and _feasible(prev, n_engines, d) and not np.any((d <= 0) & (prev > 0)):
         ideal = ideal_shares(n_engines, d)
         if float(np.max(np.abs(prev - ideal))) <= hysteresis:
             return prev.copy()
