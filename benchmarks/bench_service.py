@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # pragma: no cover - direct execution
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import fmt_rate, md_table, percentiles  # noqa: E402
+from benchmarks.common import fmt_rate, md_table, percentiles, progress  # noqa: E402
 from fulcrum.client import FulcrumClient, check_health  # noqa: E402
 from fulcrum.v1 import decode_pb2 as decpb  # noqa: E402
 from fulcrum.v1 import diagnostics_pb2 as dpb  # noqa: E402
@@ -131,6 +131,7 @@ async def _measure(
     name: str, pid: int, per_worker: int, worker: Callable[[int, list[float]], Awaitable[None]]
 ) -> Figures:
     """Run ``WORKERS`` copies of ``worker(n, latencies)`` and collect the figures."""
+    progress(f"service: {name}")
     lat: list[float] = []
     cpu0 = _cpu_s(pid)
     t0 = time.perf_counter()
@@ -169,11 +170,13 @@ async def _stream_worker(
 
 
 async def _bench(address: str, pid: int, quick: bool) -> list[tuple[Figures, Figures]]:
-    per = 100 if quick else 500
+    # 8 callers x 200 calls = 1,600 latencies per phase (p99 from the 16 slowest), about
+    # 1-2 s a phase on a 2-core machine; 16 phases in all.
+    per = 50 if quick else 200
     out: list[tuple[Figures, Figures]] = []
     async with FulcrumClient(address) as c:
         # Warm up the channel and the daemon's code paths.
-        for _ in range(500):
+        for _ in range(200):
             await c.diagnostics.Ping(dpb.PingRequest())
 
         async def ping(n: int, lat: list[float]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import resource
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -16,6 +17,17 @@ from typing import TypeVar
 import numpy as np
 
 T = TypeVar("T")
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr (``make bench`` shows it; BENCHMARKS.md does not).
+
+    Prefixed with the wall-clock time (UTC, ``HH:MM:SS``) so that a slow phase stands out
+    in a long run; flushed at once.
+    """
+    stamp = time.strftime("%H:%M:%S", time.gmtime())
+    sys.stderr.write(f"[bench {stamp}]   {message}\n")
+    sys.stderr.flush()
 
 
 def best_of(fn: Callable[[], object], *, repeat: int = 5, number: int = 1) -> float:

@@ -3,8 +3,10 @@
 Usage: ``python benchmarks/run.py [--quick] [--out BENCHMARKS.md] [--only NAME ...]``.
 Each module's ``run(quick: bool) -> str`` returns a markdown section; a module that
 raises is reported as failed in the document (and the exit code is 1) instead of
-aborting the others. Full mode must finish within 10 minutes on a 2-core machine,
-``--quick`` within about a minute.
+aborting the others. Full mode must finish within 10 minutes on a 2-core machine (aim:
+7 minutes under load, for headroom), ``--quick`` within about a minute. Progress goes to
+stderr (one line per module and per phase, via :func:`benchmarks.common.progress`); each
+section of the document ends with its time taken and the header gives the total.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.util
+import os
 import sys
 import time
 import traceback
@@ -24,6 +27,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine  # noqa: E402
+
+
+def _loadavg() -> str:
+    """The 1, 5 and 15-minute load averages ("-" where unavailable)."""
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "-"
 
 
 def discover() -> list[Path]:
@@ -44,6 +55,27 @@ def load(path: Path) -> ModuleType:
     return mod
 
 
+def _select(paths: list[Path], only: list[str] | None) -> list[Path]:
+    """The modules named in ``--only`` (``sim`` or ``bench_sim``); all when empty.
+
+    Raises SystemExit on an unknown name, so that a typo does not run nothing quietly.
+    """
+    if not only:
+        return paths
+    known = {p.stem.removeprefix("bench_"): p for p in paths}
+    wanted = [n.removeprefix("bench_") for n in only]
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown bench {unknown}; known: {sorted(known)}")
+    return [p for p in paths if p.stem.removeprefix("bench_") in wanted]
+
+
+def _log(message: str) -> None:
+    stamp = time.strftime("%H:%M:%S", time.gmtime())
+    sys.stderr.write(f"[bench {stamp}] {message}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str]) -> int:
     """Entry point; returns the exit code."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -51,19 +83,20 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
     ap.add_argument("--only", nargs="*", help="bench names (e.g. sim decode) to run")
     args = ap.parse_args(argv)
-    paths = discover()
-    if args.only:
-        wanted = {n.removeprefix("bench_") for n in args.only}
-        paths = [p for p in paths if p.stem.removeprefix("bench_") in wanted]
+    paths = _select(discover(), args.only)
     cmd = "python benchmarks/run.py" + (" --quick" if args.quick else "")
+    if args.only:
+        cmd += " --only " + " ".join(p.stem.removeprefix("bench_") for p in paths)
     started = dt.datetime.now(dt.UTC)
     sections: list[str] = []
     timings: list[tuple[str, float, str]] = []
     failed = False
-    for path in paths:
+    t_start = time.perf_counter()
+    mode = "quick" if args.quick else "full"
+    _log(f"{len(paths)} modules ({mode}): " + ", ".join(p.stem for p in paths))
+    for i, path in enumerate(paths, 1):
         t0 = time.perf_counter()
-        sys.stderr.write(f"[bench] {path.stem} ...\n")
-        sys.stderr.flush()
+        _log(f"[{i}/{len(paths)}] {path.stem} ...")
         try:
             section = load(path).run(args.quick)
             status = "ok"
@@ -75,9 +108,12 @@ def main(argv: list[str]) -> int:
             )
         took = time.perf_counter() - t0
         timings.append((path.stem, took, status))
-        sys.stderr.write(f"[bench] {path.stem}: {status} in {took:.1f} s\n")
-        sections.append(section.strip() + "\n")
-    total = sum(t for _, t, _ in timings)
+        _log(f"[{i}/{len(paths)}] {path.stem}: {status} in {took:.1f} s "
+             f"(total so far {time.perf_counter() - t_start:.0f} s)")
+        sections.append(
+            section.strip() + f"\n\n_Time taken ({path.stem}): {took:.1f} s._\n"
+        )
+    total = time.perf_counter() - t_start
     head = [
         "# Benchmarks",
         "",
@@ -86,13 +122,16 @@ def main(argv: list[str]) -> int:
         f"- command: `{cmd}`",
         f"- date: {started.strftime('%Y-%m-%d %H:%M UTC')}",
         f"- machine: {machine()}",
+        f"- load average at start (1/5/15 min): {_loadavg()}",
         f"- total wall time: {total:.0f} s ("
         + ", ".join(f"{n} {t:.0f} s{'' if s == 'ok' else ' FAILED'}" for n, t, s in timings)
         + ")",
         "",
     ]
     args.out.write_text("\n".join(head) + "\n" + "\n".join(sections))
-    sys.stderr.write(f"[bench] wrote {args.out} in {total:.0f} s\n")
+    _log("time taken per module: "
+         + ", ".join(f"{n} {t:.1f} s{'' if s == 'ok' else ' FAILED'}" for n, t, s in timings))
+    _log(f"wrote {args.out}; total {total:.0f} s" + (" (with failures)" if failed else ""))
     return 1 if failed else 0
 
 

@@ -132,9 +132,9 @@ def build() -> dict[str, Any]:
         (f"max by (dimension) (fulcrum_decode_imbalance{{{SEL}}})", "{{dimension}}")],
         thresholds=[(1.5, "red")])
     b.panel("KV tokens per GPU", [(f"fulcrum_decode_gpu_kv_tokens{{{SEL}}}",
-                                   "{{exported_instance}}/{{gpu}}")])
+                                   "{{decode_instance}}/{{gpu}}")])
     b.panel("Concurrency per GPU", [(f"fulcrum_decode_gpu_concurrency{{{SEL}}}",
-                                     "{{exported_instance}}/{{gpu}}")])
+                                     "{{decode_instance}}/{{gpu}}")])
     b.panel("Placements by outcome and branch", [(
         f"sum by (outcome, branch) (rate(fulcrum_decode_placements_total{{{SEL}}}[$__rate_interval]))",
         "{{outcome}} {{branch}}")], unit="reqps")

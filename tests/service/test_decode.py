@@ -363,8 +363,8 @@ async def test_metrics_gauges_and_counters(daemon: Daemon, client: FulcrumClient
     assert m[exhausted] == m0.get(exhausted, 0.0) + 1
     assert m[placed] == m0.get(placed, 0.0) + 1
     assert m[refused] == m0.get(refused, 0.0) + 1
-    assert m[("fulcrum_decode_gpu_concurrency", (("gpu", "0"), ("instance", "d-a")))] == 2
-    assert m[("fulcrum_decode_gpu_kv_tokens", (("gpu", "0"), ("instance", "d-a")))] == 101_000
+    assert m[("fulcrum_decode_gpu_concurrency", (("decode_instance", "d-a"), ("gpu", "0")))] == 2
+    assert m[("fulcrum_decode_gpu_kv_tokens", (("decode_instance", "d-a"), ("gpu", "0")))] == 101_000
     imb = m[("fulcrum_decode_imbalance", (("dimension", "kv_tokens"), ("policy", "dual")))]
     assert imb == pytest.approx(101_000 / ((101_000 + 3_000) / 2))
     assert m[("fulcrum_decode_placements_held", ())] == 1
@@ -445,7 +445,7 @@ async def test_per_gpu_series_disappear_with_the_instance(
     daemon: Daemon, client: FulcrumClient
 ) -> None:
     inc = await add_instance(client, "d-gone", gpus=[(8, 1_000)] * 2)
-    series = ("fulcrum_decode_gpu_concurrency", (("gpu", "1"), ("instance", "d-gone")))
+    series = ("fulcrum_decode_gpu_concurrency", (("decode_instance", "d-gone"), ("gpu", "1")))
     assert series in scrape(daemon)
     await client.fleet.Deregister(fpb.DeregisterRequest(member_id="d-gone", incarnation=inc))
     assert series not in scrape(daemon)

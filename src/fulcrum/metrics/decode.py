@@ -2,7 +2,7 @@
 
 Labels are bounded: ``policy`` is a registered decode policy name (6), ``branch`` is
 "short", "long" or "" (dual's branch), ``outcome`` and ``reason`` come from fixed sets,
-``instance``/``gpu`` are bounded by the fleet size and disappear with the instance. The
+``decode_instance``/``gpu`` are bounded by the fleet size and disappear with the instance. The
 per-GPU gauges, the imbalances and the placement/release counters are read from the
 daemon's state at scrape time, so a placement costs no collector update (the counters
 are plain ints in :class:`DecodeCounts`: no lock, no label lookup on the decision path).
@@ -99,13 +99,13 @@ class _ScrapeCollector(Collector):
             GaugeMetricFamily(
                 "fulcrum_decode_gpu_concurrency",
                 "Requests on each decode GPU (last report plus placements since, minus releases).",
-                labels=["instance", "gpu"],
+                labels=["decode_instance", "gpu"],
             ),
             GaugeMetricFamily(
                 "fulcrum_decode_gpu_kv_tokens",
                 "Total KV on each decode GPU, tokens (last report plus placements since, "
                 "minus releases).",
-                labels=["instance", "gpu"],
+                labels=["decode_instance", "gpu"],
             ),
             GaugeMetricFamily(
                 "fulcrum_decode_imbalance",

@@ -66,6 +66,7 @@ class PrefillCluster(_Section):
     batch_cap_s: tuple[float, ...] = tuple(c / 1e9 for c in _DAEMON.tier_batch_cap_ns)
     round_s: float = Field(_DAEMON.round_period_ms / 1000, gt=0)
     hysteresis: float = Field(_DAEMON.hysteresis, ge=0)
+    backlog_rounds: float = Field(_DAEMON.backlog_rounds, ge=1)
     moe_fraction: float = Field(0.6, ge=0, le=1)
     baseline_chunk_tokens: int = Field(8_192, ge=1)
 

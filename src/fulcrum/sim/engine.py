@@ -215,7 +215,7 @@ class Simulator:
         self.engine_plan: list[core_chunks.StepPlan | None] = [None] * p.engines
         self.tier_queue: list[deque[int]] = [deque() for _ in range(self.n_tiers)]
         self.tier_queued = [0] * self.n_tiers
-        self.tier_served = [0] * self.n_tiers
+        self.tier_arrived = [0] * self.n_tiers  # quota that joined each tier this round
         self.last_demand = [0.0] * self.n_tiers
         self.horizon = [int(h * 1e9) for h in p.horizon_s]
         self.batch_cap = [int(c * 1e9) for c in p.batch_cap_s]
@@ -393,6 +393,7 @@ class Simulator:
             t = core_tiers.tier_of(int(self.inp[rid]), self.bounds)
             self.tier_queue[t].append(rid)
             self.tier_queued[t] += self.quota[rid]
+            self.tier_arrived[t] += self.quota[rid]
             if self.tier_counts[t] == 0:
                 self._rebalance(orphan=True)  # work for a tier with no engine: at once
             self._pull(t)
@@ -437,7 +438,6 @@ class Simulator:
             batch = [queue.popleft() for _ in range(n)]
             pulled = sum(quota[rid] for rid in batch)
             self.tier_queued[tier] -= pulled
-            self.tier_served[tier] += pulled
             plan = core_ranks.assign_ranks(
                 [max(0, int(x)) for x in loads], [quota[rid] for rid in batch]
             )
@@ -528,23 +528,29 @@ class Simulator:
     def _rebalance(self, *, orphan: bool) -> None:
         """Re-split engines across tiers (core ``allocate`` + ``assign_engines``).
 
-        A round's demand per tier is the quota served in the round plus the quota still
-        queued (ns); an orphan rebalance (work for a tier without an engine) uses the
-        larger of the last round's demand and the current one, as the daemon does.
+        A round's demand per tier is the daemon's (core ``round_demand``): the quota that
+        joined the tier in the round plus the still-queued quota spread over
+        ``backlog_rounds`` rounds (ns); an orphan rebalance (work for a tier without an
+        engine) uses the larger of the last round's demand and the current one, as the
+        daemon does.
         """
-        current = [float(s + q) for s, q in zip(self.tier_served, self.tier_queued,
-                                                 strict=True)]
+        current = core_tiers.round_demand(
+            self.tier_arrived, self.tier_queued, self.cluster.prefill.backlog_rounds
+        ).tolist()
         if orphan:
             demand = [max(a, b) for a, b in zip(self.last_demand, current, strict=True)]
         else:
             demand = current
             self.last_demand = current
-            self.tier_served = [0] * self.n_tiers
+            self.tier_arrived = [0] * self.n_tiers
         counts = core_tiers.allocate(
             self.n_engines, np.array(demand, dtype=np.float64), self.tier_counts,
             self.cluster.prefill.hysteresis,
         )
-        assign = core_tiers.assign_engines(self.engine_ids, self.engine_tier, counts)
+        loads = {
+            eid: int(sum(self.rank_load[e])) for e, eid in enumerate(self.engine_ids)
+        }
+        assign = core_tiers.assign_engines(self.engine_ids, self.engine_tier, counts, loads)
         self.engine_tier = dict(assign.tiers)
         self.tier_counts = counts
         for t in range(self.n_tiers):

@@ -37,11 +37,10 @@ from fulcrum.core.decode import (
     NoCapacity,
     imbalance,
     make_policy,
-    write_gpu,
     write_range,
 )
 from fulcrum.core.decode.policy import DecodePolicy
-from fulcrum.core.decode.view import MAX_CONCURRENCY_LIMIT, MAX_KV_LIMIT
+from fulcrum.core.decode.view import MAX_CONCURRENCY_LIMIT, MAX_KV_LIMIT, GpuWriter
 from fulcrum.core.types import DecodeInstanceLoad, DecodeInstanceShape, Member, MemberLoad
 from fulcrum.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from fulcrum.metrics import decode as metrics
@@ -117,6 +116,7 @@ class DecodeState:
         self._order: list[str] = []  # instance ids, sorted
         self._slots: list[tuple[_Instance, int]] = []  # slot -> (instance, gpu index)
         self._view = FleetView.build([], [], [], [])
+        self._writer = GpuWriter(self._view)  # O(1) scalar access to the view's arrays
         self._held: OrderedDict[str, _Held] = OrderedDict()
         self._cursor = 0
         self._policy: DecodePolicy = make_policy(settings.policy, settings.params())
@@ -234,9 +234,11 @@ class DecodeState:
                 raise ResourceExhausted("decode: no live decode instance", 1000)
         # The chosen GPU is live, has a free slot and room (the selection's filter), so
         # the new load is in range: the O(1) in-place write of the core.
-        conc = view.concurrency.item(slot) + 1
-        kv = view.kv_tokens.item(slot) + kv_tokens
-        write_gpu(view, slot, conc, kv, True)
+        writer = self._writer
+        conc, kv = writer.load(slot)
+        conc += 1
+        kv += kv_tokens
+        writer.write(slot, conc, kv, True)
         self._cursor = out.cursor
         held[request_id] = _Held(instance, gpu_index, kv_tokens, now_ns, now_ns + self._lease_ns)
         instance.requests.add(request_id)
@@ -286,10 +288,9 @@ class DecodeState:
         if instance.start < 0:
             return
         slot = instance.start + held.gpu_index
-        view = self._view
-        conc = max(view.concurrency.item(slot) - 1, 0)
-        kv = max(view.kv_tokens.item(slot) - held.kv_tokens, 0)
-        write_gpu(view, slot, conc, kv, bool(view.live.item(slot)))
+        writer = self._writer
+        conc, kv = writer.load(slot)
+        writer.write(slot, max(conc - 1, 0), max(kv - held.kv_tokens, 0), writer.is_live(slot))
 
     def expire(self, now_ns: int) -> int:
         """Expire placements whose lease ran out (in placement order); returns how many."""
@@ -423,6 +424,7 @@ class DecodeState:
             mc,
             mk,
         )
+        self._writer = GpuWriter(self._view)
         self._slots = slots
 
     # -- introspection (metrics, tests) --------------------------------------------------

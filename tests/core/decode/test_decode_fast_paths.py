@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fulcrum.core.decode import Decision, FleetView, make_policy, write_gpu
+from fulcrum.core.decode import Decision, FleetView, GpuWriter, make_policy, write_gpu
 from fulcrum.core.decode.policy import masked_argmin, pick_min
 from fulcrum.core.decode.view import INT64_MAX, MAX_KV_LIMIT
 
@@ -135,3 +135,43 @@ def test_round_robin_matches_scan(rooms: list[int], kv_tokens: int, cursor: int)
         assert isinstance(out, Decision)
         assert out.gpu == fits[0]
         assert out.cursor == (fits[0] + 1) % n
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 9), st.integers(0, 5_000), st.booleans()),
+        min_size=1,
+        max_size=12,
+    ),
+    st.data(),
+)
+def test_gpu_writer_matches_write_gpu(
+    gpus: list[tuple[int, int, bool]], data: st.DataObject
+) -> None:
+    n = len(gpus)
+    args = (
+        [c for c, _, _ in gpus],
+        [k for _, k, _ in gpus],
+        [8] * n,
+        [4_000] * n,
+        [live for _, _, live in gpus],
+    )
+    a = FleetView.build(*args)
+    b = FleetView.build(*args)
+    writer = GpuWriter(a)
+    for _ in range(5):
+        g = data.draw(st.integers(0, n - 1))
+        conc = data.draw(st.integers(0, 9))
+        kv = data.draw(st.integers(0, 5_000))
+        live = data.draw(st.booleans())
+        writer.write(g, conc, kv, live)
+        write_gpu(b, g, conc, kv, live)
+        a.check()
+        assert a.same_as(b)
+        assert writer.load(g) == (conc, kv)
+        assert writer.is_live(g) == live
+    for bad in ((n, 0, 0), (-1, 0, 0), (0, -1, 0), (0, 0, MAX_KV_LIMIT)):
+        with pytest.raises(ValueError, match="out of range"):
+            writer.write(bad[0], bad[1], bad[2], True)
+    assert a.same_as(b)  # a refused write changes nothing

@@ -29,7 +29,8 @@ Build views with :meth:`FleetView.build` (it derives and checks everything). Pur
 change them with :func:`commit`, :func:`release`, :func:`grow`, :func:`observe` and
 :func:`set_live`, which copy and return a new view and never touch the old one. The one
 owner of a view's arrays (the daemon's state table) may instead update them in place
-with :func:`write_gpu`, an O(1) write that keeps every derived field consistent; it must
+with :func:`write_gpu` (or a :class:`GpuWriter`, the same through memoryviews), an O(1)
+write that keeps every derived field consistent; it must
 not do so while a selection runs. Selection never mutates a view.
 """
 
@@ -265,6 +266,69 @@ def write_gpu(view: FleetView, gpu: int, concurrency: int, kv_tokens: int, live:
         view.headroom[gpu] = -1
         view.order_conc[gpu] = INT64_MAX
         view.order_kv[gpu] = INT64_MAX
+
+
+class GpuWriter:
+    """The owner's O(1) in-place reader/writer of one view's per-GPU arrays.
+
+    Same semantics as :func:`write_gpu` (it keeps ``headroom``, ``order_conc``,
+    ``order_kv`` and ``totals`` consistent and raises ValueError, changing nothing, on a
+    bad index or an out-of-range load), through ``memoryview``s of the view's arrays:
+    Python ints in and out, without numpy's scalar machinery (the daemon's per-placement
+    path). It writes the very memory of ``view``; build a new writer for a new view.
+    """
+
+    __slots__ = ("_conc", "_head", "_kv", "_live", "_mc", "_mk", "_n", "_oc", "_ok", "_tot", "view")
+
+    def __init__(self, view: FleetView) -> None:
+        self.view = view
+        self._n = view.n_gpus
+        self._conc = view.concurrency.data
+        self._kv = view.kv_tokens.data
+        self._mc = view.max_concurrency.data
+        self._mk = view.max_kv_tokens.data
+        self._live = view.live.data
+        self._head = view.headroom.data
+        self._oc = view.order_conc.data
+        self._ok = view.order_kv.data
+        self._tot = view.totals.data
+
+    def load(self, gpu: int) -> tuple[int, int]:
+        """(requests, KV tokens) on GPU ``gpu``."""
+        return self._conc[gpu], self._kv[gpu]
+
+    def is_live(self, gpu: int) -> bool:
+        """Whether GPU ``gpu`` may receive placements."""
+        return bool(self._live[gpu])
+
+    def write(self, gpu: int, concurrency: int, kv_tokens: int, live: bool) -> None:
+        """IN PLACE: as :func:`write_gpu` (requests, tokens)."""
+        if not 0 <= gpu < self._n:
+            raise ValueError(f"gpu: index {gpu} out of range [0, {self._n})")
+        if not (0 <= concurrency < MAX_CONCURRENCY_LIMIT and 0 <= kv_tokens < MAX_KV_LIMIT):
+            raise ValueError(
+                f"gpu {gpu}: load out of range ({concurrency} requests, {kv_tokens} KV tokens)"
+            )
+        conc_arr, kv_arr, tot = self._conc, self._kv, self._tot
+        was_live = bool(self._live[gpu])
+        if was_live:
+            tot[0] -= conc_arr[gpu]
+            tot[1] -= kv_arr[gpu]
+        if live:
+            tot[0] += concurrency
+            tot[1] += kv_tokens
+        conc_arr[gpu] = concurrency
+        kv_arr[gpu] = kv_tokens
+        if was_live != live:
+            self._live[gpu] = live
+        if live and concurrency < self._mc[gpu]:
+            self._head[gpu] = self._mk[gpu] - kv_tokens
+            self._oc[gpu] = concurrency * MAX_KV_LIMIT + (MAX_KV_LIMIT - 1 - kv_tokens)
+            self._ok[gpu] = kv_tokens * MAX_CONCURRENCY_LIMIT + concurrency
+        else:
+            self._head[gpu] = -1
+            self._oc[gpu] = INT64_MAX
+            self._ok[gpu] = INT64_MAX
 
 
 def write_range(view: FleetView, start: int, concurrency: I64, kv_tokens: I64) -> None:

@@ -26,8 +26,12 @@ Rule (SPEC section 3, level 1):
   ``hysteresis`` engines away from its ideal (pinned, fractional) share. With
   ``hysteresis = 0`` the result is always the largest-remainder split.
 * **Which engines move.** :func:`assign_engines` keeps every engine in its previous tier
-  while that tier still has room; engines of over-full tiers (highest ids first) and new
-  engines (lowest ids first) fill the under-full tiers in tier order. Deterministic.
+  while that tier still has room. An over-full tier gives up its engines with the least
+  outstanding work first (ties: highest ids first); these and new engines (no work,
+  lowest ids first) fill the under-full tiers in tier order, the emptiest engines going
+  to the shortest tiers. An engine in the middle of a 256K-token prefill thus stays
+  with the long tiers where it can, instead of being handed short requests that would
+  run in its full-budget steps while its other ranks wait. Deterministic.
 """
 
 from __future__ import annotations
@@ -224,15 +228,22 @@ class Assignment:
 
 
 def assign_engines(
-    engines: Sequence[str], previous: Mapping[str, int], counts: npt.ArrayLike
+    engines: Sequence[str],
+    previous: Mapping[str, int],
+    counts: npt.ArrayLike,
+    loads_ns: Mapping[str, int] | None = None,
 ) -> Assignment:
     """Map engine ids to tiers so that tier ``i`` holds ``counts[i]`` engines, moving few.
 
     ``engines``: live engine ids (any order; the result does not depend on it);
     ``previous``: last round's engine -> tier (may name lapsed engines, ignored);
-    ``counts`` (T,): target engines per tier, summing to ``len(engines)``.
+    ``counts`` (T,): target engines per tier, summing to ``len(engines)``;
+    ``loads_ns``: each engine's outstanding prefill work (ns, summed over its ranks; a
+    missing engine counts as 0). It only decides which engines move and where: the
+    least-loaded leave an over-full tier, and the emptiest land in the shortest tiers.
     ``moves`` counts engines that had a tier and now have a different one.
     """
+    load = {} if loads_ns is None else loads_ns
     want = [int(x) for x in np.asarray(counts, dtype=np.int64)]
     live = sorted(set(engines))
     if sum(want) != len(live) or any(x < 0 for x in want):
@@ -250,9 +261,17 @@ def assign_engines(
     for t in range(n_tiers):
         excess = len(members[t]) - want[t]
         if excess > 0:
-            pool.extend(reversed(members[t][-excess:]))  # highest ids leave first
-            members[t] = members[t][:-excess]
+            # Least outstanding work leaves first; ties: highest ids first.
+            order = sorted(
+                reversed(members[t]), key=lambda e: max(0, int(load.get(e, 0)))
+            )
+            leave = order[:excess]
+            pool.extend(leave)
+            gone = set(leave)
+            members[t] = [e for e in members[t] if e not in gone]
     pool.extend(fresh)
+    # Emptiest first (stable: ties keep the order above), filling the shortest tiers first.
+    pool.sort(key=lambda e: max(0, int(load.get(e, 0))))
     out: dict[str, int] = {}
     for t in range(n_tiers):
         for e in members[t]:
