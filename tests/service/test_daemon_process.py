@@ -24,11 +24,7 @@ FULCRUM = [sys.executable, "-m", "fulcrum.cli"]
 
 
 def in_flight(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        for family in text_string_to_metric_families(r.read().decode()):
-            if family.name == "fulcrum_rpc_in_flight":
-                return family.samples[0].value
-    return 0.0
+    return metric_value(port, "fulcrum_rpc_in_flight", {})
 
 
 def write_config(tmp_path: Path, data: object) -> Path:
@@ -160,3 +156,84 @@ def test_unreachable_port_is_a_clean_failure() -> None:
         return grpc.StatusCode.OK
 
     assert asyncio.run(call()) in {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def metric_value(port: int, name: str, labels: dict[str, str]) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for family in text_string_to_metric_families(r.read().decode()):
+            for s in family.samples:
+                if s.name == name and s.labels == labels:
+                    return float(s.value)
+    return 0.0
+
+
+async def wait_metric(port: int, name: str, labels: dict[str, str], want: float) -> float:
+    """Poll a metric until it reaches ``want`` (bounded), return the last value."""
+    value = 0.0
+    for _ in range(500):
+        value = metric_value(port, name, labels)
+        if value >= want:
+            break
+        await asyncio.sleep(0.01)
+    return value
+
+
+async def test_sighup_reloads_policy_and_refuses_a_bad_file(tmp_path: Path) -> None:
+    from fulcrum.v1 import decode_pb2, fleet_pb2
+
+    data = {
+        "server": {"port": 0, "grace_period_s": 5},
+        "metrics": {"port": 0},
+        "logging": {"format": "json"},
+        "decode": {"policy": "dual"},
+    }
+    cfg = write_config(tmp_path, data)
+    proc = Proc(cfg)
+    try:
+        async with FulcrumClient(proc.address) as client:
+            await client.fleet.Register(
+                fleet_pb2.RegisterRequest(
+                    member_id="dec-0",
+                    decode_instance=fleet_pb2.DecodeInstanceShape(
+                        gpus=[fleet_pb2.DecodeGpuCapacity(max_concurrency=8, max_kv_tokens=10**6)]
+                    ),
+                )
+            )
+            first = await client.decode.PlaceDecode(
+                decode_pb2.PlaceDecodeRequest(request_id="r1", kv_tokens=100)
+            )
+            assert first.policy == "dual"
+
+            data["decode"] = {"policy": "least_kv"}
+            cfg.write_text(yaml.safe_dump(data))
+            proc.p.send_signal(signal.SIGHUP)
+            applied = {"outcome": "applied"}
+            assert await wait_metric(
+                proc.metrics_port, "fulcrum_config_reloads_total", applied, 1
+            ) == 1
+            second = await client.decode.PlaceDecode(
+                decode_pb2.PlaceDecodeRequest(request_id="r2", kv_tokens=100)
+            )
+            assert second.policy == "least_kv"
+
+            cfg.write_text("decode: {policy: no_such_policy}\n")
+            proc.p.send_signal(signal.SIGHUP)
+            refused = {"outcome": "refused"}
+            assert await wait_metric(
+                proc.metrics_port, "fulcrum_config_reloads_total", refused, 1
+            ) == 1
+            third = await client.decode.PlaceDecode(
+                decode_pb2.PlaceDecodeRequest(request_id="r3", kv_tokens=100)
+            )
+            assert third.policy == "least_kv"  # the old configuration stays
+        proc.p.send_signal(signal.SIGTERM)
+        lines = proc.rest(timeout=10)
+    finally:
+        if proc.p.poll() is None:
+            proc.p.kill()
+            proc.p.wait()
+    assert proc.p.returncode == 0
+    events = [e.get("event") for e in lines]
+    assert "config_reloaded" in events and "config_reload_refused" in events
+    refusal = next(e for e in lines if e.get("event") == "config_reload_refused")
+    assert "decode.policy" in str(refusal["problems"])

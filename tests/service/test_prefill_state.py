@@ -205,3 +205,29 @@ def test_orphan_tiers_do_not_thrash_when_engines_are_scarce() -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_rebalance_moves_the_emptiest_engine_to_the_short_tier() -> None:
+    """An engine in the middle of a long prefill stays in the long tier; the one whose
+    last pull showed no outstanding work is the one handed to the short tier."""
+
+    async def scenario() -> None:
+        fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
+        state = PrefillState(PrefillSettings(hysteresis=0.0), fleet, lambda: 0)
+        fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
+        for e in ("e0", "e1"):
+            fleet.register(e, PrefillEngineShape(dp_ranks=2), 0)
+        state.last_demand_ns = [0, 0, 0, 1]
+        state.rebalance(0, reason="join")
+        assert state.engines_per_tier() == [0, 0, 0, 2]
+        # e0 (lower id, which the id rule alone would keep) reports no work; e1 is busy.
+        for e, loads in (("e0", [0, 0]), ("e1", [90 * S, 0])):
+            batch = await state.pull(e, 0, 10 * S, loads, 0, 1)
+            assert not batch.items
+        state.last_demand_ns = [1, 0, 0, 1]
+        state.rebalance(0, reason="join")
+        assert state.engine_tier("e0") == 0
+        assert state.engine_tier("e1") == 3
+        state.drain()
+
+    asyncio.run(scenario())

@@ -114,6 +114,10 @@ class _Engine:
     dp_ranks: int
     tier: int = -1
     waiters: list[_Waiter] = field(default_factory=list)
+    #: Outstanding prefill work (ns, all ranks) as last known: the rank loads of the
+    #: engine's latest pull plus what that pull delivered. Decides which engines change
+    #: tiers at a rebalance (the emptiest move to the shortest tiers).
+    load_ns: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -380,6 +384,7 @@ class PrefillState:
         eng = self.validate_pull(engine_id, incarnation, rank_loads_ns)
         loads = list(rank_loads_ns) if rank_loads_ns else [0] * eng.dp_ranks
         idle = not any(loads)
+        eng.load_ns = sum(loads)
         limit = self.settings.max_batch_requests
         if max_requests > 0:
             limit = min(limit, max_requests)
@@ -521,6 +526,7 @@ class PrefillState:
         if not chosen:
             return Batch(tier=tier, items=(), quota_ns=0)
         plan = assign_ranks(loads, [it.cost_ns for it in chosen])
+        eng.load_ns = sum(plan.loads_ns)
         now = self._clock()
         items = []
         total_ns = 0
@@ -605,7 +611,8 @@ class PrefillState:
             prev_counts if len(previous) == len(self._engines) else None,
             hysteresis=self.settings.hysteresis,
         )
-        result = assign_engines(list(self._engines), previous, counts)
+        loads = {e.member_id: e.load_ns for e in self._engines.values()}
+        result = assign_engines(list(self._engines), previous, counts, loads)
         moved: list[tuple[str, int, int]] = []
         for engine_id, tier in result.tiers.items():
             eng = self._engines[engine_id]

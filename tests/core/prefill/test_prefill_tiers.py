@@ -176,6 +176,41 @@ def test_assign_engines_keeps_engines_in_place() -> None:
     assert res.moves == 1  # e1 moved; "new" had no tier; "gone" lapsed
 
 
+@pytest.mark.parametrize(
+    ("loads", "expected"),
+    [
+        # No loads: the highest id leaves the over-full tier (the historical rule).
+        ({}, {"a": 3, "b": 3, "c": 0}),
+        # The busy engine (in the middle of a long prefill) stays in the long tier; of
+        # the two empty ones the higher id goes to the short tier.
+        ({"c": 90_000_000_000}, {"a": 3, "b": 0, "c": 3}),
+        ({"b": 90_000_000_000}, {"a": 3, "b": 3, "c": 0}),
+        ({"b": 90_000_000_000, "c": 1}, {"a": 0, "b": 3, "c": 3}),
+        ({"a": 5, "b": 1, "c": 9}, {"a": 3, "b": 0, "c": 3}),
+        # Ties on load: highest id leaves first.
+        ({"a": 7, "b": 7, "c": 7}, {"a": 3, "b": 3, "c": 0}),
+    ],
+)
+def test_assign_engines_least_loaded_leave_first(
+    loads: dict[str, int], expected: dict[str, int]
+) -> None:
+    prev = {"a": 3, "b": 3, "c": 3}
+    res = assign_engines(["a", "b", "c"], prev, [1, 0, 0, 2], loads)
+    assert res.tiers == expected
+    assert res.moves == 1
+
+
+def test_assign_engines_emptiest_to_shortest_tier() -> None:
+    # Two engines leave the >=256K tier, one with a long prefill in flight: it lands in
+    # 64K-256K, the empty one in <16K; a new engine (no work) counts as empty.
+    prev = {"x": 3, "y": 3, "z": 3}
+    loads = {"x": 0, "y": 60_000_000_000, "z": 120_000_000_000}
+    res = assign_engines(["x", "y", "z"], prev, [1, 0, 1, 1], loads)
+    assert res.tiers == {"x": 0, "y": 2, "z": 3}
+    res = assign_engines(["x", "y", "z", "new"], prev, [2, 0, 1, 1], loads)
+    assert res.tiers == {"x": 0, "new": 0, "y": 2, "z": 3}
+
+
 def test_assign_engines_rejects_wrong_counts() -> None:
     with pytest.raises(ValueError, match="counts"):
         assign_engines(["a", "b"], {}, [1, 0, 0])
@@ -196,7 +231,8 @@ def test_assign_engines_invariants(
     counts = allocate(n, data.draw(st.lists(st.integers(0, 100), min_size=4, max_size=4)))
     if n == 0:
         counts = np.zeros(4, dtype=np.int64)
-    res = assign_engines(list(reversed(engines)), prev, counts)
+    loads = {e: data.draw(st.integers(0, 3)) for e in engines}
+    res = assign_engines(list(reversed(engines)), prev, counts, loads)
     assert sorted(res.tiers) == engines
     assert [sum(1 for t in res.tiers.values() if t == i) for i in range(4)] == counts.tolist()
     # Minimal moves: an engine leaves its tier only if that tier is over-full.
@@ -204,7 +240,20 @@ def test_assign_engines_invariants(
         stayed = sum(1 for e in engines if prev.get(e) == t and res.tiers[e] == t)
         had = sum(1 for e in engines if prev.get(e) == t)
         assert stayed == min(had, int(counts[t]))
-    assert res == assign_engines(engines, prev, counts)
+        # Those who stay carry at least as much work as those who leave.
+        leavers = [loads[e] for e in engines if prev.get(e) == t and res.tiers[e] != t]
+        stayers = [loads[e] for e in engines if prev.get(e) == t and res.tiers[e] == t]
+        if leavers and stayers:
+            assert min(stayers) >= max(leavers)
+    # Movers: a shorter tier never receives a busier mover than a longer tier does.
+    movers = [e for e in engines if prev.get(e) != res.tiers[e]]
+    for e1 in movers:
+        for e2 in movers:
+            if res.tiers[e1] < res.tiers[e2]:
+                assert loads[e1] <= loads[e2]
+    assert res == assign_engines(engines, prev, counts, loads)
+    if not any(loads.values()):
+        assert res == assign_engines(engines, prev, counts)
 
 
 def test_registry_lookup() -> None:
