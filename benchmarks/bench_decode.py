@@ -66,7 +66,7 @@ def _fleet(n_gpus: int, tight: bool) -> FleetView:
 
 
 def core_table(quick: bool) -> str:
-    number = 1_000 if quick else 10_000
+    number = 1_000 if quick else 2_000
     rows = []
     for n_gpus in SIZES:
         for tight in (False, True):
@@ -112,7 +112,7 @@ def _state(n_gpus: int, max_placements: int) -> DecodeState:
 
 def state_cost(quick: bool) -> float:
     """Microseconds per place + release at 4,096 GPUs, in the daemon's table."""
-    n = 2_000 if quick else 20_000
+    n = 2_000 if quick else 5_000
     state = _state(4096, n + 1)
     ids = [f"req-{i:08d}" for i in range(n)]
     sizes = [100_000 if i % 10 == 0 else 2_000 for i in range(n)]
@@ -125,7 +125,7 @@ def state_cost(quick: bool) -> float:
 
 
 def memory_per_placement(quick: bool) -> float:
-    n = 5_000 if quick else 50_000
+    n = 5_000 if quick else 20_000
     state = _state(512, n + 1)
     ids = [f"req-{i:08d}" for i in range(n)]  # ids belong to the caller, not the table
     tracemalloc.start()
@@ -138,7 +138,7 @@ def memory_per_placement(quick: bool) -> float:
 
 
 def balance_table(quick: bool) -> str:
-    steps = 800 if quick else 2_500
+    steps = 800 if quick else 1_000
     rows = []
     for name in POLICY_NAMES:
         work = np.random.default_rng(11)
@@ -194,8 +194,8 @@ async def daemon_rates(quick: bool) -> dict[str, float]:
     drifts, the pairing cancels most of it.
     """
     workers = 8
-    per_worker = 100 if quick else 300
-    rounds = 3 if quick else 9
+    per_worker = 100 if quick else 150
+    rounds = 3 if quick else 5
     out: dict[str, list[float]] = {k: [] for k in ("ping", "place", "ping_s", "place_s")}
     overrides = {
         "decode": {"max_placements": 10_000_000},

@@ -172,8 +172,8 @@ async def daemon_rates(quick: bool) -> dict[str, float]:
             for _ in range(per_worker):
                 await c.diagnostics.Ping(dpb.PingRequest())
 
-        async def submit(_: int) -> None:
-            for _ in range(per_worker):
+        async def submit(_: int, n: int = per_worker) -> None:
+            for _ in range(n):
                 k = next(counter)
                 await c.prefill.Submit(
                     pb.SubmitRequest(request_id=f"u{k}", total_tokens=2_000 + k % 500)
@@ -200,7 +200,7 @@ async def daemon_rates(quick: bool) -> dict[str, float]:
             # Warm-up; then a round closes with demand in the short tier only, so every
             # engine serves it.
             await _rate(workers, 20, ping)
-            await asyncio.gather(*(submit(w) for w in range(workers)))
+            await asyncio.gather(*(submit(w, 20) for w in range(workers)))
             state.rebalance(0, reason="round")
             assert state.engines_per_tier()[0] == n_engines
             for k in range(rounds):
@@ -260,8 +260,8 @@ daemon's loop), the scheduling logic adds **{per_req * ping:.1%}** per request (
 10%).
 
 Through the daemon (client and daemon in one process on loopback; 16 concurrent
-entrypoint callers submitting 2K-token requests, 4 engines long-polling; median of
-runs; Ping measured just before and after each run, ratios per run). Each delivered
+entrypoint callers submitting 2K-token requests, 4 engines long-polling; median of 3
+interleaved runs; Ping measured just before and after each run, ratios per run). Each delivered
 request costs one Submit plus its share of a Pull; the RPC-rate ratio compares the calls
 the daemon serves per second with no-op Pings:
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +50,8 @@ from fulcrum.v1 import prefill_pb2 as ppb  # noqa: E402
 from fulcrum.v1 import vision_pb2 as vpb  # noqa: E402
 
 WORKERS = 8
+#: Alternating chunks of each call and its no-op (see ``_interleaved``).
+ROUNDS = 3
 
 
 def _free_port() -> int:
@@ -131,7 +135,6 @@ async def _measure(
     name: str, pid: int, per_worker: int, worker: Callable[[int, list[float]], Awaitable[None]]
 ) -> Figures:
     """Run ``WORKERS`` copies of ``worker(n, latencies)`` and collect the figures."""
-    progress(f"service: {name}")
     lat: list[float] = []
     cpu0 = _cpu_s(pid)
     t0 = time.perf_counter()
@@ -139,6 +142,34 @@ async def _measure(
     wall = time.perf_counter() - t0
     cpu = _cpu_s(pid) - cpu0
     return Figures(name, len(lat), wall, lat, cpu)
+
+
+def _merge(parts: list[Figures]) -> Figures:
+    """One figure from the chunks of an interleaved measurement (sums; all latencies)."""
+    return Figures(parts[0].name, sum(p.calls for p in parts), sum(p.wall_s for p in parts),
+                   [x for p in parts for x in p.latencies_s], sum(p.cpu_s for p in parts))
+
+
+Worker = Callable[[int, list[float]], Awaitable[None]]
+
+
+async def _interleaved(
+    name: str, ref_name: str, pid: int, per_worker: int, worker: Worker, ref: Worker
+) -> tuple[Figures, Figures, float]:
+    """The call and its no-op in ``ROUNDS`` alternating chunks (no-op, call, no-op, ...).
+
+    Returns the merged figures of each and the median of the per-chunk throughput ratios,
+    so that a change of machine load during the measurement cancels out.
+    """
+    progress(f"service: {name} vs {ref_name}")
+    chunk = max(1, per_worker // ROUNDS)
+    calls: list[Figures] = []
+    refs: list[Figures] = []
+    for _ in range(ROUNDS):
+        refs.append(await _measure(ref_name, pid, chunk, ref))
+        calls.append(await _measure(name, pid, chunk, worker))
+    ratio = statistics.median(c.rate / r.rate for c, r in zip(calls, refs, strict=True))
+    return _merge(calls), _merge(refs), ratio
 
 
 async def _stream_worker(
@@ -169,11 +200,13 @@ async def _stream_worker(
         await it.__anext__()
 
 
-async def _bench(address: str, pid: int, quick: bool) -> list[tuple[Figures, Figures]]:
+async def _bench(
+    address: str, pid: int, quick: bool
+) -> list[tuple[Figures, Figures, float]]:
     # 8 callers x 200 calls = 1,600 latencies per phase (p99 from the 16 slowest), about
     # 1-2 s a phase on a 2-core machine; 16 phases in all.
     per = 50 if quick else 200
-    out: list[tuple[Figures, Figures]] = []
+    out: list[tuple[Figures, Figures, float]] = []
     async with FulcrumClient(address) as c:
         # Warm up the channel and the daemon's code paths.
         for _ in range(200):
@@ -191,14 +224,20 @@ async def _bench(address: str, pid: int, quick: bool) -> list[tuple[Figures, Fig
 
         async def noop(stream: bool) -> Figures:
             """The no-op measured right before a call (same conditions)."""
+            progress("service: " + ("PingStream" if stream else "Ping"))
             if stream:
                 return await _measure("PingStream", pid, per, ping_stream)
             return await _measure("Ping", pid, per, ping)
 
+        async def paired(name: str, stream: bool, worker: Worker) -> None:
+            """``name`` interleaved with its no-op (PingStream for streams, else Ping)."""
+            ref_name, ref = ("PingStream", ping_stream) if stream else ("Ping", ping)
+            out.append(await _interleaved(name, ref_name, pid, per, worker, ref))
+
         ping_u = await noop(False)
         ping_s = await noop(True)
-        out.append((ping_u, ping_u))
-        out.append((ping_s, ping_s))
+        out.append((ping_u, ping_u, 1.0))
+        out.append((ping_s, ping_s, 1.0))
 
         counter = iter(range(10**12))
 
@@ -226,10 +265,8 @@ async def _bench(address: str, pid: int, quick: bool) -> list[tuple[Figures, Fig
                                                          place=decode_req(next(counter))),
                 n, lat)
 
-        ref = await noop(False)
-        out.append((await _measure("PlaceDecode", pid, per, place_decode), ref))
-        ref = await noop(True)
-        out.append((await _measure("PlaceDecodeStream", pid, per, place_decode_stream), ref))
+        await paired("PlaceDecode", False, place_decode)
+        await paired("PlaceDecodeStream", True, place_decode_stream)
 
         # -- vision: PlaceImages, unary and streamed ------------------------------------
         for i in range(8):
@@ -253,10 +290,8 @@ async def _bench(address: str, pid: int, quick: bool) -> list[tuple[Figures, Fig
                                                  images=[shot])),
                 n, lat)
 
-        ref = await noop(False)
-        out.append((await _measure("PlaceImages (1 screenshot)", pid, per, place_images), ref))
-        ref = await noop(True)
-        out.append((await _measure("PlaceImagesStream", pid, per, place_images_stream), ref))
+        await paired("PlaceImages (1 screenshot)", False, place_images)
+        await paired("PlaceImagesStream", True, place_images_stream)
 
         # -- prefill: Submit resolves when an engine's Pull takes it --------------------
         engines = []
@@ -290,43 +325,51 @@ async def _bench(address: str, pid: int, quick: bool) -> list[tuple[Figures, Fig
 
         ref = await noop(False)
         pullers = [asyncio.create_task(puller(e, i)) for e, i in engines]
+        progress("service: Submit + Pull")
         sub = await _measure("Submit + Pull", pid, per // 2, submit)
         stop.set()
         await asyncio.gather(*pullers)
         pull_fig = Figures("Pull (during the above)", pulls, sub.wall_s, pull_lat, sub.cpu_s)
-        out.append((sub, ref))
-        out.append((pull_fig, ref))
+        out.append((sub, ref, sub.rate / ref.rate))
+        out.append((pull_fig, ref, pull_fig.rate / ref.rate))
 
         # -- EPLB: ReportLoad and GetMap -----------------------------------------------
+        # One EP group per caller: a group reports its step ranges in order (the daemon
+        # refuses a range that goes backwards), so concurrent callers on one group would
+        # race; WORKERS groups keep WORKERS reports in flight, each group in order.
         layers, experts = 4, 384
-        reg_g = await c.expert.RegisterGroup(epb.RegisterGroupRequest(
-            group_id="bench-ep8", role=epb.GROUP_ROLE_DECODE, ep_size=8, gpus_per_node=8,
-            num_layers=layers, num_experts=experts, num_expert_groups=1,
-            window_steps=1_000, period_steps=1_000_000, expert_bytes=44_040_192))
-        version = reg_g.map_version
+        versions: dict[str, int] = {}
+        for g in range(WORKERS):
+            reg_g = await c.expert.RegisterGroup(epb.RegisterGroupRequest(
+                group_id=f"bench-ep8-{g}", role=epb.GROUP_ROLE_DECODE, ep_size=8,
+                gpus_per_node=8, num_layers=layers, num_experts=experts,
+                num_expert_groups=1, window_steps=1_000, period_steps=1_000_000,
+                expert_bytes=44_040_192))
+            versions[f"bench-ep8-{g}"] = reg_g.map_version
         rng = np.random.default_rng(1)
         load = [int(x) for x in rng.poisson(20.0, size=layers * experts)]
-        step = iter(range(10**9))
+        groups = itertools.cycle(sorted(versions))  # each chunk: one caller per group
+        next_step = dict.fromkeys(versions, 0)
 
         async def report(n: int, lat: list[float]) -> None:
-            for _ in range(n):
-                s = next(step)
+            group = next(groups)
+            first = next_step[group]
+            next_step[group] += n
+            for s in range(first, first + n):
                 t = time.perf_counter()
                 await c.expert.ReportLoad(epb.ReportLoadRequest(
-                    group_id="bench-ep8", map_version=version, step_begin=s,
+                    group_id=group, map_version=versions[group], step_begin=s,
                     step_end=s + 1, load_values=load))
                 lat.append(time.perf_counter() - t)
 
         async def get_map(n: int, lat: list[float]) -> None:
             for _ in range(n):
                 t = time.perf_counter()
-                await c.expert.GetMap(epb.GetMapRequest(group_id="bench-ep8"))
+                await c.expert.GetMap(epb.GetMapRequest(group_id="bench-ep8-0"))
                 lat.append(time.perf_counter() - t)
 
-        ref = await noop(False)
-        out.append((await _measure("ReportLoad (4 x 384 loads)", pid, per, report), ref))
-        ref = await noop(False)
-        out.append((await _measure("GetMap (4 x 416 slots)", pid, per, get_map), ref))
+        await paired("ReportLoad (4 x 384 loads)", False, report)
+        await paired("GetMap (4 x 416 slots)", False, get_map)
     return out
 
 
@@ -335,7 +378,7 @@ def run(quick: bool) -> str:
     with daemon_process() as (address, pid):
         figures = asyncio.run(_bench(address, pid, quick))
     rows = []
-    for f, base in figures:
+    for f, base, vs_noop in figures:
         p50, p99 = percentiles(f.latencies_s)
         rows.append([
             f.name,
@@ -344,7 +387,7 @@ def run(quick: bool) -> str:
             f"{p99 * 1e3:.2f}",
             f"{f.cpu_s / f.calls * 1e6:.0f}" if f.calls else "-",
             "-" if f is base else f"{fmt_rate(base.rate)} ({base.name})",
-            "1.00x" if f is base else f"{f.rate / base.rate:.2f}x",
+            "1.00x" if f is base else f"{vs_noop:.2f}x",
         ])
     cmd = ".venv/bin/python benchmarks/bench_service.py" + (" --quick" if quick else "")
     lines = [
@@ -353,15 +396,19 @@ def run(quick: bool) -> str:
         f"Command: `{cmd}`. The daemon runs in its own process (uvloop); the client "
         f"(grpc.aio, one channel) keeps {WORKERS} calls in flight; latencies are seen by "
         "the client; daemon CPU is its user + system time over the phase / calls (10 ms "
-        "clock ticks). Each call is preceded by its no-op (Ping for unary, PingStream "
-        "for streams) measured under the same conditions, and compared with it. "
+        f"clock ticks). Each call is measured in {ROUNDS} chunks alternating with chunks of "
+        "its no-op (Ping for unary, PingStream for streams); the no-op column is over "
+        "those chunks and the ratio is the median of the per-chunk ratios, so that a "
+        "change of machine load cancels out. "
         "Streams are strict ping-pong (one request, wait for its reply). "
-        "Submit + Pull: 8 submitters against 2 engines (4 DP ranks each) long-polling "
-        "with `max_requests = 1`; a Submit returns when an engine has pulled it, so its "
-        "latency includes the hand-off. The Pull row shares that phase's daemon CPU.",
+        "Submit + Pull (one phase, right after its Ping): 8 submitters against 2 engines "
+        "(4 DP ranks each) long-polling with `max_requests = 1`; a Submit returns when an "
+        "engine has pulled it, so its latency includes the hand-off. The Pull row "
+        "shares that phase's daemon CPU. "
+        f"ReportLoad: {WORKERS} EP8 groups, one caller each, step ranges in order.",
         "",
         md_table(["call", "calls/s", "p50 (ms)", "p99 (ms)", "daemon CPU/call (us)",
-                  "no-op calls/s (same phase)", "throughput vs no-op"], rows),
+                  "no-op calls/s (same chunks)", "throughput vs no-op"], rows),
     ]
     return "\n".join(lines) + "\n"
 

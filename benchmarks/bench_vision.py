@@ -51,7 +51,7 @@ def _topology(n_gpus: int, cap: int) -> VisionTopology:
 
 
 def core_table(quick: bool) -> str:
-    number = 300 if quick else 10_000
+    number = 300 if quick else 2_000
     repeat = 3 if quick else 5
     rows = []
     for n_gpus in (64, 512, 4096):
@@ -83,7 +83,7 @@ def core_table(quick: bool) -> str:
 
 
 def memory_per_placement(quick: bool) -> float:
-    n = 2_000 if quick else 20_000
+    n = 2_000 if quick else 5_000
     state = VisionState(
         VisionSettings(max_placements=n + 1), np.random.default_rng(0), liveness=None
     )
@@ -129,7 +129,7 @@ async def _rate(workers: int, per_worker: int, work: Callable[[int], Awaitable[N
 async def daemon_rates(quick: bool) -> dict[str, float]:
     workers = 8
     per_worker = 25 if quick else 200
-    rounds = 3 if quick else 11
+    rounds = 3 if quick else 5
     out: dict[str, list[float]] = {k: [] for k in ("ping", "place", "ping_s", "place_s")}
     # Machines do not heartbeat during the benchmark: keep them from lapsing.
     overrides = {"fleet": {"heartbeat_timeout_ms": 3_600_000}}

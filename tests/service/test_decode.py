@@ -364,7 +364,8 @@ async def test_metrics_gauges_and_counters(daemon: Daemon, client: FulcrumClient
     assert m[placed] == m0.get(placed, 0.0) + 1
     assert m[refused] == m0.get(refused, 0.0) + 1
     assert m[("fulcrum_decode_gpu_concurrency", (("decode_instance", "d-a"), ("gpu", "0")))] == 2
-    assert m[("fulcrum_decode_gpu_kv_tokens", (("decode_instance", "d-a"), ("gpu", "0")))] == 101_000
+    kv_key = ("fulcrum_decode_gpu_kv_tokens", (("decode_instance", "d-a"), ("gpu", "0")))
+    assert m[kv_key] == 101_000
     imb = m[("fulcrum_decode_imbalance", (("dimension", "kv_tokens"), ("policy", "dual")))]
     assert imb == pytest.approx(101_000 / ((101_000 + 3_000) / 2))
     assert m[("fulcrum_decode_placements_held", ())] == 1
