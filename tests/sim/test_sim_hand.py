@@ -13,9 +13,11 @@ MS = 1_000_000
 
 
 def tiny(**over: dict[str, object]) -> Cluster:
-    """1 engine x 2 ranks, 1 decode GPU, 1 VE GPU, no MoE stretch, no cache."""
+    """1 engine x 2 ranks, 1 decode GPU, 1 VE GPU, no MoE stretch, no cache; a fixed step
+    budget (``step_floor_fraction`` = 1: every rank proposes the full limit)."""
     base: dict[str, dict[str, object]] = {
-        "prefill": {"engines": 1, "ranks_per_engine": 2, "moe_fraction": 0.0},
+        "prefill": {"engines": 1, "ranks_per_engine": 2, "moe_fraction": 0.0,
+                    "step_floor_fraction": 1.0},
         "decode": {"instances": 1, "gpus_per_instance": 1, "moe_fraction": 0.0,
                    "d0_ns": 1_000_000.0, "d1_ns": 10_000.0, "d2_ns": 100.0},
         "vision": {"machines": 1, "gpus_per_machine": 1},
@@ -45,6 +47,25 @@ def test_two_ranks_three_requests() -> None:
     assert res.prefill.ideal_ns == pytest.approx(90.25e6 + 121e6)
     assert res.prefill.fraction == pytest.approx(105.625 / 121)
     assert res.prefill_imbalance.value == [pytest.approx(121 / 105.625)]
+
+
+def test_two_ranks_three_requests_rank_budgets() -> None:
+    # Same batch, each rank proposing the time of its work (no floor): r0 = k + 57e6 +
+    # 28.25e6 = 90.25e6, r1 = k + 116e6 = 121e6 -> MIN 90.25 ms. Step 1: r0 runs A and C
+    # whole; r1 runs the largest q of B with q^2 + 56e3 q <= 85.25e6 -> q = 1,483
+    # (85,247,289 ns; 1,484 would cost 85,306,256). Step 2: B's other 517 tokens at
+    # c = 1,483: 2*517*(1,483 + 258.5) + 56e3*517 = 30,752,711 ns, + k = 35,752,711.
+    reqs = [req(0, 0, 1000), req(1, 0, 2000), req(2, 0, 500)]
+    res = simulate(tiny(prefill={"step_floor_fraction": 0.0}), get_policy_set("default"),
+                   reqs, seed=0)
+    step1 = 90_250_000
+    assert res.first_token_ns.tolist() == [step1, step1 + 35_752_711, step1]
+    assert res.prefill.steps == 2
+    # Step 1 is level (90.25 vs 90.247289 ms); step 2 has r0 idle.
+    assert res.prefill.ideal_ns == pytest.approx(90.25e6 + 90_247_289 + 35_752_711)
+    assert res.prefill.actual_ns == pytest.approx(2 * 90.25e6 + 2 * 35_752_711)
+    assert res.prefill.idle_ns == pytest.approx(35_752_711)
+    assert res.prefill.short_ns == pytest.approx(90.25e6 - 90_247_289)
 
 
 def test_two_ranks_round_robin_baseline() -> None:

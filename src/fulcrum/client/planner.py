@@ -8,16 +8,20 @@ per step, and splitting across steps without starvation.
 
 from fulcrum.core.cost import DEFAULT_COST_MODEL, MAX_CHUNK_TOKENS, CostModel
 from fulcrum.core.prefill.chunks import (
+    DEFAULT_FLOOR_FRACTION,
     Chunk,
     ChunkPlanner,
     PrefillTask,
     StepPlan,
     commit,
     plan_step,
+    rank_budget,
+    rank_budgets,
 )
 
 __all__ = [
     "DEFAULT_COST_MODEL",
+    "DEFAULT_FLOOR_FRACTION",
     "MAX_CHUNK_TOKENS",
     "Chunk",
     "ChunkPlanner",
@@ -26,4 +30,6 @@ __all__ = [
     "StepPlan",
     "commit",
     "plan_step",
+    "rank_budget",
+    "rank_budgets",
 ]

@@ -6,13 +6,18 @@ MoE model on H800-class GPUs (our decision; the published guide gives no cluster
 * **prefill**: 8 engines, each an EP4DP4 group (4 DP ranks) -> 32 GPUs. A rank's step
   time is the cost model of ``fulcrum.core.cost`` (``a = 2 ns/token^2, b = 56 us/token,
   k = 5 ms``); the group moves at its slowest rank; step budget
-  ``compute_quota_limit`` = 1 s; at most 32,768 tokens per rank per step. Engines
+  ``compute_quota_limit`` = 1 s, each rank proposing the time of the work it holds
+  (at least ``step_floor_fraction`` = 0.1 of the limit; core ``rank_budget``) and the
+  MIN applying; at most 32,768 tokens per rank per step. Engines
   belong to tiers ``<16K, 16K-64K, 64K-256K, >=256K`` re-split every ``round_s`` = 1 s
-  by the round's demand (quota served + still queued), and at once when work arrives
+  by the round's demand (the daemon's rule: quota that joined the tier + still-queued
+  quota / ``backlog_rounds``), and at once when work arrives
   for a tier without an engine. Cost model, step budget, chunk cap, tier bounds,
   per-batch quota caps (8/32/128/512 s, each above the cost of the tier's largest fresh
-  request: a fresh 256K-token prompt costs 83 s) and hysteresis are the daemon's own
-  defaults (``fulcrum.config.prefill.PrefillSettings``), read from there. A
+  request: a fresh 256K-token prompt costs 83 s), backlog rounds and hysteresis are the
+  daemon's own defaults (``fulcrum.config.prefill.PrefillSettings``), read from there. A
+  rebalance moves the engines with the least outstanding work, the emptiest to the
+  shortest tiers (core ``assign_engines``, as the daemon). A
   simulated engine pulls while its remaining quota -- the sum over its
   ranks of ``max(0, horizon - outstanding)``, per-tier ``horizon_s`` 2/8/30/120 s -- is
   positive, and counts as idle (may take an oversize request alone) when no rank has
@@ -42,6 +47,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fulcrum.config.prefill import PrefillSettings
+from fulcrum.core.prefill.chunks import DEFAULT_FLOOR_FRACTION
 
 #: The daemon's prefill defaults: the simulator models the same balancer, not a copy.
 _DAEMON = PrefillSettings()
@@ -60,6 +66,7 @@ class PrefillCluster(_Section):
     cost_b: float = Field(_DAEMON.cost_model.b, ge=0)
     cost_k: float = Field(_DAEMON.cost_model.k, ge=0)
     step_budget_ns: float = Field(float(_DAEMON.step_quota_ns), gt=0)
+    step_floor_fraction: float = Field(DEFAULT_FLOOR_FRACTION, ge=0, le=1)
     max_chunk_tokens: int = Field(_DAEMON.max_chunk_tokens, ge=1)
     tier_bounds: tuple[int, ...] = tuple(_DAEMON.tier_bounds)
     horizon_s: tuple[float, ...] = (2.0, 8.0, 30.0, 120.0)

@@ -11,7 +11,9 @@ Request path (all times ns on the virtual clock):
 3. **Prefill.** Default: the request joins its tier's FIFO queue; engines of that tier
    pull batches (core ``select_batch`` / ``pick_engine``), spread them over their DP
    ranks (core ``assign_ranks``). Baselines push each request to one DP rank. An engine
-   steps while any rank has work: the core ``plan_step`` plans each rank's chunks; the
+   steps while any rank has work: each rank proposes a budget (core ``rank_budget``:
+   the time of its work, within the step limit), the core ``plan_step`` applies the MIN
+   and plans each rank's chunks (baselines: fixed-size chunks, no budget); the
    step lasts ``max over ranks of cost`` plus the MoE stretch
    ``moe_fraction * b * mean tokens per rank * (moe_lb - 1)``; the ideal step lasts
    ``mean over ranks of cost``. The first token is produced when the last chunk ends.
@@ -97,6 +99,16 @@ class StageTotals:
     ideal_ns: float = 0.0
     tokens: int = 0
     window_ideal_ns: float = 0.0
+    #: Where ``actual_ns - ideal_ns`` goes (ns x GPUs), summed over steps: a GPU that
+    #: waits for the slowest one of its group because it had no work at all in the step
+    #: (``idle_ns``), because all its work ended before the step did (``drained_ns``),
+    #: or although work was left for later steps -- chunk cap, budget rounding
+    #: (``short_ns``); and the MoE stretch of the step (``moe_ns``, moe_lb > 1).
+    #: Decode counts every GPU's shortfall as ``drained_ns``.
+    idle_ns: float = 0.0
+    drained_ns: float = 0.0
+    short_ns: float = 0.0
+    moe_ns: float = 0.0
 
     @property
     def fraction(self) -> float:
@@ -237,6 +249,8 @@ class Simulator:
         assign = core_tiers.assign_engines(self.engine_ids, {}, counts)
         self.engine_tier = {e: t for e, t in assign.tiers.items()}
         self.tier_counts = counts
+        self.step_limit = p.step_budget_ns
+        self.step_floor = p.step_budget_ns * p.step_floor_fraction
         if self.fulcrum_prefill:
             self.budgets = [p.step_budget_ns] * p.ranks_per_engine
             self.chunk_cap = p.max_chunk_tokens
@@ -466,7 +480,12 @@ class Simulator:
                 if need >= cap:
                     break
             heads.append(head)
-        plan = core_chunks.plan_step(heads, self.budgets, self.model, cap=cap)
+        budgets = (
+            core_chunks.rank_budgets(queues, self.step_limit, self.model,
+                                     floor_ns=self.step_floor)
+            if self.fulcrum_prefill else self.budgets
+        )
+        plan = core_chunks.plan_step(heads, budgets, self.model, cap=cap)
         costs = plan.cost_ns
         tokens = sum(plan.tokens)
         r = len(costs)
@@ -483,6 +502,17 @@ class Simulator:
         tot.steps += 1
         tot.actual_ns += dur * r
         tot.ideal_ns += mean * r
+        if not self.policy.ideal:
+            tot.moe_ns += (dur - mx) * r
+            for cost, chunks, q in zip(costs, plan.chunks, queues, strict=True):
+                if cost >= mx:
+                    continue
+                if not chunks:
+                    tot.idle_ns += mx - cost
+                elif len(chunks) == len(q) and chunks[-1].last:
+                    tot.drained_ns += mx - cost
+                else:
+                    tot.short_ns += mx - cost
         tot.tokens += tokens
         if self.window[0] <= self.now < self.window[1]:
             tot.window_ideal_ns += mean * r
@@ -613,6 +643,9 @@ class Simulator:
         tot.steps += 1
         tot.actual_ns += dur * self.gpi
         tot.ideal_ns += mean * self.gpi
+        if not self.policy.ideal:
+            tot.moe_ns += (dur - d.d0_ns - mx_load) * self.gpi
+            tot.drained_ns += (mx_load - mean_load) * self.gpi
         tot.tokens += tokens
         if mean_load > 0:
             self.s_dimb.add(self.now, mx_load / mean_load)

@@ -16,7 +16,13 @@ Figures of one run (:func:`summarize`):
   work; ``fraction``: the same over both stages, weighted by GPUs (GPU-seconds);
 * ``prefill_capacity_fraction``: balanced prefill work done while requests kept
   arriving / (prefill GPUs x that time): under overload, throughput as a fraction of an
-  ideal fleet that also counts idle engines (tier fragmentation) as lost.
+  ideal fleet that also counts idle engines (tier fragmentation) as lost;
+* ``loss``: where the gap to ideal goes, each as a share of the run's actual GPU time
+  (the shares add up to ``1 - fraction``): prefill GPUs waiting for their group's
+  slowest rank with no work in the step (``prefill_idle_rank``), after all their work
+  ended (``prefill_drained_rank``) or although work was left (``prefill_short_rank``:
+  chunk cap, budget rounding); the MoE stretch (``prefill_moe``, ``decode_moe``); decode
+  GPUs waiting for their instance's slowest (``decode_imbalance``).
 """
 
 from __future__ import annotations
@@ -86,6 +92,14 @@ def summarize(res: SimResult) -> dict[str, Any]:
         "decode_fraction": d.fraction,
         "fraction": fraction,
         "prefill_capacity_fraction": res.prefill_capacity_fraction,
+        "loss": {
+            "prefill_idle_rank": p.idle_ns / actual if actual > 0 else 0.0,
+            "prefill_drained_rank": p.drained_ns / actual if actual > 0 else 0.0,
+            "prefill_short_rank": p.short_ns / actual if actual > 0 else 0.0,
+            "prefill_moe": p.moe_ns / actual if actual > 0 else 0.0,
+            "decode_imbalance": d.drained_ns / actual if actual > 0 else 0.0,
+            "decode_moe": d.moe_ns / actual if actual > 0 else 0.0,
+        },
         "prefill_steps": p.steps,
         "decode_steps": d.steps,
         "eplb_rebalances": res.eplb_rebalances,

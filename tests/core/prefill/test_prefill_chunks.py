@@ -149,3 +149,77 @@ def test_planner_invariants(raw: list[tuple[int, int, int]], budget_scale: list[
                     finished[r].append(ch.request_id)
     assert all(covered[rid] == span[1] for rid, span in expected.items())  # all exactly once
     assert finished == order
+
+
+# -- rank budgets: each rank proposes the time of its work, the MIN applies ----------------
+
+
+def test_rank_budget_table() -> None:
+    from fulcrum.core.prefill.chunks import rank_budget
+
+    small = PrefillTask("s", 0, 1_000)  # variable cost 57 ms
+    big = PrefillTask("b", 0, 30_000)  # far above the limit
+    k = M.k
+    cases = [
+        ([], 0.0, B),  # an empty rank does not constrain the MIN
+        ([small], 0.0, k + 57e6),
+        ([small, small], 0.0, k + 2 * 57e6),
+        ([small], 0.1 * B, 0.1 * B),  # floor
+        ([small], 2 * B, B),  # floor above the limit: the limit
+        ([big], 0.0, B),
+        ([small, big], 0.0, B),
+    ]
+    for queue, floor, want in cases:
+        assert rank_budget(queue, B, M, floor_ns=floor) == pytest.approx(want)
+    with pytest.raises(ValueError, match="limit_ns"):
+        rank_budget([small], 0.0, M)
+
+
+def test_worked_example_one_chunk_with_rank_budgets() -> None:
+    # Alone on its engine, the agent turn proposes its own cost (< limit): one chunk.
+    planner = ChunkPlanner(4)
+    planner.add(2, PrefillTask("agent-turn-3", computed=96_896, total=100_000))
+    budgets = planner.budgets(B, floor_ns=0.1 * B)
+    assert budgets[2] == pytest.approx(M.cost(3104, 96_896))
+    assert [b for i, b in enumerate(budgets) if i != 2] == [B, B, B]
+    plan = planner.step(budgets)
+    assert [len(c) for c in plan.chunks] == [0, 0, 1, 0]
+    assert plan.chunks[2][0].last
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 200_000), st.integers(1, 40_000)), max_size=4),
+        min_size=1, max_size=4,
+    ),
+    st.floats(0.0, 1.0),
+)
+def test_rank_budgets_level_the_step(
+    raw: list[list[tuple[int, int]]], floor_frac: float
+) -> None:
+    from fulcrum.core.prefill.chunks import rank_budgets
+
+    queues = [
+        [PrefillTask(f"r{r}-{i}", c, c + q) for i, (c, q) in enumerate(rq)]
+        for r, rq in enumerate(raw)
+    ]
+    floor = floor_frac * B
+    budgets = rank_budgets(queues, B, M, floor_ns=floor)
+    assert all(min(floor, B) - 1e-6 <= b <= B for b in budgets)
+    plan = plan_step(queues, budgets, M)
+    assert plan.budget_ns == min(budgets)
+    for q, chunks, cost in zip(queues, plan.chunks, plan.cost_ns, strict=True):
+        if not q:
+            assert not chunks
+            continue
+        # Never over the group budget, unless one token is forced (starvation guard).
+        assert cost <= plan.budget_ns + 1e-6 or sum(c.tokens for c in chunks) == 1
+    # The lightest busy rank (its whole work within the limit and above the floor) drains
+    # in this step, unless the chunk cap stops it.
+    busy = [i for i, q in enumerate(queues) if q]
+    if busy:
+        i = min(busy, key=lambda j: budgets[j])
+        need = sum(t.need for t in queues[i])
+        if budgets[i] < B and budgets[i] > floor and need <= 32_768:
+            assert len(plan.chunks[i]) == len(queues[i]) and plan.chunks[i][-1].last

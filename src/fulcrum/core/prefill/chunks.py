@@ -6,6 +6,14 @@ Rule (SPEC section 3, level 4):
 * every step has one time budget for the whole EP group: the MIN over the ranks'
   budgets (ns) -- the engine all-reduces it, the planner takes the per-rank values and
   applies the MIN, so every rank of the group takes the same time per step;
+* a rank's budget (:func:`rank_budget`) is ``compute_quota_limit`` capped by the time of
+  the work it holds: ``k`` plus the remaining cost of its queued requests, and never
+  below ``floor_ns`` (an empty rank proposes the limit: it does not constrain the MIN).
+  So a step lasts until the lightest busy rank has done all its work (or the limit):
+  no rank sits drained for the rest of a step while another fills a full budget, and
+  new work reaches a rank that has finished at the next step rather than a full
+  budget later. ``floor_ns`` bounds the steps per second (the fixed cost ``k`` is paid
+  every step); ``floor_ns = limit`` gives the fixed budget;
 * on each rank the planner walks its queue head first and gives each request the
   largest ``q`` (tokens) with ``k + sum of variable costs <= budget`` (closed-form inverse
   of the cost model; the fixed overhead ``k`` is paid once per step), never more than
@@ -24,13 +32,17 @@ Rule (SPEC section 3, level 4):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from fulcrum.core.cost import DEFAULT_COST_MODEL, MAX_CHUNK_TOKENS, CostModel
 
 NAME: Final = "fifo_min_budget"
+
+DEFAULT_FLOOR_FRACTION: Final = 0.1
+"""Default lowest rank budget, as a fraction of ``compute_quota_limit`` (our decision:
+at most ten steps per limit, so the per-step fixed cost ``k`` stays small)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +138,47 @@ def _plan_rank(
     return tuple(chunks), step_cost, tokens
 
 
+def rank_budget(
+    queue: Iterable[PrefillTask],
+    limit_ns: float,
+    model: CostModel = DEFAULT_COST_MODEL,
+    *,
+    floor_ns: float = 0.0,
+) -> float:
+    """One rank's budget for the next step (ns), to be all-reduced with MIN.
+
+    ``queue``: the rank's FIFO queue (may be lazy; read until the limit is reached);
+    ``limit_ns``: ``compute_quota_limit`` (> 0); ``floor_ns``: lowest budget of a busy
+    rank (clipped to ``limit_ns``). Returns ``min(limit, max(floor, k + sum of the queued
+    requests' remaining variable costs))``, or ``limit_ns`` for an empty queue.
+    """
+    if limit_ns <= 0:
+        raise ValueError(f"limit_ns: must be > 0, got {limit_ns}")
+    need = 0.0
+    busy = False
+    for task in queue:
+        if not busy:
+            busy = True
+            need = model.k
+        need += model.cost(task.need, task.computed) - model.k
+        if need >= limit_ns:
+            return float(limit_ns)
+    if not busy:
+        return float(limit_ns)
+    return float(min(limit_ns, max(min(floor_ns, limit_ns), need)))
+
+
+def rank_budgets(
+    queues: Sequence[Iterable[PrefillTask]],
+    limit_ns: float,
+    model: CostModel = DEFAULT_COST_MODEL,
+    *,
+    floor_ns: float = 0.0,
+) -> list[float]:
+    """:func:`rank_budget` of every rank (ns), one per queue; pass them to :func:`plan_step`."""
+    return [rank_budget(q, limit_ns, model, floor_ns=floor_ns) for q in queues]
+
+
 def plan_step(
     queues: Sequence[Sequence[PrefillTask]],
     budgets_ns: Sequence[float],
@@ -211,6 +264,11 @@ class ChunkPlanner:
     def pending_tokens(self) -> tuple[int, ...]:
         """Tokens still to compute per rank."""
         return tuple(sum(t.need for t in q) for q in self._queues)
+
+    def budgets(self, limit_ns: float, *, floor_ns: float = 0.0) -> list[float]:
+        """Each rank's budget for the next step (ns; :func:`rank_budget`): all-reduce
+        them with MIN across the group (or pass them to :meth:`plan`, which applies it)."""
+        return rank_budgets(self._queues, limit_ns, self.model, floor_ns=floor_ns)
 
     def plan(self, budgets_ns: Sequence[float]) -> StepPlan:
         """Plan the next step with per-rank budgets (ns); the MIN applies."""
