@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import pytest
 
+from fulcrum.client import FulcrumClient
 from fulcrum.client.planner import ChunkPlanner, CostModel, PrefillTask
 from fulcrum.core.cost import DEFAULT_COST_MODEL
 from fulcrum.v1 import fleet_pb2, prefill_pb2
@@ -333,3 +334,31 @@ async def test_engine_and_entrypoint_helpers() -> None:
         assert (chunk.start, chunk.tokens, chunk.last) == (96_896, 3104, True)
         assert engine.rank_loads_ns() == [0, 0, 0, 0]
         assert await engine.report([(chunk.tokens, chunk.start, int(plan.step_ns))]) == 1
+
+
+async def test_cost_model_carries_the_engines_own_step_budget(client: FulcrumClient) -> None:
+    async def register(member_id: str, quota_ns: int) -> None:
+        await client.fleet.Register(
+            fleet_pb2.RegisterRequest(
+                member_id=member_id,
+                prefill_engine=fleet_pb2.PrefillEngineShape(dp_ranks=4, step_quota_ns=quota_ns),
+            )
+        )
+
+    await register("own-budget", 250_000_000)
+    await register("default-budget", 0)
+    default = await client.prefill.GetCostModel(prefill_pb2.GetCostModelRequest())
+    own = await client.prefill.GetCostModel(
+        prefill_pb2.GetCostModelRequest(engine_id="own-budget")
+    )
+    plain = await client.prefill.GetCostModel(
+        prefill_pb2.GetCostModelRequest(engine_id="default-budget")
+    )
+    assert own.step_quota_ns == 250_000_000
+    assert plain.step_quota_ns == default.step_quota_ns == 1_000_000_000
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.prefill.GetCostModel(prefill_pb2.GetCostModelRequest(engine_id="nobody"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.prefill.GetCostModel(prefill_pb2.GetCostModelRequest(engine_id="bad id"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -88,7 +88,9 @@ class PrefillEngine:
 
     async def refresh_model(self) -> CostModel:
         """Fetch the cost model in force and plan with it from now on."""
-        cm = await self._client.prefill.GetCostModel(pb.GetCostModelRequest())
+        cm = await self._client.prefill.GetCostModel(
+            pb.GetCostModelRequest(engine_id=self.engine_id)
+        )
         model = CostModel(cm.a, cm.b, cm.k)
         self.planner.model = model
         self.planner.cap = cm.max_chunk_tokens

@@ -9,7 +9,8 @@ import grpc
 import structlog
 
 from fulcrum.config import Settings
-from fulcrum.core.types import MemberKind
+from fulcrum.core.types import MemberKind, PrefillEngineShape
+from fulcrum.errors import InvalidArgument
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
 from fulcrum.state.prefill import Batch, PrefillState, wait_ns
@@ -108,12 +109,20 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
         self, request: pb.GetCostModelRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetCostModelResponse:
         st = self._state
+        step_quota_ns = self._settings.step_quota_ns
+        if request.engine_id:
+            require_id(request.engine_id, "engine_id")
+            engine = self._app.fleet.get_live(request.engine_id, None, self._app.clock())
+            shape = engine.shape
+            if not isinstance(shape, PrefillEngineShape):
+                raise InvalidArgument("engine_id", "is not a prefill engine")
+            step_quota_ns = shape.step_quota_ns or step_quota_ns
         return pb.GetCostModelResponse(
             a=st.model.a,
             b=st.model.b,
             k=st.model.k,
             version=st.model_version,
-            step_quota_ns=self._settings.step_quota_ns,
+            step_quota_ns=step_quota_ns,
             max_chunk_tokens=self._settings.max_chunk_tokens,
         )
 

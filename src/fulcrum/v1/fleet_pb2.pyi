@@ -58,7 +58,9 @@ class PrefillEngineShape(_message.Message):
     dp_ranks: _builtins.int
     """Number of DP ranks (GPUs) in the group; 1 to the configured maximum."""
     step_quota_ns: _builtins.int
-    """Compute-quota budget of one prefill step, in nanoseconds (0 = the configured default)."""
+    """Compute-quota budget of one prefill step, in nanoseconds (0 = the daemon's
+    prefill.step_quota_ns); GetCostModel with this engine's id returns it.
+    """
     def __init__(
         self,
         *,

@@ -308,12 +308,19 @@ class GetCostModelRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    """Optional engine id: the reply then carries that engine's own step budget when it
+    registered one (PrefillEngineShape.step_quota_ns); NOT_FOUND if it is not live.
+    """
     def __init__(
         self,
+        *,
+        engine_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -340,7 +347,9 @@ class GetCostModelResponse(_message.Message):
     version: _builtins.int
     """Version; grows each time a refit is adopted."""
     step_quota_ns: _builtins.int
-    """Budget of one prefill step (compute_quota_limit), in nanoseconds."""
+    """Budget of one prefill step (compute_quota_limit), in nanoseconds: the engine's own
+    when the request named an engine that registered one, else prefill.step_quota_ns.
+    """
     max_chunk_tokens: _builtins.int
     """Largest chunk of one step, in tokens."""
     def __init__(
