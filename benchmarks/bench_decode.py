@@ -20,12 +20,11 @@ Run alone: ``.venv/bin/python benchmarks/bench_decode.py [--quick]``.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import sys
 import time
 import timeit
 import tracemalloc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -46,8 +45,13 @@ from fulcrum.logs import configure as configure_logs
 from fulcrum.state.decode import DecodeState
 from fulcrum.testing import running_server
 from fulcrum.v1 import decode_pb2 as pb
-from fulcrum.v1 import diagnostics_pb2 as dpb
 from fulcrum.v1 import fleet_pb2 as fpb
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # pragma: no cover - direct execution
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import paired_rates, stream_all  # noqa: E402
 
 GPUS_PER_INSTANCE = 8
 SIZES = (64, 512, 4096)
@@ -178,25 +182,14 @@ def balance_table(quick: bool) -> str:
     return "\n".join([head, "|---|---:|---:|---:|", *rows])
 
 
-async def _rate(workers: int, per_worker: int, work: Callable[[int], Awaitable[None]]) -> float:
-    """Calls per second of ``workers`` concurrent loops of ``per_worker`` calls each."""
-    t0 = time.perf_counter()
-    await asyncio.gather(*(work(w) for w in range(workers)))
-    return workers * per_worker / (time.perf_counter() - t0)
-
-
 async def daemon_rates(quick: bool) -> dict[str, float]:
-    """Calls per second (median of rounds) and ratios to the no-op paired within rounds.
-
-    Requests are built before timing (unique ids), as the no-op ones are, so that the
-    ratio measures the daemon's cost and not the benchmark's own message building. Runs
-    are short and interleaved, their order alternating between rounds: the machine's load
-    drifts, the pairing cancels most of it.
-    """
+    """Calls per second (median of rounds) and ratios to the no-op paired within rounds
+    (:func:`benchmarks.common.paired_rates`). Requests are built before timing (unique
+    ids), as the no-op ones are, so that the ratio measures the daemon's cost and not the
+    benchmark's own message building."""
     workers = 8
     per_worker = 100 if quick else 150
     rounds = 3 if quick else 5
-    out: dict[str, list[float]] = {k: [] for k in ("ping", "place", "ping_s", "place_s")}
     overrides = {
         "decode": {"max_placements": 10_000_000},
         "fleet": {"heartbeat_timeout_ms": 3_600_000},  # no heartbeats during the run
@@ -209,8 +202,6 @@ async def daemon_rates(quick: bool) -> dict[str, float]:
                     member_id=f"dec-{i:03d}", decode_instance=fpb.DecodeInstanceShape(gpus=gpus)
                 )
             )
-        ping_req = dpb.PingRequest()
-        ping_stream_req = dpb.PingStreamRequest()
         unary: list[list[pb.PlaceDecodeRequest]] = []
         stream: list[list[pb.PlaceDecodeStreamRequest]] = []
 
@@ -236,60 +227,24 @@ async def daemon_rates(quick: bool) -> dict[str, float]:
                 for w in range(workers)
             ]
 
-        async def ping(_: int) -> None:
-            for _ in range(per_worker):
-                await c.diagnostics.Ping(ping_req)
-
         async def place(w: int) -> None:
             for request in unary[w]:
                 await c.decode.PlaceDecode(request)
 
-        async def ping_stream(_: int) -> None:
-            async def requests() -> AsyncIterator[dpb.PingStreamRequest]:
-                for _ in range(per_worker):
-                    yield ping_stream_req
-
-            n = 0
-            async for _reply in c.diagnostics.PingStream(requests()):
-                n += 1
-            assert n == per_worker
-
         async def place_stream(w: int) -> None:
-            messages = stream[w]
-
-            async def requests() -> AsyncIterator[pb.PlaceDecodeStreamRequest]:
-                for message in messages:
-                    yield message
-
-            n = 0
-            async for reply in c.decode.PlaceDecodeStream(requests()):
-                assert reply.code == 0, reply.message
-                n += 1
-            assert n == per_worker
+            await stream_all(c.decode.PlaceDecodeStream, stream[w])
 
         state = daemon.app.components["decode"]
-        await _rate(workers, 20, ping)  # warm-up
-        for r in range(rounds):
-            build(r)
-            pairs: list[tuple[str, Callable[[int], Awaitable[None]]]] = [
-                ("ping", ping),
-                ("place", place),
-                ("ping_s", ping_stream),
-                ("place_s", place_stream),
-            ]
-            if r % 2:
-                pairs = [pairs[1], pairs[0], pairs[3], pairs[2]]
-            for key, work in pairs:
-                out[key].append(await _rate(workers, per_worker, work))
-            state.expire(1 << 62)  # empty the table between rounds (untimed)
-    rates = {k: statistics.median(v) for k, v in out.items()}
-    rates["ratio"] = statistics.median(
-        p / q for p, q in zip(out["place"], out["ping"], strict=True)
-    )
-    rates["ratio_s"] = statistics.median(
-        p / q for p, q in zip(out["place_s"], out["ping_s"], strict=True)
-    )
-    return rates
+        return await paired_rates(
+            c,
+            workers=workers,
+            per_worker=per_worker,
+            rounds=rounds,
+            place=place,
+            place_stream=place_stream,
+            before_round=build,
+            after_round=lambda: state.expire(1 << 62),  # empty the table (untimed)
+        )
 
 
 def run(quick: bool) -> str:

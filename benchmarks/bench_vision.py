@@ -15,12 +15,11 @@ Run alone: ``.venv/bin/python benchmarks/bench_vision.py [--quick]``.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import sys
 import time
 import timeit
 import tracemalloc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -33,9 +32,14 @@ from fulcrum.core.vision.patches import patches
 from fulcrum.core.vision.registry import make_policy, policy_names
 from fulcrum.state.vision import ImageRequest, VisionState
 from fulcrum.testing import running_server
-from fulcrum.v1 import diagnostics_pb2 as dpb
 from fulcrum.v1 import fleet_pb2 as fpb
 from fulcrum.v1 import vision_pb2 as pb
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # pragma: no cover - direct execution
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import paired_rates, stream_all  # noqa: E402
 
 GPUS_PER_MACHINE = 8
 SCREENSHOT = patches(1280, 800, 16)
@@ -119,18 +123,12 @@ def fill_imbalance() -> str:
     return "\n".join([head, "|" + "---:|" * len(cells), "| " + " | ".join(cells) + " |"])
 
 
-async def _rate(workers: int, per_worker: int, work: Callable[[int], Awaitable[None]]) -> float:
-    """Calls per second of ``workers`` concurrent loops of ``per_worker`` calls each."""
-    t0 = time.perf_counter()
-    await asyncio.gather(*(work(w) for w in range(workers)))
-    return workers * per_worker / (time.perf_counter() - t0)
-
-
 async def daemon_rates(quick: bool) -> dict[str, float]:
+    """Calls per second and ratios to the no-op, as in
+    :func:`benchmarks.common.paired_rates`; requests are built before timing."""
     workers = 8
     per_worker = 25 if quick else 200
     rounds = 3 if quick else 5
-    out: dict[str, list[float]] = {k: [] for k in ("ping", "place", "ping_s", "place_s")}
     # Machines do not heartbeat during the benchmark: keep them from lapsing.
     overrides = {"fleet": {"heartbeat_timeout_ms": 3_600_000}}
     async with running_server(overrides) as daemon, FulcrumClient(daemon.address) as c:
@@ -141,83 +139,46 @@ async def daemon_rates(quick: bool) -> dict[str, float]:
                 )
             )
         image = pb.Image(width=1280, height=800)
-        ping_req = dpb.PingRequest()
-        ping_stream_req = dpb.PingStreamRequest()
-        # Requests are built before timing (unique ids), as the no-op ones are.
-        batches: dict[str, list[list[pb.PlaceImagesRequest]]] = {}
+        unary: list[list[pb.PlaceImagesRequest]] = []
+        stream: list[list[pb.PlaceImagesStreamRequest]] = []
 
-        def build(tag: str) -> None:
-            batches[tag] = [
+        def build(r: int) -> None:
+            unary[:] = [
                 [
-                    pb.PlaceImagesRequest(request_id=f"{tag}-{w}-{k}", images=[image])
+                    pb.PlaceImagesRequest(request_id=f"u{r}-{w}-{k}", images=[image])
+                    for k in range(per_worker)
+                ]
+                for w in range(workers)
+            ]
+            stream[:] = [
+                [
+                    pb.PlaceImagesStreamRequest(
+                        sequence=k,
+                        place=pb.PlaceImagesRequest(request_id=f"s{r}-{w}-{k}", images=[image]),
+                    )
                     for k in range(per_worker)
                 ]
                 for w in range(workers)
             ]
 
-        async def ping(_: int) -> None:
-            for _ in range(per_worker):
-                await c.diagnostics.Ping(ping_req)
-
         async def place(w: int) -> None:
-            for request in batches["u"][w]:
+            for request in unary[w]:
                 await c.vision.PlaceImages(request)
 
-        async def ping_stream(_: int) -> None:
-            async def requests() -> AsyncIterator[dpb.PingStreamRequest]:
-                for _ in range(per_worker):
-                    yield ping_stream_req
-
-            n = 0
-            async for _reply in c.diagnostics.PingStream(requests()):
-                n += 1
-            assert n == per_worker
-
         async def place_stream(w: int) -> None:
-            messages = [
-                pb.PlaceImagesStreamRequest(sequence=k, place=request)
-                for k, request in enumerate(batches["s"][w])
-            ]
-
-            async def requests() -> AsyncIterator[pb.PlaceImagesStreamRequest]:
-                for message in messages:
-                    yield message
-
-            n = 0
-            async for reply in c.vision.PlaceImagesStream(requests()):
-                assert reply.code == 0, reply.message
-                n += 1
-            assert n == per_worker
+            await stream_all(c.vision.PlaceImagesStream, stream[w])
 
         state = daemon.app.components["vision"]
-        await _rate(workers, 20, ping)  # warm-up
-        for r in range(rounds):
-            build(f"u{r}")
-            batches["u"] = batches.pop(f"u{r}")
-            build(f"s{r}")
-            batches["s"] = batches.pop(f"s{r}")
-            # Short interleaved runs, order alternating, ratios paired per round: the
-            # machine's load drifts, the pairing cancels most of it.
-            pairs = [
-                ("ping", ping),
-                ("place", place),
-                ("ping_s", ping_stream),
-                ("place_s", place_stream),
-            ]
-            if r % 2:
-                pairs = [pairs[1], pairs[0], pairs[3], pairs[2]]
-            for key, work in pairs:
-                out[key].append(await _rate(workers, per_worker, work))
-            state.expire(1 << 62)  # empty the table between rounds (untimed)
-    rates = {k: statistics.median(v) for k, v in out.items()}
-    # Ratios paired within each round (the machine's load drifts between rounds).
-    rates["ratio"] = statistics.median(
-        p / q for p, q in zip(out["place"], out["ping"], strict=True)
-    )
-    rates["ratio_s"] = statistics.median(
-        p / q for p, q in zip(out["place_s"], out["ping_s"], strict=True)
-    )
-    return rates
+        return await paired_rates(
+            c,
+            workers=workers,
+            per_worker=per_worker,
+            rounds=rounds,
+            place=place,
+            place_stream=place_stream,
+            before_round=build,
+            after_round=lambda: state.expire(1 << 62),  # empty the table (untimed)
+        )
 
 
 def daemon_table(rates: dict[str, float]) -> str:

@@ -6,13 +6,15 @@ markdown section; :mod:`benchmarks.run` collects them into ``BENCHMARKS.md``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import platform
 import resource
+import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -106,3 +108,89 @@ def machine() -> str:
         f"{model}, {os.cpu_count()} logical cores, Python {platform.python_version()}, "
         f"{platform.system()} {platform.release()}"
     )
+
+
+#: One concurrent caller of a throughput run: ``work(worker_index)`` makes its calls.
+Work = Callable[[int], Awaitable[None]]
+
+
+async def rate(workers: int, per_worker: int, work: Work) -> float:
+    """Calls per second of ``workers`` concurrent loops of ``per_worker`` calls each."""
+    t0 = time.perf_counter()
+    await asyncio.gather(*(work(w) for w in range(workers)))
+    return workers * per_worker / (time.perf_counter() - t0)
+
+
+async def stream_all(call: Callable[[AsyncIterator[Any]], Any], messages: Sequence[Any]) -> int:
+    """Send ``messages`` on one bidirectional stream opened by ``call``; read every reply
+    (a reply with a non-zero ``code`` field fails the run). Returns the replies read."""
+
+    async def requests() -> AsyncIterator[Any]:
+        for message in messages:
+            yield message
+
+    n = 0
+    async for reply in call(requests()):
+        if getattr(reply, "code", 0):
+            raise RuntimeError(f"stream reply {n} failed: {reply.message}")
+        n += 1
+    if n != len(messages):
+        raise RuntimeError(f"stream answered {n} of {len(messages)} messages")
+    return n
+
+
+async def paired_rates(
+    client: Any,
+    *,
+    workers: int,
+    per_worker: int,
+    rounds: int,
+    place: Work,
+    place_stream: Work,
+    before_round: Callable[[int], None],
+    after_round: Callable[[], None],
+) -> dict[str, float]:
+    """Unary and streaming calls against their no-op (Ping / PingStream) on ``client``.
+
+    Each round runs four short phases -- ping, place, ping stream, place stream -- in an
+    order that alternates between rounds; ``before_round(r)`` builds the round's requests
+    (untimed, as the no-op's are built once) and ``after_round()`` resets the daemon's
+    state. Returns the median calls/s of each phase (``ping``, ``place``, ``ping_s``,
+    ``place_s``) and the median of the ratios paired within rounds (``ratio``,
+    ``ratio_s``): the machine's load drifts, the pairing cancels most of it.
+    """
+    from fulcrum.v1 import diagnostics_pb2 as dpb
+
+    ping_req = dpb.PingRequest()
+    ping_stream_msgs = [dpb.PingStreamRequest()] * per_worker
+
+    async def ping(_: int) -> None:
+        for _ in range(per_worker):
+            await client.diagnostics.Ping(ping_req)
+
+    async def ping_stream(_: int) -> None:
+        await stream_all(client.diagnostics.PingStream, ping_stream_msgs)
+
+    out: dict[str, list[float]] = {k: [] for k in ("ping", "place", "ping_s", "place_s")}
+    await rate(workers, 20, ping)  # warm-up
+    for r in range(rounds):
+        before_round(r)
+        pairs: list[tuple[str, Work]] = [
+            ("ping", ping),
+            ("place", place),
+            ("ping_s", ping_stream),
+            ("place_s", place_stream),
+        ]
+        if r % 2:
+            pairs = [pairs[1], pairs[0], pairs[3], pairs[2]]
+        for key, work in pairs:
+            out[key].append(await rate(workers, per_worker, work))
+        after_round()
+    rates = {k: statistics.median(v) for k, v in out.items()}
+    rates["ratio"] = statistics.median(
+        p / q for p, q in zip(out["place"], out["ping"], strict=True)
+    )
+    rates["ratio_s"] = statistics.median(
+        p / q for p, q in zip(out["place_s"], out["ping_s"], strict=True)
+    )
+    return rates
