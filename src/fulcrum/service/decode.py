@@ -14,9 +14,10 @@ import structlog
 
 from fulcrum.config import Settings
 from fulcrum.core.types import MemberKind
-from fulcrum.errors import FailedPrecondition, FulcrumError, InvalidArgument, NotFound
+from fulcrum.errors import FailedPrecondition, InvalidArgument, NotFound
 from fulcrum.service.app import App
-from fulcrum.service.errors import require_id, status_of
+from fulcrum.service.errors import require_id
+from fulcrum.service.streams import place_release_stream
 from fulcrum.state.decode import DecodeState
 from fulcrum.v1 import decode_pb2 as pb
 from fulcrum.v1 import decode_pb2_grpc as pb_grpc
@@ -105,20 +106,10 @@ class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
         request_iterator: AsyncIterator[pb.PlaceDecodeStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.PlaceDecodeStreamResponse]:
-        reply_type = pb.PlaceDecodeStreamResponse
-        place_into, release_into = self.place_into, self.release_into
-        async for message in request_iterator:
-            reply = reply_type(sequence=message.sequence)
-            try:
-                if message.HasField("place"):
-                    place_into(message.place, reply.place)
-                elif message.HasField("release"):
-                    release_into(message.release, reply.release)
-                else:
-                    raise InvalidArgument("op", "one of place, release must be set")
-            except FulcrumError as err:
-                reply.code = status_of(err).value[0]
-                reply.message = err.message
+        stream = place_release_stream(
+            request_iterator, pb.PlaceDecodeStreamResponse, self.place_into, self.release_into
+        )
+        async for reply in stream:
             yield reply
 
 

@@ -14,9 +14,10 @@ import structlog
 
 from fulcrum.config import Settings
 from fulcrum.core.types import MemberKind
-from fulcrum.errors import FailedPrecondition, FulcrumError, InvalidArgument, NotFound
+from fulcrum.errors import FailedPrecondition, NotFound
 from fulcrum.service.app import App
-from fulcrum.service.errors import require_id, status_of
+from fulcrum.service.errors import require_id
+from fulcrum.service.streams import place_release_stream
 from fulcrum.state.vision import ImageRequest, VisionState
 from fulcrum.v1 import vision_pb2 as pb
 from fulcrum.v1 import vision_pb2_grpc as pb_grpc
@@ -80,20 +81,10 @@ class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
         request_iterator: AsyncIterator[pb.PlaceImagesStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.PlaceImagesStreamResponse]:
-        reply_type = pb.PlaceImagesStreamResponse
-        place, release = self.place, self.release
-        async for message in request_iterator:
-            reply = reply_type(sequence=message.sequence)
-            try:
-                if message.HasField("place"):
-                    place(message.place, reply.place)
-                elif message.HasField("release"):
-                    release(message.release, reply.release)
-                else:
-                    raise InvalidArgument("op", "one of place, release must be set")
-            except FulcrumError as err:
-                reply.code = status_of(err).value[0]
-                reply.message = err.message
+        stream = place_release_stream(
+            request_iterator, pb.PlaceImagesStreamResponse, self.place, self.release
+        )
+        async for reply in stream:
             yield reply
 
     async def GetMachineLoad(

@@ -1,0 +1,39 @@
+"""The place/release stream loop shared by the decode and vision placement streams.
+
+One reply per message, in order, with the unary calls' semantics; a refused message gets
+its status code and message in the reply and the stream stays open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from fulcrum.errors import FulcrumError, InvalidArgument
+from fulcrum.service.errors import status_of
+
+R = TypeVar("R")
+
+
+async def place_release_stream(
+    messages: AsyncIterator[Any],
+    reply_type: Callable[..., R],
+    place_into: Callable[[Any, Any], object],
+    release_into: Callable[[Any, Any], object],
+) -> AsyncIterator[R]:
+    """Answer each message of ``messages`` (each with ``sequence`` and a ``place`` /
+    ``release`` oneof) with a ``reply_type`` echoing its sequence; ``place_into(request,
+    reply.place)`` and ``release_into(request, reply.release)`` fill the result in place."""
+    async for message in messages:
+        reply: Any = reply_type(sequence=message.sequence)
+        try:
+            if message.HasField("place"):
+                place_into(message.place, reply.place)
+            elif message.HasField("release"):
+                release_into(message.release, reply.release)
+            else:
+                raise InvalidArgument("op", "one of place, release must be set")
+        except FulcrumError as err:
+            reply.code = status_of(err).value[0]
+            reply.message = err.message
+        yield reply
