@@ -227,3 +227,34 @@ async def test_reporters_carry_on_after_a_daemon_restart() -> None:
         assert (from_tensor(got.map.physical_to_logical) == engine_map.physical_to_logical).all()
         await decode.stop()
         await client.close()
+
+
+# -- the runnable example ------------------------------------------------------------------
+
+
+async def test_example_decode_instance_runs_against_a_daemon(daemon: Daemon) -> None:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "decode_instance.py"
+    spec = importlib.util.spec_from_file_location("example_decode_instance", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example  # dataclasses resolve annotations through it
+    try:
+        spec.loader.exec_module(example)
+    finally:
+        del sys.modules[spec.name]
+    lines: list[str] = []
+    args = example.parse_args(
+        ["--target", daemon.address, "--steps", "80", "--step-ms", "1", "--rate", "2000",
+         "--report-every", "10", "--period-steps", "40", "--gpus", "2",
+         "--max-concurrency", "128"]
+    )
+    counts = await example.run(args, log=lines.append)
+    assert counts["placed"] == counts["ours"] >= 100 and counts["refused"] == 0
+    assert counts["reports"] == 8 and counts["maps"] >= 1
+    assert any("registered 2 decode GPUs" in line for line in lines)
+    # It cleaned up: nothing registered any more.
+    assert daemon.app.fleet.members() == []
