@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -133,3 +134,21 @@ async def test_daemon_reflection_serves_field_comments(daemon: Daemon) -> None:
     comment, services, _ = await asyncio.to_thread(_query, daemon.address)
     assert "fulcrum.v1.FleetService" in services
     assert comment == QUOTA_COMMENT
+
+
+def test_genproto_check_sees_a_changed_comment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The committed descriptor set is part of the staleness check: a comment edited in
+    a .proto without `make proto` makes `genproto --check` fail, naming the set."""
+    import shutil
+
+    from fulcrum.tools import genproto
+
+    protos = tmp_path / "proto"
+    shutil.copytree(genproto.PROTO_DIR, protos)
+    assert genproto.check() == []
+    prefill = protos / "fulcrum" / "v1" / "prefill.proto"
+    prefill.write_text(prefill.read_text().replace(QUOTA_COMMENT, "Quota, in ns."))
+    monkeypatch.setattr(genproto, "PROTO_DIR", protos)
+    assert "descriptor_set.py" in genproto.check()
