@@ -1,4 +1,5 @@
-// A daemon restart seen by one client of each kind (docs/protocol.md: "Daemon restart").
+// A daemon restart seen by one client of each kind (docs/protocol.md: "Daemon restart"),
+// and a member that lapses (docs/protocol.md: "Membership").
 // The daemon keeps no fleet or prefill state across a restart (EPLB maps only with
 // eplb.snapshot_path, not set here): every member must notice and register again.
 import assert from "node:assert/strict";
@@ -126,4 +127,46 @@ test("every member notices a daemon restart and registers again", async () => {
   assert.equal((await pulled).requests[0].request_id, "q-1");
   const text = await metrics(daemon);
   assert.equal(sample(text, 'fulcrum_fleet_members{kind="prefill_engine"}'), 1);
+});
+
+test("a member that stops heartbeating lapses: its placements are lost, it registers again", async () => {
+  const lapsing = await startDaemon({
+    config: { fleet: { heartbeat_interval_ms: 100, heartbeat_timeout_ms: 500, sweep_interval_ms: 50 } },
+  });
+  const client = connect(lapsing.address);
+  try {
+    const reg = await call(client.fleet, "Register", {
+      member_id: "dec-l",
+      decode_instance: { gpus: [{ max_concurrency: 8, max_kv_tokens: "100000" }] },
+    });
+    assert.equal(reg.heartbeat_timeout_ms, 500);
+    await call(client.decode, "PlaceDecode", { request_id: "l-1", kv_tokens: "10" });
+    // No heartbeat from now on: wait (bounded) until the daemon has taken it out.
+    let members = ["dec-l"];
+    for (let i = 0; i < 200 && members.length; i++) {
+      await new Promise((r) => setTimeout(r, 50));
+      members = (await call(client.fleet, "ListMembers", {})).members.map((m) => m.member_id);
+    }
+    assert.deepEqual(members, []);
+    assert.equal(
+      await codeOf(call(client.decode, "ReleaseDecode", { request_id: "l-1" })),
+      Status.NOT_FOUND,
+    );
+    assert.equal(
+      sample(await metrics(lapsing), 'fulcrum_decode_lost_placements_total{reason="lapsed"}'),
+      1,
+    );
+    const err = await errorOf(
+      call(client.fleet, "Heartbeat", { member_id: "dec-l", incarnation: reg.incarnation }),
+    );
+    assert.equal(err.code, Status.NOT_FOUND);
+    const again = await call(client.fleet, "Register", {
+      member_id: "dec-l",
+      decode_instance: { gpus: [{ max_concurrency: 8, max_kv_tokens: "100000" }] },
+    });
+    assert.ok(BigInt(again.incarnation) > BigInt(reg.incarnation));
+  } finally {
+    client.close();
+    assert.equal(await lapsing.stop(), 0);
+  }
 });
