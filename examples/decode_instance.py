@@ -133,9 +133,10 @@ async def run(args: argparse.Namespace, log: object = print) -> dict[str, int]:
                             rid, placed.gpu_index, prompt, int(rng.integers(16, 512))
                         )
                     else:  # another instance's request: this demo does not run it
-                        await client.decode.ReleaseDecode(
-                            decode_pb2.ReleaseDecodeRequest(request_id=rid)
-                        )
+                        with contextlib.suppress(grpc.aio.AioRpcError):
+                            await client.decode.ReleaseDecode(
+                                decode_pb2.ReleaseDecodeRequest(request_id=rid)
+                            )
                 # Decode step: one token per running request; finished ones are released.
                 tokens = np.zeros(args.gpus, dtype=np.int64)
                 for r in list(running.values()):

@@ -213,15 +213,24 @@ async def test_reporters_carry_on_after_a_daemon_restart() -> None:
         assert experts.map_version == 2
         engine_map = experts.current_map
         assert engine_map is not None
+    # The daemon is down: the reporter keeps the window (steps 20-30) and counts the miss.
+    for load in skewed_steps(10, 10):
+        assert await experts.record(load) is None
+    assert experts.failed_reports == 1 and experts.pending_steps == 10
     # Same port, fresh daemon: it knows neither the instance nor the group.
     async with running_server({"server": {"port": port}}) as second:
         decode.set_load(0, 4, 4_000)
         await decode.report_now()
         assert decode.registrations == 2
         assert second.app.components["decode"].gpu_load("d1", 0) == (4, 4_000)
-        for load in skewed_steps(9, 10):
-            await experts.record(load)
+        # The next step reports the whole window: steps 20-31 in one report.
+        assert await experts.record(skewed_steps(9, 1)[0]) is not None
         assert experts.registrations == 2 and experts.reports == 2
+        assert experts.dropped_steps == 10 and experts.pending_steps == 0
+        status = await client.expert.GetGroupStatus(
+            expert_pb2.GetGroupStatusRequest(group_id="g1")
+        )
+        assert status.last_step_end == 31 and status.window_steps == 11
         got = await client.expert.GetMap(expert_pb2.GetMapRequest(group_id="g1"))
         # Registered again with the map the engines run, not the identity map.
         assert (from_tensor(got.map.physical_to_logical) == engine_map.physical_to_logical).all()

@@ -30,9 +30,8 @@ import numpy.typing as npt
 from fulcrum.client import FulcrumClient, MemberSession
 from fulcrum.v1 import expert_pb2, fleet_pb2
 
-#: Status codes after which a member registers again (daemon restarted, member lapsed or
-#: replaced by a newer incarnation).
-_REREGISTER = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+#: Status codes after which a report is tried again later with the same window.
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 # -- decode instances and VE machines ------------------------------------------------------
@@ -249,13 +248,17 @@ class ExpertLoadReporter:
       ``report_every_steps`` steps the window is sent (``ReportLoad``) as an int64 or
       float64 ``Tensor`` over the step range ``[step_begin, step_end)``.
     * A watch (``WatchMaps``) follows the group's map. A new version is handed to
-      ``on_map``; the steps accumulated under the previous map cannot be reported any
-      more (the daemon takes reports under the map in force only) and are dropped
+      ``on_map``; steps accumulated under a different previous map cannot be reported
+      any more (the daemon takes reports under the map in force only) and are dropped
       (counted in :attr:`dropped_steps`).
+    * While the daemon is unreachable (UNAVAILABLE, DEADLINE_EXCEEDED) :meth:`record`
+      keeps accumulating and counts :attr:`failed_reports`; the next report covers every
+      step since the last accepted one.
     * After a daemon restart without a snapshot the group is unknown (NOT_FOUND): the
-      reporter registers it again (same shape) and carries on. Steps are numbered by the
-      reporter from ``first_step``; pass the engine's own monotonic step counter when a
-      restarted reporter must continue a range the daemon restored from its snapshot.
+      reporter registers it again, same shape, with the map the engines run as
+      ``initial_map``, and carries on. Steps are numbered by the reporter from
+      ``first_step``; pass the engine's own monotonic step counter when a restarted
+      reporter must continue a range the daemon restored from its snapshot.
     """
 
     def __init__(
@@ -281,6 +284,7 @@ class ExpertLoadReporter:
         self._next_step = first_step
         self.reports = 0
         self.dropped_steps = 0
+        self.failed_reports = 0
         self.registrations = 0
         self.last_reply: expert_pb2.ReportLoadResponse | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -353,7 +357,12 @@ class ExpertLoadReporter:
         self._window += load
         self._next_step += 1
         if self.pending_steps >= self.report_every_steps:
-            return await self.flush()
+            try:
+                return await self.flush()
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in _TRANSIENT:
+                    raise
+                self.failed_reports += 1  # keep the window; the next step tries again
         return None
 
     async def flush(self) -> expert_pb2.ReportLoadResponse | None:
