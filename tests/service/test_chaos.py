@@ -85,8 +85,8 @@ class Engine:
             register = fleet_pb2.RegisterRequest(
                 member_id=member_id,
                 decode_instance=fleet_pb2.DecodeInstanceShape(
-                    gpus=[fleet_pb2.DecodeGpuCapacity(max_concurrency=64, max_kv_tokens=1 << 24)]
-                    * 2
+                    gpus=[fleet_pb2.DecodeGpuCapacity(max_concurrency=64,
+                                                      max_kv_tokens=1 << 24)] * 2
                 ),
             )
         else:
@@ -147,7 +147,8 @@ class Engine:
         await self.client.close()
 
 
-async def submitter(client: FulcrumClient, ids: Any, ledger: Ledger, stop: asyncio.Event) -> None:
+async def submitter(client: FulcrumClient, ids: Any, ledger: Ledger, stop: asyncio.Event
+                    ) -> None:
     while not stop.is_set():
         rid = f"req-{next(ids)}"
         ledger.submitted += 1
@@ -164,9 +165,8 @@ async def submitter(client: FulcrumClient, ids: Any, ledger: Ledger, stop: async
         ledger.outcomes.setdefault(rid, []).append(outcome)
 
 
-async def decode_worker(
-    client: FulcrumClient, ids: Any, ledger: Ledger, stop: asyncio.Event, held: dict[str, str]
-) -> None:
+async def decode_worker(client: FulcrumClient, ids: Any, ledger: Ledger, stop: asyncio.Event,
+                        held: dict[str, str]) -> None:
     """Place then release decode requests; a refused or lost placement is fine, a held
     one is released (NOT_FOUND when its instance left with it)."""
     while not stop.is_set():
@@ -186,9 +186,8 @@ async def decode_worker(
 
 async def release(client: FulcrumClient, rid: str, held: dict[str, str], ledger: Ledger) -> None:
     try:
-        await client.decode.ReleaseDecode(
-            decode_pb2.ReleaseDecodeRequest(request_id=rid), timeout=5.0
-        )
+        await client.decode.ReleaseDecode(decode_pb2.ReleaseDecodeRequest(request_id=rid),
+                                          timeout=5.0)
         code = "OK"
     except grpc.aio.AioRpcError as err:
         code = err.code().name
@@ -243,12 +242,10 @@ async def test_engines_and_daemon_restart_under_load() -> None:
     stop = asyncio.Event()
     ids = itertools.count()
     held: dict[str, str] = {}
-    workers = [
-        asyncio.ensure_future(submitter(entry, ids, ledger, stop)) for _ in range(SUBMITTERS)
-    ]
-    workers += [
-        asyncio.ensure_future(decode_worker(entry, ids, ledger, stop, held)) for _ in range(2)
-    ]
+    workers = [asyncio.ensure_future(submitter(entry, ids, ledger, stop))
+               for _ in range(SUBMITTERS)]
+    workers += [asyncio.ensure_future(decode_worker(entry, ids, ledger, stop, held))
+                for _ in range(2)]
     restarts = 0
     try:
         for _ in range(ROUNDS):
@@ -313,8 +310,7 @@ async def test_engines_and_daemon_restart_under_load() -> None:
         code, named = ledger.outcomes[rid][0]
         assert (code, named) == ("OK", engine), (rid, engine, ledger.outcomes[rid])
     unseen = [
-        (rid, o[0][1])
-        for rid, o in ledger.outcomes.items()
+        (rid, o[0][1]) for rid, o in ledger.outcomes.items()
         if o[0][0] == "OK" and rid not in ledger.received
     ]
     assert all(engine in ledger.killed for _, engine in unseen), unseen

@@ -64,11 +64,8 @@ class Proc:
 def proc(tmp_path: Path) -> Iterator[Proc]:
     cfg = write_config(
         tmp_path,
-        {
-            "server": {"port": 0, "grace_period_s": 5},
-            "metrics": {"port": 0},
-            "logging": {"format": "json"},
-        },
+        {"server": {"port": 0, "grace_period_s": 5}, "metrics": {"port": 0},
+         "logging": {"format": "json"}},
     )
     p = Proc(cfg)
     yield p
@@ -111,9 +108,7 @@ def test_health_command_against_running_daemon(proc: Proc) -> None:
 def test_health_command_without_daemon_fails() -> None:
     out = subprocess.run(
         [*FULCRUM, "health", "--target", "127.0.0.1:1", "--timeout", "1"],
-        capture_output=True,
-        text=True,
-        timeout=30,
+        capture_output=True, text=True, timeout=30,
     )
     assert out.returncode == 1
     assert out.stdout.strip() in {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
@@ -145,9 +140,8 @@ def test_check_config_accepts_the_shipped_configs() -> None:
     root = Path(__file__).resolve().parents[2]
     files = [root / "deploy" / "fulcrum.yaml"]
     for f in files:
-        out = subprocess.run(
-            [*FULCRUM, "check-config", str(f)], capture_output=True, text=True, timeout=30
-        )
+        out = subprocess.run([*FULCRUM, "check-config", str(f)], capture_output=True, text=True,
+                             timeout=30)
         assert out.returncode == 0, out.stderr
 
 
@@ -214,10 +208,9 @@ async def test_sighup_reloads_policy_and_refuses_a_bad_file(tmp_path: Path) -> N
             cfg.write_text(yaml.safe_dump(data))
             proc.p.send_signal(signal.SIGHUP)
             applied = {"outcome": "applied"}
-            assert (
-                await wait_metric(proc.metrics_port, "fulcrum_config_reloads_total", applied, 1)
-                == 1
-            )
+            assert await wait_metric(
+                proc.metrics_port, "fulcrum_config_reloads_total", applied, 1
+            ) == 1
             second = await client.decode.PlaceDecode(
                 decode_pb2.PlaceDecodeRequest(request_id="r2", kv_tokens=100)
             )
@@ -226,10 +219,9 @@ async def test_sighup_reloads_policy_and_refuses_a_bad_file(tmp_path: Path) -> N
             cfg.write_text("decode: {policy: no_such_policy}\n")
             proc.p.send_signal(signal.SIGHUP)
             refused = {"outcome": "refused"}
-            assert (
-                await wait_metric(proc.metrics_port, "fulcrum_config_reloads_total", refused, 1)
-                == 1
-            )
+            assert await wait_metric(
+                proc.metrics_port, "fulcrum_config_reloads_total", refused, 1
+            ) == 1
             third = await client.decode.PlaceDecode(
                 decode_pb2.PlaceDecodeRequest(request_id="r3", kv_tokens=100)
             )

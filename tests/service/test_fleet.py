@@ -65,7 +65,9 @@ async def test_lapsed_member_leaves_and_session_reregisters(daemon: Daemon) -> N
     async with FulcrumClient(daemon.address) as client:
         session = MemberSession(
             client,
-            pb.RegisterRequest(member_id="pf-0", prefill_engine=pb.PrefillEngineShape(dp_ranks=4)),
+            pb.RegisterRequest(
+                member_id="pf-0", prefill_engine=pb.PrefillEngineShape(dp_ranks=4)
+            ),
         )
         first = await session.register()
         clock.now += 6_000_000_000  # past the 5 s timeout

@@ -76,7 +76,8 @@ _INT_RANGES = {
 }
 _TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=24)
 _STRINGS = st.one_of(
-    st.sampled_from(["", "a", *SEEDED_IDS, " ", "a b", "\x00", "é", "../x", "x" * 129, "y" * 4096]),
+    st.sampled_from(["", "a", *SEEDED_IDS, " ", "a b", "\x00", "é", "../x", "x" * 129,
+                     "y" * 4096]),
     _TEXT,
 )
 _BYTES = st.one_of(st.binary(max_size=48), st.sampled_from([b"", b"\x00" * 4096, b"\xff" * 7]))
@@ -108,9 +109,8 @@ def scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
         small = st.integers(max(lo, 0), min(hi, 64))  # plausible values pass validation
         return st.one_of(st.sampled_from(extremes + known), small, st.integers(lo, hi))
     if t in (F.TYPE_DOUBLE, F.TYPE_FLOAT):
-        return st.floats(
-            allow_nan=True, allow_infinity=True, width=64 if t == F.TYPE_DOUBLE else 32
-        )
+        return st.floats(allow_nan=True, allow_infinity=True, width=64 if t == F.TYPE_DOUBLE
+                         else 32)
     if t == F.TYPE_BOOL:
         return st.booleans()
     if t == F.TYPE_STRING:
@@ -174,9 +174,10 @@ def requests_for_all() -> st.SearchStrategy[list[tuple[MethodDescriptor, list[by
         *[
             st.lists(
                 message(m.input_type) | message(m.input_type, plausible=True),
-                min_size=1,
-                max_size=3,
-            ).map(lambda msgs, m=m: (m, [x.SerializeToString() for x in msgs]))
+                min_size=1, max_size=3,
+            ).map(
+                lambda msgs, m=m: (m, [x.SerializeToString() for x in msgs])
+            )
             for m in METHODS
         ]
     ).map(list)
@@ -206,9 +207,7 @@ async def call_raw(
     client stream); read every response until the end or the deadline."""
     path = path_of(m)
     kw: dict[str, Callable[[bytes], bytes]] = {
-        "request_serializer": _ident,
-        "response_deserializer": _ident,
-    }
+        "request_serializer": _ident, "response_deserializer": _ident}
     try:
         if m.client_streaming:
 
@@ -247,36 +246,18 @@ def server_bad_codes() -> float:
 
 async def seed_state(client: FulcrumClient) -> None:
     """Register one member of each kind and an EP group under :data:`SEEDED_IDS`."""
-    await client.fleet.Register(
-        fleet_pb2.RegisterRequest(
-            member_id="engine-0", prefill_engine=fleet_pb2.PrefillEngineShape(dp_ranks=2)
-        )
-    )
-    await client.fleet.Register(
-        fleet_pb2.RegisterRequest(
-            member_id="decode-0",
-            decode_instance=fleet_pb2.DecodeInstanceShape(
-                gpus=[fleet_pb2.DecodeGpuCapacity(max_concurrency=8, max_kv_tokens=1 << 20)] * 2
-            ),
-        )
-    )
-    await client.fleet.Register(
-        fleet_pb2.RegisterRequest(
-            member_id="ve-0",
-            vision_machine=fleet_pb2.VisionMachineShape(gpus=2, max_patches_in_flight=100_000),
-        )
-    )
+    await client.fleet.Register(fleet_pb2.RegisterRequest(
+        member_id="engine-0", prefill_engine=fleet_pb2.PrefillEngineShape(dp_ranks=2)))
+    await client.fleet.Register(fleet_pb2.RegisterRequest(
+        member_id="decode-0", decode_instance=fleet_pb2.DecodeInstanceShape(gpus=[
+            fleet_pb2.DecodeGpuCapacity(max_concurrency=8, max_kv_tokens=1 << 20)] * 2)))
+    await client.fleet.Register(fleet_pb2.RegisterRequest(
+        member_id="ve-0", vision_machine=fleet_pb2.VisionMachineShape(
+            gpus=2, max_patches_in_flight=100_000)))
     with contextlib.suppress(grpc.aio.AioRpcError):  # best effort: EPLB may not be there
-        await client.expert.RegisterGroup(
-            expert_pb2.RegisterGroupRequest(
-                group_id="g",
-                role=expert_pb2.GROUP_ROLE_DECODE,
-                ep_size=4,
-                num_layers=2,
-                num_experts=8,
-                expert_bytes=1024,
-            )
-        )
+        await client.expert.RegisterGroup(expert_pb2.RegisterGroupRequest(
+            group_id="g", role=expert_pb2.GROUP_ROLE_DECODE, ep_size=4, num_layers=2,
+            num_experts=8, expert_bytes=1024))
 
 
 async def still_alive(client: FulcrumClient) -> None:
@@ -289,9 +270,8 @@ async def still_alive(client: FulcrumClient) -> None:
     assert sum(1 for _ in REGISTRY.collect()) > 0
 
 
-async def fire(
-    channel: grpc.aio.Channel, batch: list[tuple[MethodDescriptor, list[bytes]]]
-) -> list[Outcome]:
+async def fire(channel: grpc.aio.Channel, batch: list[tuple[MethodDescriptor, list[bytes]]]
+               ) -> list[Outcome]:
     return list(await asyncio.gather(*(call_raw(channel, m, p) for m, p in batch)))
 
 
@@ -319,14 +299,9 @@ async def client(daemon: Daemon) -> AsyncIterator[FulcrumClient]:
 
 def test_every_service_is_fuzzed() -> None:
     services = {m.containing_service.name for m in METHODS}
-    assert services >= {
-        "DiagnosticsService",
-        "FleetService",
-        "PrefillBalancerService",
-        "DecodeBalancerService",
-        "VisionBalancerService",
-        "ExpertBalancerService",
-    }
+    assert services >= {"DiagnosticsService", "FleetService", "PrefillBalancerService",
+                        "DecodeBalancerService", "VisionBalancerService",
+                        "ExpertBalancerService"}
 
 
 @settings(max_examples=12, suppress_health_check=list(HealthCheck))
@@ -343,25 +318,15 @@ async def test_random_and_extreme_fields(
 
 
 @settings(max_examples=10, suppress_health_check=list(HealthCheck))
-@given(
-    payloads=st.lists(
-        st.one_of(
-            st.binary(min_size=1, max_size=64),
-            # a field tag with a truncated length-delimited value
-            st.sampled_from(
-                [
-                    b"\x0a\xff\xff\xff\xff\x0f",
-                    b"\x0a\x05ab",
-                    b"\xff" * 9,
-                    b"\x08" + b"\xff" * 10,
-                    b"\x12\x02\xc3\x28",
-                ]
-            ),
-        ),
-        min_size=len(METHODS),
-        max_size=len(METHODS),
-    )
-)
+@given(payloads=st.lists(
+    st.one_of(
+        st.binary(min_size=1, max_size=64),
+        # a field tag with a truncated length-delimited value
+        st.sampled_from([b"\x0a\xff\xff\xff\xff\x0f", b"\x0a\x05ab", b"\xff" * 9,
+                         b"\x08" + b"\xff" * 10, b"\x12\x02\xc3\x28"]),
+    ),
+    min_size=len(METHODS), max_size=len(METHODS),
+))
 async def test_malformed_bytes_on_the_wire(
     daemon: Daemon, client: FulcrumClient, payloads: list[bytes]
 ) -> None:

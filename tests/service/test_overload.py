@@ -74,50 +74,22 @@ async def _place_images(c: FulcrumClient, i: int) -> Any:
 async def _register_group(c: FulcrumClient, i: int) -> Any:
     return await c.expert.RegisterGroup(
         expert_pb2.RegisterGroupRequest(
-            group_id=f"g-{i}",
-            role=expert_pb2.GROUP_ROLE_DECODE,
-            ep_size=4,
-            num_layers=2,
-            num_experts=8,
-            expert_bytes=1024,
+            group_id=f"g-{i}", role=expert_pb2.GROUP_ROLE_DECODE, ep_size=4, num_layers=2,
+            num_experts=8, expert_bytes=1024,
         )
     )
 
 
 # name (the bound), overrides, setup, the call (i = a fresh id), the bound
 CASES = [
-    pytest.param(
-        "fleet.max_members",
-        {"fleet": {"max_members": 3}},
-        _setup_none,
-        _register,
-        3,
-        id="fleet.max_members",
-    ),
-    pytest.param(
-        "decode.max_placements",
-        {"decode": {"max_placements": 3}},
-        _setup_decode,
-        _place_decode,
-        3,
-        id="decode.max_placements",
-    ),
-    pytest.param(
-        "vision.max_placements",
-        {"vision": {"max_placements": 3}},
-        _setup_vision,
-        _place_images,
-        3,
-        id="vision.max_placements",
-    ),
-    pytest.param(
-        "eplb.max_groups",
-        {"eplb": {"max_groups": 2}},
-        _setup_none,
-        _register_group,
-        2,
-        id="eplb.max_groups",
-    ),
+    pytest.param("fleet.max_members", {"fleet": {"max_members": 3}}, _setup_none, _register,
+                 3, id="fleet.max_members"),
+    pytest.param("decode.max_placements", {"decode": {"max_placements": 3}}, _setup_decode,
+                 _place_decode, 3, id="decode.max_placements"),
+    pytest.param("vision.max_placements", {"vision": {"max_placements": 3}}, _setup_vision,
+                 _place_images, 3, id="vision.max_placements"),
+    pytest.param("eplb.max_groups", {"eplb": {"max_groups": 2}}, _setup_none, _register_group,
+                 2, id="eplb.max_groups"),
 ]
 
 
@@ -154,16 +126,17 @@ async def test_bound_gives_resource_exhausted_with_retry_hint(
 async def test_prefill_queue_bound() -> None:
     """The per-tier queue bound refuses the next submit at once; queued ones still wait."""
     over = {"prefill": {"max_queued_per_tier": 2}, "metrics": {"enabled": False}}
-    async with running_server(over) as d, FulcrumClient(d.address) as c:
+    async with running_server(over) as d, FulcrumClient(
+        d.address
+    ) as c:
         # an engine must exist for submits to queue
         reply = await _register(c, 0)
         assert reply.incarnation
         waiting = [
             asyncio.ensure_future(
                 c.prefill.Submit(
-                    prefill_pb2.SubmitRequest(
-                        request_id=f"q-{i}", total_tokens=1000, max_wait_ms=30_000
-                    ),
+                    prefill_pb2.SubmitRequest(request_id=f"q-{i}", total_tokens=1000,
+                                              max_wait_ms=30_000),
                     timeout=30,
                 )
             )
@@ -216,11 +189,9 @@ async def test_health_and_ping_answer_under_a_burst() -> None:
     over = {"server": {"max_concurrent_streams": 256}, "metrics": {"enabled": False}}
     # the probe has its own connection (a local subchannel pool), as a kubelet would
     probe_opts = [("grpc.use_local_subchannel_pool", 1)]
-    async with (
-        running_server(over) as d,
-        FulcrumClient(d.address) as burst,
-        FulcrumClient(d.address, options=probe_opts) as probe,
-    ):
+    async with running_server(over) as d, FulcrumClient(d.address) as burst, FulcrumClient(
+        d.address, options=probe_opts
+    ) as probe:
         calls = [
             asyncio.ensure_future(
                 burst.diagnostics.Ping(diagnostics_pb2.PingRequest(delay_ms=200), timeout=30)
@@ -239,13 +210,12 @@ async def test_health_and_ping_answer_under_a_burst() -> None:
         assert pong.payload == b"p"
         results = await asyncio.gather(*calls, return_exceptions=True)
         codes = {
-            r.code() if isinstance(r, grpc.aio.AioRpcError) else grpc.StatusCode.OK for r in results
+            r.code() if isinstance(r, grpc.aio.AioRpcError) else grpc.StatusCode.OK
+            for r in results
         }
         # refused streams end UNAVAILABLE (or CANCELLED, gRPC's HTTP/2 layer decides)
         assert codes <= {
-            grpc.StatusCode.OK,
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
             grpc.StatusCode.CANCELLED,
         }, codes
         assert d.app.in_flight == 0

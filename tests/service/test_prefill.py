@@ -142,7 +142,9 @@ async def test_worked_example() -> None:
         await until(lambda: st.queue_depths()[0] == 1)
         await until(lambda: st.engines_per_tier()[0] == 1)  # orphan tier got an engine
         engine = next(e for e in ("engine-a", "engine-b") if st.engine_tier(e) == 0)
-        await c.prefill.Pull(pull_request(engine, inc_a if engine == "engine-a" else inc_b, 9 * S))
+        await c.prefill.Pull(
+            pull_request(engine, inc_a if engine == "engine-a" else inc_b, 9 * S)
+        )
         fresh = await fresh_task
         assert fresh.tier_name == "<16K"
         assert reply.predicted_cost_ns > 4 * fresh.predicted_cost_ns
@@ -193,7 +195,8 @@ async def test_batch_within_quota_and_cap_fifo_ranks() -> None:
     async with prefill_daemon(caps) as (_, c, st):
         inc = await register(c, "e1", dp_ranks=2)
         tasks = [
-            asyncio.ensure_future(c.prefill.Submit(submit_request(f"r{i}", 4096))) for i in range(8)
+            asyncio.ensure_future(c.prefill.Submit(submit_request(f"r{i}", 4096)))
+            for i in range(8)
         ]
         await until(lambda: st.queue_depths()[0] == 8)
         cost = DEFAULT_COST_MODEL.cost_ns(4096, 0)
@@ -345,7 +348,9 @@ async def test_cost_model_carries_the_engines_own_step_budget(client: FulcrumCli
     await register("own-budget", 250_000_000)
     await register("default-budget", 0)
     default = await client.prefill.GetCostModel(prefill_pb2.GetCostModelRequest())
-    own = await client.prefill.GetCostModel(prefill_pb2.GetCostModelRequest(engine_id="own-budget"))
+    own = await client.prefill.GetCostModel(
+        prefill_pb2.GetCostModelRequest(engine_id="own-budget")
+    )
     plain = await client.prefill.GetCostModel(
         prefill_pb2.GetCostModelRequest(engine_id="default-budget")
     )

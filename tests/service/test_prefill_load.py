@@ -116,7 +116,9 @@ async def test_exactly_once_under_concurrent_pulls_submits_cancels() -> None:
         stop = asyncio.Event()
         got: dict[str, list[str]] = defaultdict(list)
         loops = [
-            asyncio.ensure_future(_engine_loop(c, e, inc, stop, got, rng=np.random.default_rng(i)))
+            asyncio.ensure_future(
+                _engine_loop(c, e, inc, stop, got, rng=np.random.default_rng(i))
+            )
             for i, (e, inc) in enumerate(engines.items())
         ]
         sizes = [1_000, 12 * K, 40 * K, 100 * K, 300 * K, 3_000_000]

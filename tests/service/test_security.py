@@ -147,7 +147,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     p.write("server.key", p.server.key)
     p.write(
         "tokens",
-        f"# identity token\nengine-a {ENGINE_TOKEN}\nops {ADMIN_TOKEN}\n\nentry {ENTRY_TOKEN}\n".encode(),
+        f"# identity token\nengine-a {ENGINE_TOKEN}\nops {ADMIN_TOKEN}\n\nentry {ENTRY_TOKEN}\n"
+        .encode(),
     )
     return p
 
@@ -163,7 +164,7 @@ def mtls_overrides(pki: Pki) -> dict[str, Any]:
                 "client_ca_file": str(pki.dir / "ca.crt"),
             },
             "auth": {"enabled": True, "identities": IDENTITIES},
-        },
+        }
     }
 
 
@@ -181,7 +182,7 @@ def token_overrides(pki: Pki) -> dict[str, Any]:
                 "tokens_file": str(pki.dir / "tokens"),
                 "identities": IDENTITIES,
             },
-        },
+        }
     }
 
 
@@ -216,12 +217,8 @@ def token_client(d: Daemon, pki: Pki, token: str | None) -> FulcrumClient:
 def denials(code: str, reason: str, method: str) -> float:
     value = REGISTRY.get_sample_value(
         "fulcrum_auth_denials_total",
-        {
-            "service": method.split("/")[0],
-            "method": method.split("/")[1],
-            "code": code,
-            "reason": reason,
-        },
+        {"service": method.split("/")[0], "method": method.split("/")[1], "code": code,
+         "reason": reason},
     )
     return value or 0.0
 
@@ -260,44 +257,35 @@ async def test_mtls_engine_acting_for_another_engine_is_denied(
         assert await code_of(c.fleet.Register(register("engine-b-0"))) == (
             grpc.StatusCode.PERMISSION_DENIED
         )
-        assert (
-            await code_of(
-                c.fleet.Heartbeat(fleet_pb2.HeartbeatRequest(member_id="engine-b-0", incarnation=1))
-            )
-            == grpc.StatusCode.PERMISSION_DENIED
-        )
-        assert (
-            await code_of(
-                c.prefill.Pull(prefill_pb2.PullRequest(engine_id="engine-b-0", incarnation=1))
-            )
-            == grpc.StatusCode.PERMISSION_DENIED
-        )
-        assert (
-            await code_of(c.expert.ReportLoad(expert_pb2.ReportLoadRequest(group_id="group-b")))
-            == grpc.StatusCode.PERMISSION_DENIED
-        )
+        assert await code_of(
+            c.fleet.Heartbeat(fleet_pb2.HeartbeatRequest(member_id="engine-b-0", incarnation=1))
+        ) == grpc.StatusCode.PERMISSION_DENIED
+        assert await code_of(
+            c.prefill.Pull(prefill_pb2.PullRequest(engine_id="engine-b-0", incarnation=1))
+        ) == grpc.StatusCode.PERMISSION_DENIED
+        assert await code_of(
+            c.expert.ReportLoad(expert_pb2.ReportLoadRequest(group_id="group-b"))
+        ) == grpc.StatusCode.PERMISSION_DENIED
     assert denials("PERMISSION_DENIED", "bound_id", "FleetService/Register") == before + 1
     # the refused registration changed nothing
     assert all(m.member_id != "engine-b-0" for m, _ in mtls_daemon.app.fleet.members(None))
 
 
-async def test_mtls_engine_calling_admin_methods_is_denied(mtls_daemon: Daemon, pki: Pki) -> None:
+async def test_mtls_engine_calling_admin_methods_is_denied(
+    mtls_daemon: Daemon, pki: Pki
+) -> None:
     before = denials("PERMISSION_DENIED", "role", "ExpertBalancerService/Rebalance")
     async with mtls_client(mtls_daemon, pki, "engine-a") as c:
         assert await code_of(c.fleet.ListMembers(fleet_pb2.ListMembersRequest())) == (
             grpc.StatusCode.PERMISSION_DENIED
         )
-        assert (
-            await code_of(c.expert.Rebalance(expert_pb2.RebalanceRequest(group_id="group-a")))
-            == grpc.StatusCode.PERMISSION_DENIED
-        )
+        assert await code_of(
+            c.expert.Rebalance(expert_pb2.RebalanceRequest(group_id="group-a"))
+        ) == grpc.StatusCode.PERMISSION_DENIED
         # entrypoint methods are not an engine's either, streaming ones included
-        assert (
-            await code_of(
-                c.decode.PlaceDecode(decode_pb2.PlaceDecodeRequest(request_id="r", kv_tokens=1))
-            )
-            == grpc.StatusCode.PERMISSION_DENIED
-        )
+        assert await code_of(
+            c.decode.PlaceDecode(decode_pb2.PlaceDecodeRequest(request_id="r", kv_tokens=1))
+        ) == grpc.StatusCode.PERMISSION_DENIED
 
         async def one() -> AsyncIterator[decode_pb2.PlaceDecodeStreamRequest]:
             yield decode_pb2.PlaceDecodeStreamRequest(sequence=1)
@@ -320,10 +308,9 @@ async def test_mtls_admin_and_entrypoint_roles(mtls_daemon: Daemon, pki: Pki) ->
             entry.decode.PlaceDecode(decode_pb2.PlaceDecodeRequest(request_id="r", kv_tokens=1))
         )
         assert code not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
-        assert (
-            await code_of(entry.prefill.Pull(prefill_pb2.PullRequest(engine_id="engine-a-0")))
-            == grpc.StatusCode.PERMISSION_DENIED
-        )
+        assert await code_of(
+            entry.prefill.Pull(prefill_pb2.PullRequest(engine_id="engine-a-0"))
+        ) == grpc.StatusCode.PERMISSION_DENIED
         assert await code_of(entry.fleet.Register(register("entry"))) == (
             grpc.StatusCode.PERMISSION_DENIED
         )
@@ -345,13 +332,11 @@ async def test_mtls_handshake_refusals(mtls_daemon: Daemon, pki: Pki, case: str)
     """Without a certificate, with one from another CA, or in plaintext, the TLS handshake
     fails: the call ends UNAVAILABLE and no handler runs. Good clients are unaffected."""
     if case == "plaintext":
-        bad = FulcrumClient(
-            mtls_daemon.address, timeout_s=2.0, options=[("grpc.enable_retries", 0)]
-        )
+        bad = FulcrumClient(mtls_daemon.address, timeout_s=2.0,
+                            options=[("grpc.enable_retries", 0)])
     else:
-        bad = mtls_client(
-            mtls_daemon, pki, None if case == "no_certificate" else "ops", rogue=case == "other_ca"
-        )
+        bad = mtls_client(mtls_daemon, pki, None if case == "no_certificate" else "ops",
+                          rogue=case == "other_ca")
     async with bad:
         assert await code_of(bad.diagnostics.Ping(diagnostics_pb2.PingRequest(), timeout=2)) == (
             grpc.StatusCode.UNAVAILABLE
@@ -390,14 +375,11 @@ async def test_missing_or_bad_token_is_unauthenticated(token_daemon: Daemon, pki
         reply = await anon.health.Check(health_pb2.HealthCheckRequest())
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         for header in ("Bearer not-a-token-0123456789", "Basic abc", "Bearer "):
-            assert (
-                await code_of(
-                    anon.diagnostics.Ping(
-                        diagnostics_pb2.PingRequest(), metadata=(("authorization", header),)
-                    )
+            assert await code_of(
+                anon.diagnostics.Ping(
+                    diagnostics_pb2.PingRequest(), metadata=(("authorization", header),)
                 )
-                == grpc.StatusCode.UNAUTHENTICATED
-            )
+            ) == grpc.StatusCode.UNAUTHENTICATED
     assert denials("UNAUTHENTICATED", "no_identity", "DiagnosticsService/Ping") == before + 1
     assert denials("UNAUTHENTICATED", "bad_token", "DiagnosticsService/Ping") >= 3
 
@@ -457,10 +439,8 @@ async def test_default_is_plaintext_without_auth(daemon: Daemon, client: Fulcrum
     ("security", "expected"),
     [
         ({"plaintext": False}, "cert_file and key_file are required"),
-        (
-            {"plaintext": False, "tls": {"cert_file": "/nonexistent", "key_file": "/nonexistent"}},
-            "no such file",
-        ),
+        ({"plaintext": False, "tls": {"cert_file": "/nonexistent", "key_file": "/nonexistent"}},
+         "no such file"),
         ({"tls": {"cert_file": "x"}}, "plaintext: must be false"),
         ({"auth": {"enabled": True}}, "needs auth.tokens_file or tls.client_ca_file"),
         ({"auth": {"identities": {"x": {"role": "root"}}}}, "role"),
@@ -482,16 +462,15 @@ def test_config_refusals(security: dict[str, Any], expected: str) -> None:
         (f"ghost {ADMIN_TOKEN}\n", "identities not in auth.identities"),
     ],
 )
-def test_tokens_file_refusals_never_echo_tokens(tmp_path: Path, text: str, expected: str) -> None:
+def test_tokens_file_refusals_never_echo_tokens(
+    tmp_path: Path, text: str, expected: str
+) -> None:
     path = tmp_path / "tokens"
     path.write_text(text)
     with pytest.raises(ConfigError) as err:
         testing.test_settings(
-            {
-                "security": {
-                    "auth": {"enabled": True, "tokens_file": str(path), "identities": IDENTITIES}
-                }
-            }
+            {"security": {"auth": {"enabled": True, "tokens_file": str(path),
+                                   "identities": IDENTITIES}}}
         )
     assert expected in str(err.value)
     assert ADMIN_TOKEN not in str(err.value)
@@ -539,7 +518,9 @@ def test_rule_table_covers_every_method_and_names_real_id_fields() -> None:
                 assert field.type == field.TYPE_STRING
     assert set(security.METHOD_RULES) <= listed, set(security.METHOD_RULES) - listed
     assert security.rule_for("/grpc.health.v1.Health/Check") is None
-    assert security.rule_for("/fulcrum.v1.Unknown/Drain") == security.Rule(frozenset({"admin"}))
+    assert security.rule_for("/fulcrum.v1.Unknown/Drain") == security.Rule(
+        frozenset({"admin"})
+    )
 
 
 @pytest.mark.parametrize(

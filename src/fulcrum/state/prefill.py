@@ -182,7 +182,9 @@ class PrefillState:
         cm = settings.cost_model
         self.model = CostModel(a=cm.a, b=cm.b, k=cm.k)
         self.model_version = 1
-        self._queues: list[OrderedDict[str, _Queued]] = [OrderedDict() for _ in range(self.n_tiers)]
+        self._queues: list[OrderedDict[str, _Queued]] = [
+            OrderedDict() for _ in range(self.n_tiers)
+        ]
         self._index: dict[str, _Queued] = {}
         self._queued_ns = [0] * self.n_tiers
         self._arrived_ns = [0] * self.n_tiers  # quota submitted this round
@@ -266,7 +268,9 @@ class PrefillState:
             )
         return tier
 
-    async def submit(self, request_id: str, total: int, cached: int, wait_ns: int) -> Delivery:
+    async def submit(
+        self, request_id: str, total: int, cached: int, wait_ns: int
+    ) -> Delivery:
         """Queue a request and wait until an engine pulls it (or it fails)."""
         tier = self.validate_submit(request_id, total, cached)
         now = self._clock()
@@ -530,8 +534,12 @@ class PrefillState:
         for item, rank in zip(chosen, plan.ranks, strict=True):
             self._unlink(item)
             waited = max(0, now - item.enqueued_ns)
-            item.future.set_result(Delivery(eng.member_id, rank, tier, item.cost_ns, waited))
-            items.append(PulledItem(item.request_id, item.total, item.cached, rank, item.cost_ns))
+            item.future.set_result(
+                Delivery(eng.member_id, rank, tier, item.cost_ns, waited)
+            )
+            items.append(
+                PulledItem(item.request_id, item.total, item.cached, rank, item.cost_ns)
+            )
             total_ns += item.cost_ns
             tm.wait.observe(waited / NS_PER_S)
             for hook in self.outcome_hooks:
@@ -760,3 +768,4 @@ def wait_ns(requested_ms: int, default_ms: int, max_ms: int) -> int:
     """The wait (ns) of a call: ``requested_ms`` (0 = default), capped at ``max_ms``."""
     ms = default_ms if requested_ms == 0 else requested_ms
     return int(min(ms, max_ms)) * 1_000_000
+

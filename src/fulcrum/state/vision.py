@@ -371,7 +371,9 @@ class VisionState:
         c.patches[name] += sum(counts)
         return out
 
-    def _all_live(self, placed: Sequence[Placement], topology: VisionTopology, now_ns: int) -> bool:
+    def _all_live(
+        self, placed: Sequence[Placement], topology: VisionTopology, now_ns: int
+    ) -> bool:
         assert self._liveness is not None
         if len(placed) == 1:  # the common case: one image, one machine, no set needed
             machine = self._machines.get(topology.machine_ids[placed[0].machine])
