@@ -214,3 +214,44 @@ async def test_window_snapshot_round_trip_and_failed_write(tmp_path: Path) -> No
     wfile.rmdir()
     assert await state.save_window() == 1
     assert wfile.read_bytes() != before
+
+
+_LOAD_VALUES = st.sampled_from([0.0, 5e-324, 1e-300, 1e-6, 1.0, 7.0, 1e12, 2.0**53])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(_LOAD_VALUES, min_size=LAYERS * EXPERTS, max_size=LAYERS * EXPERTS),
+            st.sampled_from(["stable", "reference"]),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_commit_path_never_puts_an_invalid_map_in_force(
+    rounds: list[tuple[list[float], str]],
+) -> None:
+    """Arbitrary finite, huge, tiny and degenerate loads through the whole commit path
+    (report -> prepare -> worker computation -> commit): the map in force stays valid."""
+    from fulcrum.core.eplb.validate import map_problems
+    from fulcrum.service.eplb import _compute
+
+    async def scenario() -> None:
+        state = EplbState(EplbSettings(window_buckets=4))
+        await state.register(spec(window=20, period=10_000), None)
+        step = 0
+        for values, alg in rounds:
+            g = state.get("g")
+            state.report("g", g.current.version, step, step + 5, np.reshape(values, (LAYERS, -1)))
+            step += 5
+            job = state.prepare("g", alg, "admin")
+            out = await state.commit(job, _compute(job, False))
+            assert out.outcome in ("applied", "unchanged")
+            g = state.get("g")
+            assert map_problems(g.layout, g.current.placement, no_colocation=False) == []
+            if g.current.algorithm == "stable":
+                assert g.current.placement.colocated() == 0
+
+    asyncio.run(scenario())

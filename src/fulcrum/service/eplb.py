@@ -440,5 +440,7 @@ def register(server: grpc.aio.Server, app: App) -> list[str]:
             state.save_window_now()  # the drain serves no new calls: a blocking write is fine
 
         app.drain_hooks.append(save_at_drain)
-    pb_grpc.add_ExpertBalancerServiceServicer_to_server(ExpertServicer(app, state), server)
+    servicer = ExpertServicer(app, state)
+    app.components["eplb_service"] = servicer
+    pb_grpc.add_ExpertBalancerServiceServicer_to_server(servicer, server)
     return [SERVICE]
