@@ -660,32 +660,32 @@ def _replay(base: I64, trace: Trace, accepted: I64) -> I64:
 
 
 def _greedy_assignment(score: F64) -> I64:
-    """A permutation per row maximising ``score`` greedily, shape (L, n).
+    """A permutation per layer maximising ``score`` greedily, shape (L, n).
 
     ``score`` (L, n, n): value of sending new item i to old position j (-inf forbidden).
     Each round takes, in every layer, the best remaining (i, j) pair (ties: lowest i,
-    then j) and removes its row and column; after n rounds every i has one distinct j, so
+    then j) and strikes out its row and column; a layer whose remaining pairs are all
+    forbidden takes its first free i and j. After n rounds every i has one distinct j, so
     the result is always a permutation (a 1/2-approximation of the best total)."""
     n_layers, n, _ = score.shape
-    s = score.copy()
+    s = score.astype(np.float64, copy=True)
     out = np.full((n_layers, n), -1, dtype=np.int64)
     rows = np.arange(n_layers)
-    used_i = np.zeros((n_layers, n), dtype=np.bool_)
-    used_j = np.zeros((n_layers, n), dtype=np.bool_)
+    free_i = np.ones((n_layers, n), dtype=np.bool_)
+    free_j = np.ones((n_layers, n), dtype=np.bool_)
+    flat = s.reshape(n_layers, -1)
     for _ in range(n):
-        masked = np.where(used_i[:, :, None] | used_j[:, None, :], -np.inf, s)
-        flat = masked.reshape(n_layers, -1)
         best = np.argmax(flat, axis=1)
         i, j = np.divmod(best, n)
-        # a row with only forbidden pairs left takes its first free (i, j)
-        stuck = np.isneginf(flat[rows, best])
+        stuck = ~(flat[rows, best] > -np.inf) | ~free_i[rows, i] | ~free_j[rows, j]
         if stuck.any():
-            fi = np.argmin(used_i[stuck], axis=1)
-            fj = np.argmin(used_j[stuck], axis=1)
-            i[stuck], j[stuck] = fi, fj
+            i[stuck] = np.argmax(free_i[stuck], axis=1)
+            j[stuck] = np.argmax(free_j[stuck], axis=1)
         out[rows, i] = j
-        used_i[rows, i] = True
-        used_j[rows, j] = True
+        free_i[rows, i] = False
+        free_j[rows, j] = False
+        s[rows, i, :] = -np.inf
+        s[rows, :, j] = -np.inf
     return out
 
 
@@ -702,11 +702,12 @@ def match_to(base: I64, new: I64, n_gpus: int, n_logical: int, dom: int | None) 
     n_nodes = n_gpus // d
     rows = np.arange(n_layers)[:, None]
     slot_gpu = np.arange(n_phys) // spg
-    held_old = np.zeros((n_layers, n_gpus, n_logical), dtype=np.float32)  # exact counts
-    held_old[rows, slot_gpu[None, :], base] = 1.0
-    held_new = np.zeros_like(held_old)
-    held_new[rows, slot_gpu[None, :], new] = 1.0
-    overlap = np.matmul(held_new, held_old.transpose(0, 2, 1))  # (L, G new, G old)
+    held_old = np.zeros((n_layers, n_logical, n_gpus), dtype=np.int32)
+    held_old[rows, base, slot_gpu[None, :]] = 1
+    # overlap[l, g_new, g_old]: experts of new GPU g_new that old GPU g_old holds
+    overlap = (
+        held_old[rows, new].reshape(n_layers, n_gpus, spg, n_gpus).sum(axis=2).astype(np.float64)
+    )
     allowed = np.ones((n_layers, n_gpus, n_gpus), dtype=np.bool_)
     if n_nodes > 1:
         node_ov = overlap.reshape(n_layers, n_nodes, d, n_nodes, d).sum(axis=(2, 4))
@@ -745,6 +746,7 @@ def _align_slots(old3: I64, new3: I64) -> I64:
 def choose(
     base: I64,
     local: I64,
+    reach: F64,
     scratch: I64,
     w: F64,
     n_gpus: int,
@@ -754,11 +756,13 @@ def choose(
 ) -> I64:
     """Per layer, the local map or the scratch map (rule 4), shape (L, P).
 
-    The scratch layer is taken when its max GPU load is lower than the local one's by
+    ``reach`` (L,) is the max GPU load the local search reaches when every move is
+    kept. The scratch layer is taken when its max GPU load is lower than ``reach`` by
     more than ``gap`` x the layer's mean GPU load (the map in force is far from what a
-    fresh placement achieves), or by any amount whose drop in overall moe_lb pays for
-    its extra copies at ``per_copy``; under a ``budget`` (copies) the most valuable
-    layers go first."""
+    fresh placement achieves and moves from it cannot get there), or lower than the
+    accepted local map's by an amount whose drop in overall moe_lb pays for its extra
+    copies at ``per_copy``; under a ``budget`` (copies) the most valuable layers go
+    first."""
     n_log = w.shape[1]
     mean = w.sum(axis=1) / n_gpus
     total_mean = max(float(mean.sum()), float(np.finfo(np.float64).tiny))
@@ -768,7 +772,7 @@ def choose(
     c_scr = copies_per_layer(base, scratch, n_gpus, n_log)
     drop = m_loc - m_scr
     extra = c_scr - c_loc
-    far = drop > gap * mean
+    far = reach - m_scr > gap * mean
     pays = (drop > _SCRATCH_MARGIN * mean) & (drop / total_mean >= per_copy * np.maximum(extra, 0))
     better = far | pays
     take = np.zeros(w.shape[0], dtype=np.bool_)
@@ -858,13 +862,14 @@ def from_scratch(w: F64, layout: GroupLayout, su: _Setup) -> I64:
     return out
 
 
-def local_candidate(w: F64, base: I64, su: _Setup, total_mean: float) -> I64:
-    """The local candidate (rule 2) from ``base`` (L', P): accepted search prefixes."""
+def local_candidate(w: F64, base: I64, su: _Setup, total_mean: float) -> tuple[I64, F64]:
+    """The local candidate (rule 2) from ``base`` (L', P): the accepted search prefixes,
+    and the max GPU load (L',) the search reached with every move kept."""
     _, trace = search(w, base, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom)
     if not trace.moves:
-        return base
+        return base, trace.final_max
     accepted = accept_prefixes(trace, w.shape[0], total_mean, su.per_copy, su.budget)
-    return _replay(base, trace, accepted)
+    return _replay(base, trace, accepted), trace.final_max
 
 
 def place(
@@ -910,9 +915,12 @@ def place(
     # under a byte cap every layer searches locally: the scratch may not fit
     far = (m_base - m_scr > _FAR * mean) & (su.budget is None)
     local = base.copy()
+    reach = m_base.copy()
     near = np.flatnonzero(~far)
     if near.size:
-        local[near] = local_candidate(w[near], base[near], su, total_mean)
-    chosen = choose(base, local, scratch, w, su.n_gpus, su.per_copy, params.restart_gap, su.budget)
+        local[near], reach[near] = local_candidate(w[near], base[near], su, total_mean)
+    chosen = choose(
+        base, local, reach, scratch, w, su.n_gpus, su.per_copy, params.restart_gap, su.budget
+    )
     final = _noise_gate(base, chosen, w, var, su.n_gpus, params.noise_z)
     return PlacementMap.from_phy2log(final, su.n_gpus, su.n_logical)
