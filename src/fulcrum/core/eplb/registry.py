@@ -219,8 +219,8 @@ def _threshold(
     vs = np.where(np.isfinite(sd), sd * sd, np.finfo(np.float64).max)
     gl_old = gpu_loads(ws, old.phy2log, layout.ep_size)
     gl_new = gpu_loads(ws, new.phy2log, layout.ep_size)
-    sigma = window.layer_sigma(vs, old.phy2log, new.phy2log, gl_old, gl_new, layout.ep_size)
+    noise = window.layer_noise(vs, old.phy2log, new.phy2log, gl_old, gl_new, layout.ep_size)
     changed = (old.phy2log != new.phy2log).any(axis=1)
     if not changed.any():
         changed = np.ones_like(changed)  # unchanged map: the threshold it had to beat
-    return window.noise_threshold(sigma, changed, float(ws.sum()) / layout.ep_size, z)
+    return window.noise_threshold(noise, changed, float(ws.sum()) / layout.ep_size, z)

@@ -794,13 +794,13 @@ def _noise_gate(base: I64, new: I64, w: F64, load_var: F64 | None, n_gpus: int, 
     if load_var is None or z <= 0:
         return new
     gl_old, gl_new = _gpu_loads(w, base, n_gpus), _gpu_loads(w, new, n_gpus)
-    sigma = window.layer_sigma(load_var, base, new, gl_old, gl_new, n_gpus)
+    noise = window.layer_noise(load_var, base, new, gl_old, gl_new, n_gpus)
     drop = gl_old.max(axis=1) - gl_new.max(axis=1)
-    keep = (base != new).any(axis=1) & (drop > z * sigma)
+    keep = (base != new).any(axis=1) & (drop > noise.threshold(z))
     total_mean = float(w.sum()) / n_gpus
     if not keep.any() or total_mean <= 0:
         return base
-    if float(drop[keep].sum()) / total_mean <= window.noise_threshold(sigma, keep, total_mean, z):
+    if float(drop[keep].sum()) / total_mean <= window.noise_threshold(noise, keep, total_mean, z):
         return base
     out: I64 = np.where(keep[:, None], new, base)
     return out

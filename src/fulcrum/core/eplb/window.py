@@ -16,21 +16,27 @@ Noise threshold of a rebalance: GPU ``g`` carries ``sum over its slots of S_e / 
 ``Var(load_g) = sum over its slots of Var(S_e) / c_e^2`` (experts independent). A layer's
 predicted gain is the drop of its hottest GPU's load, from the old map's hottest GPU to
 the new map's; its standard error is ``sigma_l = sqrt(Var(hot_old) + Var(hot_new))``.
-A layer's change is kept only when its gain exceeds ``z * sigma_l``, and a whole map is
-applied only when its overall predicted moe_lb gain exceeds
+On top of it, the old map's maximum over ``G`` GPUs is read on the same noisy window the
+new map is fitted to, which inflates it by up to ``bias_l = sqrt(2 ln G) * sd(hot_old)``
+(the expected maximum of ``G`` standard normal errors) even when nothing changed. A
+layer's change is kept only when its gain exceeds ``z * sigma_l + bias_l``, and a whole
+map is applied only when its overall predicted moe_lb gain exceeds
 
-    threshold = z * sqrt(sum over changed layers of sigma_l^2) / sum over layers of mean GPU load
+    threshold = (z * sqrt(sum of sigma_l^2) + sum of bias_l) / sum over layers of mean GPU load
 
-(``z`` = ``RebalanceParams.noise_z``, 3 by default: a gain that sampling noise alone
-would produce with probability about 0.1% is not acted on).
+over the changed layers (``z`` = ``RebalanceParams.noise_z``, 3 by default: a gain that
+sampling noise alone would produce with probability about 0.1% is not acted on).
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["gpu_variance", "layer_sigma", "noise_threshold", "window_variance"]
+__all__ = ["LayerNoise", "gpu_variance", "layer_noise", "noise_threshold", "window_variance"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -60,7 +66,8 @@ def window_variance(buckets: F64, steps: npt.ArrayLike) -> F64 | None:
     xs = x / scale
     rate = xs.sum(axis=0) / total_steps
     resid = ((xs - n[:, None, None] * rate) ** 2 / n[:, None, None]).sum(axis=0)
-    out: F64 = total_steps * resid / (x.shape[0] - 1) * scale * scale
+    with np.errstate(over="ignore"):
+        out: F64 = total_steps * resid / (x.shape[0] - 1) * scale * scale
     return np.where(np.isfinite(out), out, np.finfo(np.float64).max)
 
 
@@ -82,35 +89,51 @@ def gpu_variance(load_var: F64, phy2log: I64, ep_size: int) -> F64:
     return out
 
 
-def layer_sigma(
+class LayerNoise(NamedTuple):
+    """Per-layer noise of a predicted gain, tokens: standard error and max bias (L,)."""
+
+    sigma: F64
+    bias: F64
+
+    def threshold(self, z: float) -> F64:
+        """Per-layer gain (tokens) the noise explains, shape (L,)."""
+        out: F64 = z * self.sigma + self.bias
+        return out
+
+
+def layer_noise(
     load_var: F64 | None, old: I64, new: I64, gl_old: F64, gl_new: F64, ep_size: int
-) -> F64:
-    """Standard error of each layer's predicted gain, shape (n_layers,), tokens.
+) -> LayerNoise:
+    """Noise of each layer's predicted gain (module docstring).
 
     Args:
         load_var: shape (n_layers, n_logical) or None (no estimate: zeros).
         old, new: shape (n_layers, n_physical), the two maps.
         gl_old, gl_new: shape (n_layers, ep_size), GPU loads of the two maps, tokens.
     """
+    n_layers = old.shape[0]
     if load_var is None:
-        return np.zeros(old.shape[0], dtype=np.float64)
-    rows = np.arange(old.shape[0])
+        zero = np.zeros(n_layers, dtype=np.float64)
+        return LayerNoise(zero, zero.copy())
+    rows = np.arange(n_layers)
     v_old = gpu_variance(load_var, old, ep_size)[rows, gl_old.argmax(axis=1)]
     v_new = gpu_variance(load_var, new, ep_size)[rows, gl_new.argmax(axis=1)]
-    out: F64 = np.sqrt(v_old + v_new)
-    return out
+    bias = math.sqrt(2.0 * math.log(max(ep_size, 2))) * np.sqrt(v_old)
+    return LayerNoise(np.sqrt(v_old + v_new), bias)
 
 
 def noise_threshold(
-    sigma: F64, changed: npt.NDArray[np.bool_], total_mean: float, z: float
+    noise: LayerNoise, changed: npt.NDArray[np.bool_], total_mean: float, z: float
 ) -> float:
     """Overall moe_lb gain that sampling noise can explain (module docstring formula).
 
     Args:
-        sigma: shape (n_layers,), per-layer standard error, tokens.
+        noise: per-layer noise, tokens.
         changed: shape (n_layers,), layers the new map changes.
         total_mean: sum over layers of the mean GPU load, tokens.
     """
     if total_mean <= 0:
         return 0.0
-    return float(z * np.sqrt(np.sum(np.where(changed, sigma, 0.0) ** 2)) / total_mean)
+    sig = np.where(changed, noise.sigma, 0.0)
+    bias = float(np.where(changed, noise.bias, 0.0).sum())
+    return float((z * np.sqrt(np.sum(sig**2)) + bias) / total_mean)
