@@ -21,17 +21,23 @@ Rule (loads in tokens, the even-split load model of ``metrics``); shapes: ``L`` 
    ``params.min_gain_per_gib`` (and > 0) and the bytes fit under ``params.max_bytes``
    (:func:`accept_prefixes`). A plateau's zero-gain moves are thereby accepted only
    together with the move that lowers the maximum.
-3. **From-scratch candidate.** The published replica rule (capped at one replica per
-   GPU) and greedy packing onto the least-loaded GPU without that expert
-   (:func:`greedy_start`; under node-limited routing expert groups are first packed onto
-   nodes by the published balanced packing, so groups change node), polished by the
-   same search. It is then *matched* to the base (:func:`match_to`): its GPUs are
+3. **From-scratch candidate**, for the layers where the local search stays above the
+   mean GPU load by more than ``params.restart_gap`` (elsewhere it cannot beat the
+   local one by more) and the layers whose map in force is so far from balanced (above
+   ``1 + _FAR`` times the mean: first placement, a shift of the hot experts) that the
+   local search is skipped: the published replica rule (capped at one replica per GPU)
+   and greedy packing onto the least-loaded GPU without that expert
+   (:func:`greedy_start`; under node-limited routing expert groups are first packed
+   onto nodes by the published balanced packing, so groups change node), polished by
+   the same search. It is then *matched* to the base (:func:`match_to`): its GPUs are
    relabelled to the base's GPUs (nodes first under node-limited routing) greedily by
    the number of experts they share, and within each GPU an expert already there keeps
    its slot, so it moves the fewest copies a relabelling allows.
 4. **Choice per layer** (:func:`choose`): the scratch layer replaces the local one when
-   it lowers the layer's maximum further and the extra drop pays for its extra copies at
-   ``min_gain_per_gib`` (within ``max_bytes``, most valuable layers first).
+   it beats what the local search reaches with every move kept by more than
+   ``restart_gap`` x the layer's mean GPU load (moves from the map in force cannot get
+   there), or beats the accepted local layer by a drop that pays for its extra copies
+   at ``min_gain_per_gib`` (within ``max_bytes``, most valuable layers first).
 5. **Noise gate** (``core.eplb.window``): a layer keeps its change only when the drop of
    its maximum exceeds ``noise_z`` standard errors of the window's sampling noise, and
    the map changes only when the overall gain exceeds the overall threshold. Without a
@@ -92,7 +98,7 @@ _EPS: Final = 1e-9  # relative to the layer's mean GPU load
 _FLOOR: Final = 0.25  # search floor, as a fraction of the acceptance threshold per copy
 _TIE: Final = 1e-7  # tie-break weight, relative to the gain (tokens per token)
 _SCRATCH_MARGIN: Final = 1e-9  # scratch must beat local by this fraction of the layer mean
-_FAR: Final = 0.25  # map in force this far (x layer mean) above scratch: no local search
+_FAR: Final = 0.25  # map in force this far above the layer mean: no local search
 
 
 class Moves(NamedTuple):
@@ -881,10 +887,10 @@ def place(
 ) -> PlacementMap:
     """Place by the ``stable`` rule (module docstring).
 
-    Layers whose map in force is within ``params.restart_gap`` of perfect balance skip
-    the from-scratch candidate (it cannot beat them by more); layers whose map in force
-    is worse than the from-scratch candidate by more than ``_FAR`` of the mean GPU load
-    skip the local search and take the matched candidate.
+    Layers whose map in force is above ``1 + _FAR`` times the mean GPU load skip the
+    local search (the matched scratch layer is their candidate); layers whose local
+    search reaches within ``params.restart_gap`` of the mean skip the from-scratch
+    candidate (it cannot beat them by more than the gap).
 
     Args:
         layout: the group's shape.
@@ -905,20 +911,22 @@ def place(
         return PlacementMap.from_phy2log(base, su.n_gpus, su.n_logical)
     mean = w.sum(axis=1) / su.n_gpus
     m_base = _gpu_loads(w, base, su.n_gpus).max(axis=1)
-    need = np.flatnonzero(m_base > (1.0 + params.restart_gap) * mean)
-    scratch = base.copy()
+    # far from balanced: no local search, the scratch layer is the candidate (unless a
+    # byte cap applies, when the scratch may not fit, or restarts are off)
+    restarts = su.budget is None and np.isfinite(params.restart_gap)
+    very_far = (m_base > (1.0 + _FAR) * mean) & restarts
+    local, reach = base.copy(), m_base.copy()
+    near = np.flatnonzero(~very_far)
+    if near.size:
+        local[near], reach[near] = local_candidate(w[near], base[near], su, total_mean)
+    # a fresh placement cannot beat the mean: only where local moves stay above it by
+    # more than the restart gap is it worth computing
+    need = np.flatnonzero(very_far | (reach > (1.0 + params.restart_gap) * mean))
+    scratch = local.copy()
     if need.size:
         scratch[need] = match_to(
             base[need], from_scratch(w[need], layout, su), su.n_gpus, su.n_logical, su.dom
         )
-    m_scr = _gpu_loads(w, scratch, su.n_gpus).max(axis=1)
-    # under a byte cap every layer searches locally: the scratch may not fit
-    far = (m_base - m_scr > _FAR * mean) & (su.budget is None)
-    local = base.copy()
-    reach = m_base.copy()
-    near = np.flatnonzero(~far)
-    if near.size:
-        local[near], reach[near] = local_candidate(w[near], base[near], su, total_mean)
     chosen = choose(
         base, local, reach, scratch, w, su.n_gpus, su.per_copy, params.restart_gap, su.budget
     )
