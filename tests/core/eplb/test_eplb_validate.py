@@ -121,3 +121,18 @@ def test_node_limited_promise_is_checked() -> None:
     phy[0, 0], phy[0, half] = phy[0, half], phy[0, 0]  # one expert of each node swapped
     split = PlacementMap.from_phy2log(phy, 16, 64)
     assert any("node-limited" in p for p in map_problems(layout, split, node_limited=True))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_stable_fixed_point_with_a_noise_estimate(data: st.DataObject) -> None:
+    """Unchanged loads (and noise estimate) give an unchanged map, node-limited or not."""
+    layout = data.draw(layouts())
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    w = rng.lognormal(0.0, data.draw(st.floats(0.0, 2.0)), size=(layout.n_layers, layout.n_logical))
+    var = w * data.draw(st.sampled_from([0.0, 0.01, 1.0, 100.0]))
+    first = rebalance("stable", layout, w, identity_map(layout), load_var=var)
+    check_map("stable", layout, first.placement)
+    again = rebalance("stable", layout, w, first.placement, load_var=var)
+    assert again.placement.same_as(first.placement)
+    assert again.after.overall <= again.before.overall + 1e-12  # type: ignore[union-attr]
