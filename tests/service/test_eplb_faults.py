@@ -275,3 +275,12 @@ def _servicer(d: Any) -> service_eplb.ExpertServicer:
         if isinstance(obj, service_eplb.ExpertServicer):
             return obj
     raise AssertionError("no servicer registered in app.components")
+
+
+async def test_noise_threshold_is_exported(client: FulcrumClient) -> None:
+    await client.expert.RegisterGroup(register_request())
+    for i in range(3):
+        await client.expert.ReportLoad(report(1, 10 * i, 10 * i + 10, skewed(i)))
+    await client.expert.Rebalance(pb.RebalanceRequest(group_id="g1"))
+    value = REGISTRY.get_sample_value("fulcrum_eplb_noise_threshold", {"group": "g1"})
+    assert value is not None and value >= 0.0

@@ -3,7 +3,13 @@
 Thin: validate ids, convert protobuf <-> numpy (``Tensor`` = dtype + shape + raw bytes,
 decoded with ``numpy.frombuffer``), call :class:`EplbState`, reply. A rebalance (periodic,
 when a report completes M steps, or forced by the admin call) runs the core algorithm in
-a worker thread so the event loop keeps serving; one rebalance per group at a time.
+a worker thread so the event loop keeps serving; one rebalance per group at a time (the
+group's lock is kept while held, across a deregistration). The result is committed only
+onto the same registration (generation) at the same version, after validation.
+
+Repeated fields are bounds-checked before conversion (a Tensor's rank and dimensions,
+``load_values``' length); encoded map replies come from a bounded LRU cache
+(``eplb.reply_cache_bytes``).
 """
 
 from __future__ import annotations
