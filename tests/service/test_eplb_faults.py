@@ -284,3 +284,39 @@ async def test_noise_threshold_is_exported(client: FulcrumClient) -> None:
     await client.expert.Rebalance(pb.RebalanceRequest(group_id="g1"))
     value = REGISTRY.get_sample_value("fulcrum_eplb_noise_threshold", {"group": "g1"})
     assert value is not None and value >= 0.0
+
+
+async def test_previous_single_file_snapshot_is_converted(tmp_path: Path) -> None:
+    """A deployment upgrading keeps its maps: the format-1 file becomes per-group files."""
+    import base64
+    import json
+
+    from fulcrum.core.eplb import make_layout
+    from fulcrum.state.eplb_store import layout_doc
+
+    lay = make_layout(
+        "prefill", 4, LAYERS, EXPERTS, window_steps=20, period_steps=40, expert_bytes=1 << 20
+    )
+    phy = identity_map(lay).phy2log[:, ::-1].copy()  # reversed: still a valid map
+    doc = {
+        "format": 1,
+        "groups": [
+            {
+                "group_id": "g1",
+                "layout": layout_doc(lay),
+                "version": 7,
+                "algorithm": "stable",
+                "predicted_moe_lb": 1.01,
+                "predicted_before": 1.2,
+                "shape": list(phy.shape),
+                "phy2log": base64.b64encode(phy.astype("<i4").tobytes()).decode(),
+            }
+        ],
+    }
+    snap = tmp_path / "maps.json"
+    snap.write_text(json.dumps(doc))
+    async with running_server({"eplb": {"snapshot_path": str(snap)}}) as d:
+        g = state(d).get("g1")
+        assert g.current.version == 7 and np.array_equal(g.current.placement.phy2log, phy)
+    assert snap.is_dir() and (tmp_path / "maps.json.v1").exists()
+    assert (snap / (group_key("g1") + ".map.json")).exists()

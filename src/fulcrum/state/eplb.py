@@ -26,7 +26,9 @@ in force, and the rebalance period counter.
   when something changed, and at drain. At start each group's files are read on their
   own: a bad file is moved aside as ``.corrupt`` (only that group loses it), stale
   ``.tmp`` files are removed, and at most ``max_groups`` groups are restored (the rest
-  are moved aside as ``.excess``). A restarted daemon serves the same versions.
+  are moved aside as ``.excess``). A restarted daemon serves the same versions. A
+  single-file snapshot of the previous format at ``snapshot_path`` is converted at start
+  (kept as ``.v1``; its windows restart empty).
 
 Every mutating call validates all its inputs first and raises a ``fulcrum.errors`` error
 before changing anything.
@@ -766,14 +768,18 @@ class EplbState:
     def _restore(self, directory: Path) -> None:
         """Read every group's files (module docstring); never raises."""
         if directory.exists() and not directory.is_dir():
-            aside = store.move_aside(directory)
-            log.error(
-                "eplb_snapshot_unreadable",
-                path=str(directory),
-                moved_to=str(aside),
-                error="snapshot_path must be a directory",
-            )
-            return
+            try:
+                n = store.convert_v1(directory)
+                log.info("eplb_snapshot_converted", path=str(directory), groups=n)
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                aside = store.move_aside(directory)
+                log.error(
+                    "eplb_snapshot_unreadable",
+                    path=str(directory),
+                    moved_to=str(aside),
+                    error=f"snapshot_path must be a directory or a format-1 file ({err})",
+                )
+                return
         if not directory.exists():
             return
         removed = store.clean_tmp(directory)

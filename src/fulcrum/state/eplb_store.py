@@ -36,6 +36,7 @@ __all__ = [
     "MapRecord",
     "WindowRecord",
     "clean_tmp",
+    "convert_v1",
     "group_key",
     "map_doc",
     "move_aside",
@@ -239,3 +240,26 @@ def decode_map(doc: dict[str, Any]) -> tuple[GroupLayout, I64]:
     if raw.size != layout.n_layers * layout.n_physical:
         raise ValueError("map data does not match its shape")
     return layout, raw.reshape(shape).astype(np.int64)
+
+
+def convert_v1(path: Path) -> int:
+    """Turn a format-1 single-file snapshot at ``path`` into this directory layout: the
+    file is kept as ``<path>.v1`` and every group gets its map file. Returns the number
+    of groups.
+
+    Raises:
+        OSError, ValueError, KeyError, TypeError: not a readable format-1 file.
+    """
+    doc = json.loads(path.read_bytes())
+    if not isinstance(doc, dict) or doc.get("format") != 1:
+        raise ValueError(
+            f"unknown snapshot format {doc.get('format') if isinstance(doc, dict) else None!r}"
+        )
+    groups = [dict(gd, format=FORMAT) for gd in doc["groups"]]
+    old = path.with_name(path.name + ".v1")
+    os.replace(path, old)
+    path.mkdir(parents=True, exist_ok=True)
+    for gd in groups:
+        data = json.dumps(gd, separators=(",", ":")).encode()
+        _atomic_write(path / (group_key(str(gd["group_id"])) + MAP_SUFFIX), data)
+    return len(groups)
