@@ -16,6 +16,7 @@ from fulcrum.metrics import REGISTRY
 from fulcrum.service.errors import RETRY_AFTER_KEY
 from fulcrum.service.server import Daemon
 from fulcrum.state.eplb import EplbState
+from fulcrum.state.eplb_store import group_key
 from fulcrum.testing import running_server
 from fulcrum.v1 import expert_pb2 as pb
 
@@ -48,9 +49,10 @@ def register_request(gid: str = "g1", **kw: Any) -> pb.RegisterGroupRequest:
 
 
 def skewed(seed: int, steps: int = 10) -> npt.NDArray[np.int64]:
-    rng = np.random.default_rng(seed)
-    pop = rng.lognormal(0.0, 1.0, size=(LAYERS, EXPERTS))
-    return rng.poisson(pop * 50 * steps).astype(np.int64)
+    """Poisson loads (seed) of one fixed skewed popularity: successive reports are samples
+    of the same routing, as in a deployment."""
+    pop = np.random.default_rng(0).lognormal(0.0, 1.0, size=(LAYERS, EXPERTS))
+    return np.random.default_rng(seed).poisson(pop * 50 * steps).astype(np.int64)
 
 
 def report(version: int, begin: int, end: int, load: npt.NDArray[Any], gid: str = "g1") -> Any:
@@ -71,6 +73,14 @@ def check_map(m: pb.ExpertMap) -> npt.NDArray[Any]:
     l2p = array(m.logical_to_physical)
     assert (np.sum(l2p >= 0, axis=-1) == counts).all()
     return phy
+
+
+def map_file(snap: Path, gid: str = "g1") -> Path:
+    return snap / (group_key(gid) + ".map.json")
+
+
+def window_file(snap: Path, gid: str = "g1") -> Path:
+    return snap / (group_key(gid) + ".window.npz")
 
 
 async def code_of(coro: Any) -> grpc.StatusCode:
@@ -226,11 +236,15 @@ async def test_periodic_rebalance_publishes_new_versions(
     assert new.predicted_moe_lb < 1.2 and new.slots_changed > 0 and new.bytes_moved > 0
     check_map(new)
     check_map(old)
-    # reports under the old version are now stale
-    stale = report(1, step, step + 10, skewed(20))
-    assert await code_of(client.expert.ReportLoad(stale)) == grpc.StatusCode.FAILED_PRECONDITION
-    ok = await client.expert.ReportLoad(report(2, step, step + 10, skewed(20)))
-    assert ok.map_version == 2
+    # steps measured under the previous version still count, under the version in force
+    late = await client.expert.ReportLoad(report(1, step, step + 10, skewed(20)))
+    assert late.map_version == 2 and late.counted_map_version == 2
+    step += 10
+    # a version that was never in force, or older than the previous one, is refused
+    future = report(3, step, step + 10, skewed(21))
+    assert await code_of(client.expert.ReportLoad(future)) == grpc.StatusCode.FAILED_PRECONDITION
+    ok = await client.expert.ReportLoad(report(2, step, step + 10, skewed(21)))
+    assert ok.map_version == 2 and ok.counted_map_version == 2
     assert (
         await code_of(client.expert.GetMap(pb.GetMapRequest(group_id="g1", version=9)))
         == grpc.StatusCode.NOT_FOUND
@@ -306,14 +320,14 @@ async def test_group_bound_and_deregistration() -> None:
 
 
 async def test_restart_restores_the_map_in_force(tmp_path: Path) -> None:
-    snap = tmp_path / "eplb" / "maps.json"
+    snap = tmp_path / "eplb" / "maps"
     overrides = {"eplb": {"snapshot_path": str(snap)}}
     async with running_server(overrides) as d1, FulcrumClient(d1.address) as c:
         await c.expert.RegisterGroup(register_request())
         await c.expert.ReportLoad(report(1, 0, 10, skewed(6)))
         forced = await c.expert.Rebalance(pb.RebalanceRequest(group_id="g1"))
         assert forced.map.version == 2
-    assert snap.exists()
+    assert map_file(snap).exists()
     async with running_server(overrides) as d2, FulcrumClient(d2.address) as c:
         got = (await c.expert.GetMap(pb.GetMapRequest(group_id="g1"))).map
         assert got.version == 2
@@ -326,11 +340,11 @@ async def test_restart_restores_the_map_in_force(tmp_path: Path) -> None:
 
 
 async def test_unreadable_snapshot_is_moved_aside(tmp_path: Path) -> None:
-    snap = tmp_path / "maps.json"
-    snap.write_text("{not json")
+    snap = tmp_path / "maps"
+    snap.write_text("{not json")  # a file where the directory should be
     async with running_server({"eplb": {"snapshot_path": str(snap)}}) as d:
         assert state(d).groups == {}
-    assert (tmp_path / "maps.json.corrupt").exists()
+    assert (tmp_path / "maps.corrupt").exists()
 
 
 async def test_full_size_decode_group_rebalances_through_the_daemon(client: FulcrumClient) -> None:
@@ -376,7 +390,7 @@ async def test_full_size_decode_group_rebalances_through_the_daemon(client: Fulc
 
 async def test_restart_resumes_the_window_and_the_period(tmp_path: Path) -> None:
     """The window and the period counter survive a restart (written at drain)."""
-    snap = tmp_path / "maps.json"
+    snap = tmp_path / "maps"
     overrides = {"eplb": {"snapshot_path": str(snap), "window_snapshot_interval_s": 0}}
     async with running_server(overrides) as d1, FulcrumClient(d1.address) as c:
         await c.expert.RegisterGroup(register_request())  # window 20 steps, period 40
@@ -384,7 +398,7 @@ async def test_restart_resumes_the_window_and_the_period(tmp_path: Path) -> None
         before = await c.expert.ReportLoad(report(1, 15, 30, skewed(7, 15)))
         assert before.steps_to_rebalance == 10 and not before.rebalanced
         window_before = state(d1).groups["g1"].window_sum.copy()  # type: ignore[union-attr]
-    assert (tmp_path / "maps.json.window").exists()
+    assert window_file(snap).exists()
     async with running_server(overrides) as d2, FulcrumClient(d2.address) as c:
         g = state(d2).groups["g1"]
         assert g.steps_since_rebalance == 30 and g.last_step_end == 30
@@ -400,7 +414,7 @@ async def test_restart_resumes_the_window_and_the_period(tmp_path: Path) -> None
 
 
 async def test_window_snapshot_of_another_shape_is_ignored(tmp_path: Path) -> None:
-    snap = tmp_path / "maps.json"
+    snap = tmp_path / "maps"
     overrides = {"eplb": {"snapshot_path": str(snap), "window_snapshot_interval_s": 0}}
     async with running_server(overrides) as d1, FulcrumClient(d1.address) as c:
         await c.expert.RegisterGroup(register_request())
@@ -410,7 +424,7 @@ async def test_window_snapshot_of_another_shape_is_ignored(tmp_path: Path) -> No
     async with running_server(other) as d2:
         g = state(d2).groups["g1"]
         assert g.current.version == 1 and g.window_steps == 0 and g.last_step_end == 0
-    (tmp_path / "maps.json.window").write_bytes(b"not a zip")
+    window_file(snap).write_bytes(b"not a zip")
     async with running_server(overrides) as d3:
         assert state(d3).groups["g1"].window_steps == 0
-    assert (tmp_path / "maps.json.window.corrupt").exists()
+    assert window_file(snap).with_name(window_file(snap).name + ".corrupt").exists()

@@ -35,6 +35,41 @@ class EplbSettings(Section):
         le=1 << 50,
         description="stable: cap on expert weights moved by one rebalance, bytes (0 = no cap)",
     )
+    noise_z: float = Field(
+        3.0,
+        ge=0.0,
+        le=100.0,
+        description=(
+            "stable: a rebalance is applied only where its predicted gain exceeds this many "
+            "standard errors of the window's sampling noise, estimated from the spread of "
+            "the window's buckets (0 = off); exported as fulcrum_eplb_noise_threshold"
+        ),
+    )
+    restart_gap: float = Field(
+        0.005,
+        ge=0.0,
+        le=1e6,
+        description=(
+            "stable: a layer whose map in force is worse than a fresh placement by more "
+            "than this fraction of its mean GPU load takes the fresh placement (matched to "
+            "the map in force slot by slot) whatever the bytes"
+        ),
+    )
+    max_report_steps: int = Field(
+        1 << 32,
+        ge=1,
+        le=(1 << 63) - 1,
+        description="largest step_end - step_begin of one ReportLoad (INVALID_ARGUMENT beyond)",
+    )
+    reply_cache_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        le=1 << 40,
+        description=(
+            "bytes of encoded map replies (GetMap, WatchMaps, Rebalance) kept for reuse, "
+            "least recently used dropped first"
+        ),
+    )
     max_groups: int = Field(
         64, ge=1, le=4096, description="EP groups held at once; beyond it RESOURCE_EXHAUSTED"
     )
@@ -52,6 +87,7 @@ class EplbSettings(Section):
     max_ep_size: int = Field(1024, ge=1, le=65_536, description="largest ep_size accepted")
     window_buckets: int = Field(
         16,
+        json_schema_extra={"restart_only": True},
         ge=1,
         le=1024,
         description=(
@@ -67,9 +103,12 @@ class EplbSettings(Section):
     )
     snapshot_path: str | None = Field(
         None,
+        json_schema_extra={"restart_only": True},
         description=(
-            "file where the maps in force are written (atomically) on every change and "
-            "read at start, so a restarted daemon serves the same versions (null = none)"
+            "directory where each group's map in force (on every change, before it takes "
+            "effect) and statistics window are written atomically, one file pair per "
+            "group, and read at start, so a restarted daemon serves the same versions "
+            "(null = none)"
         ),
     )
 
@@ -79,7 +118,7 @@ class EplbSettings(Section):
         le=3600.0,
         description=(
             "how often the statistics windows (and the rebalance period counters) are "
-            "written to <snapshot_path>.window when they changed, seconds; they are also "
+            "written to the snapshot directory when they changed, seconds; they are also "
             "written at drain, so a restarted daemon resumes the window and the period "
             "instead of counting from zero (0 = at drain only; needs snapshot_path)"
         ),

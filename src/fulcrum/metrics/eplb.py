@@ -1,5 +1,8 @@
 """Prometheus collectors of the expert-parallel load balancer, on :data:`fulcrum.metrics.REGISTRY`.
 
+Every value is set on the event loop as the state changes (plain gauges and counters);
+the scrape thread reads only these collectors, never the balancer state.
+
 Labels are bounded: ``group`` is an EP group id (at most ``eplb.max_groups`` of them;
 children are removed when the group is deregistered), ``algorithm`` a registered
 algorithm name, ``trigger`` and ``outcome`` come from fixed sets.
@@ -15,8 +18,10 @@ from fulcrum.metrics import REGISTRY
 
 #: What started a rebalance.
 TRIGGERS = ("period", "admin")
-#: How a rebalance ended: a new version, the same map, or an error in the computation.
-OUTCOMES = ("applied", "unchanged", "dry_run", "failed")
+#: How a rebalance ended: a new version, the same map, a dry run, an error in the
+#: computation, a map refused by validation (the old one stays), or a result discarded
+#: because the group changed meanwhile (another version, or deregistered / re-registered).
+OUTCOMES = ("applied", "unchanged", "dry_run", "failed", "invalid", "stale")
 
 GROUPS = Gauge(
     "fulcrum_eplb_groups",
@@ -58,7 +63,7 @@ REPORTED_STEPS = Counter(
 REBALANCES = Counter(
     "fulcrum_eplb_rebalances",
     "Rebalances, by algorithm, trigger (period, admin) and outcome (applied, unchanged, "
-    "dry_run, failed).",
+    "dry_run, failed, invalid, stale).",
     ["algorithm", "trigger", "outcome"],
     registry=REGISTRY,
 )
@@ -87,6 +92,14 @@ REBALANCE_SECONDS = Histogram(
     buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
     registry=REGISTRY,
 )
+NOISE_THRESHOLD = Gauge(
+    "fulcrum_eplb_noise_threshold",
+    "Overall moe_lb gain that the window's sampling noise can explain at the last "
+    "rebalance (noise_z standard errors, from the spread of the window's buckets); a new "
+    "map is applied only when its predicted gain exceeds it.",
+    ["group"],
+    registry=REGISTRY,
+)
 WATCHERS = Gauge(
     "fulcrum_eplb_watchers",
     "Open WatchMaps streams.",
@@ -101,6 +114,7 @@ SNAPSHOT_WRITES = Counter(
 
 _PER_GROUP = (
     MOE_LB_OBSERVED,
+    NOISE_THRESHOLD,
     MAP_VERSION,
     WINDOW_STEPS,
     REPORTED_STEPS,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -85,9 +85,7 @@ class Popularity:
             noise = self.model.skew * math.sqrt(max(0.0, 1.0 - decay * decay))
             # Coarse drift steps (>= 1 s) keep the cost low; popularity moves on minutes.
             if dt >= 1_000_000_000 or self._probs is None:
-                self.theta = self.theta * decay + noise * self.rng.standard_normal(
-                    self.theta.shape
-                )
+                self.theta = self.theta * decay + noise * self.rng.standard_normal(self.theta.shape)
                 self._t_ns = now_ns
                 self._probs = None
                 self._cum = None
@@ -95,7 +93,6 @@ class Popularity:
             e = np.exp(self.theta - self.theta.max(axis=1, keepdims=True))
             self._probs = e / e.sum(axis=1, keepdims=True)
         return self._probs
-
 
     def sample(self, now_ns: int, n: int, rng: np.random.Generator) -> F64:
         """Tokens per expert of ``n`` routings per layer, shape (layers, n_logical).
@@ -211,3 +208,154 @@ class EplbGroup:
             self._set_map(self.place_fn(self.layout, window, self.map, self.params))
             self.rebalances += 1
         return lb
+
+
+# -- EPLB scenario suite (issue 10) ----------------------------------------------------------
+#
+# Every scenario starts where a deployment starts: a freshly registered group whose map in
+# force is the identity map (``RegisterGroup`` without an initial map). A window is drawn
+# as ``buckets`` multinomial samples (the window's buckets, as the daemon keeps them), so
+# the noise estimate of ``core.eplb.window`` sees what the daemon sees. Each map computed
+# on window t is scored on window t + 1; both algorithms get the same layout (slot budget).
+
+
+class Window(NamedTuple):
+    """One statistics window: ``loads`` (L, E) tokens = sum of ``buckets`` (B, L, E)."""
+
+    loads: F64
+    buckets: F64
+    steps: npt.NDArray[np.int64]
+
+
+def skew_scales(z: F64, target: F64) -> F64:
+    """Per-layer sigma so that max / mean of ``exp(sigma * z[l])`` equals ``target[l]``."""
+    lo = np.zeros(z.shape[0])
+    hi = np.full(z.shape[0], 6.0)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        p = np.exp(mid[:, None] * z)
+        peak = p.max(axis=1) / p.mean(axis=1)
+        lo = np.where(peak < target, mid, lo)
+        hi = np.where(peak < target, hi, mid)
+    out: F64 = (lo + hi) / 2
+    return out
+
+
+def popularity(z: F64, sigma: F64) -> F64:
+    """Routing probabilities (L, E) of log-popularity ``sigma[l] * z[l]``."""
+    p = np.exp(sigma[:, None] * z - (sigma[:, None] * z).max(axis=1, keepdims=True))
+    out: F64 = p / p.sum(axis=1, keepdims=True)
+    return out
+
+
+def draw_window(
+    probs: F64, routings: int, buckets: int, steps: int, rng: np.random.Generator
+) -> Window:
+    """A window of ``routings`` token-expert assignments per layer, as ``buckets``
+    multinomial samples of equal size."""
+    per = max(1, routings // buckets)
+    parts = np.stack([rng.multinomial(per, probs).astype(np.float64) for _ in range(buckets)])
+    n = np.full(buckets, max(1, steps // buckets), dtype=np.int64)
+    return Window(parts.sum(axis=0), parts, n)
+
+
+class Rebalanced(NamedTuple):
+    """One rebalance of a scenario: the map's next-window moe_lb, the stale map's, what
+    moved and what it cost."""
+
+    lb_mean: float  # next-window moe_lb, mean over layers
+    lb_p99: float  # next-window moe_lb, p99 over layers
+    lb_overall: float  # next-window moe_lb, overall (slowest GPU summed over layers)
+    stale_overall: float  # next window, map in force before the rebalance
+    slots_changed: int
+    slots_total: int
+    bytes_moved: int
+    applied: bool
+    predicted_gain: float  # overall moe_lb, on the window the map was computed on
+    noise_threshold: float
+    cpu_s: float
+
+
+def run_scenario(
+    layout: GroupLayout,
+    algorithm: str,
+    windows: list[Window],
+    params: RebalanceParams = DEFAULT_PARAMS,
+    start: PlacementMap | None = None,
+) -> list[Rebalanced]:
+    """Rebalance on every window but the last, from the identity map (or ``start``),
+    scoring each map on the following window."""
+    import time
+
+    from fulcrum.core import eplb as core_eplb
+    from fulcrum.core.eplb.window import window_variance
+
+    current = identity_map(layout) if start is None else start
+    out: list[Rebalanced] = []
+    for t in range(len(windows) - 1):
+        w = windows[t]
+        var = window_variance(w.buckets, w.steps)
+        c0 = time.process_time()
+        res = core_eplb.rebalance(algorithm, layout, w.loads, current, params, load_var=var)
+        cpu = time.process_time() - c0
+        nxt = core_eplb.balance(windows[t + 1].loads, res.placement)
+        stale = core_eplb.balance(windows[t + 1].loads, current)
+        before = res.before.overall if res.before is not None else res.after.overall
+        out.append(
+            Rebalanced(
+                lb_mean=float(nxt.per_layer.mean()),
+                lb_p99=float(np.percentile(nxt.per_layer, 99)),
+                lb_overall=nxt.overall,
+                stale_overall=stale.overall,
+                slots_changed=res.migration.slots_changed,
+                slots_total=res.migration.slots_total,
+                bytes_moved=res.migration.bytes_moved,
+                applied=res.migration.slots_changed > 0,
+                predicted_gain=before - res.after.overall,
+                noise_threshold=res.noise_threshold,
+                cpu_s=cpu,
+            )
+        )
+        current = res.placement
+    return out
+
+
+def scenario_windows(
+    kind: str,
+    layers: int,
+    experts: int,
+    role: str,
+    n_windows: int,
+    seed: int,
+    *,
+    skew: tuple[float, float] = (2.5, 14.0),
+    buckets: int = 16,
+    change_at: int = 2,
+    rho: float = 0.98,
+) -> list[Window]:
+    """Windows of one scenario.
+
+    Kinds: ``stationary`` (fixed popularity, multinomial noise; first placement and the
+    noise scenario), ``shift`` (the hot experts are permuted at window ``change_at``),
+    ``drift`` (Ornstein-Uhlenbeck step of the log-popularity between windows, correlation
+    ``rho``). Per-layer max / mean popularity is drawn uniformly in ``skew``. Window
+    sizes are the role's: prefill 100 steps x 8,192 tokens x top-8, decode 1,000 steps x
+    2,048 tokens (64 ranks x 32 sequences) x top-8.
+    """
+    rng = np.random.default_rng(seed)
+    steps, routings = (100, 100 * 8192 * 8) if role == "prefill" else (1000, 1000 * 2048 * 8)
+    z = rng.standard_normal((layers, experts))
+    z = (z - z.mean(axis=1, keepdims=True)) / z.std(axis=1, keepdims=True)
+    sigma = skew_scales(z, rng.uniform(skew[0], skew[1], size=layers))
+    out: list[Window] = []
+    for t in range(n_windows):
+        if kind == "shift" and t == change_at:
+            for layer in range(layers):  # the hottest quarter trades places with the rest
+                order = np.argsort(-z[layer])
+                hot = order[: experts // 4]
+                cold = rng.permutation(order[experts // 4 :])[: hot.size]
+                z[layer, hot], z[layer, cold] = z[layer, cold].copy(), z[layer, hot].copy()
+        if kind == "drift" and t > 0:
+            z = rho * z + math.sqrt(1 - rho * rho) * rng.standard_normal(z.shape)
+        out.append(draw_window(popularity(z, sigma), routings, buckets, steps, rng))
+    return out

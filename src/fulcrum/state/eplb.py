@@ -1,30 +1,34 @@
 """In-memory tables of the expert-parallel load balancer (EPLB).
 
-Per EP group: its layout, the map in force and the last few versions, the statistics
-window, the load observed under the map in force, and the rebalance period counter.
+Per EP group: its layout, a generation (a new one on every registration), the map in
+force and the last few versions, the statistics window, the load observed under the map
+in force, and the rebalance period counter.
 
 - Window: the last N steps of reported load, kept as ``window_buckets`` buckets of
   ``ceil(N / buckets)`` steps; a report [b, e) goes whole into the bucket of step e - 1, and
   buckets older than N steps behind the newest are dropped. Memory per group:
-  (buckets + 2) x layers x experts x 8 bytes.
-- Observed moe_lb: of the map in force, over every report accepted since it took effect
-  (reports must name the version in force, so all of them ran under that map).
-- Period: every M reported steps (the sum of step_end - step_begin of accepted reports)
-  the service recomputes the map (:meth:`EplbState.prepare` -> core ``rebalance`` off the
-  event loop -> :meth:`EplbState.commit`); an unchanged map makes no new version.
-- Snapshot: every change of a map in force (registration, new version, deregistration) is
-  first written to ``snapshot_path`` (temporary file, fsync, atomic rename) and only then
-  applied in memory, so a failed write changes nothing. At start the file is read back:
-  a restarted daemon serves the same versions and so never triggers a reshuffle.
-- Window snapshot: the statistics windows, the period counters, the end of the last
-  reported step range and the load observed under the map in force are written to
-  ``<snapshot_path>.window`` (numpy ``.npz``, temporary file, fsync, atomic rename) by
-  :meth:`EplbState.save_window`, which the service calls every
-  ``window_snapshot_interval_s`` when something changed and at drain. At start they are
-  read back for the groups of the map snapshot with the same layout and bucket size, so
-  the rebalance period does not restart from zero (the load observed under the map in
-  force only if it is still the version in force). Reports after the last write are lost
-  on a crash, not on a drain. An unreadable file is moved aside as ``.corrupt``.
+  (buckets + 2) x layers x experts x 8 bytes. Arrays are replaced, never mutated in place,
+  so a rebalance or a snapshot writer can read them from another thread.
+- Reports: must name the version in force or the one before it (steps that ran while
+  the new map was being loaded; loads are per logical expert, so they count the same);
+  load values in [0, 2^53], at most ``max_report_steps`` steps per report, step_end <=
+  2^63 - 1.
+- Observed moe_lb: of the map in force, over every report accepted since it took effect.
+- Period: every M reported steps the service recomputes the map (:meth:`EplbState.prepare`
+  -> core ``rebalance`` off the event loop -> :meth:`EplbState.commit`). A commit is
+  refused unless the group is the same registration (generation) at the same version,
+  and the map passes ``core.eplb.validate`` (else the old map stays, outcome ``invalid``).
+- Snapshot (``state.eplb_store``): one map file and one window file per group in the
+  ``snapshot_path`` directory. A change of a map in force (registration, new version,
+  deregistration) is first written, in a worker thread, and only then applied on the
+  loop (all writes are serialised by one lock, and the group is re-checked after it), so
+  a failed write changes nothing. Windows are written every ``window_snapshot_interval_s``
+  when something changed, and at drain. At start each group's files are read on their
+  own: a bad file is moved aside as ``.corrupt`` (only that group loses it), stale
+  ``.tmp`` files are removed, and at most ``max_groups`` groups are restored (the rest
+  are moved aside as ``.excess``). A restarted daemon serves the same versions. A
+  single-file snapshot of the previous format at ``snapshot_path`` is converted at start
+  (kept as ``.v1``; its windows restart empty).
 
 Every mutating call validates all its inputs first and raises a ``fulcrum.errors`` error
 before changing anything.
@@ -33,14 +37,9 @@ before changing anything.
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
-import json
+import itertools
 import math
-import os
-import tempfile
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +61,8 @@ from fulcrum.core.eplb import (
     make_layout,
 )
 from fulcrum.core.eplb.metrics import gpu_loads, moe_lb_of_gpu_loads
+from fulcrum.core.eplb.registry import check_map
+from fulcrum.core.eplb.validate import InvalidMap, map_problems
 from fulcrum.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -71,16 +72,26 @@ from fulcrum.errors import (
     Unavailable,
 )
 from fulcrum.metrics import eplb as m
+from fulcrum.state import eplb_store as store
+from fulcrum.units import MAX_EXACT_FLOAT, MAX_I64
 
-__all__ = ["EplbState", "Group", "GroupSpec", "MapVersion", "RebalanceJob", "ReportOutcome"]
+__all__ = [
+    "EplbState",
+    "Group",
+    "GroupSpec",
+    "MapVersion",
+    "RebalanceJob",
+    "ReportOutcome",
+    "reply_bytes_bound",
+]
 
 log = structlog.get_logger(__name__)
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 
-SNAPSHOT_FORMAT = 1
 INITIAL = "initial"
+_GENERATIONS = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,19 +131,18 @@ class MapVersion:
     predicted_moe_lb: float
     predicted_before: float
     migration: Migration
-    #: Per-version memo of the service layer (e.g. the encoded protobuf message).
-    memo: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass
 class Group:
-    """Mutable state of one EP group (owned by :class:`EplbState`)."""
+    """Mutable state of one EP group (owned by :class:`EplbState`, event loop only)."""
 
     group_id: str
     layout: GroupLayout
     history: deque[MapVersion]
     bucket_steps: int
     window_buckets: int
+    generation: int = 0
     buckets: dict[int, F64] = field(default_factory=dict)
     bucket_step_counts: dict[int, int] = field(default_factory=dict)
     window_sum: F64 | None = None
@@ -145,7 +155,7 @@ class Group:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     watchers: int = 0
     deleted: bool = False
-    busy: bool = False
+    window_dirty: bool = False
 
     @property
     def current(self) -> MapVersion:
@@ -170,9 +180,11 @@ class Group:
 
 @dataclass(frozen=True, slots=True)
 class ReportOutcome:
-    """Result of an accepted report."""
+    """Result of an accepted report (``counted_version``: the version in force whose
+    statistics it was added to)."""
 
     map_version: int
+    counted_version: int
     observed_moe_lb: float
     due: bool
     window_steps: int
@@ -181,16 +193,35 @@ class ReportOutcome:
 
 @dataclass(frozen=True, slots=True)
 class RebalanceJob:
-    """Inputs of one rebalance, taken from the state (the loads are a copy)."""
+    """Inputs of one rebalance, taken from the state; every array is immutable (the state
+    replaces its arrays instead of changing them), so a worker thread may read them.
+
+    Attributes:
+        loads: window sum (L, E) tokens.
+        buckets: the window's buckets (L, E) each, and ``steps`` their step counts, for
+            the noise estimate (``core.eplb.window``).
+    """
 
     group_id: str
+    generation: int
     layout: GroupLayout
     loads: F64
+    buckets: tuple[F64, ...]
+    steps: tuple[int, ...]
     previous: MapVersion
     algorithm: str
     params: RebalanceParams
     trigger: str
     steps_at_prepare: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOutcome:
+    """How a commit ended: ``applied``, ``unchanged``, ``stale`` (the group changed meanwhile)
+    or ``invalid`` (the map broke a rule), and the version in force afterwards."""
+
+    outcome: str
+    version: MapVersion
 
 
 def _layout_error(err: ValueError) -> InvalidArgument:
@@ -200,35 +231,77 @@ def _layout_error(err: ValueError) -> InvalidArgument:
     return InvalidArgument(names.get(fieldname, fieldname), rule or text)
 
 
-class EplbState:
-    """All EP groups of the daemon."""
+def reply_bytes_bound(layout: GroupLayout) -> int:
+    """Upper bound on the bytes of one ExpertMap message of ``layout``: three int32
+    tensors, phy2log (L, P), replica counts (L, E) and log2phy (L, E, R) with R at most
+    ``P - E + 1`` replicas of one expert, plus 1 KiB of other fields."""
+    lay = layout
+    width = lay.n_physical - lay.n_logical + 1
+    return 4 * lay.n_layers * (lay.n_physical + lay.n_logical * (1 + width)) + 1024
 
-    def __init__(self, settings: EplbSettings) -> None:
+
+def _map_record(g: Group, mv: MapVersion) -> store.MapRecord:
+    return store.MapRecord(
+        group_id=g.group_id,
+        layout=g.layout,
+        version=mv.version,
+        algorithm=mv.algorithm,
+        predicted_moe_lb=mv.predicted_moe_lb,
+        predicted_before=mv.predicted_before,
+        phy2log=mv.placement.phy2log,
+    )
+
+
+class EplbState:
+    """All EP groups of the daemon (event loop only; file I/O in worker threads)."""
+
+    def __init__(self, settings: EplbSettings, *, max_message_bytes: int = 1 << 30) -> None:
         self.settings = settings
+        self.max_message_bytes = max_message_bytes
         self.groups: dict[str, Group] = {}
-        self._window_dirty = False
+        self._io: asyncio.Lock | None = None
         if settings.snapshot_path:
             self._restore(Path(settings.snapshot_path))
-            self._restore_window()
+
+    @property
+    def directory(self) -> Path | None:
+        """The snapshot directory (None without ``snapshot_path``)."""
+        path = self.settings.snapshot_path
+        return Path(path) if path else None
+
+    def _io_lock(self) -> asyncio.Lock:
+        if self._io is None:
+            self._io = asyncio.Lock()
+        return self._io
 
     # -- settings ------------------------------------------------------------------------
 
     def apply_settings(self, settings: EplbSettings) -> None:
-        """Config reload: algorithm, migration weight and cap apply to later rebalances.
-        The snapshot path and bounds are read at start only."""
+        """Config reload: every key but the restart-only ones (snapshot path, window
+        buckets) applies from now on: algorithm, migration weight and cap, noise z,
+        restart gap and report bounds to later calls and rebalances, max_groups,
+        max_watchers_per_group and retry_after_ms to later registrations and watches,
+        history_versions to every group's history now."""
         self.settings = settings.model_copy(
             update={
                 "snapshot_path": self.settings.snapshot_path,
                 "window_buckets": self.settings.window_buckets,
             }
         )
+        for g in self.groups.values():
+            if g.history.maxlen != self.settings.history_versions:
+                g.history = deque(g.history, maxlen=self.settings.history_versions)
 
     @property
     def params(self) -> RebalanceParams:
-        """Migration weight / cap of the configured ``stable`` algorithm."""
-        cap = self.settings.max_bytes_per_rebalance
+        """Knobs of the configured ``stable`` algorithm."""
+        s = self.settings
+        cap = s.max_bytes_per_rebalance
         return RebalanceParams(
-            min_gain_per_gib=self.settings.min_gain_per_gib, max_bytes=cap if cap > 0 else None
+            min_gain_per_gib=s.min_gain_per_gib,
+            max_bytes=cap if cap > 0 else None,
+            noise_z=s.noise_z,
+            restart_gap=s.restart_gap,
         )
 
     # -- groups --------------------------------------------------------------------------
@@ -241,12 +314,14 @@ class EplbState:
             history=deque([first], maxlen=self.settings.history_versions),
             bucket_steps=bucket,
             window_buckets=math.ceil(layout.window_steps / bucket),
+            generation=next(_GENERATIONS),
         )
         self._reset_observed(g)
         return g
 
     def make_layout(self, spec: GroupSpec) -> GroupLayout:
-        """The resolved layout of a registration (validated against the bounds)."""
+        """The resolved layout of a registration (validated against the bounds, including
+        that a map reply fits in ``server.max_message_bytes``)."""
         s = self.settings
         for name, value, hi in (
             ("ep_size", spec.ep_size, s.max_ep_size),
@@ -274,9 +349,45 @@ class EplbState:
             raise _layout_error(err) from None
         if layout.n_physical > 4 * s.max_experts:
             raise InvalidArgument("redundant_per_gpu", "too many physical slots per layer")
+        need = reply_bytes_bound(layout)
+        if need > self.max_message_bytes:
+            raise InvalidArgument(
+                "num_layers",
+                f"a map of this group takes up to {need} bytes, over the "
+                f"{self.max_message_bytes}-byte message limit (server.max_message_bytes)",
+            )
         return layout
 
-    def register(self, spec: GroupSpec, initial: I64 | None) -> tuple[Group, bool]:
+    @staticmethod
+    def check_initial(layout: GroupLayout, initial: I64) -> PlacementMap:
+        """The initial map as a PlacementMap, or InvalidArgument; cost O(layers x slots)
+        before anything of the map's own size is built."""
+        want = (layout.n_layers, layout.n_physical)
+        if initial.shape != want:
+            raise InvalidArgument(
+                "initial_map.shape", f"must be {list(want)}, got {list(initial.shape)}"
+            )
+        if initial.size and (int(initial.min()) < 0 or int(initial.max()) >= layout.n_logical):
+            raise InvalidArgument("initial_map", f"expert ids must lie in [0, {layout.n_logical})")
+        per_gpu = np.sort(
+            initial.reshape(layout.n_layers, layout.ep_size, layout.slots_per_gpu), axis=-1
+        )
+        if (per_gpu[..., 1:] == per_gpu[..., :-1]).any():
+            raise InvalidArgument("initial_map", "two replicas of one expert on one GPU")
+        rows = np.arange(layout.n_layers)[:, None]
+        counts = np.bincount(
+            (rows * layout.n_logical + initial).ravel(),
+            minlength=layout.n_layers * layout.n_logical,
+        )
+        if (counts == 0).any():
+            raise InvalidArgument("initial_map", "every logical expert needs a slot")
+        placement = PlacementMap.from_phy2log(initial, layout.ep_size, layout.n_logical)
+        problems = map_problems(layout, placement, no_colocation=True, node_limited=True)
+        if problems:
+            raise InvalidArgument("initial_map", problems[0])
+        return placement
+
+    async def register(self, spec: GroupSpec, initial: I64 | None) -> tuple[Group, bool]:
         """Create a group (or return the existing one with the same layout).
 
         Args:
@@ -287,31 +398,10 @@ class EplbState:
             The group and whether it was created.
         """
         layout = self.make_layout(spec)
-        existing = self.groups.get(spec.group_id)
+        existing = self._existing(spec.group_id, layout)
         if existing is not None:
-            if existing.layout != layout:
-                raise AlreadyExists(f"group_id: {spec.group_id!r} is registered with another shape")
             return existing, False
-        if len(self.groups) >= self.settings.max_groups:
-            raise ResourceExhausted(
-                f"eplb: {self.settings.max_groups} groups registered (eplb.max_groups)",
-                retry_after_ms=self.settings.retry_after_ms,
-            )
-        if initial is None:
-            placement = identity_map(layout)
-        else:
-            want = (layout.n_layers, layout.n_physical)
-            if initial.shape != want:
-                raise InvalidArgument(
-                    "initial_map.shape", f"must be {list(want)}, got {list(initial.shape)}"
-                )
-            if initial.size and (initial.min() < 0 or initial.max() >= layout.n_logical):
-                raise InvalidArgument(
-                    "initial_map", f"expert ids must lie in [0, {layout.n_logical})"
-                )
-            placement = PlacementMap.from_phy2log(initial, layout.ep_size, layout.n_logical)
-            if (placement.replica_counts == 0).any():
-                raise InvalidArgument("initial_map", "every logical expert needs a slot")
+        placement = identity_map(layout) if initial is None else self.check_initial(layout, initial)
         first = MapVersion(
             version=1,
             placement=placement,
@@ -321,7 +411,11 @@ class EplbState:
             migration=Migration(0, 0, 0, placement.phy2log.size),
         )
         group = self._new_group(spec.group_id, layout, first)
-        self._persist({**self.groups, spec.group_id: group})
+        async with self._io_lock():
+            existing = self._existing(spec.group_id, layout)  # re-check after the wait
+            if existing is not None:
+                return existing, False
+            await self._write(store.write_map, _map_record(group, first))
         self.groups[spec.group_id] = group
         m.GROUPS.set(len(self.groups))
         m.MAP_VERSION.labels(spec.group_id).set(1)
@@ -332,20 +426,51 @@ class EplbState:
             ep_size=layout.ep_size,
             physical=layout.n_physical,
             layers=layout.n_layers,
+            generation=group.generation,
         )
         return group, True
 
-    def deregister(self, group_id: str) -> None:
+    def _existing(self, group_id: str, layout: GroupLayout) -> Group | None:
+        existing = self.groups.get(group_id)
+        if existing is not None:
+            if existing.layout != layout:
+                raise AlreadyExists(f"group_id: {group_id!r} is registered with another shape")
+            return existing
+        if len(self.groups) >= self.settings.max_groups:
+            raise ResourceExhausted(
+                f"eplb: {self.settings.max_groups} groups registered (eplb.max_groups)",
+                retry_after_ms=self.settings.retry_after_ms,
+            )
+        return None
+
+    async def deregister(self, group_id: str) -> None:
         """Forget a group (NotFound if unknown); open watches end."""
-        group = self.get(group_id)
-        rest = {k: v for k, v in self.groups.items() if k != group_id}
-        self._persist(rest)
+        self.get(group_id)
+        async with self._io_lock():
+            group = self.get(group_id)  # re-check after the wait
+            await self._write(store.remove_group, group_id)
         del self.groups[group_id]
         group.deleted = True
         group.notify()
         m.GROUPS.set(len(self.groups))
         m.forget_group(group_id)
-        log.info("eplb_group_deregistered", group=group_id)
+        log.info("eplb_group_deregistered", group=group_id, generation=group.generation)
+
+    async def _write(self, fn: Any, arg: Any) -> None:
+        """Run a store write in a worker thread (nothing without a snapshot directory);
+        Unavailable when it fails."""
+        directory = self.directory
+        if directory is None:
+            return
+        try:
+            await asyncio.to_thread(fn, directory, arg)
+        except OSError as err:
+            m.SNAPSHOT_WRITES.labels("failed").inc()
+            log.error("eplb_snapshot_failed", path=str(directory), error=str(err))
+            raise Unavailable(
+                f"eplb: cannot write the snapshot in {directory} ({err.strerror})"
+            ) from None
+        m.SNAPSHOT_WRITES.labels("ok").inc()
 
     def get(self, group_id: str) -> Group:
         """The group, or NotFound."""
@@ -375,19 +500,30 @@ class EplbState:
         """Add the load of steps [step_begin, step_end) to the window.
 
         Args:
+            map_version: the version in force or the one before it.
             load: shape (layers, experts), tokens per logical expert, float64.
         """
         group = self.get(group_id)
         layout = group.layout
+        current = group.current.version
         if map_version == 0:
             raise InvalidArgument("map_version", "must be set (the version in force)")
-        if map_version != group.current.version:
+        if map_version not in (current, current - 1):
             raise FailedPrecondition(
-                f"map_version: {map_version} is not the map in force "
-                f"(version {group.current.version}); fetch it and report under it"
+                f"map_version: {map_version} is neither the map in force (version "
+                f"{current}) nor the one before it; fetch it and report under it"
             )
         if step_end <= step_begin:
             raise InvalidArgument("step_end", f"must be > step_begin ({step_begin})")
+        if step_end > MAX_I64:
+            raise InvalidArgument("step_end", f"must be in [1, 2^63-1], got {step_end}")
+        limit = self.settings.max_report_steps
+        if step_end - step_begin > limit:
+            raise InvalidArgument(
+                "step_end",
+                f"step_end - step_begin must be in [1, {limit}] (eplb.max_report_steps), "
+                f"got {step_end - step_begin}",
+            )
         if step_begin < group.last_step_end:
             raise FailedPrecondition(
                 f"step_begin: {step_begin} is before the end of the previous report "
@@ -400,35 +536,38 @@ class EplbState:
             raise InvalidArgument("load", "values must be finite")
         if (load < 0).any():
             raise InvalidArgument("load", "values must be >= 0")
-        # -- valid: mutate
+        if (load > MAX_EXACT_FLOAT).any():
+            raise InvalidArgument("load", "values must be in [0, 2^53]")
+        # -- valid: mutate (arrays are replaced, never changed in place)
+        load = np.array(load, dtype=np.float64)
+        load.setflags(write=False)
         idx = (step_end - 1) // group.bucket_steps
         bucket = group.buckets.get(idx)
-        if bucket is None:
-            group.buckets[idx] = load.copy()
-            group.bucket_step_counts[idx] = 0
-        else:
-            bucket += load
-        group.bucket_step_counts[idx] += step_end - step_begin
+        group.buckets[idx] = load if bucket is None else _frozen(bucket + load)
+        group.bucket_step_counts[idx] = group.bucket_step_counts.get(idx, 0) + (
+            step_end - step_begin
+        )
         oldest = idx - group.window_buckets + 1
         stale = [k for k in group.buckets if k < oldest]
         for k in stale:
             del group.buckets[k]
             del group.bucket_step_counts[k]
         if stale or group.window_sum is None:
-            group.window_sum = np.sum(list(group.buckets.values()), axis=0)
+            group.window_sum = _frozen(np.sum(list(group.buckets.values()), axis=0))
         else:
-            group.window_sum += load
+            group.window_sum = _frozen(group.window_sum + load)
         group.last_step_end = step_end
-        self._window_dirty = True
+        group.window_dirty = True
         steps = step_end - step_begin
         group.steps_since_rebalance += steps
         assert group.observed_sum is not None
-        group.observed_sum += load
+        group.observed_sum = _frozen(group.observed_sum + load)
         self._update_observed(group)
         m.REPORTED_STEPS.labels(group_id).inc(steps)
         m.WINDOW_STEPS.labels(group_id).set(group.window_steps)
         return ReportOutcome(
-            map_version=group.current.version,
+            map_version=current,
+            counted_version=current,
             observed_moe_lb=group.observed_moe_lb,
             due=group.steps_since_rebalance >= layout.period_steps,
             window_steps=group.window_steps,
@@ -437,7 +576,7 @@ class EplbState:
 
     def _reset_observed(self, group: Group) -> None:
         shape = (group.layout.n_layers, group.layout.n_logical)
-        group.observed_sum = np.zeros(shape)
+        group.observed_sum = _frozen(np.zeros(shape))
         group.observed_per_layer = np.ones(group.layout.n_layers)
         group.observed_moe_lb = 1.0
         m.MOE_LB_OBSERVED.labels(group.group_id).set(1.0)
@@ -445,9 +584,11 @@ class EplbState:
     def _update_observed(self, group: Group) -> None:
         assert group.observed_sum is not None
         placement = group.current.placement
-        per_layer, overall = moe_lb_of_gpu_loads(
-            gpu_loads(group.observed_sum, placement.phy2log, placement.ep_size)
-        )
+        w = group.observed_sum
+        top = float(w.max()) if w.size else 0.0
+        if top > 0:
+            w = w / top
+        per_layer, overall = moe_lb_of_gpu_loads(gpu_loads(w, placement.phy2log, placement.ep_size))
         group.observed_per_layer = per_layer
         group.observed_moe_lb = overall
         m.MOE_LB_OBSERVED.labels(group.group_id).set(overall)
@@ -465,10 +606,14 @@ class EplbState:
             )
         if group.window_sum is None or not group.buckets:
             raise FailedPrecondition(f"group_id: {group_id!r} has no load reported yet")
+        keys = sorted(group.buckets)
         return RebalanceJob(
             group_id=group_id,
+            generation=group.generation,
             layout=group.layout,
-            loads=group.window_sum.copy(),
+            loads=group.window_sum,
+            buckets=tuple(group.buckets[k] for k in keys),
+            steps=tuple(group.bucket_step_counts[k] for k in keys),
             previous=group.current,
             algorithm=name,
             params=self.params,
@@ -476,24 +621,50 @@ class EplbState:
             steps_at_prepare=group.steps_since_rebalance,
         )
 
-    def commit(self, job: RebalanceJob, result: RebalanceResult) -> tuple[MapVersion, bool]:
-        """Put the result in force if it changes the map and the group is as it was.
+    def _same(self, job: RebalanceJob) -> Group | None:
+        """The job's group if it is still the same registration at the same version."""
+        group = self.groups.get(job.group_id)
+        if group is None or group.deleted or group.generation != job.generation:
+            return None
+        if group.current.version != job.previous.version:
+            return None
+        return group
 
-        Returns:
-            The version in force afterwards and whether it is new.
+    async def commit(self, job: RebalanceJob, result: RebalanceResult) -> CommitOutcome:
+        """Put the result in force if it changes the map, passes validation and the group
+        is the same registration at the same version (write first, then apply).
+
+        Raises:
+            NotFound: the group was deregistered (or re-registered) meanwhile.
+            Unavailable: the snapshot could not be written (nothing changed).
         """
         group = self.groups.get(job.group_id)
-        if group is None or group.deleted:
-            raise NotFound(f"group_id: {job.group_id!r} was deregistered during the rebalance")
+        if group is None or group.deleted or group.generation != job.generation:
+            raise NotFound(
+                f"group_id: {job.group_id!r} was deregistered or registered again during "
+                "the rebalance"
+            )
         if group.current.version != job.previous.version:
             self._restart_period(group, job)
-            return group.current, False  # another rebalance won; this one is stale
+            return CommitOutcome("stale", group.current)  # another rebalance won
+        try:
+            check_map(result.algorithm, job.layout, result.placement)
+        except InvalidMap as err:
+            log.error(
+                "eplb_invalid_map_refused",
+                group=job.group_id,
+                algorithm=result.algorithm,
+                version=group.current.version,
+                error=str(err),
+            )
+            return CommitOutcome("invalid", group.current)
         before = result.before.overall if result.before is not None else 1.0
         m.MOE_LB_PREDICTED.labels(job.group_id, "before").set(before)
         m.MOE_LB_PREDICTED.labels(job.group_id, "after").set(result.after.overall)
+        m.NOISE_THRESHOLD.labels(job.group_id).set(result.noise_threshold)
         if result.placement.same_as(job.previous.placement):
             self._restart_period(group, job)
-            return group.current, False
+            return CommitOutcome("unchanged", group.current)
         new = MapVersion(
             version=group.current.version + 1,
             placement=result.placement,
@@ -502,8 +673,11 @@ class EplbState:
             predicted_before=before,
             migration=result.migration,
         )
-        # write-ahead: the snapshot holds the new version before it is in force
-        self._persist(self.groups, {job.group_id: new})
+        async with self._io_lock():
+            if self._same(job) is not group:  # changed while waiting for the writer
+                now = self.groups.get(job.group_id)
+                return CommitOutcome("stale", job.previous if now is None else now.current)
+            await self._write(store.write_map, _map_record(group, new))
         group.history.append(new)
         self._restart_period(group, job)
         group.rebalances += 1
@@ -521,225 +695,199 @@ class EplbState:
             trigger=job.trigger,
             moe_lb_before=round(before, 5),
             moe_lb_after=round(result.after.overall, 5),
+            noise_threshold=round(result.noise_threshold, 6),
             slots_changed=mig.slots_changed,
             bytes_moved=mig.bytes_moved,
         )
         group.notify()
-        return new, True
+        return CommitOutcome("applied", new)
 
     def _restart_period(self, group: Group, job: RebalanceJob) -> None:
         """The period counts again from the rebalance's start; steps reported while it was
         computed count toward the next one. A failed rebalance leaves the period due."""
         group.steps_since_rebalance = max(0, group.steps_since_rebalance - job.steps_at_prepare)
-        self._window_dirty = True
+        group.window_dirty = True
 
     # -- window snapshot -----------------------------------------------------------------
 
-    @property
-    def window_path(self) -> Path | None:
-        """Where the statistics windows are written (None without ``snapshot_path``)."""
-        path = self.settings.snapshot_path
-        return Path(path + ".window") if path else None
+    def _window_record(self, g: Group) -> store.WindowRecord:
+        keys = sorted(g.buckets)
+        return store.WindowRecord(
+            group_id=g.group_id,
+            layout=g.layout,
+            version=g.current.version,
+            bucket_steps=g.bucket_steps,
+            buckets=tuple((k, g.bucket_step_counts[k], g.buckets[k]) for k in keys),
+            last_step_end=g.last_step_end,
+            steps_since_rebalance=g.steps_since_rebalance,
+            observed=g.observed_sum,
+        )
 
-    def save_window(self) -> bool:
-        """Write every group's window and period counters if they changed since the last
-        write (atomic). Returns whether a file was written; a failed write is logged and
-        counted, the state is unchanged and the next call tries again."""
-        target = self.window_path
-        if target is None or not self._window_dirty:
-            return False
-        arrays: dict[str, npt.NDArray[Any]] = {}
-        meta: list[dict[str, Any]] = []
-        for i, g in enumerate(self.groups.values()):
-            keys = sorted(g.buckets)
-            for k in keys:
-                arrays[f"g{i}_b{k}"] = g.buckets[k]
-            if g.observed_sum is not None:
-                arrays[f"g{i}_observed"] = g.observed_sum
-            meta.append(
-                {
-                    "group_id": g.group_id,
-                    "layout": _group_doc(g, g.current)["layout"],
-                    "version": g.current.version,
-                    "bucket_steps": g.bucket_steps,
-                    "buckets": keys,
-                    "bucket_step_counts": [g.bucket_step_counts[k] for k in keys],
-                    "last_step_end": g.last_step_end,
-                    "steps_since_rebalance": g.steps_since_rebalance,
-                }
-            )
-        arrays["meta"] = np.array(json.dumps({"format": SNAPSHOT_FORMAT, "groups": meta}))
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".eplb-window-", suffix=".tmp", dir=target.parent)
+    async def save_window(self) -> int:
+        """Write the window file of every group whose window changed since its last write
+        (in a worker thread, one group at a time). Returns how many were written; a
+        failed write is logged and counted, the group stays dirty and is tried again."""
+        if self.directory is None:
+            return 0
+        written = 0
+        async with self._io_lock():
+            for g in [g for g in self.groups.values() if g.window_dirty]:
+                if self.groups.get(g.group_id) is not g:
+                    continue  # deregistered meanwhile: its files are gone
+                g.window_dirty = False
+                try:
+                    await self._write(store.write_window, self._window_record(g))
+                except Unavailable:
+                    g.window_dirty = True
+                    continue
+                written += 1
+        return written
+
+    def save_window_now(self) -> int:
+        """:meth:`save_window` blocking the caller (drain only, when no call is served)."""
+        directory = self.directory
+        if directory is None:
+            return 0
+        written = 0
+        for g in list(self.groups.values()):
+            if not g.window_dirty:
+                continue
             try:
-                with os.fdopen(fd, "wb") as f:
-                    np.savez(f, **arrays)  # type: ignore[arg-type]
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-        except OSError as err:
-            m.SNAPSHOT_WRITES.labels("failed").inc()
-            log.error("eplb_window_snapshot_failed", path=str(target), error=str(err))
-            return False
-        m.SNAPSHOT_WRITES.labels("ok").inc()
-        self._window_dirty = False
-        return True
+                store.write_window(directory, self._window_record(g))
+            except OSError as err:
+                m.SNAPSHOT_WRITES.labels("failed").inc()
+                log.error("eplb_window_snapshot_failed", group=g.group_id, error=str(err))
+                continue
+            m.SNAPSHOT_WRITES.labels("ok").inc()
+            g.window_dirty = False
+            written += 1
+        return written
 
-    def _restore_window(self) -> None:
-        path = self.window_path
-        if path is None or not path.exists():
-            return
-        restored = 0
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                doc = json.loads(str(npz["meta"]))
-                if doc.get("format") != SNAPSHOT_FORMAT:
-                    raise ValueError(f"unknown window snapshot format {doc.get('format')!r}")
-                updates: list[tuple[Group, dict[str, Any], dict[int, F64], F64 | None]] = []
-                for i, gd in enumerate(doc["groups"]):
-                    group = self.groups.get(str(gd["group_id"]))
-                    if (
-                        group is None
-                        or GroupLayout(**gd["layout"]) != group.layout
-                        or int(gd["bucket_steps"]) != group.bucket_steps
-                    ):
-                        continue  # deregistered, re-shaped, or another bucket size
-                    shape = (group.layout.n_layers, group.layout.n_logical)
-                    buckets = {
-                        int(k): np.array(npz[f"g{i}_b{k}"], dtype=np.float64) for k in gd["buckets"]
-                    }
-                    observed = None
-                    if int(gd["version"]) == group.current.version and f"g{i}_observed" in npz:
-                        observed = np.array(npz[f"g{i}_observed"], dtype=np.float64)
-                    for a in (*buckets.values(), *([] if observed is None else [observed])):
-                        if a.shape != shape or not np.isfinite(a).all() or (a < 0).any():
-                            raise ValueError(f"group {gd['group_id']!r}: bad window array")
-                    updates.append((group, gd, buckets, observed))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            aside = path.with_name(path.name + ".corrupt")
-            with contextlib.suppress(OSError):
-                os.replace(path, aside)
-            log.error("eplb_window_unreadable", path=str(path), moved_to=str(aside), error=str(err))
-            return
-        for group, gd, buckets, observed in updates:  # all validated: apply
-            group.buckets = buckets
-            group.bucket_step_counts = {
-                int(k): int(n) for k, n in zip(gd["buckets"], gd["bucket_step_counts"], strict=True)
-            }
-            group.window_sum = np.sum(list(buckets.values()), axis=0) if buckets else None
-            group.last_step_end = int(gd["last_step_end"])
-            group.steps_since_rebalance = int(gd["steps_since_rebalance"])
-            if observed is not None:
-                group.observed_sum = observed
-                self._update_observed(group)
-            m.WINDOW_STEPS.labels(group.group_id).set(group.window_steps)
-            restored += 1
-        log.info("eplb_window_restored", path=str(path), groups=restored)
+    # -- restore -------------------------------------------------------------------------
 
-    # -- snapshot ------------------------------------------------------------------------
-
-    def _persist(
-        self, groups: Mapping[str, Group], current: Mapping[str, MapVersion] | None = None
-    ) -> None:
-        """Write ``groups`` (with ``current`` overriding their maps in force) atomically."""
-        path = self.settings.snapshot_path
-        if not path:
-            return
-        over = current or {}
-        doc = {
-            "format": SNAPSHOT_FORMAT,
-            "groups": [_group_doc(g, over.get(k, g.current)) for k, g in groups.items()],
-        }
-        target = Path(path)
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".eplb-", suffix=".tmp", dir=target.parent)
+    def _restore(self, directory: Path) -> None:
+        """Read every group's files (module docstring); never raises."""
+        if directory.exists() and not directory.is_dir():
             try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(doc, f, separators=(",", ":"))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-        except OSError as err:
-            m.SNAPSHOT_WRITES.labels("failed").inc()
-            log.error("eplb_snapshot_failed", path=path, error=str(err))
-            raise Unavailable(f"eplb: cannot write the snapshot {path} ({err.strerror})") from None
-        m.SNAPSHOT_WRITES.labels("ok").inc()
-
-    def _restore(self, path: Path) -> None:
-        if not path.exists():
+                n = store.convert_v1(directory)
+                log.info("eplb_snapshot_converted", path=str(directory), groups=n)
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                aside = store.move_aside(directory)
+                log.error(
+                    "eplb_snapshot_unreadable",
+                    path=str(directory),
+                    moved_to=str(aside),
+                    error=f"snapshot_path must be a directory or a format-1 file ({err})",
+                )
+                return
+        if not directory.exists():
             return
-        try:
-            doc = json.loads(path.read_text())
-            if doc.get("format") != SNAPSHOT_FORMAT:
-                raise ValueError(f"unknown snapshot format {doc.get('format')!r}")
-            groups = {}
-            for gd in doc["groups"]:
-                group = self._group_from_doc(gd)
-                groups[group.group_id] = group
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            aside = path.with_name(path.name + ".corrupt")
-            with contextlib.suppress(OSError):
-                os.replace(path, aside)
-            log.error(
-                "eplb_snapshot_unreadable", path=str(path), moved_to=str(aside), error=str(err)
-            )
-            return
-        self.groups = groups
-        m.GROUPS.set(len(groups))
-        for g in groups.values():
+        removed = store.clean_tmp(directory)
+        if removed:
+            log.info("eplb_snapshot_tmp_removed", path=str(directory), files=removed)
+        for path, doc in store.read_map_files(directory):
+            try:
+                if isinstance(doc, Exception):
+                    raise doc
+                group = self._group_from_doc(doc)
+                if path.name != store.group_key(group.group_id) + store.MAP_SUFFIX:
+                    raise ValueError("file name does not match its group id")
+                if group.group_id in self.groups:
+                    raise ValueError(f"group {group.group_id!r} appears twice")
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                aside = store.move_aside(path)
+                log.error(
+                    "eplb_snapshot_group_unreadable",
+                    path=str(path),
+                    moved_to=str(aside),
+                    error=str(err),
+                )
+                continue
+            if len(self.groups) >= self.settings.max_groups:
+                aside = store.move_aside(path, ".excess")
+                log.error(
+                    "eplb_snapshot_group_over_limit",
+                    group=group.group_id,
+                    moved_to=str(aside),
+                    limit=self.settings.max_groups,
+                )
+                continue
+            self.groups[group.group_id] = group
+            self._restore_window(directory, group)
+        m.GROUPS.set(len(self.groups))
+        for g in self.groups.values():
             m.MAP_VERSION.labels(g.group_id).set(g.current.version)
-        log.info("eplb_snapshot_restored", path=str(path), groups=len(groups))
+        log.info("eplb_snapshot_restored", path=str(directory), groups=len(self.groups))
 
-    def _group_from_doc(self, gd: dict[str, Any]) -> Group:
-        lay = gd["layout"]
-        layout = GroupLayout(**lay)
-        shape = tuple(gd["shape"])
-        raw = np.frombuffer(base64.b64decode(gd["phy2log"]), dtype="<i4")
-        phy2log = raw.reshape(shape).astype(np.int64)
-        if shape != (layout.n_layers, layout.n_physical):
-            raise ValueError(f"group {gd['group_id']!r}: map shape {shape} does not match")
+    def _group_from_doc(self, doc: dict[str, Any]) -> Group:
+        layout, phy2log = store.decode_map(doc)
         placement = PlacementMap.from_phy2log(phy2log, layout.ep_size, layout.n_logical)
+        problems = map_problems(layout, placement, no_colocation=False, node_limited=False)
+        if problems:
+            raise ValueError(f"group {doc.get('group_id')!r}: {problems[0]}")
+        version = int(doc["version"])
+        if version < 1:
+            raise ValueError(f"version must be >= 1, got {version}")
         first = MapVersion(
-            version=int(gd["version"]),
+            version=version,
             placement=placement,
-            algorithm=str(gd["algorithm"]),
-            predicted_moe_lb=float(gd["predicted_moe_lb"]),
-            predicted_before=float(gd["predicted_before"]),
+            algorithm=str(doc["algorithm"]),
+            predicted_moe_lb=float(doc["predicted_moe_lb"]),
+            predicted_before=float(doc["predicted_before"]),
             migration=Migration(0, 0, 0, placement.phy2log.size),
         )
-        return self._new_group(str(gd["group_id"]), layout, first)
+        return self._new_group(str(doc["group_id"]), layout, first)
+
+    def _restore_window(self, directory: Path, group: Group) -> None:
+        path = store.window_path(directory, group.group_id)
+        try:
+            got = store.read_window(directory, group.group_id)
+            if got is None:
+                return
+            meta, arrays = got
+            if (
+                str(meta["group_id"]) != group.group_id
+                or GroupLayout(**meta["layout"]) != group.layout
+                or int(meta["bucket_steps"]) != group.bucket_steps
+            ):
+                log.info("eplb_window_ignored", group=group.group_id, reason="another shape")
+                return
+            shape = (group.layout.n_layers, group.layout.n_logical)
+            keys = [int(k) for k in meta["buckets"]]
+            counts = [int(n) for n in meta["bucket_step_counts"]]
+            if len(keys) != len(counts) or len(keys) > group.window_buckets:
+                raise ValueError("bucket lists do not match")
+            buckets = {k: arrays[f"b{k}"] for k in keys}
+            observed = None
+            if int(meta["version"]) == group.current.version and "observed" in arrays:
+                observed = arrays["observed"]
+            for a in (*buckets.values(), *([] if observed is None else [observed])):
+                if a.shape != shape or not np.isfinite(a).all() or (a < 0).any():
+                    raise ValueError("bad window array")
+            last_end = int(meta["last_step_end"])
+            since = int(meta["steps_since_rebalance"])
+            if not (0 <= last_end <= MAX_I64 and 0 <= since <= MAX_I64):
+                raise ValueError("step counters out of range")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            aside = store.move_aside(path)
+            log.error(
+                "eplb_window_unreadable", group=group.group_id, moved_to=str(aside), error=str(err)
+            )
+            return
+        group.buckets = {k: _frozen(a) for k, a in buckets.items()}
+        group.bucket_step_counts = dict(zip(keys, counts, strict=True))
+        group.window_sum = (
+            _frozen(np.sum(list(group.buckets.values()), axis=0)) if group.buckets else None
+        )
+        group.last_step_end = last_end
+        group.steps_since_rebalance = since
+        if observed is not None:
+            group.observed_sum = _frozen(observed)
+            self._update_observed(group)
+        m.WINDOW_STEPS.labels(group.group_id).set(group.window_steps)
 
 
-def _group_doc(g: Group, cur: MapVersion) -> dict[str, Any]:
-    lay = g.layout
-    return {
-        "group_id": g.group_id,
-        "layout": {
-            "role": lay.role,
-            "ep_size": lay.ep_size,
-            "gpus_per_node": lay.gpus_per_node,
-            "n_layers": lay.n_layers,
-            "n_logical": lay.n_logical,
-            "n_groups": lay.n_groups,
-            "redundant_per_gpu": lay.redundant_per_gpu,
-            "expert_bytes": lay.expert_bytes,
-            "window_steps": lay.window_steps,
-            "period_steps": lay.period_steps,
-        },
-        "version": cur.version,
-        "algorithm": cur.algorithm,
-        "predicted_moe_lb": cur.predicted_moe_lb,
-        "predicted_before": cur.predicted_before,
-        "shape": list(cur.placement.phy2log.shape),
-        "phy2log": base64.b64encode(cur.placement.phy2log.astype("<i4").tobytes()).decode(),
-    }
+def _frozen(a: F64) -> F64:
+    """``a`` marked read-only (it is shared with worker threads)."""
+    a.setflags(write=False)
+    return a

@@ -307,7 +307,10 @@ class ReportLoadRequest(_message.Message):
     group_id: _builtins.str
     """The group."""
     map_version: _builtins.int
-    """Version of the map in force when the steps ran; must be the current version."""
+    """Version of the map in force when the steps ran: the current version, or the one
+    before it (steps that ran while the new map was being loaded). Loads are per logical
+    expert and do not depend on the map, so both count.
+    """
     step_begin: _builtins.int
     """First step covered (inclusive); >= the step_end of the previous report."""
     step_end: _builtins.int
@@ -354,6 +357,7 @@ class ReportLoadResponse(_message.Message):
     REBALANCED_FIELD_NUMBER: _builtins.int
     WINDOW_STEPS_FIELD_NUMBER: _builtins.int
     STEPS_TO_REBALANCE_FIELD_NUMBER: _builtins.int
+    COUNTED_MAP_VERSION_FIELD_NUMBER: _builtins.int
     map_version: _builtins.int
     """Version of the map in force after this report (a new one if it triggered a rebalance)."""
     observed_moe_lb: _builtins.float
@@ -366,6 +370,11 @@ class ReportLoadResponse(_message.Message):
     """Steps held in the statistics window."""
     steps_to_rebalance: _builtins.int
     """Reported steps until the next periodic rebalance."""
+    counted_map_version: _builtins.int
+    """Version of the map in force whose statistics (window, observed moe_lb) this report
+    was counted under; differs from the request's map_version when the report was
+    measured under the previous version.
+    """
     def __init__(
         self,
         *,
@@ -374,10 +383,11 @@ class ReportLoadResponse(_message.Message):
         rebalanced: _builtins.bool = ...,
         window_steps: _builtins.int = ...,
         steps_to_rebalance: _builtins.int = ...,
+        counted_map_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["map_version", b"map_version", "observed_moe_lb", b"observed_moe_lb", "rebalanced", b"rebalanced", "steps_to_rebalance", b"steps_to_rebalance", "window_steps", b"window_steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["counted_map_version", b"counted_map_version", "map_version", b"map_version", "observed_moe_lb", b"observed_moe_lb", "rebalanced", b"rebalanced", "steps_to_rebalance", b"steps_to_rebalance", "window_steps", b"window_steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,6 +2,9 @@
 
 Entry point: :func:`rebalance` (``stable`` by default, ``reference`` as the published
 baseline). Shapes: loads (n_layers, n_logical) tokens; maps (n_layers, n_physical).
+Every returned map passes :mod:`fulcrum.core.eplb.validate` (else ``InvalidMap``);
+:mod:`fulcrum.core.eplb.window` estimates a window's sampling noise and the gain it
+explains.
 """
 
 from fulcrum.core.eplb.layout import (

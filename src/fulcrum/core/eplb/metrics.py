@@ -81,8 +81,15 @@ class Balance:
 
 
 def balance(loads: npt.ArrayLike, placement: PlacementMap) -> Balance:
-    """moe_lb of ``placement`` under ``loads`` (n_layers, n_logical) tokens."""
-    per_layer, overall = moe_lb_of_gpu_loads(gpu_loads(loads, placement.phy2log, placement.ep_size))
+    """moe_lb of ``placement`` under ``loads`` (n_layers, n_logical) tokens.
+
+    The loads are divided by their largest value first (moe_lb is a ratio), so sums of
+    huge values cannot overflow."""
+    w = np.asarray(loads, dtype=np.float64)
+    top = float(w.max()) if w.size else 0.0
+    if top > 0.0 and np.isfinite(top):
+        w = w / top
+    per_layer, overall = moe_lb_of_gpu_loads(gpu_loads(w, placement.phy2log, placement.ep_size))
     return Balance(per_layer=per_layer, overall=overall)
 
 

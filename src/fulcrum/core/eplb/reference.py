@@ -1,6 +1,8 @@
 """``reference``: a re-implementation of the published EPLB algorithm (deepseek-ai/EPLB).
 
-Rule, per MoE layer, loads in tokens (computed in float32, as published):
+Rule, per MoE layer, loads in tokens (computed in float64 after dividing by the largest
+load, so huge and tiny values cannot overflow or underflow; the published code uses
+float32, which overflows at 3.4e38):
 
 1. Replication: starting from one replica per logical expert, give each redundant slot in
    turn to the expert with the highest load per replica (ties: lowest expert id).
@@ -36,7 +38,7 @@ __all__ = ["NAME", "balanced_packing", "place", "rebalance_experts", "replicate_
 
 NAME: Final = "reference"
 
-F32 = npt.NDArray[np.float32]
+F32 = npt.NDArray[np.float64]  # historical name: every load array is float64
 I64 = npt.NDArray[np.int64]
 
 
@@ -63,10 +65,10 @@ def balanced_packing(weight: F32, num_packs: int) -> tuple[I64, I64]:
     order = np.argsort(-weight, axis=-1, kind="stable")
     pack_index = np.full((rows_n, n), -1, dtype=np.int64)
     rank_in_pack = np.full((rows_n, n), -1, dtype=np.int64)
-    pack_w = np.zeros((rows_n, num_packs), dtype=np.float32)
+    pack_w = np.zeros((rows_n, num_packs), dtype=np.float64)
     pack_n = np.zeros((rows_n, num_packs), dtype=np.int64)
     rows = np.arange(rows_n)
-    inf = np.float32(np.inf)
+    inf = np.float64(np.inf)
     for j in range(n):
         item = order[:, j]
         pack = np.argmin(np.where(pack_n < per_pack, pack_w, inf), axis=-1)
@@ -92,13 +94,13 @@ def replicate_experts(weight: F32, num_phy: int) -> tuple[I64, I64, I64]:
     rows_n, n_log = weight.shape
     if num_phy < n_log:
         raise ValueError(f"num_phy: {num_phy} < {n_log} logical experts")
-    phy2log = np.empty((rows_n, num_phy), dtype=np.int64)
+    phy2log = np.zeros((rows_n, num_phy), dtype=np.int64)
     phy2log[:, :n_log] = np.arange(n_log)
     rank = np.zeros((rows_n, num_phy), dtype=np.int64)
     logcnt = np.ones((rows_n, n_log), dtype=np.int64)
     rows = np.arange(rows_n)
     for i in range(n_log, num_phy):
-        best = np.argmax(weight / logcnt.astype(np.float32), axis=-1)
+        best = np.argmax(weight / logcnt, axis=-1)
         phy2log[:, i] = best
         rank[:, i] = logcnt[rows, best]
         logcnt[rows, best] += 1
@@ -106,8 +108,8 @@ def replicate_experts(weight: F32, num_phy: int) -> tuple[I64, I64, I64]:
 
 
 def _inverse(perm: I64) -> I64:
-    inv = np.empty_like(perm)
-    np.put_along_axis(inv, perm, np.broadcast_to(np.arange(perm.shape[1]), perm.shape), axis=1)
+    """Inverse of each row's permutation (argsort: every entry is written)."""
+    inv: I64 = np.argsort(perm, axis=1, kind="stable")
     return inv
 
 
@@ -133,7 +135,7 @@ def _hierarchical(
     phy2mlog, phyrank, mlogcnt = replicate_experts(tokens_per_mlog, num_phy // num_nodes)
 
     # 3. pack each node's replicas onto its GPUs
-    per_replica: F32 = (tokens_per_mlog / mlogcnt.astype(np.float32)).astype(np.float32)
+    per_replica: F32 = tokens_per_mlog / mlogcnt
     tokens_per_phy = np.take_along_axis(per_replica, phy2mlog, axis=1)
     pack, rank_in_pack = balanced_packing(tokens_per_phy, num_gpus // num_nodes)
     pphy2phy = _inverse(pack * phy_per_gpu + rank_in_pack)
@@ -165,7 +167,9 @@ def rebalance_experts(
         phyrank: shape (n_layers, num_replicas), replica rank of each slot.
         logcnt: shape (n_layers, n_logical), replicas of each logical expert.
     """
-    w = np.asarray(weight, dtype=np.float32)
+    w = np.asarray(weight, dtype=np.float64)
+    top = float(w.max()) if w.size else 0.0
+    w = w / top if top > 0.0 and np.isfinite(top) else np.zeros_like(w)
     if num_replicas % num_gpus != 0 or num_gpus % num_nodes != 0:
         raise ValueError("num_replicas must divide over num_gpus, num_gpus over num_nodes")
     if num_groups % num_nodes == 0:
@@ -178,14 +182,16 @@ def place(
     loads: npt.NDArray[np.float64],
     previous: PlacementMap | None,
     params: RebalanceParams,
+    load_var: npt.NDArray[np.float64] | None = None,
 ) -> PlacementMap:
-    """Place from scratch by the published rule; ``previous`` and ``params`` are ignored.
+    """Place from scratch by the published rule; ``previous``, ``params`` and
+    ``load_var`` are ignored.
 
     Args:
         layout: the group's shape.
         loads: shape (n_layers, n_logical), tokens per logical expert over the window.
     """
-    del previous, params
+    del previous, params, load_var
     nodes = layout.n_nodes if layout.hierarchical else 1
     groups = layout.n_groups if layout.hierarchical else 1
     phy2log, _, _ = rebalance_experts(loads, layout.n_physical, groups, nodes, layout.ep_size)

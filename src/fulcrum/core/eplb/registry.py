@@ -14,17 +14,22 @@ from typing import Final, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from fulcrum.core.eplb import reference, stable
+from fulcrum.core.eplb import reference, stable, window
 from fulcrum.core.eplb.layout import GroupLayout, PlacementMap
-from fulcrum.core.eplb.metrics import Balance, Migration, balance, migration
+from fulcrum.core.eplb.metrics import Balance, Migration, balance, gpu_loads, migration
 from fulcrum.core.eplb.params import DEFAULT_PARAMS, RebalanceParams
+from fulcrum.core.eplb.validate import InvalidMap, validate_map
 
 __all__ = [
     "DEFAULT_ALGORITHM",
+    "PROMISES",
     "REGISTRY",
+    "InvalidMap",
     "Placer",
+    "Promise",
     "RebalanceResult",
     "algorithm_names",
+    "check_map",
     "make_placer",
     "rebalance",
     "validate_loads",
@@ -40,6 +45,7 @@ class Placer(Protocol):
         loads: npt.NDArray[np.float64],
         previous: PlacementMap | None,
         params: RebalanceParams,
+        load_var: npt.NDArray[np.float64] | None = None,
     ) -> PlacementMap: ...
 
 
@@ -51,6 +57,34 @@ REGISTRY: Final[Mapping[str, Placer]] = MappingProxyType(
         reference.NAME: reference.place,
     }
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Promise:
+    """What an algorithm guarantees beyond a valid map (checked before every commit)."""
+
+    no_colocation: bool
+    node_limited: bool
+
+
+PROMISES: Final[Mapping[str, Promise]] = MappingProxyType(
+    {
+        stable.NAME: Promise(no_colocation=True, node_limited=True),
+        # the published algorithm may put two replicas of a hot expert on one GPU
+        reference.NAME: Promise(no_colocation=False, node_limited=True),
+    }
+)
+
+
+def check_map(name: str, layout: GroupLayout, placement: PlacementMap) -> None:
+    """Raise :class:`InvalidMap` if ``placement`` breaks a rule or ``name``'s promise."""
+    promise = PROMISES.get(name, Promise(no_colocation=False, node_limited=False))
+    validate_map(
+        layout,
+        placement,
+        no_colocation=promise.no_colocation,
+        node_limited=promise.node_limited,
+    )
 
 
 def algorithm_names() -> tuple[str, ...]:
@@ -83,6 +117,8 @@ class RebalanceResult:
             there was no previous map).
         after: predicted moe_lb of the new map under the same loads.
         migration: slots changed, copies received, bytes moved (zero without a previous map).
+        noise_threshold: overall moe_lb gain the window's sampling noise can explain
+            (``core.eplb.window``; 0.0 without a noise estimate).
     """
 
     algorithm: str
@@ -90,6 +126,7 @@ class RebalanceResult:
     before: Balance | None
     after: Balance
     migration: Migration
+    noise_threshold: float = 0.0
 
     @property
     def changed(self) -> bool:
@@ -120,6 +157,7 @@ def rebalance(
     loads: npt.ArrayLike,
     previous_map: PlacementMap | None,
     params: RebalanceParams = DEFAULT_PARAMS,
+    load_var: npt.ArrayLike | None = None,
 ) -> RebalanceResult:
     """Compute a new expert-to-GPU map for one EP group.
 
@@ -129,9 +167,12 @@ def rebalance(
         loads: shape (n_layers, n_logical), tokens routed to each logical expert over the
             statistics window.
         previous_map: the map in force (shape (n_layers, n_physical)), or None.
-        params: migration weight / cap (``stable`` only).
+        params: migration weight / cap / noise z (``stable`` only).
+        load_var: shape (n_layers, n_logical), variance of ``loads`` from the window's
+            buckets (``window.window_variance``), or None.
 
     Raises:
+        InvalidMap: the algorithm returned a map that breaks a rule or its promise.
         ValueError: unknown algorithm, bad loads, or a previous map of another shape.
     """
     placer = make_placer(name)
@@ -145,7 +186,9 @@ def rebalance(
             f"previous_map: shape {previous_map.phy2log.shape} does not match the layout "
             f"({layout.n_layers}, {layout.n_physical})"
         )
-    new = placer(layout, w, previous_map, params)
+    var = None if load_var is None else validate_loads(layout, load_var)
+    new = placer(layout, w, previous_map, params, var)
+    check_map(name, layout, new)
     before = balance(w, previous_map) if previous_map is not None else None
     return RebalanceResult(
         algorithm=name,
@@ -153,4 +196,31 @@ def rebalance(
         before=before,
         after=balance(w, new),
         migration=migration(previous_map, new, layout.expert_bytes),
+        noise_threshold=_threshold(layout, w, var, previous_map, new, params.noise_z),
     )
+
+
+def _threshold(
+    layout: GroupLayout,
+    w: npt.NDArray[np.float64],
+    var: npt.NDArray[np.float64] | None,
+    old: PlacementMap | None,
+    new: PlacementMap,
+    z: float,
+) -> float:
+    """Overall moe_lb gain the window's noise explains for going from ``old`` to ``new``."""
+    if var is None or old is None:
+        return 0.0
+    top = float(w.max()) if w.size else 0.0
+    if not top > 0.0:
+        return 0.0
+    ws = w / top
+    sd = np.sqrt(var) / top
+    vs = np.where(np.isfinite(sd), sd * sd, np.finfo(np.float64).max)
+    gl_old = gpu_loads(ws, old.phy2log, layout.ep_size)
+    gl_new = gpu_loads(ws, new.phy2log, layout.ep_size)
+    noise = window.layer_noise(vs, old.phy2log, new.phy2log, gl_old, gl_new, layout.ep_size)
+    changed = (old.phy2log != new.phy2log).any(axis=1)
+    if not changed.any():
+        changed = np.ones_like(changed)  # unchanged map: the threshold it had to beat
+    return window.noise_threshold(noise, changed, float(ws.sum()) / layout.ep_size, z)

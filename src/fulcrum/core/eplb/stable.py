@@ -1,72 +1,90 @@
-"""``stable`` (the default): migration-aware placement that starts from the map in force.
+"""``stable`` (the default): migration-aware placement, never meaningfully worse than
+``reference`` from any map in force.
 
-Rule, per MoE layer (loads in tokens, the even-split load model of ``metrics``):
+Rule (loads in tokens, the even-split load model of ``metrics``); shapes: ``L`` layers,
+``E`` logical experts, ``P`` physical slots, ``G`` GPUs, ``S = P / G`` slots per GPU.
 
-1. Start from the map in force. Repair it only if it is invalid for the new loads: a
-   second replica of an expert on one GPU, or an expert with no replica, is replaced
-   (missing experts first, then the hottest expert per replica not yet on that GPU).
-   With no map in force, start from a greedy placement: replica counts by the published
-   rule (highest load per replica first, at most one replica per GPU), heaviest replica
-   first onto the least-loaded GPU that has room and does not hold that expert.
-2. Local search that chooses replicas and packing jointly. Each iteration looks at the
-   most loaded GPU and makes the one move that lowers that layer's maximum GPU load the
-   most per expert copy it transfers:
-   - swap: exchange an expert of the hottest GPU with one of a light GPU (2 copies);
-   - re-replicate: overwrite a replica of an expert that has >= 2 replicas with a new
-     replica of an expert of the hottest GPU, on a GPU that does not hold it (1 copy).
-   A move must keep every expert at >= 1 replica and never put two replicas of one expert
-   on one GPU. A layer's search stops when its best move lowers the maximum by no more
-   than a quarter of the acceptance threshold per copy (rule 3; at least 1e-9 of the
-   layer's mean GPU load). It depends only on the current map and loads. Candidates:
-   every slot of the hottest GPU against the slots of the lightest GPUs (about 64 slots)
-   for swaps; the 3 experts of the hottest GPU whose extra replica relieves it most,
-   against every slot of an expert with >= 2 replicas, for re-replications. The effect of
-   a re-replication on the other GPUs holding either expert is bounded from above, so a
-   move is only made when it truly lowers the maximum.
-3. Migration budget: each layer's moves form a sequence of (copies, predicted gain in
-   overall moe_lb). Its upper concave hull groups them into segments of decreasing gain
-   per copy. Segments are accepted, most valuable first over all layers, while their gain
-   per GiB is >= ``params.min_gain_per_gib`` and the bytes fit under ``params.max_bytes``;
-   a layer stops at its first rejected segment. The accepted prefix of each layer's moves
-   is applied to the map in force.
-4. Node-limited routing (``layout.node_limited``: expert groups divide evenly over the
-   nodes, as in the published hierarchical policy): every expert group keeps all its
-   replicas on one node, ``n_groups / n_nodes`` groups per node. The groups' nodes are read
-   from the map in force (a map that breaks the rule is repaired: each group goes to the
-   node holding most of its replicas, and replicas on another node are replaced as in
-   rule 1, within the node); with no map in force the groups are packed onto nodes by the
-   published balanced packing of group loads and each node is started like a group of its
-   own. Swap partners are then the lightest GPUs of the hottest GPU's node and a new
-   replica goes to a slot of that node, so no move ever leaves a node.
+1. **Base.** The map in force, repaired only where it is invalid for the group (a second
+   replica of an expert on one GPU, an expert with no replica, or under node-limited
+   routing a replica on another node than its expert group's): :func:`repair`.
+2. **Local candidate.** A local search from the base (:func:`search`) that chooses
+   replicas and packing jointly: each iteration looks at each layer's hottest GPU and
+   makes the move that relieves it most per expert copy transferred, either a *swap*
+   (an expert of the hottest GPU for one of a light GPU, 2 copies) or a *re-replication*
+   (a replica of an expert with >= 2 replicas is overwritten by a new replica of an
+   expert of the hottest GPU, 1 copy). A move must leave both GPUs it touches below the
+   old maximum, so on a *plateau* of tied maxima it relieves one of them even though the
+   layer's maximum drops only when all are relieved: a compound move. Its moves form a
+   per-layer sequence of (copies, drop of the layer's maximum); the upper concave hull
+   of that sequence groups them into segments of decreasing gain per copy, and segments
+   are accepted over all layers, most valuable first, while their gain per GiB is >=
+   ``params.min_gain_per_gib`` (and > 0) and the bytes fit under ``params.max_bytes``
+   (:func:`accept_prefixes`). A plateau's zero-gain moves are thereby accepted only
+   together with the move that lowers the maximum.
+3. **From-scratch candidate**, for the layers where the local search stays above the
+   mean GPU load by more than ``params.restart_gap`` (elsewhere it cannot beat the
+   local one by more) and the layers whose map in force is so far from balanced (above
+   ``1 + _FAR`` times the mean: first placement, a shift of the hot experts) that the
+   local search is skipped: the published replica rule (capped at one replica per GPU)
+   and greedy packing onto the least-loaded GPU without that expert
+   (:func:`greedy_start`; under node-limited routing expert groups are first packed
+   onto nodes by the published balanced packing, so groups change node), polished by
+   the same search. It is then *matched* to the base (:func:`match_to`): its GPUs are
+   relabelled to the base's GPUs (nodes first under node-limited routing) greedily by
+   the number of experts they share, and within each GPU an expert already there keeps
+   its slot, so it moves the fewest copies a relabelling allows.
+4. **Choice per layer** (:func:`choose`): the scratch layer replaces the local one when
+   it beats what the local search reaches with every move kept by more than
+   ``restart_gap`` x the layer's mean GPU load (moves from the map in force cannot get
+   there), or beats the accepted local layer by a drop that pays for its extra copies
+   at ``min_gain_per_gib`` (within ``max_bytes``, most valuable layers first).
+5. **Noise gate** (``core.eplb.window``): a layer keeps its change only when the drop of
+   its maximum exceeds ``noise_z`` standard errors of the window's sampling noise, and
+   the map changes only when the overall gain exceeds the overall threshold. Without a
+   noise estimate (``load_var`` None) the gate is open.
 
-With no map in force, rule 2 runs from the greedy start (same stopping floor) and every
-move is kept: nothing is loaded yet, so nothing migrates.
+With no map in force the from-scratch candidate is returned (nothing to migrate).
 
-Consequences: no two replicas of one expert share a GPU, every expert keeps a replica,
-and re-running on unchanged loads returns the unchanged map (the search from an accepted
-prefix regenerates the rejected suffix, whose hull slopes are unchanged), unless
-``max_bytes`` cut the previous run short, in which case the next run continues.
+Guarantees: no two replicas of one expert share a GPU; every expert keeps a replica;
+under node-limited routing each expert group sits whole on one node; unchanged loads give
+the unchanged map (the local search regenerates the rejected suffix, the scratch
+candidate matches onto itself with no gain, and a zero gain never passes the gate),
+unless ``max_bytes`` cut the previous run short, in which case the next run continues.
 
-Cost: the search runs all layers at once in numpy, one move per layer per iteration; the
-per-slot loads, GPU loads and re-replication targets are kept between iterations and
-recomputed only for the layers a move changed (from the same expressions, so the result
-equals a recomputation from scratch, bit for bit).
+Loads are scaled by their largest value before anything is computed (float64), so huge
+and tiny values behave like ordinary ones.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from fulcrum.core.eplb import reference
+from fulcrum.core.eplb import reference, window
 from fulcrum.core.eplb.layout import GroupLayout, PlacementMap
 from fulcrum.core.eplb.params import GIB, RebalanceParams
 
-__all__ = ["NAME", "place"]
+__all__ = [
+    "NAME",
+    "Moves",
+    "accept_prefixes",
+    "choose",
+    "copies_per_layer",
+    "expert_nodes",
+    "from_scratch",
+    "greedy_start",
+    "limited_start",
+    "local_candidate",
+    "match_to",
+    "place",
+    "repair",
+    "replica_counts",
+    "search",
+]
 
 NAME: Final = "stable"
 
@@ -79,53 +97,90 @@ _REPLICATE_SOURCES: Final = 3  # re-replicate: this many experts of the hottest 
 _EPS: Final = 1e-9  # relative to the layer's mean GPU load
 _FLOOR: Final = 0.25  # search floor, as a fraction of the acceptance threshold per copy
 _TIE: Final = 1e-7  # tie-break weight, relative to the gain (tokens per token)
+_SCRATCH_MARGIN: Final = 1e-9  # scratch must beat local by this fraction of the layer mean
+_FAR: Final = 0.25  # map in force this far above the layer mean: no local search
 
 
-@dataclass(frozen=True, slots=True)
-class _Trace:
-    """Moves of the local search; iteration ``k`` holds the k-th move of each layer.
+class Moves(NamedTuple):
+    """Moves of one search iteration, one entry per layer that moved; each shape (k,).
 
-    Every array of ``moves[k]`` has one entry per layer that moved in iteration k:
-    layer, slot_a, expert written to slot_a, slot_b (-1 for a re-replication), expert
-    written to slot_b, copies (2 or 1), and the layer's max GPU load before the move.
+    ``slot_b`` is -1 for a re-replication (``expert_b`` then unused); ``max_before`` is
+    the layer's max GPU load (tokens) before the move.
     """
 
-    moves: list[tuple[I64, I64, I64, I64, I64, I64, F64]]
-    final_max: F64  # shape (n_layers,), max GPU load after all moves
+    layer: I64
+    slot_a: I64
+    expert_a: I64
+    slot_b: I64
+    expert_b: I64
+    copies: I64
+    max_before: F64
 
 
-def _counts(phy: I64, n_logical: int) -> I64:
-    """Replicas of each expert, shape (n_layers, n_logical)."""
+class Trace(NamedTuple):
+    """All moves of a search (``moves[k]`` = iteration k) and the final max GPU load (L,)."""
+
+    moves: list[Moves]
+    final_max: F64
+
+
+def replica_counts(phy: I64, n_logical: int) -> I64:
+    """Replicas of each expert, shape (L, E), from a map (L, P)."""
     n_layers = phy.shape[0]
     keys = (np.arange(n_layers)[:, None] * n_logical + phy).ravel()
     cnt: I64 = np.bincount(keys, minlength=n_layers * n_logical).reshape(n_layers, n_logical)
     return cnt.astype(np.int64, copy=False)
 
 
-def _initial(w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
-    """Greedy start (rule 1) when no map is in force; shape (n_layers, n_physical)."""
+def _gpu_loads(w: F64, phy: I64, n_gpus: int) -> F64:
+    """Tokens per GPU, shape (L, G), of map ``phy`` (L, P) under loads ``w`` (L, E)."""
+    rows = np.arange(phy.shape[0])[:, None]
+    per_slot = (w / np.maximum(replica_counts(phy, w.shape[1]), 1))[rows, phy]
+    out: F64 = per_slot.reshape(phy.shape[0], n_gpus, -1).sum(axis=2)
+    return out
+
+
+def copies_per_layer(old: I64, new: I64, n_gpus: int, n_logical: int) -> I64:
+    """(GPU, expert) pairs of ``new`` not held by ``old``, per layer, shape (L,)."""
+    n_layers, n_phys = old.shape
+    rows = np.arange(n_layers)[:, None]
+    gpu = (np.arange(n_phys) // (n_phys // n_gpus))[None, :]
+    held = np.zeros((n_layers, n_gpus, n_logical), dtype=np.bool_)
+    held[rows, gpu, old] = True
+    wanted = np.zeros_like(held)
+    wanted[rows, gpu, new] = True
+    out: I64 = (wanted & ~held).sum(axis=(1, 2)).astype(np.int64)
+    return out
+
+
+# -- starts and repair ---------------------------------------------------------------------
+
+
+def greedy_start(w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
+    """From-scratch map, shape (L, G * spg): replica counts by the published rule (at most
+    one replica per GPU), heaviest replica first onto the least-loaded GPU with room that
+    does not hold that expert. ``w``: (L, E) tokens."""
     n_layers = w.shape[0]
     n_phys = n_gpus * spg
     rows = np.arange(n_layers)
     cnt = np.ones((n_layers, n_logical), dtype=np.int64)
     for _ in range(n_phys - n_logical):
         score = np.where(cnt < n_gpus, w / cnt, -np.inf)
-        best = np.argmax(score, axis=1)
-        cnt[rows, best] += 1
+        cnt[rows, np.argmax(score, axis=1)] += 1
     items = np.stack([np.repeat(np.arange(n_logical), cnt[i]) for i in range(n_layers)])
     item_load = np.take_along_axis(w / cnt, items, axis=1)
     order = np.argsort(-item_load, axis=1, kind="stable")
     items = np.take_along_axis(items, order, axis=1)
     item_load = np.take_along_axis(item_load, order, axis=1)
-    phy = np.full((n_layers, n_phys), -1, dtype=np.int64)
+    phy = np.zeros((n_layers, n_phys), dtype=np.int64)
     pack_w = np.zeros((n_layers, n_gpus))
     pack_n = np.zeros((n_layers, n_gpus), dtype=np.int64)
     on = np.zeros((n_layers, n_logical, n_gpus), dtype=np.bool_)
     for j in range(n_phys):
         e = items[:, j]
         room: B = pack_n < spg
-        fits: B = np.logical_and(room, np.logical_not(on[rows, e, :]))
-        ok = np.where(np.any(fits, axis=1, keepdims=True), fits, room)  # dead end: repaired later
+        fits: B = room & ~on[rows, e, :]
+        ok = np.where(np.any(fits, axis=1, keepdims=True), fits, room)  # dead end: repaired
         g = np.argmin(np.where(ok, pack_w, np.inf), axis=1)
         phy[rows, g * spg + pack_n[rows, g]] = e
         pack_w[rows, g] += item_load[:, j]
@@ -134,13 +189,30 @@ def _initial(w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
     return phy
 
 
-def _expert_nodes(phy: I64, layout: GroupLayout) -> I64:
-    """Node of each expert, shape (n_layers, n_logical), for a ``node_limited`` layout (rule 4).
+def limited_start(w: F64, layout: GroupLayout) -> tuple[I64, I64]:
+    """From-scratch map (L, P) and node of each expert (L, E) under node-limited routing.
+
+    Whole expert groups are packed onto nodes by the published balanced packing of group
+    loads, then each node is started like a group of its own (:func:`greedy_start`)."""
+    n_layers, n_logical = w.shape
+    n_nodes, size = layout.n_nodes, layout.group_size
+    per_node = n_logical // n_nodes
+    group_w = w.reshape(n_layers, layout.n_groups, size).sum(axis=2)
+    gpack, _ = reference.balanced_packing(group_w, n_nodes)
+    enode: I64 = np.repeat(gpack, size, axis=1)
+    perm = np.argsort(enode, axis=1, kind="stable")  # experts in node-major order
+    w_local = np.take_along_axis(w, perm, axis=1).reshape(n_layers * n_nodes, per_node)
+    local = greedy_start(w_local, layout.gpus_per_node, layout.slots_per_gpu, per_node)
+    phy = np.take_along_axis(perm.reshape(n_layers * n_nodes, per_node), local, axis=1)
+    return phy.reshape(n_layers, layout.n_physical), enode
+
+
+def expert_nodes(phy: I64, layout: GroupLayout) -> I64:
+    """Node of each expert, shape (L, E), read from a map (L, P) (node-limited layouts).
 
     A layer whose every expert group sits on one node, ``n_groups / n_nodes`` groups per
-    node, keeps that assignment. Otherwise whole groups are assigned greedily, the
-    (group, node) pair holding the most replicas first (ties: lower group, then node).
-    """
+    node, keeps that assignment; otherwise whole groups are assigned greedily, the
+    (group, node) pair holding the most replicas first (ties: lower group, then node)."""
     n_layers, n_phys = phy.shape
     n_nodes, n_grp, size = layout.n_nodes, layout.n_groups, layout.group_size
     per_node = n_grp // n_nodes
@@ -166,397 +238,644 @@ def _expert_nodes(phy: I64, layout: GroupLayout) -> I64:
     return out
 
 
-def _initial_limited(w: F64, layout: GroupLayout) -> tuple[I64, I64]:
-    """Greedy start for a ``node_limited`` layout (rules 1 and 4).
+def repair(phy: I64, w: F64, n_gpus: int, spg: int, enode: I64 | None, dom: int | None) -> I64:
+    """A copy of ``phy`` (L, P) without co-located replicas, with every expert placed and,
+    with ``enode`` (L, E) and ``dom`` GPUs per node, every replica on its expert's node.
 
-    Whole expert groups are packed onto nodes by the published balanced packing of group
-    loads, then each node is placed like a group of its own (``_initial`` on the node's
-    experts, GPUs and slots). Returns the map (n_layers, n_physical) and the node of each
-    expert (n_layers, n_logical).
-    """
-    n_layers, n_logical = w.shape
-    n_nodes, size = layout.n_nodes, layout.group_size
-    per_node = n_logical // n_nodes
-    group_w = w.reshape(n_layers, layout.n_groups, size).sum(axis=2).astype(np.float32)
-    gpack, _ = reference.balanced_packing(group_w, n_nodes)
-    enode: I64 = np.repeat(gpack, size, axis=1)
-    perm = np.argsort(enode, axis=1, kind="stable")  # experts in node-major order
-    w_local = np.take_along_axis(w, perm, axis=1).reshape(n_layers * n_nodes, per_node)
-    local = _initial(w_local, layout.gpus_per_node, layout.slots_per_gpu, per_node)
-    phy = np.take_along_axis(perm.reshape(n_layers * n_nodes, per_node), local, axis=1)
-    return phy.reshape(n_layers, layout.n_physical), enode
-
-
-def _repair(
-    phy: I64,
-    w: F64,
-    n_gpus: int,
-    spg: int,
-    n_logical: int,
-    enode: I64 | None = None,
-    gpus_per_domain: int | None = None,
-) -> I64:
-    """Remove co-located replicas and restore missing experts (rule 1); returns a copy.
-
-    With ``enode`` (node of each expert, (n_layers, n_logical)) and ``gpus_per_domain``
-    (rule 4), a replica on another node than its expert's is removed as well, and every
-    refill stays on the expert's node.
-    """
+    Freed slots go first to missing experts (hottest first; if no slot of the node is
+    free, the lightest replica of an expert with >= 2 replicas there), then to the
+    hottest expert per replica not yet on that GPU."""
     phy = phy.copy()
     n_layers, n_phys = phy.shape
-    dom = n_gpus if gpus_per_domain is None else gpus_per_domain
-    slot_node = np.arange(n_phys) // spg // dom
+    n_logical = w.shape[1]
+    slot_node = np.arange(n_phys) // spg // (n_gpus if dom is None else dom)
     grouped = np.sort(phy.reshape(n_layers, n_gpus, spg), axis=-1)
     dup = (grouped[..., 1:] == grouped[..., :-1]).any(axis=(1, 2))
-    missing = (_counts(phy, n_logical) == 0).any(axis=1)
-    if enode is None:
-        enode = np.zeros((n_layers, n_logical), dtype=np.int64)
-    rows = np.arange(n_layers)[:, None]
-    foreign = (enode[rows, phy] != slot_node[None, :]).any(axis=1)
-    for layer in np.flatnonzero(dup | missing | foreign):
-        row = phy[layer]
-        wl = w[layer]
-        en = enode[layer]
-        cnt = np.bincount(row, minlength=n_logical)
-        on = np.zeros((n_logical, n_gpus), dtype=np.bool_)
-        free: list[int] = []
-        for s in range(n_phys):
-            g, e = s // spg, int(row[s])
-            if on[e, g] or en[e] != slot_node[s]:
-                free.append(s)
-                cnt[e] -= 1
-            else:
-                on[e, g] = True
-        for e in sorted(np.flatnonzero(cnt == 0).tolist(), key=lambda x: (-wl[x], x)):
-            k = en[e]
-            here = [i for i, f in enumerate(free) if slot_node[f] == k]
-            if here:
-                s = free.pop(here[0])
-            else:
-                donors = np.flatnonzero((cnt[row] >= 2) & (slot_node == k))
-                per_replica = wl[row[donors]] / cnt[row[donors]]
-                s = int(donors[np.argmin(per_replica)])
-                y = int(row[s])
-                cnt[y] -= 1
-                on[y, s // spg] = False
-            row[s] = e
-            cnt[e] += 1
-            on[e, s // spg] = True
-        for s in free:
-            g = s // spg
-            score = np.where(on[:, g] | (en != slot_node[s]), -np.inf, wl / np.maximum(cnt, 1))
-            z = int(np.argmax(score))
-            row[s] = z
-            cnt[z] += 1
-            on[z, g] = True
+    missing = (replica_counts(phy, n_logical) == 0).any(axis=1)
+    en_all = np.zeros((n_layers, n_logical), dtype=np.int64) if enode is None else enode
+    foreign = (en_all[np.arange(n_layers)[:, None], phy] != slot_node[None, :]).any(axis=1)
+    for layer in np.flatnonzero(dup | missing | foreign).tolist():
+        _repair_row(phy[layer], w[layer], en_all[layer], slot_node, n_gpus, spg)
     return phy
 
 
-def _search(
-    w: F64,
-    phy: I64,
-    n_gpus: int,
-    spg: int,
-    max_iter: int,
-    floor_per_copy: float,
-    gpus_per_domain: int | None = None,
-) -> tuple[I64, _Trace]:
-    """Local search (rule 2) on all layers at once; returns the final map and its trace.
+def _repair_row(row: I64, wl: F64, en: I64, slot_node: I64, n_gpus: int, spg: int) -> None:
+    """:func:`repair` of one layer, in place. ``row`` (P,), ``wl`` and ``en`` (E,)."""
+    n_logical = wl.size
+    cnt = np.bincount(row, minlength=n_logical)
+    on = np.zeros((n_logical, n_gpus), dtype=np.bool_)
+    free: list[int] = []
+    for s in range(row.size):
+        g, e = s // spg, int(row[s])
+        if on[e, g] or en[e] != slot_node[s]:
+            free.append(s)
+            cnt[e] -= 1
+        else:
+            on[e, g] = True
+    for e in sorted(np.flatnonzero(cnt == 0).tolist(), key=lambda x: (-wl[x], x)):
+        here = [i for i, f in enumerate(free) if slot_node[f] == en[e]]
+        if here:
+            s = free.pop(here[0])
+        else:
+            donors = np.flatnonzero((cnt[row] >= 2) & (slot_node == en[e]))
+            s = int(donors[np.argmin(wl[row[donors]] / cnt[row[donors]])])
+            cnt[row[s]] -= 1
+            on[row[s], s // spg] = False
+        row[s] = e
+        cnt[e] += 1
+        on[e, s // spg] = True
+    for s in free:
+        g = s // spg
+        score = np.where(on[:, g] | (en != slot_node[s]), -np.inf, wl / np.maximum(cnt, 1))
+        z = int(np.argmax(score))
+        row[s] = z
+        cnt[z] += 1
+        on[z, g] = True
 
-    A layer stops when its best move lowers the max GPU load by no more than
-    ``floor_per_copy`` tokens per copy (or 1e-9 of its mean GPU load). With
-    ``gpus_per_domain`` (node-limited routing, rule 4) every move stays inside the node of
-    the hottest GPU: swap partners are the lightest GPUs of that node and a new replica
-    goes to a slot of that node.
 
-    Per-slot loads (n_layers, n_physical), GPU loads (n_layers, n_gpus) and the
-    re-replication targets are kept across iterations and recomputed only for the layers
-    a move changed, from the same expressions, so every value equals a recomputation from
-    scratch and the search still depends only on the map and the loads.
-    """
-    phy = phy.copy()
-    n_layers, n_logical = w.shape
-    n_phys = n_gpus * spg
-    dom = n_gpus if gpus_per_domain is None else gpus_per_domain
-    n_dom = n_gpus // dom
-    slot_gpu = np.arange(n_phys) // spg
-    rows_all = np.arange(n_layers)[:, None]
-    cnt = _counts(phy, n_logical)
-    on = np.zeros((n_layers, n_logical, n_gpus), dtype=np.bool_)
-    on[rows_all, phy, slot_gpu[None, :]] = True
-    on_flat = on.reshape(-1)  # a view: index (layer * n_logical + expert) * n_gpus + gpu
-    floor = np.maximum(_EPS * w.sum(axis=1) / n_gpus, floor_per_copy)
-    active = (w.sum(axis=1) > 0) & (n_gpus > 1)
-    k_partner = int(np.clip(_SWAP_PARTNER_SLOTS // spg, 1, max(dom - 1, 1)))
-    k_src = min(spg, _REPLICATE_SOURCES)
-    n_targets = max(1, min(n_phys, 2 * (n_phys - n_logical)))
-    ar_s = np.arange(spg)
+# -- local search --------------------------------------------------------------------------
 
-    def slot_loads(lay: I64) -> F64:
-        r = np.arange(lay.size)[:, None]
-        out: F64 = (w[lay] / cnt[lay])[r, phy[lay]]
+
+class _Geometry(NamedTuple):
+    """Fixed sizes of a search: GPUs, slots per GPU, GPUs per move domain (node)."""
+
+    n_gpus: int
+    spg: int
+    dom: int
+    n_dom: int
+    n_logical: int
+    k_partner: int  # swap partners per move
+    k_src: int  # re-replication sources per move
+    n_targets: int  # re-replication target slots per layer
+    slot_gpu: I64  # (P,) GPU of each slot
+
+
+@dataclass
+class _State:
+    """Working arrays of a search, all layers; rows are recomputed only where a move
+    changed them, from the same expressions, so they equal a recomputation from scratch."""
+
+    w: F64  # (L, E) tokens
+    phy: I64  # (L, P) map
+    cnt: I64  # (L, E) replicas
+    on: B  # (L, E, G) expert held by GPU
+    sl: F64  # (L, P) tokens per slot
+    gl: F64  # (L, G) tokens per GPU
+    single: B  # (L, P) slot holds an expert with one replica
+    tgt: I64  # (L, n_targets) re-replication target slots
+
+
+class _Hot(NamedTuple):
+    """The active layers' hottest GPU and their swap partners; each shape (n,) or (n, k)."""
+
+    act: I64
+    gla: F64
+    g0: I64
+    lmax: F64
+    partners: I64
+
+
+class _Best(NamedTuple):
+    """Best move of one kind per active layer: gain (tokens, -inf none) and its index."""
+
+    gain: F64
+    idx: I64
+
+
+def _slot_loads(st: _State, lay: I64) -> F64:
+    out: F64 = (st.w[lay] / st.cnt[lay])[np.arange(lay.size)[:, None], st.phy[lay]]
+    return out
+
+
+def _singles(st: _State, lay: I64) -> B:
+    out: B = (st.cnt[lay] < 2)[np.arange(lay.size)[:, None], st.phy[lay]]
+    return out
+
+
+def _targets(geo: _Geometry, single: B) -> I64:
+    """Re-replication targets: slots whose expert has >= 2 replicas come first (L', T)."""
+    n_phys = single.shape[1]
+    if geo.n_targets < n_phys:
+        out: I64 = np.argpartition(single, geo.n_targets - 1, axis=1)[:, : geo.n_targets]
         return out
+    return np.broadcast_to(np.arange(n_phys), (single.shape[0], n_phys)).copy()
 
-    def singles(lay: I64) -> B:
-        out: B = (cnt[lay] < 2)[np.arange(lay.size)[:, None], phy[lay]]
-        return out
 
-    def targets(single: B) -> I64:
-        # slots whose expert has >= 2 replicas (at most 2 * redundant of them) come first;
-        # a function of the row of ``single`` only
-        if n_targets < n_phys:
-            out: I64 = np.argpartition(single, n_targets - 1, axis=1)[:, :n_targets]
-            return out
-        return np.broadcast_to(np.arange(n_phys), (single.shape[0], n_phys)).copy()
-
+def _new_state(w: F64, phy: I64, geo: _Geometry) -> _State:
+    n_layers = w.shape[0]
     every = np.arange(n_layers)
-    ar_layers = every
-    sl = slot_loads(every)  # (L, P) tokens per slot
-    sl3 = sl.reshape(n_layers, n_gpus, spg)  # a view
-    gl = sl3.sum(axis=2)  # (L, G) tokens per GPU
-    single_all = singles(every)  # (L, P) slot holds an expert with one replica
-    tgt = targets(single_all)  # (L, n_targets) re-replication target slots
-    host_buf = np.empty(n_layers * n_logical)
-    moves: list[tuple[I64, I64, I64, I64, I64, I64, F64]] = []
+    cnt = replica_counts(phy, geo.n_logical)
+    on = np.zeros((n_layers, geo.n_logical, geo.n_gpus), dtype=np.bool_)
+    on[every[:, None], phy, geo.slot_gpu[None, :]] = True
+    st = _State(w, phy, cnt, on, np.zeros(0), np.zeros(0), np.zeros(0, bool), np.zeros(0, int))
+    st.sl = _slot_loads(st, every)
+    st.gl = st.sl.reshape(n_layers, geo.n_gpus, geo.spg).sum(axis=2)
+    st.single = _singles(st, every)
+    st.tgt = _targets(geo, st.single)
+    return st
+
+
+def _hottest(geo: _Geometry, st: _State, act: I64) -> _Hot:
+    """Hottest GPU of each active layer and the lightest GPUs of its domain."""
+    n = act.size
+    r0 = np.arange(n)
+    gla = st.gl[act]
+    order = np.argsort(-gla, axis=1, kind="stable")
+    g0 = order[:, 0]
+    k = geo.k_partner
+    if geo.n_dom == 1:
+        partners = order[:, geo.n_gpus - k :]
+    else:
+        d0 = g0 // geo.dom
+        in_dom = gla.reshape(n, geo.n_dom, geo.dom)[r0, d0]
+        o_dom = np.argsort(-in_dom, axis=1, kind="stable")
+        partners = d0[:, None] * geo.dom + o_dom[:, geo.dom - k :]
+    return _Hot(act, gla, g0, gla[r0, g0], partners)
+
+
+def _best_swaps(geo: _Geometry, st: _State, hot: _Hot) -> tuple[_Best, I64, I64]:
+    """Swaps of a slot of the hottest GPU with a slot of a partner GPU.
+
+    Gain = old max - max of the two GPUs' new loads (both must end below the old max).
+    Returns the best per layer, and the candidate slots a (n, S) and b (n, kS)."""
+    act, n, spg = hot.act, hot.act.size, geo.spg
+    ra, r0 = act[:, None], np.arange(n)
+    a_slots = hot.g0[:, None] * spg + np.arange(spg)
+    b_slots = (hot.partners[:, :, None] * spg + np.arange(spg)).reshape(n, -1)
+    la, lb = st.sl[ra, a_slots], st.sl[ra, b_slots]
+    d = (la[:, :, None] - lb[:, None, :]).reshape(n, spg, geo.k_partner, spg)
+    glp = hot.gla[r0[:, None], hot.partners]
+    lm4 = hot.lmax[:, None, None, None]
+    pair_max = np.maximum(glp[:, None, :, None] + d, lm4 - d)
+    gain = lm4 - pair_max
+    on_flat = st.on.reshape(-1)
+    base_e = act * geo.n_logical
+    xa, yb = st.phy[ra, a_slots], st.phy[ra, b_slots]
+    x_key = (base_e[:, None, None] + xa[:, :, None]) * geo.n_gpus
+    x_there = on_flat[x_key + hot.partners[:, None, :]]
+    y_there = on_flat[(base_e[:, None] + yb) * geo.n_gpus + hot.g0[:, None]]
+    invalid = (d <= 0) | x_there[:, :, :, None] | y_there.reshape(n, 1, geo.k_partner, spg)
+    gain[invalid] = -np.inf
+    flat = gain.reshape(n, -1)
+    idx = np.argmax(flat - _TIE * pair_max.reshape(n, -1), axis=1)  # ties: most even pair
+    return _Best(flat[r0, idx], idx), a_slots, b_slots
+
+
+def _best_replications(geo: _Geometry, st: _State, hot: _Hot) -> tuple[_Best, I64, I64]:
+    """New replicas of a hot expert over a replica of an expert with >= 2 replicas.
+
+    The load of the other GPUs holding the overwritten expert is bounded from above by
+    its hottest host. Returns the best per layer, the source experts (n, k) and the
+    target slots (n, T)."""
+    act, n = hot.act, hot.act.size
+    ra, r0, r1 = act[:, None], np.arange(n), np.arange(n)[:, None]
+    xa = st.phy[ra, hot.g0[:, None] * geo.spg + np.arange(geo.spg)]
+    cx, wx = st.cnt[ra, xa], st.w[ra, xa]
+    relief = wx / cx - wx / (cx + 1)
+    src = np.argsort(-relief, axis=1, kind="stable")[:, : geo.k_src]
+    xs, dx = xa[r1, src], relief[r1, src]
+    new_x = wx[r1, src] / (cx[r1, src] + 1)
+    t_slots = st.tgt[act]
+    yt = st.phy[ra, t_slots]
+    cy, wy = st.cnt[ra, yt], st.w[ra, yt]
+    gt = geo.slot_gpu[t_slots]
+    multi = cy >= 2
+    dy = np.where(multi, wy / np.maximum(cy - 1, 1) - wy / cy, 0.0)
+    ey = (r1 * geo.n_logical + yt).ravel()
+    glt = hot.gla[r1, gt]
+    host = np.full(n * geo.n_logical, -np.inf)
+    np.maximum.at(host, ey, glt.ravel())
+    y_other = host[ey].reshape(n, -1)
+    pair = (glt - st.sl[ra, t_slots])[:, None, :] + new_x[:, :, None]
+    pair = np.maximum(pair, (hot.lmax[:, None] - dx)[:, :, None])
+    pair = np.maximum(pair, (y_other + dy)[:, None, :])
+    if geo.n_dom > 1:
+        multi &= gt // geo.dom == (hot.g0 // geo.dom)[:, None]
+    on_flat = st.on.reshape(-1)
+    base_e = act * geo.n_logical
+    x_held = on_flat[(base_e[:, None, None] + xs[:, :, None]) * geo.n_gpus + gt[:, None, :]]
+    gain = hot.lmax[:, None, None] - pair
+    gain[x_held | ~multi[:, None, :]] = -np.inf
+    flat = gain.reshape(n, -1)
+    idx = np.argmax(flat - _TIE * pair.reshape(n, -1), axis=1)
+    return _Best(flat[r0, idx], idx), xs, t_slots
+
+
+def _apply_swaps(
+    geo: _Geometry, st: _State, lay: I64, sa: I64, sb: I64, lmax: F64
+) -> tuple[Moves, I64]:
+    """Swap the experts of slots ``sa`` and ``sb`` in layers ``lay``; returns the moves and
+    the layers whose re-replication targets must be recomputed."""
+    x, y = st.phy[lay, sa], st.phy[lay, sb]
+    st.phy[lay, sa], st.phy[lay, sb] = y, x
+    ga, gb = geo.slot_gpu[sa], geo.slot_gpu[sb]
+    st.on[lay, x, ga] = False
+    st.on[lay, y, gb] = False
+    st.on[lay, x, gb] = True
+    st.on[lay, y, ga] = True
+    st.sl[lay, sa], st.sl[lay, sb] = st.sl[lay, sb], st.sl[lay, sa].copy()
+    sl3 = st.sl.reshape(st.sl.shape[0], geo.n_gpus, geo.spg)
+    st.gl[lay, ga] = sl3[lay, ga].sum(axis=1)
+    st.gl[lay, gb] = sl3[lay, gb].sum(axis=1)
+    s_a, s_b = st.single[lay, sa], st.single[lay, sb]
+    st.single[lay, sa], st.single[lay, sb] = s_b, s_a
+    return Moves(lay, sa, y, sb, x, np.full(lay.size, 2), lmax), lay[s_a != s_b]
+
+
+def _apply_replications(
+    geo: _Geometry, st: _State, lay: I64, slot: I64, x: I64, lmax: F64
+) -> tuple[Moves, I64]:
+    """Overwrite ``slot`` with a replica of ``x`` in layers ``lay``."""
+    y = st.phy[lay, slot]
+    st.phy[lay, slot] = x
+    st.cnt[lay, x] += 1
+    st.cnt[lay, y] -= 1
+    g = geo.slot_gpu[slot]
+    st.on[lay, y, g] = False
+    st.on[lay, x, g] = True
+    st.sl[lay] = _slot_loads(st, lay)
+    st.gl[lay] = st.sl[lay].reshape(lay.size, geo.n_gpus, geo.spg).sum(axis=2)
+    s_new = _singles(st, lay)
+    differs = (s_new != st.single[lay]).any(axis=1)
+    st.single[lay] = s_new
+    none = np.full(lay.size, -1, dtype=np.int64)
+    return Moves(lay, slot, x, none, none, np.ones(lay.size, dtype=np.int64), lmax), lay[differs]
+
+
+def _geometry(n_gpus: int, spg: int, n_logical: int, dom: int | None) -> _Geometry:
+    d = n_gpus if dom is None else dom
+    n_phys = n_gpus * spg
+    return _Geometry(
+        n_gpus=n_gpus,
+        spg=spg,
+        dom=d,
+        n_dom=n_gpus // d,
+        n_logical=n_logical,
+        k_partner=int(np.clip(_SWAP_PARTNER_SLOTS // spg, 1, max(d - 1, 1))),
+        k_src=min(spg, _REPLICATE_SOURCES),
+        n_targets=max(1, min(n_phys, 2 * (n_phys - n_logical))),
+        slot_gpu=np.arange(n_phys) // spg,
+    )
+
+
+def search(
+    w: F64, phy: I64, n_gpus: int, spg: int, max_iter: int, floor: float, dom: int | None
+) -> tuple[I64, Trace]:
+    """Local search (rule 2) on all layers at once from map ``phy`` (L, P), loads ``w``
+    (L, E) tokens; returns the final map and the trace of moves.
+
+    A layer stops when its best move relieves the hottest GPU by no more than ``floor``
+    tokens per copy (at least 1e-9 of its mean GPU load), or after ``G`` moves in a row
+    that did not lower its maximum. With ``dom`` GPUs per node every move stays inside
+    the node of the hottest GPU."""
+    geo = _geometry(n_gpus, spg, w.shape[1], dom)
+    st = _new_state(w, phy.copy(), geo)
+    n_layers = w.shape[0]
+    floors = np.maximum(_EPS * w.sum(axis=1) / n_gpus, floor)
+    active = (w.sum(axis=1) > 0) & (n_gpus > 1)
+    best_max = st.gl.max(axis=1)
+    stall = np.zeros(n_layers, dtype=np.int64)
+    moves: list[Moves] = []
     for _ in range(max_iter):
         act = np.flatnonzero(active)
-        n = act.size
-        if n == 0:
+        if act.size == 0:
             break
-        r0 = ar_layers[:n]
-        r1 = r0[:, None]
-        ra = act[:, None]  # rows of the full tables, no copies
-        gla = gl[act]
-        order = np.argsort(-gla, axis=1, kind="stable")
-        g0 = order[:, 0]
-        g1 = order[:, 1]
-        lmax = gla[r0, g0]
-        load1 = gla[r0, g1]
-        load2 = gla[r0, order[:, 2]] if n_gpus >= 3 else np.full(n, -np.inf)
-        if n_dom == 1:
-            partners = order[:, n_gpus - k_partner :]  # (n, k) lightest GPUs
-        else:
-            d0 = g0 // dom
-            in_dom = gla.reshape(n, n_dom, dom)[r0, d0]
-            o_dom = np.argsort(-in_dom, axis=1, kind="stable")
-            partners = d0[:, None] * dom + o_dom[:, dom - k_partner :]
-        base_e = act * n_logical
-
-        # swaps: slot a on the hottest GPU <-> slot b on one of the lightest GPUs
-        a_slots = g0[:, None] * spg + ar_s  # (n, S)
-        xa = phy[ra, a_slots]
-        la = sl[ra, a_slots]
-        b_slots = (partners[:, :, None] * spg + ar_s).reshape(n, -1)  # (n, kS)
-        yb = phy[ra, b_slots]
-        lb = sl[ra, b_slots]
-        glp = gla[r1, partners]  # (n, k)
-        d = (la[:, :, None] - lb[:, None, :]).reshape(n, spg, k_partner, spg)
-        other = np.where(partners == g1[:, None], load2[:, None], load1[:, None])
-        lm4 = lmax[:, None, None, None]
-        pair_max = glp[:, None, :, None] + d
-        swap_gain = lm4 - d
-        np.maximum(pair_max, swap_gain, out=pair_max)
-        np.maximum(pair_max, other[:, None, :, None], out=swap_gain)
-        np.subtract(lm4, swap_gain, out=swap_gain)  # gain = lmax - new max
-        x_free = on_flat[(base_e[:, None, None] + xa[:, :, None]) * n_gpus + partners[:, None, :]]
-        y_free = on_flat[(base_e[:, None] + yb) * n_gpus + g0[:, None]]
-        invalid = d <= 0
-        invalid |= x_free[:, :, :, None]
-        invalid |= y_free.reshape(n, 1, k_partner, spg)
-        swap_gain[invalid] = -np.inf
-        swap_gain = swap_gain.reshape(n, -1)
-        # among equal gains prefer the swap that leaves the two GPUs most even
-        pair_max *= _TIE
-        np.subtract(swap_gain, pair_max.reshape(n, -1), out=pair_max.reshape(n, -1))
-        swap_idx = np.argmax(pair_max.reshape(n, -1), axis=1)
-        swap_best = swap_gain[r0, swap_idx]
-
-        # re-replication: a new replica of a hot expert x over a replica of y (cnt >= 2)
-        cx_all = cnt[ra, xa]
-        wx_all = w[ra, xa]
-        relief = wx_all / cx_all - wx_all / (cx_all + 1)
-        src = np.argsort(-relief, axis=1, kind="stable")[:, :k_src]
-        xs = xa[r1, src]  # (n, k)
-        dx = relief[r1, src]
-        new_x = wx_all[r1, src] / (cx_all[r1, src] + 1)
-        t_slots = tgt[act]
-        yt = phy[ra, t_slots]
-        cy = cnt[ra, yt]
-        wy = w[ra, yt]
-        gt = slot_gpu[t_slots]
-        multi = cy >= 2
-        dy = np.where(multi, wy / np.maximum(cy - 1, 1) - wy / cy, 0.0)
-        # bound on the load of y's other hosts: the hottest GPU holding y (conservative);
-        # every slot of an expert with >= 2 replicas is a target
-        ey = (r1 * n_logical + yt).ravel()
-        glt = gla[r1, gt]
-        host = host_buf[: n * n_logical]
-        host[ey] = -np.inf
-        np.maximum.at(host, ey, glt.ravel())
-        y_other = host[ey].reshape(n, n_targets)
-        other_t = np.where(gt == g1[:, None], load2[:, None], load1[:, None])
-        pair_r = (glt - sl[ra, t_slots])[:, None, :] + new_x[:, :, None]
-        np.maximum(pair_r, (lmax[:, None] - dx)[:, :, None], out=pair_r)
-        np.maximum(pair_r, (y_other + dy)[:, None, :], out=pair_r)
-        if n_dom > 1:
-            multi = multi & (gt // dom == (g0 // dom)[:, None])
-        x_held = on_flat[(base_e[:, None, None] + xs[:, :, None]) * n_gpus + gt[:, None, :]]
-        x_held |= ~multi[:, None, :]
-        rep_gain = np.maximum(pair_r, other_t[:, None, :])
-        np.subtract(lmax[:, None, None], rep_gain, out=rep_gain)
-        rep_gain[x_held] = -np.inf
-        rep_gain = rep_gain.reshape(n, -1)
-        pair_r *= _TIE
-        np.subtract(rep_gain, pair_r.reshape(n, -1), out=pair_r.reshape(n, -1))
-        rep_idx = np.argmax(pair_r.reshape(n, -1), axis=1)
-        rep_best = rep_gain[r0, rep_idx]
-
-        use_swap = swap_best / 2.0 >= rep_best
-        per_copy = np.where(use_swap, swap_best / 2.0, rep_best)
-        moving = per_copy > floor[act]
+        hot = _hottest(geo, st, act)
+        lowered = hot.lmax < best_max[act]
+        best_max[act] = np.minimum(best_max[act], hot.lmax)
+        stall[act] = np.where(lowered, 0, stall[act] + 1)
+        swap, a_slots, b_slots = _best_swaps(geo, st, hot)
+        rep, xs, t_slots = _best_replications(geo, st, hot)
+        use_swap = swap.gain / 2.0 >= rep.gain
+        per_copy = np.where(use_swap, swap.gain / 2.0, rep.gain)
+        moving = (per_copy > floors[act]) & (stall[act] <= n_gpus)
         active[act[~moving]] = False
         if not moving.any():
             break
-        # apply swaps (slot loads are permuted with the experts: counts are unchanged)
         sw = np.flatnonzero(moving & use_swap)
         rp = np.flatnonzero(moving & ~use_swap)
-        lay_s = act[sw]
-        lay_r = act[rp]
-        redo = lay_s[:0]
+        parts: list[Moves] = []
+        redo: list[I64] = []
         if sw.size:
-            ia, ib = np.divmod(swap_idx[sw], b_slots.shape[1])
-            sa = a_slots[sw, ia]
-            sb = b_slots[sw, ib]
-            x_s = phy[lay_s, sa]
-            y_s = phy[lay_s, sb]
-            phy[lay_s, sa] = y_s
-            phy[lay_s, sb] = x_s
-            ga, gb_ = slot_gpu[sa], slot_gpu[sb]
-            on[lay_s, x_s, ga] = False
-            on[lay_s, y_s, gb_] = False
-            on[lay_s, x_s, gb_] = True
-            on[lay_s, y_s, ga] = True
-            l_a = sl[lay_s, sa]
-            sl[lay_s, sa] = sl[lay_s, sb]
-            sl[lay_s, sb] = l_a
-            gl[lay_s, ga] = sl3[lay_s, ga].sum(axis=1)
-            gl[lay_s, gb_] = sl3[lay_s, gb_].sum(axis=1)
-            s_a = single_all[lay_s, sa]
-            s_b = single_all[lay_s, sb]
-            single_all[lay_s, sa] = s_b
-            single_all[lay_s, sb] = s_a
-            redo = lay_s[s_a != s_b]
-            swaps = (lay_s, sa, y_s, sb, x_s, np.full(sw.size, 2), lmax[sw])
-        # apply re-replications
+            ia, ib = np.divmod(swap.idx[sw], b_slots.shape[1])
+            mv, r = _apply_swaps(geo, st, act[sw], a_slots[sw, ia], b_slots[sw, ib], hot.lmax[sw])
+            parts.append(mv)
+            redo.append(r)
         if rp.size:
-            ix, jt = np.divmod(rep_idx[rp], n_targets)
-            it = t_slots[rp, jt]
-            x_r = xs[rp, ix]
-            y_r = phy[lay_r, it]
-            phy[lay_r, it] = x_r
-            cnt[lay_r, x_r] += 1
-            cnt[lay_r, y_r] -= 1
-            g_r = slot_gpu[it]
-            on[lay_r, y_r, g_r] = False
-            on[lay_r, x_r, g_r] = True
-            sl[lay_r] = slot_loads(lay_r)
-            gl[lay_r] = sl3[lay_r].sum(axis=2)
-            s_new = singles(lay_r)
-            differs = (s_new != single_all[lay_r]).any(axis=1)
-            single_all[lay_r] = s_new
-            redo = np.concatenate([redo, lay_r[differs]])
-            none = np.full(rp.size, -1, dtype=np.int64)
-            reps = (lay_r, it, x_r, none, none, np.ones(rp.size, dtype=np.int64), lmax[rp])
-        if redo.size:
-            tgt[redo] = targets(single_all[redo])
-        if not rp.size:
-            moves.append(swaps)
-        elif not sw.size:
-            moves.append(reps)
+            ix, jt = np.divmod(rep.idx[rp], t_slots.shape[1])
+            mv, r = _apply_replications(geo, st, act[rp], t_slots[rp, jt], xs[rp, ix], hot.lmax[rp])
+            parts.append(mv)
+            redo.append(r)
+        again = np.concatenate(redo)
+        if again.size:
+            st.tgt[again] = _targets(geo, st.single[again])
+        if len(parts) == 1:
+            moves.append(parts[0])
         else:
-            moves.append(tuple(np.concatenate(pair) for pair in zip(swaps, reps, strict=True)))  # type: ignore[arg-type]
-    return phy, _Trace(moves=moves, final_max=gl.max(axis=1))
+            moves.append(Moves(*map(np.concatenate, zip(*parts, strict=True))))
+    return st.phy, Trace(moves=moves, final_max=st.gl.max(axis=1))
+
+
+# -- migration budget ----------------------------------------------------------------------
 
 
 def _hull_segments(copies: list[int], gains: list[float]) -> list[tuple[int, int, float]]:
-    """Upper concave hull of the cumulative (copies, gain) curve from the origin.
-
-    Returns (end step count, copies in the segment, gain per copy) per segment, with
-    strictly decreasing gain per copy.
-    """
+    """Upper concave hull of the cumulative (copies, gain) curve from the origin:
+    (end move count, copies in the segment, gain per copy) per segment, gain per copy
+    strictly decreasing."""
     pts: list[tuple[float, float, int]] = [(0.0, 0.0, 0)]
-    c_sum = 0.0
-    g_sum = 0.0
+    c_sum = g_sum = 0.0
     for k, (c, g) in enumerate(zip(copies, gains, strict=True), start=1):
         c_sum += c
         g_sum += g
-        p = (c_sum, g_sum, k)
         while len(pts) >= 2:
             (x1, y1, _), (x2, y2, _) = pts[-2], pts[-1]
-            if (x2 - x1) * (p[1] - y1) - (y2 - y1) * (p[0] - x1) >= 0:
+            if (x2 - x1) * (g_sum - y1) - (y2 - y1) * (c_sum - x1) >= 0:
                 pts.pop()
             else:
                 break
-        pts.append(p)
-    segs: list[tuple[int, int, float]] = []
-    for (x1, y1, _), (x2, y2, k2) in itertools.pairwise(pts):
-        segs.append((k2, int(x2 - x1), (y2 - y1) / (x2 - x1)))
-    return segs
+        pts.append((c_sum, g_sum, k))
+    return [
+        (k2, int(x2 - x1), (y2 - y1) / (x2 - x1))
+        for (x1, y1, _), (x2, y2, k2) in itertools.pairwise(pts)
+    ]
 
 
-def _select(
-    trace: _Trace, n_layers: int, total_mean: float, layout: GroupLayout, params: RebalanceParams
+class _Segment(NamedTuple):
+    neg_slope: float
+    layer: int
+    end: int
+    copies: int
+
+
+def accept_prefixes(
+    trace: Trace, n_layers: int, total_mean: float, per_copy: float, budget: int | None
 ) -> I64:
-    """Accepted number of moves per layer (rule 3), shape (n_layers,)."""
-    lay = np.concatenate([mv[0] for mv in trace.moves])
-    copies_all = np.concatenate([mv[5] for mv in trace.moves])
-    before_all = np.concatenate([mv[6] for mv in trace.moves])
+    """Accepted number of moves per layer (rule 2), shape (L,).
+
+    Args:
+        per_copy: least overall moe_lb gain per copy accepted.
+        budget: most copies accepted over all layers (None = no cap).
+    """
+    lay = np.concatenate([mv.layer for mv in trace.moves])
+    copies_all = np.concatenate([mv.copies for mv in trace.moves])
+    before_all = np.concatenate([mv.max_before for mv in trace.moves])
     order = np.argsort(lay, kind="stable")  # by layer, then by iteration (= move order)
     lay, copies_all, before_all = lay[order], copies_all[order], before_all[order]
     bounds = np.searchsorted(lay, np.arange(n_layers + 1))
-    segments: list[tuple[float, int, int, int, int]] = []
+    segments: list[_Segment] = []
     for layer in range(n_layers):
         lo, hi = int(bounds[layer]), int(bounds[layer + 1])
         if lo == hi:
             continue
         before = before_all[lo:hi]
-        after = np.append(before[1:], trace.final_max[layer])
-        gains = ((before - after) / total_mean).tolist()
-        copies = copies_all[lo:hi].tolist()
-        for idx, (end, n_copies, slope) in enumerate(_hull_segments(copies, gains)):
-            segments.append((-slope, layer, idx, end, n_copies))
+        gains = ((before - np.append(before[1:], trace.final_max[layer])) / total_mean).tolist()
+        for end, n_copies, slope in _hull_segments(copies_all[lo:hi].tolist(), gains):
+            segments.append(_Segment(-slope, layer, end, n_copies))
     segments.sort()
-    threshold = params.min_gain_per_gib * layout.expert_bytes / GIB  # gain per copy
-    budget = (
-        params.max_bytes // layout.expert_bytes
-        if params.max_bytes is not None and layout.expert_bytes > 0
-        else None
-    )
     accepted = np.zeros(n_layers, dtype=np.int64)
     blocked = np.zeros(n_layers, dtype=np.bool_)
-    for neg_slope, layer, _idx, end, copies in segments:
-        if blocked[layer]:
+    for seg in segments:
+        if blocked[seg.layer]:
             continue
-        if -neg_slope < threshold or (budget is not None and copies > budget):
-            blocked[layer] = True
+        slope = -seg.neg_slope
+        if slope <= 0 or slope < per_copy or (budget is not None and seg.copies > budget):
+            blocked[seg.layer] = True
             continue
         if budget is not None:
-            budget -= copies
-        accepted[layer] = end
+            budget -= seg.copies
+        accepted[seg.layer] = seg.end
     return accepted
 
 
-def _replay(base: I64, trace: _Trace, accepted: I64) -> I64:
+def _replay(base: I64, trace: Trace, accepted: I64) -> I64:
+    """``base`` (L, P) with the first ``accepted[l]`` moves of each layer applied."""
     phy = base.copy()
-    for k, (lay, sa, ea, sb, eb, _cp, _before) in enumerate(trace.moves):
-        keep = accepted[lay] > k
+    for k, mv in enumerate(trace.moves):
+        keep = accepted[mv.layer] > k
         if not keep.any():
             continue
-        lay, sa, ea, sb, eb = lay[keep], sa[keep], ea[keep], sb[keep], eb[keep]
-        phy[lay, sa] = ea
+        lay, sb = mv.layer[keep], mv.slot_b[keep]
+        phy[lay, mv.slot_a[keep]] = mv.expert_a[keep]
         two = sb >= 0
-        phy[lay[two], sb[two]] = eb[two]
+        phy[lay[two], sb[two]] = mv.expert_b[keep][two]
     return phy
+
+
+# -- matching a from-scratch map to the map in force ---------------------------------------
+
+
+def _greedy_assignment(score: F64) -> I64:
+    """A permutation per layer maximising ``score`` greedily, shape (L, n).
+
+    ``score`` (L, n, n): value of sending new item i to old position j (-inf forbidden).
+    Each round takes, in every layer, the best remaining (i, j) pair (ties: lowest i,
+    then j) and strikes out its row and column; a layer whose remaining pairs are all
+    forbidden takes its first free i and j. After n rounds every i has one distinct j, so
+    the result is always a permutation (a 1/2-approximation of the best total)."""
+    n_layers, n, _ = score.shape
+    s = score.astype(np.float64, copy=True)
+    out = np.full((n_layers, n), -1, dtype=np.int64)
+    rows = np.arange(n_layers)
+    free_i = np.ones((n_layers, n), dtype=np.bool_)
+    free_j = np.ones((n_layers, n), dtype=np.bool_)
+    flat = s.reshape(n_layers, -1)
+    for _ in range(n):
+        best = np.argmax(flat, axis=1)
+        i, j = np.divmod(best, n)
+        stuck = ~(flat[rows, best] > -np.inf) | ~free_i[rows, i] | ~free_j[rows, j]
+        if stuck.any():
+            i[stuck] = np.argmax(free_i[stuck], axis=1)
+            j[stuck] = np.argmax(free_j[stuck], axis=1)
+        out[rows, i] = j
+        free_i[rows, i] = False
+        free_j[rows, j] = False
+        s[rows, i, :] = -np.inf
+        s[rows, :, j] = -np.inf
+    return out
+
+
+def match_to(base: I64, new: I64, n_gpus: int, n_logical: int, dom: int | None) -> I64:
+    """``new`` (L, P) with its GPUs relabelled to ``base``'s and slots aligned.
+
+    GPUs (whole nodes first when ``dom`` GPUs per node are given, then GPUs within
+    matched nodes) are assigned greedily by the number of experts they share with the
+    base's; inside a GPU, an expert the base GPU already holds keeps its slot. Loads per
+    GPU, replica counts and validity are those of ``new``; only labels change."""
+    n_layers, n_phys = new.shape
+    spg = n_phys // n_gpus
+    d = n_gpus if dom is None else dom
+    n_nodes = n_gpus // d
+    rows = np.arange(n_layers)[:, None]
+    slot_gpu = np.arange(n_phys) // spg
+    held_old = np.zeros((n_layers, n_logical, n_gpus), dtype=np.int32)
+    held_old[rows, base, slot_gpu[None, :]] = 1
+    # overlap[l, g_new, g_old]: experts of new GPU g_new that old GPU g_old holds
+    overlap = (
+        held_old[rows, new].reshape(n_layers, n_gpus, spg, n_gpus).sum(axis=2).astype(np.float64)
+    )
+    allowed = np.ones((n_layers, n_gpus, n_gpus), dtype=np.bool_)
+    if n_nodes > 1:
+        node_ov = overlap.reshape(n_layers, n_nodes, d, n_nodes, d).sum(axis=(2, 4))
+        node_map = _greedy_assignment(node_ov)  # (L, nodes new) -> node old
+        gnode = np.arange(n_gpus) // d
+        allowed = node_map[:, gnode][:, :, None] == gnode[None, None, :]
+    perm = _greedy_assignment(np.where(allowed, overlap, -np.inf))  # new GPU -> old GPU
+    out3 = np.zeros((n_layers, n_gpus, spg), dtype=np.int64)  # perm writes every row
+    out3[rows, perm] = new.reshape(n_layers, n_gpus, spg)
+    return _align_slots(base.reshape(n_layers, n_gpus, spg), out3).reshape(n_layers, n_phys)
+
+
+def _align_slots(old3: I64, new3: I64) -> I64:
+    """Per GPU (L, G, S): experts of ``new3`` already at the old GPU keep their old slot;
+    the others fill the remaining slots in order."""
+    match = new3[..., :, None] == old3[..., None, :]  # (L, G, S new, S old)
+    kept_pos = match.any(axis=-2)  # old slot keeps its expert
+    new_kept = match.any(axis=-1)  # new expert was already there
+    pos_order = np.argsort(kept_pos, axis=-1, kind="stable")  # free slots first
+    new_order = np.argsort(new_kept, axis=-1, kind="stable")  # newcomers first
+    n_free = (~kept_pos).sum(axis=-1, keepdims=True)
+    rank = np.arange(old3.shape[-1])
+    vals = np.where(
+        rank < n_free,
+        np.take_along_axis(new3, new_order, axis=-1),
+        np.take_along_axis(old3, pos_order, axis=-1),
+    )
+    out = old3.copy()
+    np.put_along_axis(out, pos_order, vals, axis=-1)
+    return out
+
+
+# -- choice and entry point ----------------------------------------------------------------
+
+
+def choose(
+    base: I64,
+    local: I64,
+    reach: F64,
+    scratch: I64,
+    w: F64,
+    n_gpus: int,
+    per_copy: float,
+    gap: float,
+    budget: int | None,
+) -> I64:
+    """Per layer, the local map or the scratch map (rule 4), shape (L, P).
+
+    ``reach`` (L,) is the max GPU load the local search reaches when every move is
+    kept. The scratch layer is taken when its max GPU load is lower than ``reach`` by
+    more than ``gap`` x the layer's mean GPU load (the map in force is far from what a
+    fresh placement achieves and moves from it cannot get there), or lower than the
+    accepted local map's by an amount whose drop in overall moe_lb pays for its extra
+    copies at ``per_copy``; under a ``budget`` (copies) the most valuable layers go
+    first."""
+    n_log = w.shape[1]
+    mean = w.sum(axis=1) / n_gpus
+    total_mean = max(float(mean.sum()), float(np.finfo(np.float64).tiny))
+    m_loc = _gpu_loads(w, local, n_gpus).max(axis=1)
+    m_scr = _gpu_loads(w, scratch, n_gpus).max(axis=1)
+    c_loc = copies_per_layer(base, local, n_gpus, n_log)
+    c_scr = copies_per_layer(base, scratch, n_gpus, n_log)
+    drop = m_loc - m_scr
+    extra = c_scr - c_loc
+    far = reach - m_scr > gap * mean
+    pays = (drop > _SCRATCH_MARGIN * mean) & (drop / total_mean >= per_copy * np.maximum(extra, 0))
+    better = far | pays
+    take = np.zeros(w.shape[0], dtype=np.bool_)
+    spent = int(c_loc.sum())
+    for layer in np.argsort(-drop / np.maximum(extra, 1), kind="stable").tolist():
+        if not better[layer]:
+            continue
+        if budget is not None and spent + int(extra[layer]) > budget:
+            continue
+        take[layer] = True
+        spent += int(extra[layer])
+    out: I64 = np.where(take[:, None], scratch, local)
+    return out
+
+
+def _noise_gate(base: I64, new: I64, w: F64, load_var: F64 | None, n_gpus: int, z: float) -> I64:
+    """``new`` with every layer whose gain the window's noise explains reverted to
+    ``base``, or ``base`` itself when the overall gain is within the noise (rule 5)."""
+    if load_var is None or z <= 0:
+        return new
+    gl_old, gl_new = _gpu_loads(w, base, n_gpus), _gpu_loads(w, new, n_gpus)
+    noise = window.layer_noise(load_var, base, new, gl_old, gl_new, n_gpus)
+    drop = gl_old.max(axis=1) - gl_new.max(axis=1)
+    keep = (base != new).any(axis=1) & (drop > noise.threshold(z))
+    total_mean = float(w.sum()) / n_gpus
+    if not keep.any() or total_mean <= 0:
+        return base
+    if float(drop[keep].sum()) / total_mean <= window.noise_threshold(noise, keep, total_mean, z):
+        return base
+    out: I64 = np.where(keep[:, None], new, base)
+    return out
+
+
+def _scaled(loads: F64, load_var: F64 | None) -> tuple[F64, F64 | None]:
+    """Loads and variances divided by the largest load (and its square)."""
+    w = np.asarray(loads, dtype=np.float64)
+    top = float(w.max()) if w.size else 0.0
+    if not top > 0.0:
+        return np.zeros_like(w), None if load_var is None else np.zeros_like(w)
+    var = None
+    if load_var is not None:
+        sd = np.sqrt(np.asarray(load_var, dtype=np.float64)) / top
+        var = np.where(np.isfinite(sd), sd * sd, np.finfo(np.float64).max)
+    return w / top, var
+
+
+class _Setup(NamedTuple):
+    """Sizes and thresholds of one placement."""
+
+    n_gpus: int
+    spg: int
+    n_logical: int
+    dom: int | None  # GPUs per node under node-limited routing
+    per_copy: float  # least overall moe_lb gain per copy
+    floor: float  # search floor, tokens per copy
+    budget: int | None  # copies
+    max_iter: int
+
+
+def _setup(layout: GroupLayout, w: F64, params: RebalanceParams) -> _Setup:
+    per_copy = params.min_gain_per_gib * layout.expert_bytes / GIB
+    total_mean = float(w.sum()) / layout.ep_size
+    return _Setup(
+        n_gpus=layout.ep_size,
+        spg=layout.slots_per_gpu,
+        n_logical=layout.n_logical,
+        dom=layout.gpus_per_node if layout.node_limited else None,
+        per_copy=per_copy,
+        floor=_FLOOR * per_copy * total_mean,
+        budget=(
+            params.max_bytes // layout.expert_bytes
+            if params.max_bytes is not None and layout.expert_bytes > 0
+            else None
+        ),
+        max_iter=params.max_iterations,
+    )
+
+
+def from_scratch(w: F64, layout: GroupLayout, su: _Setup) -> I64:
+    """The from-scratch candidate (rule 3) for loads ``w`` (L', E), shape (L', P)."""
+    if su.dom is None:
+        start, nodes = greedy_start(w, su.n_gpus, su.spg, su.n_logical), None
+    else:
+        start, nodes = limited_start(w, layout)
+    start = repair(start, w, su.n_gpus, su.spg, nodes, su.dom)
+    out, _ = search(w, start, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom)
+    return out
+
+
+def local_candidate(w: F64, base: I64, su: _Setup, total_mean: float) -> tuple[I64, F64]:
+    """The local candidate (rule 2) from ``base`` (L', P): the accepted search prefixes,
+    and the max GPU load (L',) the search reached with every move kept."""
+    _, trace = search(w, base, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom)
+    if not trace.moves:
+        return base, trace.final_max
+    accepted = accept_prefixes(trace, w.shape[0], total_mean, su.per_copy, su.budget)
+    return _replay(base, trace, accepted), trace.final_max
 
 
 def place(
@@ -564,38 +883,52 @@ def place(
     loads: F64,
     previous: PlacementMap | None,
     params: RebalanceParams,
+    load_var: F64 | None = None,
 ) -> PlacementMap:
     """Place by the ``stable`` rule (module docstring).
 
+    Layers whose map in force is above ``1 + _FAR`` times the mean GPU load skip the
+    local search (the matched scratch layer is their candidate); layers whose local
+    search reaches within ``params.restart_gap`` of the mean skip the from-scratch
+    candidate (it cannot beat them by more than the gap).
+
     Args:
         layout: the group's shape.
-        loads: shape (n_layers, n_logical), tokens per logical expert over the window.
+        loads: shape (L, E), tokens per logical expert over the window.
         previous: the map in force, or None for a first placement (nothing to migrate).
-        params: migration weight / cap.
+        params: migration weight / cap / noise z / restart gap.
+        load_var: shape (L, E), variance of ``loads`` (``window.window_variance``), or None.
     """
-    w = np.asarray(loads, dtype=np.float64)
-    n_gpus, spg, n_log = layout.ep_size, layout.slots_per_gpu, layout.n_logical
-    total_mean = float(w.sum()) / n_gpus
-    # moves worth under _FLOOR of the threshold per copy end the search (rule 3 would
-    # almost never accept them); in tokens per copy. The first placement stops at the same
-    # floor, so that re-running it as a rebalance on the same loads finds nothing to do.
-    floor = _FLOOR * params.min_gain_per_gib * layout.expert_bytes / GIB * total_mean
-    dom = layout.gpus_per_node if layout.node_limited else None
-    enode: I64 | None = None
+    w, var = _scaled(loads, load_var)
+    su = _setup(layout, w, params)
+    total_mean = float(w.sum()) / su.n_gpus
     if previous is None:
-        if dom is None:
-            start = _initial(w, n_gpus, spg, n_log)
-        else:
-            start, enode = _initial_limited(w, layout)
-        start = _repair(start, w, n_gpus, spg, n_log, enode, dom)
-        final, _ = _search(w, start, n_gpus, spg, params.max_iterations, floor, dom)
-        return PlacementMap.from_phy2log(final, n_gpus, n_log)
+        return PlacementMap.from_phy2log(from_scratch(w, layout, su), su.n_gpus, su.n_logical)
     prev = np.asarray(previous.phy2log, dtype=np.int64)
-    if dom is not None:
-        enode = _expert_nodes(prev, layout)
-    base = _repair(prev, w, n_gpus, spg, n_log, enode, dom)
-    _, trace = _search(w, base, n_gpus, spg, params.max_iterations, floor, dom)
-    if not trace.moves or total_mean <= 0:
-        return PlacementMap.from_phy2log(base, n_gpus, n_log)
-    accepted = _select(trace, w.shape[0], total_mean, layout, params)
-    return PlacementMap.from_phy2log(_replay(base, trace, accepted), n_gpus, n_log)
+    b_nodes = expert_nodes(prev, layout) if su.dom is not None else None
+    base = repair(prev, w, su.n_gpus, su.spg, b_nodes, su.dom)
+    if total_mean <= 0:
+        return PlacementMap.from_phy2log(base, su.n_gpus, su.n_logical)
+    mean = w.sum(axis=1) / su.n_gpus
+    m_base = _gpu_loads(w, base, su.n_gpus).max(axis=1)
+    # far from balanced: no local search, the scratch layer is the candidate (unless a
+    # byte cap applies, when the scratch may not fit, or restarts are off)
+    restarts = su.budget is None and np.isfinite(params.restart_gap)
+    very_far = (m_base > (1.0 + _FAR) * mean) & restarts
+    local, reach = base.copy(), m_base.copy()
+    near = np.flatnonzero(~very_far)
+    if near.size:
+        local[near], reach[near] = local_candidate(w[near], base[near], su, total_mean)
+    # a fresh placement cannot beat the mean: only where local moves stay above it by
+    # more than the restart gap is it worth computing
+    need = np.flatnonzero(very_far | (reach > (1.0 + params.restart_gap) * mean))
+    scratch = local.copy()
+    if need.size:
+        scratch[need] = match_to(
+            base[need], from_scratch(w[need], layout, su), su.n_gpus, su.n_logical, su.dom
+        )
+    chosen = choose(
+        base, local, reach, scratch, w, su.n_gpus, su.per_copy, params.restart_gap, su.budget
+    )
+    final = _noise_gate(base, chosen, w, var, su.n_gpus, params.noise_z)
+    return PlacementMap.from_phy2log(final, su.n_gpus, su.n_logical)
