@@ -56,7 +56,7 @@ import json
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
@@ -184,6 +184,15 @@ def detect(path: Path) -> str:
 
 
 # -- JSONL --------------------------------------------------------------------------------
+def _to_ns(v: float, ns_per_unit: int) -> int:
+    """``v`` units -> ns, exact for integers and without float overflow of precision for
+    large epoch-based values (whole units and the fraction are converted apart)."""
+    if isinstance(v, int):
+        return v * ns_per_unit
+    whole = math.floor(v)
+    return int(whole) * ns_per_unit + round((v - whole) * ns_per_unit)
+
+
 def _int_field(path: Path, line: int, row: Mapping[str, object], key: str) -> int:
     if key not in row:
         raise TraceError(path, f"missing field {key!r}", line=line)
@@ -201,9 +210,7 @@ def _ms_field(path: Path, line: int, row: Mapping[str, object], key: str) -> int
     v = row[key]
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         raise TraceError(path, f"field {key!r}: expected milliseconds, got {v!r}", line=line)
-    if isinstance(v, int):
-        return v * NS_PER_MS
-    return round(v * NS_PER_MS)
+    return _to_ns(v, NS_PER_MS)
 
 
 def _hash_ids(path: Path, line: int, row: Mapping[str, object]) -> tuple[int, ...]:
@@ -217,7 +224,10 @@ def _hash_ids(path: Path, line: int, row: Mapping[str, object]) -> tuple[int, ..
     return tuple(raw)
 
 
-def iter_jsonl(path: Path, *, limit: int | None = None) -> Iterator[tuple[int, int, int, tuple[int, ...]]]:
+JsonlRow = tuple[int, int, int, tuple[int, ...]]
+
+
+def iter_jsonl(path: Path, *, limit: int | None = None) -> Iterator[JsonlRow]:
     """Rows ``(arrival_ns, input_tokens, output_tokens, hash_ids)`` of a JSONL trace, in
     file order, arrivals not re-based; stops after ``limit`` rows."""
     n = 0
@@ -262,7 +272,7 @@ def azure_timestamp_ns(text: str) -> int:
     if m is None:
         raise ValueError(f"expected 'YYYY-MM-DD HH:MM:SS[.fraction][+HH:MM]', got {text!r}")
     day, clock, frac, zone = m.groups()
-    dt = datetime.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+    dt = datetime.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
     secs = int(dt.timestamp())
     if zone and zone != "Z":
         sign = -1 if zone[0] == "-" else 1
@@ -285,7 +295,9 @@ def _csv_int(path: Path, line: int, name: str, text: str) -> int:
     try:
         v = float(text)
     except ValueError:
-        raise TraceError(path, f"field {name!r}: expected a number, got {text!r}", line=line) from None
+        raise TraceError(
+            path, f"field {name!r}: expected a number, got {text!r}", line=line
+        ) from None
     if not math.isfinite(v) or v < 0:
         raise TraceError(path, f"field {name!r}: must be a number >= 0, got {text!r}", line=line)
     return int(v)
@@ -329,7 +341,7 @@ def iter_csv(
                             path, f"field {cols[0]!r}: expected seconds, got {row[it]!r}",
                             line=line,
                         )
-                    t = round(secs * NS_PER_S)
+                    t = _to_ns(secs, NS_PER_S)
                 yield (
                     t,
                     max(1, _csv_int(path, line, cols[1], row[ii])),
@@ -361,6 +373,11 @@ def _servegen_files(path: Path) -> list[tuple[int, Path]]:
             m = _CHUNK_RE.match(p.name)
             if m and m.group(2) == "dataset.json":
                 found.append((int(m.group(1)), p))
+            elif m and not (path / f"chunk-{m.group(1)}-dataset.json").exists():
+                raise TraceError(
+                    path / f"chunk-{m.group(1)}-dataset.json",
+                    f"missing: ServeGen client {m.group(1)} has a trace but no dataset",
+                )
         if not found:
             raise TraceError(
                 path, "directory holds no ServeGen 'chunk-N-dataset.json' / 'chunk-N-trace.csv'"
@@ -471,7 +488,7 @@ def read_trace(
         except (ValueError, SyntaxError, KeyError, IndexError) as exc:
             raise TraceError(path, f"ServeGen data: {exc}") from None
         return reqs[:limit] if limit is not None else reqs
-    rows: list[tuple[int, int, int, tuple[int, ...]]]
+    rows: list[JsonlRow]
     if kind in ("mooncake", "jsonl"):
         rows = list(iter_jsonl(path, limit=limit))
     else:
