@@ -68,10 +68,11 @@ def test_monotone_boundary_found_within_tolerance(boundary: float, start: float)
     assert res.lowest_failing / res.scale <= 1.05
     assert res.converged
     assert res.goodput_rps == pytest.approx(2.0 * res.scale)
-    # Bracketing takes the start plus floor(log_1.4(distance)) + 1 steps; bisecting a 1.4
-    # bracket to 5% takes three.
-    bracket = math.floor(abs(math.log(boundary / start)) / math.log(1.4)) + 2
-    assert len(ev.calls) == len(res.runs) <= bracket + 3
+    # Bracketing takes the start plus floor(log(distance)) + 1 steps of x1.4 up or /2 down;
+    # bisecting a 1.4 bracket to 5% takes three runs, a 2 bracket four.
+    step, bisect = (1.4, 3) if boundary >= start else (2.0, 4)
+    bracket = math.floor(abs(math.log(boundary / start)) / math.log(step)) + 2
+    assert len(ev.calls) == len(res.runs) <= bracket + bisect
     assert len(set(ev.calls)) == len(ev.calls)  # no scale run twice
 
 
@@ -170,3 +171,10 @@ def test_base_rate_is_one_over_the_mean_gap() -> None:
         G.base_rate([5])
     with pytest.raises(ValueError):
         G.base_rate([5, 5])
+
+
+def test_search_stops_at_the_lowest_scale() -> None:
+    ev = Recorder(lambda s: summary({"<16K": 50.0}))
+    res = G.search(ev, SLO, base_rps=1.0, start=1.0, min_scale=0.25, max_runs=8)
+    assert ev.calls == [1.0, 0.5, 0.25]
+    assert res.scale is None and res.lowest_failing == 0.25 and res.converged

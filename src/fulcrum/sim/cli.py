@@ -44,6 +44,9 @@ from fulcrum.sim.policies import get_policy_set, policy_sets
 from fulcrum.sim.report import format_table, plot_runs, summarize, to_json
 
 DEFAULT_POLICIES = "default,least_work,round_robin,random,least_requests,power_of_two,ideal"
+GOODPUT_POLICIES = "default,least_work,round_robin,random,least_requests,power_of_two"
+"""``--goodput`` default: the deployable policies (``ideal`` is a balance bound, not a
+policy a deployment can run; name it in ``--policies`` to search it too)."""
 
 
 def _floats(text: str) -> list[float]:
@@ -80,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", type=Path, help="cluster YAML (see --print-cluster)")
     p.add_argument("--print-cluster", action="store_true",
                    help="print the cluster in force as YAML and exit")
-    p.add_argument("--policies", default=DEFAULT_POLICIES,
-                   help=f"comma-separated policy sets (known: {', '.join(policy_sets())})")
+    p.add_argument("--policies", default=None,
+                   help=f"comma-separated policy sets (known: {', '.join(policy_sets())}; "
+                        f"default {DEFAULT_POLICIES}; with --goodput {GOODPUT_POLICIES})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start", type=float, default=0.0, help="trace window start (s)")
     p.add_argument("--duration", type=float, help="trace window length (s, before scaling)")
@@ -107,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fixed-load", type=float, default=0.5,
                    help="offered prefill load of the like-for-like latency run (default 0.5; "
                         "keep it below every policy's saturation)")
+    g.add_argument("--goodput-min-load", type=float, default=0.2,
+                   help="lowest offered prefill load searched (default 0.2); a policy failing "
+                        "there reports goodput 0 and the rate it failed at")
     g.add_argument("--slo-ttft", type=_floats, metavar="S,S,...",
                    help="TTFT p99 SLO per prefill tier, shortest tier first (s; default "
                         "2.5x the unloaded prefill time of the tier's longest prompt)")
@@ -159,6 +166,7 @@ class GoodputJob:
     base_rps: float
     base_load: float
     fixed_scale: float
+    min_scale: float
     max_runs: int
     rel_tol: float
 
@@ -195,12 +203,18 @@ def run_goodput(job: GoodputJob) -> dict[str, Any]:
     fixed = evaluate(job.fixed_scale)
     fixed_verdict = G.check(fixed, job.slo)
     res = G.search(evaluate, job.slo, base_rps=job.base_rps, start=job.fixed_scale,
+                   min_scale=min(job.min_scale, job.fixed_scale),
+                   max_scale=max(1e3, 100 * job.fixed_scale),
                    max_runs=job.max_runs, rel_tol=job.rel_tol)
     entry: dict[str, Any] = {
         "policy": job.policy,
         "goodput_rps": res.goodput_rps,
         "goodput_rate_scale": res.scale,
         "goodput_offered_load": None if res.scale is None else res.scale * job.base_load,
+        # Goodput lies below this rate (req/s): the lowest rate run that missed an SLO.
+        "fails_at_rps": None if res.lowest_failing is None else (
+            res.lowest_failing * job.base_rps
+        ),
     }
     entry.update(_figures(res.summary))
     entry["at_fixed_load"] = {
@@ -262,7 +276,10 @@ def _goodput_table(runs: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     for r in runs:
         fx = r["at_fixed_load"]["ttft_by_tier"] or {}
-        rows.append([r["policy"], f(r["goodput_rps"]), f(r["goodput_offered_load"]),
+        gp = f(r["goodput_rps"]) if r["goodput_rate_scale"] is not None else (
+            f"<{f(r['fails_at_rps'])}"
+        )
+        rows.append([r["policy"], gp, f(r["goodput_offered_load"]),
                      f(r["prefill_utilisation"]), f(r["decode_utilisation"]),
                      *[f(fx.get(t, {}).get("p99_s")) for t in tiers]])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
@@ -289,7 +306,7 @@ def main_goodput(args: argparse.Namespace, cluster: Cluster, names: list[str],
         GoodputJob(
             policy=name, cluster=cluster, requests=tuple(reqs), seed=args.seed,
             drain_s=args.drain, slo=slo, base_rps=base_rps, base_load=base_load,
-            fixed_scale=fixed_scale,
+            fixed_scale=fixed_scale, min_scale=args.goodput_min_load / base_load,
             max_runs=args.goodput_runs, rel_tol=args.goodput_tol,
         )
         for name in names
@@ -335,11 +352,15 @@ def main(argv: list[str]) -> int:
         if args.print_cluster:
             sys.stdout.write(dump_cluster(cluster))
             return 0
+        if args.policies is None:
+            args.policies = GOODPUT_POLICIES if args.goodput else DEFAULT_POLICIES
         names = [n.strip() for n in args.policies.split(",") if n.strip()]
         sets = [get_policy_set(n) for n in names]
         if args.goodput and (args.load is not None or args.rate_scale is not None):
             raise ValueError("--goodput: the search sets the rate; drop --load / --rate-scale "
                              "(--fixed-load sets the like-for-like run)")
+        if args.goodput and not 0 < args.goodput_min_load <= args.fixed_load:
+            raise ValueError("--goodput-min-load: must be in (0, --fixed-load]")
         if args.jobs < 1:
             raise ValueError(f"--jobs: must be >= 1, got {args.jobs}")
         reqs = load_trace(args)

@@ -20,7 +20,9 @@ gap). It is 0 when even the lowest scale searched fails.
 **Search** (:func:`search`): bracket, then bisect, on the rate scale in log space.
 Start at ``start`` (the CLI starts at its fixed-load run, offered prefill load 0.5 by
 default); while runs pass, multiply the scale by ``growth`` (1.4); while they fail,
-divide. Then bisect
+divide it by ``shrink`` (2), down to ``min_scale`` (the CLI: the scale of an offered
+load of 0.2; a run at a low rate is the dearest, since its arrivals span the longest
+virtual time). Then bisect
 (geometric mean) between the highest passing and the lowest failing scale until their
 ratio is at most ``1 + rel_tol`` (0.05) or ``max_runs`` (8) evaluations are spent: a
 bracket of 1.4 needs three bisections, so a goodput between 1x and 2.7x the start
@@ -40,10 +42,10 @@ significant digits. With the default cluster (cost model ``a = 2 ns/token^2``,
 ======== ===================== ===================
 tier     longest prompt, alone TTFT p99 SLO
 ======== ===================== ===================
-<16K     1.2 s (16K tokens)    3.0 s
-16K-64K  8.0 s (64K tokens)    20 s
-64K-256K 84 s (256K tokens)    210 s
->=256K   300 s (512K tokens)   760 s
+<16K     1.19 s (16K tokens)   3.0 s
+16K-64K  7.97 s (64K tokens)   20 s
+64K-256K 83.4 s (256K tokens)  210 s
+>=256K   304 s (512K tokens)   770 s
 ======== ===================== ===================
 
 TPOT p99 SLO: **0.1 s** per output token.
@@ -270,6 +272,7 @@ def search(
     base_rps: float,
     start: float = 1.0,
     growth: float = 1.4,
+    shrink: float = 2.0,
     rel_tol: float = 0.05,
     max_runs: int = 8,
     min_scale: float = 1e-3,
@@ -280,11 +283,13 @@ def search(
     ``evaluate(scale)`` runs the workload with arrivals at ``scale`` x the trace's rate and
     returns its summary (keys ``ttft_by_tier``, ``tpot_p99_s``, ``finished``,
     ``unfinished``). At most ``max_runs`` evaluations; each scale is evaluated once.
+    When even ``min_scale`` fails, ``scale`` is None, ``goodput_rps`` 0 and
+    ``lowest_failing`` says below which rate the goodput lies.
     """
     if not (base_rps > 0 and math.isfinite(base_rps)):
         raise ValueError(f"goodput: base_rps must be > 0, got {base_rps}")
-    if not growth > 1:
-        raise ValueError(f"goodput: growth must be > 1, got {growth}")
+    if not (growth > 1 and shrink > 1):
+        raise ValueError(f"goodput: growth and shrink must be > 1, got {growth}, {shrink}")
     if not rel_tol > 0:
         raise ValueError(f"goodput: rel_tol must be > 0, got {rel_tol}")
     if max_runs < 1:
@@ -317,7 +322,7 @@ def search(
     else:
         hi = s
         while len(runs) < max_runs and hi > min_scale:
-            s = max(hi / growth, min_scale)
+            s = max(hi / shrink, min_scale)
             if probe(s):
                 lo = s
                 break
