@@ -105,3 +105,22 @@ def test_help_names_where_builtin_traces_are(capsys: pytest.CaptureFixture[str])
     assert str(traces_dir()) in out
     for word in ("--goodput", "--fixed-load", "--slo-ttft", "BurstGPT", "ServeGen", "Azure"):
         assert word in out
+
+
+def test_one_engine_policy_is_bounded_by_the_short_tier_slo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The hand-made bad policy sends everything to one engine: the <16K tier's TTFT p99
+    # misses its SLO from the fixed load down to the lowest load searched, so its goodput
+    # is reported as 0 (below the rate it failed at), far under the default's.
+    trace = tiny_trace(tmp_path / "t.jsonl", n=60)
+    assert cli.main(["--trace", str(trace), "--goodput", "--json", "--quiet",
+                     "--policies", "default,one_engine", "--goodput-runs", "3",
+                     "--drain", "600"]) == 0
+    runs = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
+    bad, good = runs["one_engine"], runs["default"]
+    assert bad["goodput_rps"] == 0.0 and bad["goodput_rate_scale"] is None
+    assert bad["fails_at_rps"] < good["goodput_rps"]
+    assert all(not p["passed"] and any("TTFT p99 <16K" in m for m in p["misses"])
+               for p in bad["search"]["runs"])
+    assert not bad["at_fixed_load"]["slo_met"] and good["at_fixed_load"]["slo_met"]

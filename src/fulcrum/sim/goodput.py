@@ -32,6 +32,11 @@ passed, never an interpolation. The search assumes that the pass/fail outcome is
 monotone in the rate; where it is not, it still reports a verified passing scale, and
 lists every run it made (``GoodputResult.runs``).
 
+Use a window of thousands of requests (the CLI's ``--limit`` / ``--duration``): a finite
+trace played fast enough becomes one burst, and a burst of a few dozen requests clears
+within every SLO however fast it comes, so on a tiny trace the search runs out of budget
+while still passing (``converged`` false) and the figure says nothing.
+
 **Default SLOs** (:func:`default_slo`; every value configurable, see ``fulcrum simulate
 --slo-ttft / --slo-tpot``). A tier's TTFT SLO is **2.5 x the unloaded prefill time of
 the tier's longest fresh prompt** under the cluster's cost model (a prompt at the
