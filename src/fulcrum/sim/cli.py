@@ -111,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fixed-load", type=float, default=0.5,
                    help="offered prefill load of the like-for-like latency run (default 0.5; "
                         "keep it below every policy's saturation)")
-    g.add_argument("--goodput-min-load", type=float, default=0.2,
-                   help="lowest offered prefill load searched (default 0.2); a policy failing "
+    g.add_argument("--goodput-min-load", type=float, default=0.25,
+                   help="lowest offered prefill load searched (default 0.25); a policy failing "
                         "there reports goodput 0 and the rate it failed at")
     g.add_argument("--slo-ttft", type=_floats, metavar="S,S,...",
                    help="TTFT p99 SLO per prefill tier, shortest tier first (s; default "

@@ -20,13 +20,12 @@ gap). It is 0 when even the lowest scale searched fails.
 **Search** (:func:`search`): bracket, then bisect, on the rate scale in log space.
 Start at ``start`` (the CLI starts at its fixed-load run, offered prefill load 0.5 by
 default); while runs pass, multiply the scale by ``growth`` (1.4); while they fail,
-divide it by ``shrink`` (2), down to ``min_scale`` (the CLI: the scale of an offered
-load of 0.2; a run at a low rate is the dearest, since its arrivals span the longest
-virtual time). Then bisect
-(geometric mean) between the highest passing and the lowest failing scale until their
-ratio is at most ``1 + rel_tol`` (0.05) or ``max_runs`` (8) evaluations are spent: a
-bracket of 1.4 needs three bisections, so a goodput between 1x and 2.7x the start
-costs 5-7 runs. Deterministic
+divide it by ``shrink`` (2), down to ``min_scale`` (the CLI: an offered load of 0.25,
+half the fixed load; a run at a low rate is the dearest, since its arrivals span the
+longest virtual time). Then bisect (geometric mean) between the highest passing and
+the lowest failing scale until their ratio is at most ``1 + rel_tol`` (0.05) or
+``max_runs`` (8) evaluations are spent: a bracket of 1.4 needs three bisections, so a
+goodput between 1x and 2.7x the start costs 5-7 runs. Deterministic
 (the evaluations are seeded runs); the reported scale is always one that was run and
 passed, never an interpolation. The search assumes that the pass/fail outcome is
 monotone in the rate; where it is not, it still reports a verified passing scale, and
