@@ -153,6 +153,7 @@ BROKEN = [
     ("broken_header_only.csv", ["no request"]),
     ("broken-servegen-missing-field", ["chunk-0-dataset.json", "lacks field 'output_tokens'"]),
     ("broken-servegen-no-dataset", ["chunk-0-dataset.json", "missing"]),
+    ("broken-servegen-bad-dist", ["chunk-0-dataset.json", "'output_tokens'", "positive sum"]),
     ("no_such_file.jsonl", ["no such file"]),
 ]
 

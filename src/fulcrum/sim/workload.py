@@ -134,6 +134,8 @@ class Discrete:
             raise ValueError(f"distribution: expected a non-empty dict, got {text[:40]!r}")
         vals = tuple(int(v) for v in raw)
         total = float(sum(float(p) for p in raw.values()))
+        if not (total > 0 and math.isfinite(total)) or any(float(p) < 0 for p in raw.values()):
+            raise ValueError("distribution: probabilities must be >= 0 with a positive sum")
         probs = tuple(float(p) / total for p in raw.values())
         return Discrete(vals, probs)
 
@@ -209,7 +211,15 @@ def read_servegen_client(
             )
         if any(str(v[n]).strip() in ("{}", "") for n in names):
             continue
-        dists[int(k)] = {name: Discrete.parse(v[name]) for name in names}
+        parsed = {}
+        for name in names:
+            try:
+                parsed[name] = Discrete.parse(v[name])
+            except (ValueError, SyntaxError, TypeError) as exc:
+                raise ValueError(
+                    f"chunk-{chunk}-dataset.json: window {k}: field {name!r}: {exc}"
+                ) from None
+        dists[int(k)] = parsed
     return windows, dists
 
 
