@@ -186,7 +186,7 @@ def _figures(summary: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def run_goodput(job: GoodputJob) -> dict[str, Any]:
     """Goodput search and fixed-load run of one policy; a JSON-ready ``runs`` entry."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ps = get_policy_set(job.policy)
 
     done: dict[float, dict[str, Any]] = {}
@@ -227,6 +227,7 @@ def run_goodput(job: GoodputJob) -> dict[str, Any]:
     }
     entry["search"] = res.as_dict()
     entry["wall_s"] = time.perf_counter() - t0
+    entry["cpu_s"] = time.process_time() - c0
     return entry
 
 
@@ -235,7 +236,8 @@ def _run_jobs(jobs: Sequence[GoodputJob], workers: int, quiet: bool) -> list[dic
         if not quiet:
             sys.stderr.write(
                 f"  {e['policy']}: goodput {e['goodput_rps']:.3g} req/s "
-                f"({len(e['search']['runs'])} runs incl. the fixed load, {e['wall_s']:.1f} s)\n"
+                f"({len(e['search']['runs'])} runs incl. the fixed load, {e['wall_s']:.0f} s wall, "
+                f"{e['cpu_s']:.0f} s CPU)\n"
             )
 
     if workers <= 1 or len(jobs) <= 1:
