@@ -7,6 +7,7 @@ import pytest
 from fulcrum.sim.cluster import Cluster
 from fulcrum.sim.engine import simulate
 from fulcrum.sim.policies import get_policy_set
+from fulcrum.sim.report import summarize
 from fulcrum.sim.workload import Request
 
 MS = 1_000_000
@@ -136,3 +137,50 @@ def test_request_too_long_for_any_decode_gpu_is_counted() -> None:
     res = simulate(c, get_policy_set("default"), [req(0, 0, 100, out=60)], seed=0)
     assert res.decode_rejected == 1
     assert res.finish_ns.tolist() == res.first_token_ns.tolist()
+
+
+# -- yardsticks on hand-made policies -------------------------------------------------------
+
+
+def test_utilisation_counts_idle_engines() -> None:
+    # Two engines of one rank, two 1,000-token requests at t=0 (57e6 ns variable each).
+    # Round robin: one per engine, one step each of k + 57e6 = 62 ms -> useful 114e6 over
+    # 2 GPUs x 62 ms. The hand-made bad policy "one_engine" runs both on engine 0 in one
+    # step of k + 114e6 = 119 ms while engine 1 idles: 114e6 / (2 x 119e6).
+    c = tiny(prefill={"engines": 2, "ranks_per_engine": 1})
+    reqs = [req(0, 0, 1000), req(1, 0, 1000)]
+    rr = summarize(simulate(c, get_policy_set("round_robin"), reqs, seed=0))
+    one = summarize(simulate(c, get_policy_set("one_engine"), reqs, seed=0))
+    assert rr["prefill_utilisation"] == pytest.approx(114e6 / (2 * 62e6))
+    assert one["prefill_utilisation"] == pytest.approx(114e6 / (2 * 119e6))
+    # The old per-step balance ratio does not see the idle engine at all.
+    assert one["balance_ratio"] == pytest.approx(1.0)
+    assert one["prefill_utilisation"] < 0.5
+
+
+def test_more_steps_do_not_raise_utilisation() -> None:
+    # One 2,000-token request on one rank (useful work 4e6 + 112e6 = 116e6 ns): a 1 s
+    # budget takes one step of 121 ms; a 100 ms budget two steps (126 ms in all, see
+    # test_chunked_over_two_steps): the fixed cost k of the second step is not useful.
+    one = tiny(prefill={"ranks_per_engine": 1})
+    small = tiny(prefill={"ranks_per_engine": 1, "step_budget_ns": 100_000_000.0})
+    a = summarize(simulate(one, get_policy_set("default"), [req(0, 0, 2000)], seed=0))
+    b = summarize(simulate(small, get_policy_set("default"), [req(0, 0, 2000)], seed=0))
+    assert a["prefill_utilisation"] == pytest.approx(116e6 / 121e6)
+    assert b["prefill_utilisation"] == pytest.approx(116e6 / 126e6)
+    assert b["prefill_utilisation"] < a["prefill_utilisation"]
+
+
+def test_starved_requests_count_in_ttft_p99() -> None:
+    # The run ends (drain horizon) before the third request's prefill ends: its TTFT
+    # counts as the time until the run ended, so the tier's p99 shows the starvation
+    # instead of ignoring the request.
+    c = tiny(prefill={"ranks_per_engine": 1, "step_budget_ns": 100_000_000.0})
+    reqs = [req(0, 0, 100), req(1, 0, 100), req(2, 0, 60_000)]
+    res = simulate(c, get_policy_set("round_robin"), reqs, seed=0, drain_s=1.0)
+    s = summarize(res)
+    assert s["unfinished"] == 1 and s["finished"] == 2
+    tier = s["ttft_by_tier"]["16K-64K"]
+    assert tier["count"] == 1 and tier["finished"] == 0
+    assert tier["p99_s"] == pytest.approx(res.end_ns / 1e9)
+    assert s["ttft_by_tier"]["<16K"]["p99_s"] <= 0.1 + 1e-9

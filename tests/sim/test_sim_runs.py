@@ -50,12 +50,17 @@ def test_every_policy_set_completes_everything() -> None:
     for ps in policy_sets().values():
         res = simulate(SMALL, ps, reqs, seed=1)
         s = summarize(res)
-        assert s["completed"] == s["requests"] == len(reqs), ps.name
-        assert 0.0 < s["prefill_fraction"] <= 1.0 + 1e-9
-        assert 0.0 < s["decode_fraction"] <= 1.0 + 1e-9
+        assert s["finished"] == s["requests"] == len(reqs), ps.name
+        assert s["unfinished"] == 0
+        assert 0.0 < s["balance_ratio"] <= 1.0 + 1e-9
+        assert 0.0 < s["decode_balance_ratio"] <= 1.0 + 1e-9
+        assert 0.0 < s["prefill_utilisation"] <= 1.0 + 1e-9
+        assert 0.0 < s["decode_utilisation"] <= 1.0 + 1e-9
+        counts = sum(t["count"] for t in s["ttft_by_tier"].values())
+        assert counts == len(reqs)
         sums.append(s)
     table = format_table(sums)
-    assert "throughput fraction of ideal" in table and "round_robin" in table
+    assert "prefill utilisation" in table and "round_robin" in table
 
 
 @settings(max_examples=12)
@@ -87,7 +92,12 @@ def test_invariants(rows: list[tuple[int, int, int, int]], policy: str) -> None:
         gap = tot.actual_ns - tot.ideal_ns
         assert sum(parts) == pytest.approx(gap, rel=1e-9, abs=1e-3)
     s = summarize(res)
-    assert sum(s["loss"].values()) == pytest.approx(1.0 - s["fraction"], abs=1e-9)
+    lo = s["loss"]
+    prefill_parts = sum(v for k, v in lo.items() if k.startswith("prefill_"))
+    decode_parts = lo["decode_imbalance"] + lo["decode_moe"]
+    assert prefill_parts == pytest.approx(1.0 - s["balance_ratio"], abs=1e-9)
+    assert decode_parts == pytest.approx(1.0 - s["decode_balance_ratio"], abs=1e-9)
+    assert 0.0 <= s["prefill_utilisation"] <= 1.0 + 1e-9
     if policy == "ideal":
         assert not any(s["loss"].values())
 
@@ -163,7 +173,7 @@ def test_cli_plots_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     rc = main(["--trace", "synthetic", "--duration", "30", "--limit", "60", "--policies",
                "default", "--load", "0.5", "--quiet", "--out", str(tmp_path)])
     assert rc == 0
-    assert "fraction of ideal" in capsys.readouterr().out
+    assert "prefill utilisation" in capsys.readouterr().out
     for name in ("ttft_cdf.png", "imbalance.png", "moe_lb.png", "summary.json"):
         assert (tmp_path / name).stat().st_size > 0
     assert main(["--trace", "nope", "--quiet"]) == 2

@@ -1,20 +1,32 @@
-"""Load-blind and count-based baselines, for decisions where the core has no such policy.
+"""Push-router baselines, and count-based rules where the core has no such policy.
 
 The simulator prefers the core's own modules: decode ``round_robin``, ``least_requests``
-and ``power_of_two`` and VE ``power_of_two`` come from ``fulcrum.core``. This module only
+and ``power_of_two`` and VE ``power_of_two`` come from ``fulcrum.core``. This module
 covers what the core does not register -- the prefill rank choice of a conventional
 push router (no tiers, no pull), decode ``random``, and VE ``round_robin``, ``random``
-and ``least_requests`` -- with the textbook rules over a per-target count array
-``counts`` (shape (n,), int64: requests or images in flight):
+and ``least_requests`` -- with the textbook rules over a per-target array ``counts``
+(shape (n,): requests or images in flight, or outstanding predicted ns):
 
 * ``round_robin``: target ``cursor % n``; the cursor advances by one.
 * ``random``: uniform target (one ``rng.integers(n)`` draw).
-* ``least_requests``: smallest count; ties to the lowest index.
+* ``least_requests``: fewest requests; ties to the lowest index.
 * ``power_of_two``: two distinct uniform targets, the smaller count wins (ties: first).
+* ``least_work``: least outstanding predicted prefill work (ns), as SGLang's token-based
+  and llm-d's load scorers do (prefill only; elsewhere it means ``least_requests``).
+* ``one_engine``: everything to the first engine's ranks (least requests among them) --
+  a deliberately bad policy that idles every other engine, kept to check that a
+  yardstick does not reward it (prefill only; elsewhere ``least_requests``).
+
+A push router does not see the engines' queues. :class:`PushRouter` gives it what a real
+one has: its own assignments plus load reports (per DP rank: requests and outstanding
+predicted ns) that each engine sends after every step and that reach the router
+``staleness_ns`` later (default 50 ms). A pulling engine needs no report: it knows its
+own queue exactly.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Final
 
 import numpy as np
@@ -24,11 +36,18 @@ ROUND_ROBIN: Final = "round_robin"
 RANDOM: Final = "random"
 LEAST_REQUESTS: Final = "least_requests"
 POWER_OF_TWO: Final = "power_of_two"
-NAMES: Final = (ROUND_ROBIN, RANDOM, LEAST_REQUESTS, POWER_OF_TWO)
+LEAST_WORK: Final = "least_work"
+ONE_ENGINE: Final = "one_engine"
+NAMES: Final = (ROUND_ROBIN, RANDOM, LEAST_REQUESTS, POWER_OF_TWO, LEAST_WORK, ONE_ENGINE)
+"""Every baseline name (prefill push routers)."""
+
+DEFAULT_STALENESS_NS: Final = 50_000_000
+"""Default age of the load reports a push router sees (ns): 50 ms."""
 
 
 def choose(
-    name: str, counts: npt.NDArray[np.int64], rng: np.random.Generator, cursor: int
+    name: str, counts: npt.NDArray[np.int64] | npt.NDArray[np.float64],
+    rng: np.random.Generator, cursor: int,
 ) -> tuple[int, int]:
     """Target index and next cursor under baseline ``name`` (see module docstring)."""
     n = int(counts.shape[0])
@@ -39,7 +58,7 @@ def choose(
         return i, (i + 1) % n
     if name == RANDOM:
         return int(rng.integers(n)), cursor
-    if name == LEAST_REQUESTS:
+    if name in (LEAST_REQUESTS, LEAST_WORK, ONE_ENGINE):
         return int(counts.argmin()), cursor
     if name == POWER_OF_TWO:
         if n == 1:
@@ -50,3 +69,95 @@ def choose(
             b += 1
         return (b if counts[b] < counts[a] else a), cursor
     raise ValueError(f"baseline: unknown name {name!r} (known: {', '.join(NAMES)})")
+
+
+class PushRouter:
+    """A push router's rank choice over ``engines x ranks`` DP ranks, with stale reports.
+
+    The router's view of a rank is the rank's last report that is at least
+    ``staleness_ns`` old (requests, outstanding ns) plus what the router itself sent to
+    the rank since that report was taken. Reports are given by :meth:`report` as the
+    engines take them; :meth:`route` returns the global rank index ``e * ranks + r``.
+    """
+
+    __slots__ = (
+        "_cursor",
+        "_pending",
+        "_reports",
+        "_rng",
+        "_seen",
+        "n_ranks",
+        "name",
+        "ranks",
+        "staleness_ns",
+    )
+
+    def __init__(
+        self, name: str, engines: int, ranks: int, rng: np.random.Generator,
+        staleness_ns: int = DEFAULT_STALENESS_NS,
+    ) -> None:
+        if name not in NAMES:
+            raise ValueError(f"prefill: unknown policy {name!r} (known: {', '.join(NAMES)})")
+        if staleness_ns < 0:
+            raise ValueError(f"staleness_ns: must be >= 0, got {staleness_ns}")
+        self.name = name
+        self.ranks = ranks
+        self.n_ranks = engines * ranks
+        self.staleness_ns = staleness_ns
+        self._rng = rng
+        self._cursor = 0
+        # Per engine: reports (t, requests per rank, ns per rank) not yet visible, and
+        # the one in force; the router's own sends since the report in force.
+        self._reports: list[deque[tuple[int, npt.NDArray[np.int64],
+                                        npt.NDArray[np.float64]]]] = [
+            deque() for _ in range(engines)
+        ]
+        self._seen: list[tuple[int, npt.NDArray[np.int64], npt.NDArray[np.float64]]] = [
+            (-1, np.zeros(ranks, dtype=np.int64), np.zeros(ranks)) for _ in range(engines)
+        ]
+        self._pending: list[deque[tuple[int, int, float]]] = [deque() for _ in range(engines)]
+
+    def report(self, now_ns: int, engine: int, requests: npt.ArrayLike,
+               work_ns: npt.ArrayLike) -> None:
+        """Engine ``engine`` reports, at ``now_ns``, its ranks' requests and work (ns)."""
+        self._reports[engine].append((
+            now_ns, np.asarray(requests, dtype=np.int64).copy(),
+            np.asarray(work_ns, dtype=np.float64).copy(),
+        ))
+
+    def _view(self, now_ns: int, engine: int) -> tuple[npt.NDArray[np.int64],
+                                                       npt.NDArray[np.float64]]:
+        visible = now_ns - self.staleness_ns
+        reps = self._reports[engine]
+        while reps and reps[0][0] <= visible:
+            self._seen[engine] = reps.popleft()
+        t_seen, reqs, work = self._seen[engine]
+        reqs = reqs.copy()
+        work = work.copy()
+        pend = self._pending[engine]
+        while pend and pend[0][0] <= t_seen:
+            pend.popleft()  # already counted in the report in force
+        for _, r, cost in pend:
+            reqs[r] += 1
+            work[r] += cost
+        return reqs, work
+
+    def route(self, now_ns: int, cost_ns: float) -> int:
+        """The global DP rank for a request of predicted ``cost_ns`` arriving at ``now_ns``."""
+        engines = len(self._reports)
+        if self.name in (ROUND_ROBIN, RANDOM):
+            i, self._cursor = choose(self.name, np.zeros(self.n_ranks, dtype=np.int64),
+                                     self._rng, self._cursor)
+        else:
+            views = [self._view(now_ns, e) for e in range(engines)]
+            if self.name == ONE_ENGINE:
+                views = views[:1]
+            if self.name == LEAST_WORK:
+                arr: npt.NDArray[np.int64] | npt.NDArray[np.float64] = np.concatenate(
+                    [w for _, w in views])
+            else:
+                arr = np.concatenate([q for q, _ in views])
+            i, self._cursor = choose(self.name, arr, self._rng, self._cursor)
+        e, r = divmod(i, self.ranks)
+        self._pending[e].append((now_ns, r, float(cost_ns)))
+        return i

@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.core.prefill.chunks import DEFAULT_FLOOR_FRACTION
+from fulcrum.sim.baselines import DEFAULT_STALENESS_NS
 
 #: The daemon's prefill defaults: the simulator models the same balancer, not a copy.
 _DAEMON = PrefillSettings()
@@ -75,7 +76,7 @@ class PrefillCluster(_Section):
     hysteresis: float = Field(_DAEMON.hysteresis, ge=0)
     backlog_rounds: float = Field(_DAEMON.backlog_rounds, ge=1)
     moe_fraction: float = Field(0.6, ge=0, le=1)
-    baseline_chunk_tokens: int = Field(8_192, ge=1)
+    report_staleness_s: float = Field(DEFAULT_STALENESS_NS / 1e9, ge=0)
 
     @model_validator(mode="after")
     def _tiers(self) -> PrefillCluster:

@@ -109,10 +109,15 @@ class StageTotals:
     drained_ns: float = 0.0
     short_ns: float = 0.0
     moe_ns: float = 0.0
+    #: Useful compute (ns x GPUs): the work done, at the cost model WITHOUT the fixed
+    #: per-step cost (prefill: the chunks' variable costs; decode: ``d1*conc + d2*kv``
+    #: per GPU and step). It does not depend on how the work is split into steps.
+    useful_ns: float = 0.0
 
     @property
     def fraction(self) -> float:
-        """Ideal / actual time: throughput as a fraction of ideal (1.0 when no step ran)."""
+        """Ideal / actual time over the steps that ran (1.0 when none did): the per-step
+        balance ratio, a diagnostic only (engines that never step are not counted)."""
         return self.ideal_ns / self.actual_ns if self.actual_ns > 0 else 1.0
 
 
@@ -148,6 +153,24 @@ class SimResult:
     eplb_rebalances: int
     window_ns: tuple[int, int] = (0, 0)
     decode_rejected: int = 0
+    start_ns: int = 0
+
+    @property
+    def span_ns(self) -> int:
+        """Length of the run (ns): first arrival to the last event (or the drain horizon)."""
+        return max(0, self.end_ns - self.start_ns)
+
+    @property
+    def prefill_utilisation(self) -> float:
+        """Useful prefill compute / (prefill GPUs x run span): idle engines count."""
+        span = self.span_ns * self.prefill_gpus
+        return self.prefill.useful_ns / span if span > 0 else 0.0
+
+    @property
+    def decode_utilisation(self) -> float:
+        """Useful decode compute / (decode GPUs x run span): idle instances count."""
+        span = self.span_ns * self.decode_gpus
+        return self.decode.useful_ns / span if span > 0 else 0.0
 
     @property
     def prefill_capacity_fraction(self) -> float:
@@ -232,9 +255,10 @@ class Simulator:
         self.horizon = [int(h * 1e9) for h in p.horizon_s]
         self.batch_cap = [int(c * 1e9) for c in p.batch_cap_s]
         self.fulcrum_prefill = policy.prefill == FULCRUM
-        if not self.fulcrum_prefill and policy.prefill not in baselines.NAMES:
-            raise ValueError(f"prefill: unknown policy {policy.prefill!r}")
-        self.rank_cursor = 0
+        self.router = None if self.fulcrum_prefill else baselines.PushRouter(
+            policy.prefill, p.engines, p.ranks_per_engine, r_route,
+            staleness_ns=int(p.report_staleness_s * 1e9),
+        )
         # Warm start: the first split uses the first round's demand (a deployed system has
         # history); without it every tier would start with an even share of the engines.
         warm = np.zeros(self.n_tiers)
@@ -243,20 +267,16 @@ class Simulator:
             if r.arrival_ns >= first + round_ns:
                 break
             t = core_tiers.tier_of(r.input_tokens, self.bounds)
-            warm[t] += self.model.cost(r.input_tokens, 0) - self.model.k
+            warm[t] += self.model.cost(r.input_tokens, 0)
         counts = core_tiers.allocate(p.engines, warm)
         self.engine_ids = [f"e{i:03d}" for i in range(p.engines)]
         assign = core_tiers.assign_engines(self.engine_ids, {}, counts)
         self.engine_tier = {e: t for e, t in assign.tiers.items()}
         self.tier_counts = counts
+        # Every policy runs the same engine-side chunk planner (time budget, chunk cap).
         self.step_limit = p.step_budget_ns
         self.step_floor = p.step_budget_ns * p.step_floor_fraction
-        if self.fulcrum_prefill:
-            self.budgets = [p.step_budget_ns] * p.ranks_per_engine
-            self.chunk_cap = p.max_chunk_tokens
-        else:
-            self.budgets = [math.inf] * p.ranks_per_engine
-            self.chunk_cap = p.baseline_chunk_tokens
+        self.chunk_cap = p.max_chunk_tokens
 
         # -- decode ------------------------------------------------------------------------
         g = d.n_gpus
@@ -363,7 +383,7 @@ class Simulator:
         c0 = self.cache.lookup_and_insert(r.hash_ids, r.input_tokens)
         self.cached[rid] = c0
         q = r.input_tokens - c0
-        self.quota[rid] = max(0, math.ceil(self.model.cost(q, c0) - self.model.k))
+        self.quota[rid] = max(0, math.ceil(self.model.cost(q, c0)))
         if r.image_patches:
             self.images_left[rid] = len(r.image_patches)
             for patches in r.image_patches:
@@ -412,9 +432,8 @@ class Simulator:
                 self._rebalance(orphan=True)  # work for a tier with no engine: at once
             self._pull(t)
         else:
-            rank, self.rank_cursor = baselines.choose(
-                self.policy.prefill, self.rank_reqs, self.rng_route, self.rank_cursor
-            )
+            assert self.router is not None
+            rank = self.router.route(self.now, self.quota[rid])
             e, r = divmod(rank, self.n_ranks)
             self._enqueue(e, r, rid)
             self._kick_engine(e)
@@ -480,11 +499,8 @@ class Simulator:
                 if need >= cap:
                     break
             heads.append(head)
-        budgets = (
-            core_chunks.rank_budgets(queues, self.step_limit, self.model,
-                                     floor_ns=self.step_floor)
-            if self.fulcrum_prefill else self.budgets
-        )
+        budgets = core_chunks.rank_budgets(queues, self.step_limit, self.model,
+                                           floor_ns=self.step_floor)
         plan = core_chunks.plan_step(heads, budgets, self.model, cap=cap)
         costs = plan.cost_ns
         tokens = sum(plan.tokens)
@@ -514,6 +530,7 @@ class Simulator:
                 else:
                     tot.short_ns += mx - cost
         tot.tokens += tokens
+        tot.useful_ns += sum(ch.cost_ns for chs in plan.chunks for ch in chs)
         if self.window[0] <= self.now < self.window[1]:
             tot.window_ideal_ns += mean * r
         if mean > 0:
@@ -534,6 +551,7 @@ class Simulator:
                 task = q.popleft()
                 self.rank_load[e][r] -= ch.cost_ns
                 if ch.last:
+                    self.rank_load[e][r] -= self.model.k  # a request's quota holds one k
                     finished.append(int(task.request_id))
                     self.rank_reqs[e * self.n_ranks + r] -= 1
                 else:
@@ -543,6 +561,10 @@ class Simulator:
             if not q:
                 self.rank_load[e][r] = 0.0  # clear float drift
         self.engine_busy[e] = False
+        if self.router is not None:
+            r0 = e * self.n_ranks
+            self.router.report(self.now, e, self.rank_reqs[r0:r0 + self.n_ranks],
+                               self.rank_load[e])
         for rid in finished:
             self.first_tok[rid] = self.now
             self._decode_admit(rid)
@@ -647,6 +669,7 @@ class Simulator:
             tot.moe_ns += (dur - d.d0_ns - mx_load) * self.gpi
             tot.drained_ns += (mx_load - mean_load) * self.gpi
         tot.tokens += tokens
+        tot.useful_ns += mean_load * self.gpi
         if mean_load > 0:
             self.s_dimb.add(self.now, mx_load / mean_load)
         self.s_dlb.add(self.now, lb, float(tokens))
@@ -706,6 +729,7 @@ class Simulator:
             eplb_rebalances=sum(g.rebalances for g in self.eplb_prefill + self.eplb_decode),
             window_ns=self.window,
             decode_rejected=self.decode_rejected,
+            start_ns=int(self.arrival[0]) if self.n else 0,
         )
 
 

@@ -11,11 +11,13 @@ A :class:`PolicySet` names one choice per balancer. ``default`` is Fulcrum as de
 
 Each baseline replaces every routing decision with one rule: prefill as a conventional
 push router (no tiers, no pull: each request goes on arrival to a DP rank of any engine
-chosen by the rule over queued requests, and chunks are a fixed ``baseline_chunk_tokens``
-tokens per rank per step, planned by the same core planner with an unbounded time
-budget); decode and VE by the core policy of that name when the core registers one, else
-by :mod:`fulcrum.sim.baselines`. EPLB stays the default policy in every set, so the
-columns differ only by routing (EPLB alone is compared by ``eplb`` sets).
+chosen by the rule over the router's view of the ranks -- its own sends plus engine load
+reports ``report_staleness_s`` old, :class:`fulcrum.sim.baselines.PushRouter`); decode
+and VE by the core policy of that name when the core registers one, else by
+:mod:`fulcrum.sim.baselines`. Every policy, baselines included, runs the same
+engine-side chunk planner (time budget with the MIN of the ranks' budgets, chunk cap)
+and the same cost model: only the routing differs. EPLB stays the default policy in
+every set, so the columns differ only by routing (EPLB alone is compared by ``eplb`` sets).
 
 ``ideal`` runs the default decisions but every step lasts its perfectly balanced time
 (total work / ranks, moe_lb = 1): the denominator of "fraction of ideal".

@@ -1,28 +1,40 @@
 """Summaries of simulator runs: figures, a side-by-side table, JSON, PNG plots.
 
-Figures of one run (:func:`summarize`):
+The yardsticks (what a user buys) of one run (:func:`summarize`):
 
-* ``ttft_p50_s`` / ``ttft_p99_s`` per tier (tiers by total input length, the prefill
-  tiers' bounds), from arrival to the first token (VE time included);
-* ``tpot_p50_ms`` / ``tpot_p99_ms``: time per output token after the first;
+* ``prefill_utilisation`` / ``decode_utilisation``: useful compute over all GPU-seconds
+  of the stage during the run (first arrival to the last event; idle engines and
+  instances included). Useful prefill compute is the cost model WITHOUT the fixed
+  per-step cost ``k`` (so more steps never raise it); useful decode compute is
+  ``d1*conc + d2*kv`` per GPU and step (without ``d0``). The two are never blended.
+* ``ttft_by_tier``: ``{tier name: {"p50_s", "p99_s", "count", "finished"}}`` -- TTFT
+  from arrival to the first token (VE time included); a request without a first token
+  counts with its time until the run ended (a lower bound, so a starved tier shows);
+* ``tpot_p50_s`` / ``tpot_p99_s``: time per output token after the first, over
+  finished requests of more than one output token (seconds);
+* ``finished`` / ``unfinished``: requests finished / not finished when the run ended.
+
+Diagnostics:
+
+* ``balance_ratio`` (prefill) and ``decode_balance_ratio``: sum of the steps' ideal
+  (perfectly balanced) time / sum of their actual time -- the old "fraction of ideal".
+  Engines that never step are not counted, so it must not be read as throughput;
+* ``loss``: where the gap to the balanced step goes, as a share of the stage's actual
+  GPU time (prefill shares add up to ``1 - balance_ratio``, decode shares to
+  ``1 - decode_balance_ratio``): prefill GPUs waiting for their group's slowest rank
+  with no work in the step (``prefill_idle_rank``), after all their work ended
+  (``prefill_drained_rank``) or although work was left (``prefill_short_rank``: chunk
+  cap, budget rounding); the MoE stretch (``prefill_moe``, ``decode_moe``); decode GPUs
+  waiting for their instance's slowest (``decode_imbalance``);
 * ``prefill_imbalance`` / ``decode_imbalance``: mean over steps of max/mean over the
-  group's ranks of the step's work (prefill: the rank's predicted cost; decode: the
-  GPU's ``d1*conc + d2*kv``); ``ve_imbalance``: mean over placements of max/mean patches
-  in flight over VE GPUs;
-* ``prefill_moe_lb`` / ``decode_moe_lb``: mean moe_lb over steps, weighted by the
-  step's tokens (a step of a few tokens has a noisy but cheap MoE phase);
-* ``prefill_fraction`` / ``decode_fraction``: sum of the steps' ideal (perfectly balanced)
-  time / sum of their actual time, i.e. throughput as a fraction of ideal for the same
-  work; ``fraction``: the same over both stages, weighted by GPUs (GPU-seconds);
+  group's ranks of the step's work; ``ve_imbalance``: mean over placements of max/mean
+  patches in flight over VE GPUs; ``prefill_moe_lb`` / ``decode_moe_lb``: mean moe_lb
+  over steps, weighted by the step's tokens;
 * ``prefill_capacity_fraction``: balanced prefill work done while requests kept
-  arriving / (prefill GPUs x that time): under overload, throughput as a fraction of an
-  ideal fleet that also counts idle engines (tier fragmentation) as lost;
-* ``loss``: where the gap to ideal goes, each as a share of the run's actual GPU time
-  (the shares add up to ``1 - fraction``): prefill GPUs waiting for their group's
-  slowest rank with no work in the step (``prefill_idle_rank``), after all their work
-  ended (``prefill_drained_rank``) or although work was left (``prefill_short_rank``:
-  chunk cap, budget rounding); the MoE stretch (``prefill_moe``, ``decode_moe``); decode
-  GPUs waiting for their instance's slowest (``decode_imbalance``).
+  arriving / (prefill GPUs x that time).
+
+``ttft`` (per tier ``requests``, ``ttft_p50_s``, ``ttft_p99_s`` over finished requests
+only), ``completed``, ``tpot_p50_ms`` / ``tpot_p99_ms`` are kept for older readers.
 """
 
 from __future__ import annotations
@@ -45,60 +57,95 @@ def _pct(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q))
 
 
+def _tier_index(res: SimResult) -> np.ndarray:
+    return np.searchsorted(np.asarray(res.tier_bounds), res.input_tokens, side="right")
+
+
+def ttft_seconds(res: SimResult) -> np.ndarray:
+    """TTFT of every request (s), shape (n,); unfinished ones until the run's end."""
+    first = np.where(res.first_token_ns >= 0, res.first_token_ns, res.end_ns)
+    out: np.ndarray = np.maximum(0, first - res.arrival_ns) / 1e9
+    return out
+
+
 def summarize(res: SimResult) -> dict[str, Any]:
-    """Headline figures of one run (see module docstring); JSON-ready."""
+    """Headline figures of one run (see module docstring for every key); JSON-ready.
+
+    Keys read by the goodput search: ``prefill_utilisation``, ``decode_utilisation``,
+    ``ttft_by_tier`` (``{tier: {"p50_s", "p99_s", "count", "finished"}}``),
+    ``tpot_p50_s``, ``tpot_p99_s``, ``finished``, ``unfinished``, ``balance_ratio``.
+    """
     done = res.first_token_ns >= 0
+    ttft_all = ttft_seconds(res)
     ttft = (res.first_token_ns - res.arrival_ns) / 1e9
-    tiers = np.searchsorted(np.asarray(res.tier_bounds), res.input_tokens, side="right")
+    tiers = _tier_index(res)
     per_tier: dict[str, dict[str, Any]] = {}
+    by_tier: dict[str, dict[str, Any]] = {}
     for t in range(len(res.tier_bounds) + 1):
-        sel = done & (tiers == t)
-        total = int((tiers == t).sum())
+        in_tier = tiers == t
+        total = int(in_tier.sum())
         if total == 0:
             continue
-        vals = ttft[sel]
-        per_tier[tier_label(res.tier_bounds, t)] = {
+        label = tier_label(res.tier_bounds, t)
+        vals = ttft[done & in_tier]
+        per_tier[label] = {
             "requests": total,
             "ttft_p50_s": _pct(vals, 50),
             "ttft_p99_s": _pct(vals, 99),
         }
+        every = ttft_all[in_tier]
+        by_tier[label] = {
+            "p50_s": _pct(every, 50),
+            "p99_s": _pct(every, 99),
+            "count": total,
+            "finished": int((done & in_tier).sum()),
+        }
     multi = (res.finish_ns >= 0) & (res.output_tokens > 1)
     tpot = (res.finish_ns[multi] - res.first_token_ns[multi]) / (
         res.output_tokens[multi] - 1
-    ) / 1e6
+    ) / 1e9
     p, d = res.prefill, res.decode
-    wp, wd = res.prefill_gpus, res.decode_gpus
-    # Stage totals are already GPU-weighted (ns x GPUs).
-    actual = p.actual_ns + d.actual_ns
-    fraction = (p.ideal_ns + d.ideal_ns) / actual if actual > 0 else 1.0
-    del wp, wd
+    finished = int((res.finish_ns >= 0).sum())
+
+    def share(x: float, tot: float) -> float:
+        return x / tot if tot > 0 else 0.0
+
+    tpot_p50 = _pct(tpot, 50)
+    tpot_p99 = _pct(tpot, 99)
     return {
         "policy": res.policy,
         "seed": res.seed,
         "requests": int(res.arrival_ns.size),
-        "completed": int((res.finish_ns >= 0).sum()),
+        "finished": finished,
+        "unfinished": int(res.arrival_ns.size) - finished,
+        "completed": finished,
         "decode_rejected": res.decode_rejected,
         "virtual_s": res.end_ns / 1e9,
+        "span_s": res.span_ns / 1e9,
         "cache_hit_ratio": res.cache_hit_ratio,
+        "prefill_utilisation": res.prefill_utilisation,
+        "decode_utilisation": res.decode_utilisation,
+        "ttft_by_tier": by_tier,
         "ttft": per_tier,
-        "tpot_p50_ms": _pct(tpot, 50),
-        "tpot_p99_ms": _pct(tpot, 99),
+        "tpot_p50_s": tpot_p50,
+        "tpot_p99_s": tpot_p99,
+        "tpot_p50_ms": None if tpot_p50 is None else tpot_p50 * 1e3,
+        "tpot_p99_ms": None if tpot_p99 is None else tpot_p99 * 1e3,
+        "balance_ratio": p.fraction,
+        "decode_balance_ratio": d.fraction,
         "prefill_imbalance": res.prefill_imbalance.mean(),
         "decode_imbalance": res.decode_imbalance.mean(),
         "ve_imbalance": res.ve_imbalance.mean(),
         "prefill_moe_lb": res.prefill_moe_lb.mean(),
         "decode_moe_lb": res.decode_moe_lb.mean(),
-        "prefill_fraction": p.fraction,
-        "decode_fraction": d.fraction,
-        "fraction": fraction,
         "prefill_capacity_fraction": res.prefill_capacity_fraction,
         "loss": {
-            "prefill_idle_rank": p.idle_ns / actual if actual > 0 else 0.0,
-            "prefill_drained_rank": p.drained_ns / actual if actual > 0 else 0.0,
-            "prefill_short_rank": p.short_ns / actual if actual > 0 else 0.0,
-            "prefill_moe": p.moe_ns / actual if actual > 0 else 0.0,
-            "decode_imbalance": d.drained_ns / actual if actual > 0 else 0.0,
-            "decode_moe": d.moe_ns / actual if actual > 0 else 0.0,
+            "prefill_idle_rank": share(p.idle_ns, p.actual_ns),
+            "prefill_drained_rank": share(p.drained_ns, p.actual_ns),
+            "prefill_short_rank": share(p.short_ns, p.actual_ns),
+            "prefill_moe": share(p.moe_ns, p.actual_ns),
+            "decode_imbalance": share(d.drained_ns, d.actual_ns),
+            "decode_moe": share(d.moe_ns, d.actual_ns),
         },
         "prefill_steps": p.steps,
         "decode_steps": d.steps,
@@ -120,31 +167,32 @@ def table_rows(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, list[str]
     """Rows (label, one cell per run) of the side-by-side table."""
     tiers: list[str] = []
     for s in summaries:
-        for t in s["ttft"]:
+        for t in s["ttft_by_tier"]:
             if t not in tiers:
                 tiers.append(t)
     rows: list[tuple[str, list[str]]] = [
-        ("completed", [f"{s['completed']}/{s['requests']}" for s in summaries]),
+        ("finished", [f"{s['finished']}/{s['requests']}" for s in summaries]),
     ]
     for t in tiers:
-        for key, name in (("ttft_p50_s", "p50"), ("ttft_p99_s", "p99")):
+        for key, name in (("p50_s", "p50"), ("p99_s", "p99")):
             rows.append(
                 (
                     f"TTFT {name} {t} (s)",
-                    [_fmt(s["ttft"].get(t, {}).get(key), 2) for s in summaries],
+                    [_fmt(s["ttft_by_tier"].get(t, {}).get(key), 2) for s in summaries],
                 )
             )
     spec = (
         ("TPOT p50 (ms)", "tpot_p50_ms", 1),
         ("TPOT p99 (ms)", "tpot_p99_ms", 1),
+        ("prefill utilisation", "prefill_utilisation", 3),
+        ("decode utilisation", "decode_utilisation", 3),
         ("prefill imbalance", "prefill_imbalance", 3),
         ("decode imbalance", "decode_imbalance", 3),
         ("VE imbalance", "ve_imbalance", 3),
         ("prefill moe_lb", "prefill_moe_lb", 3),
         ("decode moe_lb", "decode_moe_lb", 3),
-        ("prefill fraction of ideal", "prefill_fraction", 3),
-        ("decode fraction of ideal", "decode_fraction", 3),
-        ("throughput fraction of ideal", "fraction", 3),
+        ("prefill balance ratio (diag.)", "balance_ratio", 3),
+        ("decode balance ratio (diag.)", "decode_balance_ratio", 3),
         ("prefill capacity fraction", "prefill_capacity_fraction", 3),
     )
     for label, key, digits in spec:

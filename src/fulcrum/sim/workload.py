@@ -11,9 +11,12 @@ Readers (all deterministic; random sampling takes a ``numpy.random.Generator``):
   ``output_length``, ``hash_ids``);
 * :func:`read_azure` -- Azure LLM inference CSV (``TIMESTAMP``, ``ContextTokens``,
   ``GeneratedTokens``); no prefix information, so no cache hits;
-* :func:`servegen_requests` -- ServeGen multimodal client distributions (per ten-minute
-  window: rate and inter-arrival shape; per six hours: distributions of text tokens,
-  images per request, tokens per image, output tokens);
+* :func:`servegen_requests` -- ServeGen client distributions (per ten-minute window:
+  rate and inter-arrival shape; per window of the dataset: distributions of input and
+  output tokens, or for multimodal data of text tokens, images per request, tokens per
+  image and output tokens);
+* :mod:`fulcrum.sim.traces` -- any supported trace file by its content (Mooncake /
+  minimal JSONL, Azure 2023/2024 CSV, BurstGPT CSV, ServeGen): :func:`read_trace`;
 * :mod:`fulcrum.sim.synthetic` -- long-context agent sessions, screenshots, tier surges.
 
 Transforms: :func:`scale_rate` (arrival rate), :func:`scale_length` (input lengths, with
@@ -29,11 +32,12 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
 from pathlib import Path
 from typing import Final
 
 import numpy as np
+
+from fulcrum.units import NS_PER_S as NS_PER_S  # re-exported (synthetic imports it here)
 
 BLOCK_TOKENS: Final = 512
 """Tokens per prefix-cache block (Mooncake ``hash_ids`` granularity)."""
@@ -41,7 +45,6 @@ BLOCK_TOKENS: Final = 512
 PATCHES_PER_IMAGE_TOKEN: Final = 4
 """Vision patches per image token after the encoder's 2x2 patch merge (our decision)."""
 
-NS_PER_S: Final = 1_000_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,61 +76,43 @@ def traces_dir() -> Path:
     return repo.parent / "shared" / "traces"
 
 
-def _renumber(reqs: Iterable[Request]) -> list[Request]:
+def renumber(reqs: Iterable[Request]) -> list[Request]:
+    """Requests sorted by (arrival, rid) with ``rid`` renumbered 0, 1, ..."""
     ordered = sorted(reqs, key=lambda r: (r.arrival_ns, r.rid))
     return [replace(r, rid=i) for i, r in enumerate(ordered)]
 
 
+_renumber = renumber
+
+
 def read_mooncake(path: Path, *, limit: int | None = None) -> list[Request]:
-    """Read a Mooncake JSONL trace; ``timestamp`` is ms from the start."""
-    out: list[Request] = []
-    with path.open() as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            out.append(
-                Request(
-                    rid=len(out),
-                    arrival_ns=int(row["timestamp"]) * 1_000_000,
-                    input_tokens=max(1, int(row["input_length"])),
-                    output_tokens=max(1, int(row["output_length"])),
-                    hash_ids=tuple(int(h) for h in row.get("hash_ids", ())),
-                    source="mooncake",
-                )
-            )
-            if limit is not None and len(out) >= limit:
-                break
-    return _renumber(out)
+    """Read a Mooncake JSONL trace; ``timestamp`` is ms from the start (not re-based).
 
+    Raises :class:`fulcrum.sim.traces.TraceError` (one line: file, line, field) on a
+    malformed row.
+    """
+    from fulcrum.sim.traces import iter_jsonl
 
-def _azure_ts_ns(text: str) -> int:
-    """``2023-11-16 18:17:03.9799600`` -> ns since the epoch (fraction of any length)."""
-    base, _, frac = text.strip().partition(".")
-    dt = datetime.strptime(base, "%Y-%m-%d %H:%M:%S")
-    digits = (frac + "000000000")[:9]
-    return int(dt.timestamp()) * NS_PER_S + int(digits)
+    return renumber(
+        Request(rid=i, arrival_ns=t, input_tokens=inp, output_tokens=out, hash_ids=h,
+                source="mooncake")
+        for i, (t, inp, out, h) in enumerate(iter_jsonl(Path(path), limit=limit))
+    )
 
 
 def read_azure(path: Path, *, limit: int | None = None) -> list[Request]:
-    """Read an Azure LLM inference trace CSV; arrivals are relative to the first row."""
-    rows: list[tuple[int, int, int]] = []
-    with path.open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            rows.append(
-                (
-                    _azure_ts_ns(row["TIMESTAMP"]),
-                    max(1, int(row["ContextTokens"])),
-                    max(1, int(row["GeneratedTokens"])),
-                )
-            )
-            if limit is not None and len(rows) >= limit:
-                break
+    """Read an Azure LLM inference trace CSV (2023 or 2024 timestamps); arrivals are
+    relative to the earliest row. Raises :class:`fulcrum.sim.traces.TraceError` on a
+    malformed file."""
+    from fulcrum.sim.traces import azure_label, iter_csv
+
+    path = Path(path)
+    rows = list(iter_csv(path, "azure", limit=limit))
     if not rows:
         return []
     t0 = min(r[0] for r in rows)
-    label = "azure-" + path.stem.rsplit("_", 1)[-1]
-    return _renumber(
+    label = azure_label(path)
+    return renumber(
         Request(rid=i, arrival_ns=t - t0, input_tokens=inp, output_tokens=out, source=label)
         for i, (t, inp, out) in enumerate(rows)
     )
@@ -149,6 +134,8 @@ class Discrete:
             raise ValueError(f"distribution: expected a non-empty dict, got {text[:40]!r}")
         vals = tuple(int(v) for v in raw)
         total = float(sum(float(p) for p in raw.values()))
+        if not (total > 0 and math.isfinite(total)) or any(float(p) < 0 for p in raw.values()):
+            raise ValueError("distribution: probabilities must be >= 0 with a positive sum")
         probs = tuple(float(p) / total for p in raw.values())
         return Discrete(vals, probs)
 
@@ -174,10 +161,30 @@ class ServeGenWindow:
     scale: float
 
 
+SERVEGEN_LAYOUT_FIELDS: Final = {
+    "multimodal": ("text_tokens", "image_count", "image_tokens", "output_tokens"),
+    "language": ("input_tokens", "output_tokens"),
+}
+"""Distributions each ServeGen layout needs (reasoning data is the language layout plus
+``reason_ratio``, which is not needed: reasoning tokens are output tokens)."""
+
+
+def servegen_layout(fields: Iterable[str]) -> str:
+    """``multimodal`` when a dataset window has image fields, else ``language``."""
+    return "multimodal" if {"text_tokens", "image_count", "image_tokens"} & set(fields) else (
+        "language"
+    )
+
+
 def read_servegen_client(
     directory: Path, chunk: int
 ) -> tuple[list[ServeGenWindow], dict[int, dict[str, Discrete]]]:
-    """Windows and distributions (keyed by their start second) of one ServeGen client."""
+    """Windows and distributions (keyed by their start second) of one ServeGen client.
+
+    Dataset windows holding an empty distribution are skipped (as ServeGen does); only the
+    fields of the window's layout (:data:`SERVEGEN_LAYOUT_FIELDS`) are parsed. A missing
+    field raises ValueError naming it.
+    """
     windows: list[ServeGenWindow] = []
     with (directory / f"chunk-{chunk}-trace.csv").open(newline="") as fh:
         for row in csv.reader(fh):
@@ -194,13 +201,25 @@ def read_servegen_client(
             )
     with (directory / f"chunk-{chunk}-dataset.json").open() as fh:
         raw = json.load(fh)
-    dists = {
-        int(k): {
-            name: Discrete.parse(v[name])
-            for name in ("text_tokens", "image_count", "image_tokens", "output_tokens")
-        }
-        for k, v in raw.items()
-    }
+    dists: dict[int, dict[str, Discrete]] = {}
+    for k, v in raw.items():
+        names = SERVEGEN_LAYOUT_FIELDS[servegen_layout(v)]
+        missing = [n for n in names if n not in v]
+        if missing:
+            raise ValueError(
+                f"chunk-{chunk}-dataset.json: window {k}: missing field {missing[0]!r}"
+            )
+        if any(str(v[n]).strip() in ("{}", "") for n in names):
+            continue
+        parsed = {}
+        for name in names:
+            try:
+                parsed[name] = Discrete.parse(v[name])
+            except (ValueError, SyntaxError, TypeError) as exc:
+                raise ValueError(
+                    f"chunk-{chunk}-dataset.json: window {k}: field {name!r}: {exc}"
+                ) from None
+        dists[int(k)] = parsed
     return windows, dists
 
 
@@ -221,14 +240,17 @@ def servegen_requests(
     duration_s: float = 600.0,
     clients: Sequence[int] | None = None,
     patches_per_token: int = PATCHES_PER_IMAGE_TOKEN,
+    source: str = "servegen",
 ) -> list[Request]:
-    """Sample multimodal requests from ServeGen client distributions.
+    """Sample requests from ServeGen client distributions (language, reasoning or
+    multimodal layout, see :mod:`fulcrum.sim.traces`).
 
     Arrivals of each client follow its window's inter-arrival distribution, rescaled so
-    the window's mean rate is the published rate; each request draws its text tokens,
-    image count, tokens per image (independently per image) and output tokens from the
-    client's distributions in force. ``input_tokens`` = text + image tokens;
-    ``image_patches`` = image tokens x ``patches_per_token``.
+    the window's mean rate is the published rate. Multimodal: each request draws its text
+    tokens, image count, tokens per image (independently per image) and output tokens
+    from the client's distributions in force; ``input_tokens`` = text + image tokens;
+    ``image_patches`` = image tokens x ``patches_per_token``. Language / reasoning: each
+    request draws its input and output tokens.
     """
     if clients is None:
         clients = sorted(
@@ -239,6 +261,8 @@ def servegen_requests(
     for chunk in clients:
         windows, dists = read_servegen_client(directory, chunk)
         keys = sorted(dists)
+        if not keys:
+            continue
         for w in windows:
             lo, hi = max(w.start_s, start_s), min(w.start_s + 600.0, end_s)
             if w.rate <= 0 or hi <= lo:
@@ -254,6 +278,22 @@ def servegen_requests(
             key = max([k for k in keys if k <= w.start_s] or [keys[0]])
             d = dists[key]
             n = int(times.size)
+            if "input_tokens" in d:
+                inputs = d["input_tokens"].sample(rng, n)
+                outs = d["output_tokens"].sample(rng, n)
+                for i in range(n):
+                    if int(inputs[i]) <= 0:
+                        continue
+                    out.append(
+                        Request(
+                            rid=0,
+                            arrival_ns=int((times[i] - start_s) * NS_PER_S),
+                            input_tokens=int(inputs[i]),
+                            output_tokens=max(1, int(outs[i])),
+                            source=source,
+                        )
+                    )
+                continue
             text = d["text_tokens"].sample(rng, n)
             counts = d["image_count"].sample(rng, n)
             outs = d["output_tokens"].sample(rng, n)
@@ -273,10 +313,10 @@ def servegen_requests(
                         input_tokens=inp,
                         output_tokens=max(1, int(outs[i])),
                         image_patches=tuple(t * patches_per_token for t in toks if t > 0),
-                        source="servegen",
+                        source=source,
                     )
                 )
-    return _renumber(out)
+    return renumber(out)
 
 
 # -- transforms ---------------------------------------------------------------------------
