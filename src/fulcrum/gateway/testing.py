@@ -42,6 +42,7 @@ def render_envoy_config(
     admin_port: int = 0,
     failure_mode_allow: bool = True,
     subset_from_header: bool = False,
+    request_body_mode: str = "FULL_DUPLEX_STREAMED",
     text: str | None = None,
 ) -> str:
     """The example bootstrap with its ports replaced (0 = any free port).
@@ -68,8 +69,16 @@ def render_envoy_config(
         raise ValueError("need exactly four upstream ports")
     for old, new in zip(template_upstreams, upstream_ports, strict=True):
         sub(old, new)
+    if request_body_mode != "FULL_DUPLEX_STREAMED":
+        old = "request_body_mode: FULL_DUPLEX_STREAMED"
+        if old not in cfg:
+            raise ValueError("envoy template: request_body_mode not found")
+        cfg = cfg.replace(old, f"request_body_mode: {request_body_mode}", 1)
     if not failure_mode_allow:
-        cfg = cfg.replace("failure_mode_allow: true", "failure_mode_allow: false", 1)
+        line = "\n                      failure_mode_allow: true\n"
+        if line not in cfg:
+            raise ValueError("envoy template: failure_mode_allow line not found")
+        cfg = cfg.replace(line, line.replace("true", "false"), 1)
     if subset_from_header:
         anchor = "                  # 2. Ask the picker.\n"
         extra = (
