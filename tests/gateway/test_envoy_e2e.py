@@ -296,21 +296,23 @@ async def test_health_services() -> None:
 
     from fulcrum.gateway.extproc import SERVICE
 
-    async with gateway_stack() as st:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{st.gateway.health_port}") as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            for name in ("liveness", "readiness", SERVICE, ""):
-                resp = await stub.Check(health_pb2.HealthCheckRequest(service=name))
-                assert resp.status == health_pb2.HealthCheckResponse.SERVING, name
-            st.daemon.app.start_draining()
-            await wait_for(
-                lambda: st.gateway._drain_task is not None and st.gateway._drain_task.done(),
-                what="drain",
-            )
-            resp = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
-            assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
-            resp = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"))
-            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    async with (
+        gateway_stack() as st,
+        grpc.aio.insecure_channel(f"127.0.0.1:{st.gateway.health_port}") as ch,
+    ):
+        stub = health_pb2_grpc.HealthStub(ch)
+        for name in ("liveness", "readiness", SERVICE, ""):
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING, name
+        st.daemon.app.start_draining()
+        await wait_for(
+            lambda: st.gateway._drain_task is not None and st.gateway._drain_task.done(),
+            what="drain",
+        )
+        resp = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        resp = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def test_get_without_body_is_picked_on_headers() -> None:
