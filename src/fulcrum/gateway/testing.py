@@ -70,10 +70,10 @@ def render_envoy_config(
     for old, new in zip(template_upstreams, upstream_ports, strict=True):
         sub(old, new)
     if request_body_mode != "FULL_DUPLEX_STREAMED":
-        old = "request_body_mode: FULL_DUPLEX_STREAMED"
-        if old not in cfg:
+        mode_line = "request_body_mode: FULL_DUPLEX_STREAMED"
+        if mode_line not in cfg:
             raise ValueError("envoy template: request_body_mode not found")
-        cfg = cfg.replace(old, f"request_body_mode: {request_body_mode}", 1)
+        cfg = cfg.replace(mode_line, f"request_body_mode: {request_body_mode}", 1)
     if not failure_mode_allow:
         line = "\n                      failure_mode_allow: true\n"
         if line not in cfg:
