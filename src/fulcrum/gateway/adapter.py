@@ -21,7 +21,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from fulcrum.core.decode.view import GpuWriter
-from fulcrum.errors import NotFound
+from fulcrum.errors import NotFound, ResourceExhausted
 from fulcrum.state.decode import DecodeState
 
 #: (instance_id, gpu_index) of a decode GPU.
@@ -103,8 +103,8 @@ class DecodeAdapter:
         writer = self._sync()
         n = len(self._slot_key)
         if subset is None and self._all_addressed:
-            if not bool(self._state.view.live.any()):
-                raise NoEligibleEndpoint("no live decode endpoint")
+            if n == 0:
+                raise NoEligibleEndpoint("no decode endpoint")
             closed: list[int] = []
         else:
             slot_addr = self._slot_addr
@@ -126,6 +126,16 @@ class DecodeAdapter:
             writer.write(s, c, k, False)
         try:
             r = self._state.place(request_id, kv_tokens, now_ns)
+        except ResourceExhausted:
+            # No room, or no live GPU left (the table may just have dropped a lapsed one):
+            # the latter is "no eligible endpoint", not a bound.
+            if not any(
+                writer.view is self._state.view and writer.is_live(s)
+                for s in range(len(self._slot_key))
+                if s not in closed
+            ):
+                raise NoEligibleEndpoint("no live decode endpoint") from None
+            raise
         finally:
             if closed and self._state.view is view:
                 for s in closed:

@@ -61,6 +61,9 @@ _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _BODY_NONE = processing_mode_pb2.ProcessingMode.NONE
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
+#: Cached destination answers (distinct primary + fallbacks values x 2 phases).
+_CACHE_MAX = 8192
+
 _STATUS = {
     400: http_status_pb2.BadRequest,
     413: http_status_pb2.PayloadTooLarge,
@@ -149,6 +152,8 @@ class Picker:
         self.streams = 0
         self._picked = gm.PICKS.labels(adapter.policy_name, "picked")
         self._policy = adapter.policy_name
+        self._answers: dict[tuple[str, str], ep.ProcessingResponse] = {}
+        self._releases = {r: gm.RELEASES.labels(r) for r in gm.RELEASE_REASONS}
         #: Test hook: called with (request_id, Placement) after each pick.
         self.pick_hooks: list[Callable[[str, Placement], None]] = []
         #: Test hook: called with (request_id, reason) after each release.
@@ -157,6 +162,7 @@ class Picker:
     def apply_settings(self, settings: GatewaySettings) -> None:
         """Reload: every key but the restart-only ones (enabled, host, ports, pool)."""
         self.settings = settings
+        self._answers.clear()  # the metadata namespace may have changed
 
     def _count(self, outcome: str) -> None:
         if outcome == "picked" and self._policy == self.adapter.policy_name:
@@ -214,15 +220,26 @@ class Picker:
         self.in_flight -= 1
         gm.IN_FLIGHT.set(self.in_flight)
         held = self.adapter.release(placement.request_id, self._clock())
-        gm.RELEASES.labels(reason if held else "not_held").inc()
+        self._releases[reason if held else "not_held"].inc()
         for hook in self.release_hooks:
             hook(placement.request_id, reason if held else "not_held")
 
     # -- answers -------------------------------------------------------------------------
 
-    def destination(self, placement: Placement) -> tuple[ep.CommonResponse, struct_pb2.Struct]:
-        """The header mutation (with route cache cleared) and the dynamic metadata."""
-        value = ",".join((placement.address, *placement.fallbacks))
+    def destination(self, placement: Placement, phase: str) -> ep.ProcessingResponse:
+        """The answer of ``phase`` ("request_headers" or "request_body") carrying the
+        destination: header mutation with the route cache cleared, and the same value in
+        dynamic metadata. Answers are immutable once built, so they are cached per value
+        (bounded: at most ``_CACHE_MAX`` entries, then the cache starts over)."""
+        value = (
+            placement.address
+            if not placement.fallbacks
+            else ",".join((placement.address, *placement.fallbacks))
+        )
+        key = (value, phase)
+        cached = self._answers.get(key)
+        if cached is not None:
+            return cached
         common = ep.CommonResponse(
             header_mutation=ep.HeaderMutation(set_headers=[_header(DEST_HEADER, value)]),
             clear_route_cache=True,
@@ -231,7 +248,18 @@ class Picker:
         md.fields[self.settings.metadata_namespace].struct_value.fields[
             DEST_HEADER
         ].string_value = value
-        return common, md
+        if phase == "request_headers":
+            answer = ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=common), dynamic_metadata=md
+            )
+        else:
+            answer = ep.ProcessingResponse(
+                request_body=ep.BodyResponse(response=common), dynamic_metadata=md
+            )
+        if len(self._answers) >= _CACHE_MAX:
+            self._answers.clear()
+        self._answers[key] = answer
+        return answer
 
     @staticmethod
     def immediate(refusal: Refusal) -> ep.ProcessingResponse:
@@ -308,11 +336,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                             yield picker.immediate(out)
                             return
                         placement = out
-                        common, md = picker.destination(out)
-                        yield ep.ProcessingResponse(
-                            request_headers=ep.HeadersResponse(response=common),
-                            dynamic_metadata=md,
-                        )
+                        yield picker.destination(out, "request_headers")
                     elif duplex:
                         pending_headers = True  # answered once the body is complete
                     else:
@@ -344,14 +368,10 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         yield picker.immediate(out)
                         return
                     placement = out
-                    common, md = picker.destination(out)
                     if duplex:
                         if pending_headers:
                             pending_headers = False
-                            yield ep.ProcessingResponse(
-                                request_headers=ep.HeadersResponse(response=common),
-                                dynamic_metadata=md,
-                            )
+                            yield picker.destination(out, "request_headers")
                         yield ep.ProcessingResponse(
                             request_body=ep.BodyResponse(
                                 response=ep.CommonResponse(
@@ -364,15 +384,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                             )
                         )
                     else:
-                        yield ep.ProcessingResponse(
-                            request_body=ep.BodyResponse(response=common), dynamic_metadata=md
-                        )
+                        yield picker.destination(out, "request_body")
                 elif kind == "request_trailers":
                     yield _EMPTY_REQ_TRAILERS
                 elif kind == "response_headers":
                     if placement is not None:
                         served = served_endpoint(req, settings.metadata_namespace)
-                        log.debug("gateway_served", request_id=placement.request_id, served=served)
                         if served and served != placement.address:
                             gm.SERVED_ELSEWHERE.inc()
                     yield _EMPTY_RESP_HEADERS
