@@ -87,7 +87,9 @@ async def gateway_stack(
             "health_port": 0,
             **pool_overrides(ports, **(engine or {})),
         }
-        gw.update(gateway or {})
+        extra = dict(gateway or {})
+        pool = {**gw["pool"], **extra.pop("pool", {})}
+        gw.update(extra, pool=pool)
         settings = with_overrides(test_settings(overrides), {"gateway": gw})
         async with running_server(settings=settings) as daemon:
             g = daemon.gateway

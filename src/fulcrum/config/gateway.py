@@ -84,16 +84,45 @@ class PoolSettings(Section):
         max_length=4096,
         description="decode engines (the picked endpoint is a decode DP rank)",
     )
+    prefill: list[PoolEngine] = Field(
+        default_factory=list,
+        max_length=4096,
+        description="prefill engines (P/D: their rank goes in x-prefiller-host-port; "
+        "max_concurrency and max_kv_tokens unused)",
+    )
 
     @model_validator(mode="after")
     def _unique(self) -> PoolSettings:
-        ids = [e.id for e in self.decode]
+        for name, engines in (("decode", self.decode), ("prefill", self.prefill)):
+            addrs = [a for e in engines for a in e.addresses()]
+            if len(set(addrs)) != len(addrs):
+                raise ValueError(f"{name}: an ip:port appears twice")
+        ids = [e.id for e in (*self.decode, *self.prefill)]
         if len(set(ids)) != len(ids):
-            raise ValueError("decode: engine ids must be distinct")
-        addrs = [a for e in self.decode for a in e.addresses()]
-        if len(set(addrs)) != len(addrs):
-            raise ValueError("decode: an ip:port appears twice")
+            raise ValueError("engine ids must be distinct across decode and prefill")
         return self
+
+
+class PrefillProxySettings(Section):
+    """P/D: how the daemon pulls on behalf of the pool's prefill engines."""
+
+    wait_ms: int = Field(
+        2000,
+        ge=1,
+        le=600_000,
+        description="longest a request waits for a prefill engine before 429, ms "
+        "(keep it under Envoy's ext_proc message_timeout)",
+    )
+    pull_wait_ms: int = Field(
+        50, ge=1, le=10_000, description="long poll of one pull made on an engine's behalf, ms"
+    )
+    queue_steps: int = Field(
+        4,
+        ge=1,
+        le=10_000,
+        description="an engine may have this many steps (prefill.step_quota_ns each, per "
+        "rank) of predicted work outstanding; remaining quota = that minus its load",
+    )
 
 
 class ScrapeSettings(Section):
@@ -178,6 +207,7 @@ class GatewaySettings(Section):
         json_schema_extra={"restart_only": True},
     )
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
+    prefill: PrefillProxySettings = Field(default_factory=PrefillProxySettings)
     subset_namespace: str = Field(
         "envoy.lb.subset_hint",
         min_length=1,

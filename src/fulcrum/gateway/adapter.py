@@ -1,5 +1,7 @@
 """The ONE place where the gateway touches the balancers' state (re-point it here).
 
+Decode: :class:`DecodeAdapter`; prefill: :class:`PrefillAdapter` (at the end).
+
 The picker needs three things from the decode balancer: place a request on a decode GPU
 chosen by the configured policy *among the GPUs the gateway may route to*, release it,
 and list the next-best GPUs as fallbacks. It uses only the public methods of
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from fulcrum.core.decode.view import GpuWriter
 from fulcrum.errors import NotFound, ResourceExhausted
 from fulcrum.state.decode import DecodeState
+from fulcrum.state.prefill import Batch, Delivery, PrefillState
 
 #: (instance_id, gpu_index) of a decode GPU.
 GpuKey = tuple[str, int]
@@ -41,6 +44,8 @@ class Placement:
     address: str
     fallbacks: tuple[str, ...]
     kv_tokens: int
+    prompt_tokens: int = 0
+    prefiller: str = ""  # P/D: ip:port of the prefill rank, "" when none
 
 
 class DecodeAdapter:
@@ -179,3 +184,49 @@ class DecodeAdapter:
         except NotFound:
             return False
         return True
+
+
+class PrefillAdapter:
+    """Submit / pull through the prefill balancer (public methods of
+    :class:`fulcrum.state.prefill.PrefillState`: ``submit``, ``pull``, ``predict_ns``,
+    ``settings``). The gateway submits a request as the entrypoint would and pulls on
+    behalf of engines that do not run Fulcrum's engine loop: the same queues, tiers,
+    engine choice (most remaining quota) and rank choice (least loaded) as for engines
+    that pull themselves."""
+
+    def __init__(self, state: PrefillState) -> None:
+        self._state = state
+
+    @property
+    def step_quota_ns(self) -> int:
+        """Default step budget of an engine (ns), ``prefill.step_quota_ns``."""
+        return int(self._state.settings.step_quota_ns)
+
+    def predict_ns(self, total_tokens: int, cached_tokens: int = 0) -> int:
+        """Predicted prefill cost of a request (ns) with the cost model in force."""
+        return self._state.predict_ns(total_tokens, cached_tokens)
+
+    @property
+    def draining(self) -> bool:
+        """The prefill balancer refuses new work (daemon drain)."""
+        return bool(self._state.draining)
+
+    def max_total_tokens(self) -> int:
+        return int(self._state.settings.max_total_tokens)
+
+    async def submit(self, request_id: str, total_tokens: int, wait_ns: int) -> Delivery:
+        """Queue a request; returns where an engine's pull put it (engine, DP rank)."""
+        return await self._state.submit(request_id, total_tokens, 0, wait_ns)
+
+    async def pull(
+        self,
+        engine_id: str,
+        incarnation: int,
+        remaining_ns: int,
+        rank_loads_ns: list[int],
+        wait_ns: int,
+    ) -> Batch:
+        """Pull on behalf of an engine (long poll of up to ``wait_ns``)."""
+        return await self._state.pull(
+            engine_id, incarnation, remaining_ns, rank_loads_ns, wait_ns, 0
+        )

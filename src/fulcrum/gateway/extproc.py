@@ -31,7 +31,7 @@ import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -44,10 +44,17 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from fulcrum.config.gateway import GatewaySettings
-from fulcrum.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from fulcrum.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.adapter import DecodeAdapter, NoEligibleEndpoint, Placement
 from fulcrum.gateway.body import TokenCounter, parse_body
+from fulcrum.gateway.prefill import PrefillProxy
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +63,7 @@ SERVICE: str = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 DEST_HEADER = "x-gateway-destination-endpoint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
+PREFILLER_HEADER = "x-prefiller-host-port"
 
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _BODY_NONE = processing_mode_pb2.ProcessingMode.NONE
@@ -141,8 +149,11 @@ class Picker:
         clock: Callable[[], int],
         max_request_kv: Callable[[], int],
         counter: TokenCounter | None = None,
+        prefill: PrefillProxy | None = None,
     ) -> None:
         self.settings = settings
+        #: P/D: the prefill side (None when the pool has no prefill engine).
+        self.prefill = prefill
         self.adapter = adapter
         self._clock = clock
         self._max_request_kv = max_request_kv
@@ -152,7 +163,7 @@ class Picker:
         self.streams = 0
         self._picked = gm.PICKS.labels(adapter.policy_name, "picked")
         self._policy = adapter.policy_name
-        self._answers: dict[tuple[str, str], ep.ProcessingResponse] = {}
+        self._answers: dict[tuple[str, str, str], ep.ProcessingResponse] = {}
         self._releases = {r: gm.RELEASES.labels(r) for r in gm.RELEASE_REASONS}
         #: Test hook: called with (request_id, Placement) after each pick.
         self.pick_hooks: list[Callable[[str, Placement], None]] = []
@@ -207,6 +218,8 @@ class Picker:
         except (InvalidArgument, AlreadyExists) as err:
             self._count("bad_request")
             return Refusal(400, "bad_request", err.message)
+        if self.prefill is not None:
+            placement = replace(placement, prompt_tokens=shape.prompt_tokens)
         self.in_flight += 1
         gm.IN_FLIGHT.set(self.in_flight)
         self._count("picked")
@@ -215,8 +228,36 @@ class Picker:
             hook(request_id, placement)
         return placement
 
+    async def pick_prefill(self, placement: Placement) -> Placement | Refusal:
+        """P/D: choose the prefill engine and rank with the prefill balancer (waits for a
+        pull made on an engine's behalf). On a refusal the decode placement is released."""
+        assert self.prefill is not None
+        s = self.settings
+        try:
+            prefiller = await self.prefill.place(placement.request_id, placement.prompt_tokens)
+        except (DeadlineExceeded, ResourceExhausted) as err:
+            self.release(placement, "stream_closed")
+            self._count("shed")
+            return Refusal(429, "shed", err.message, s.retry_after_s)
+        except Unavailable as err:
+            self.release(placement, "stream_closed")
+            self._count("no_endpoint")
+            return Refusal(503, "no_endpoint", err.message)
+        except InvalidArgument as err:
+            self.release(placement, "stream_closed")
+            self._count("bad_request")
+            return Refusal(400, "bad_request", f"prefill {err.message}")
+        return replace(placement, prefiller=prefiller)
+
+    def response_started(self, placement: Placement) -> None:
+        """Response headers came back: the request's prefill is done."""
+        if self.prefill is not None and placement.prefiller:
+            self.prefill.finished(placement.request_id)
+
     def release(self, placement: Placement, reason: str) -> None:
         """End a request's placement (once per pick)."""
+        if self.prefill is not None:
+            self.prefill.finished(placement.request_id)
         self.in_flight -= 1
         gm.IN_FLIGHT.set(self.in_flight)
         held = self.adapter.release(placement.request_id, self._clock())
@@ -236,12 +277,15 @@ class Picker:
             if not placement.fallbacks
             else ",".join((placement.address, *placement.fallbacks))
         )
-        key = (value, phase)
+        key = (value, phase, placement.prefiller)
         cached = self._answers.get(key)
         if cached is not None:
             return cached
+        set_headers = [_header(DEST_HEADER, value)]
+        if placement.prefiller:
+            set_headers.append(_header(PREFILLER_HEADER, placement.prefiller))
         common = ep.CommonResponse(
-            header_mutation=ep.HeaderMutation(set_headers=[_header(DEST_HEADER, value)]),
+            header_mutation=ep.HeaderMutation(set_headers=set_headers),
             clear_route_cache=True,
         )
         md = struct_pb2.Struct()
@@ -332,6 +376,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     subset = subset_hint(req, settings.subset_namespace)
                     if hs.end_of_stream or body_none:
                         out = picker.pick(b"", path, subset)
+                        if (
+                            picker.prefill is not None
+                            and isinstance(out, Placement)
+                            and out.prompt_tokens > 0
+                        ):
+                            out = await picker.pick_prefill(out)
                         if isinstance(out, Refusal):
                             yield picker.immediate(out)
                             return
@@ -364,6 +414,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                     chunks = []
                     out = picker.pick(body, path, subset)
+                    if (
+                        picker.prefill is not None
+                        and isinstance(out, Placement)
+                        and out.prompt_tokens > 0
+                    ):
+                        out = await picker.pick_prefill(out)
                     if isinstance(out, Refusal):
                         yield picker.immediate(out)
                         return
@@ -389,6 +445,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     yield _EMPTY_REQ_TRAILERS
                 elif kind == "response_headers":
                     if placement is not None:
+                        picker.response_started(placement)
                         served = served_endpoint(req, settings.metadata_namespace)
                         if served and served != placement.address:
                             gm.SERVED_ELSEWHERE.inc()

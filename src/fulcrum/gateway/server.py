@@ -18,10 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from fulcrum.config import Settings
-from fulcrum.gateway.adapter import DecodeAdapter
+from fulcrum.gateway.adapter import DecodeAdapter, PrefillAdapter
 from fulcrum.gateway.body import load_tokenizer
 from fulcrum.gateway.extproc import SERVICE, Picker, add_to_server
 from fulcrum.gateway.pool import StaticPool
+from fulcrum.gateway.prefill import PrefillProxy
 from fulcrum.gateway.scrape import Scraper
 from fulcrum.state.decode import DecodeState
 
@@ -56,6 +57,10 @@ class Gateway:
         self.pool.start(now)
         interval = app.settings.fleet.heartbeat_timeout_ms / 2000
         app.every(interval, self.pool.keep_alive, "gateway-pool-keepalive")
+        prefill = self.picker.prefill
+        if prefill is not None:
+            prefill.start(now)
+            app.every(interval, prefill.keep_alive, "gateway-prefill-keepalive")
         if self.scraper is not None:
             app.spawn(self.scraper.run(), "gateway-scrape")
         await self.health_server.start()
@@ -93,6 +98,8 @@ class Gateway:
         self._started = False
         await self._set_ready(False)
         await self.server.stop(grace_s)
+        if self.picker.prefill is not None:
+            await self.picker.prefill.stop(self.app.clock())
         self.pool.stop(self.app.clock())
         await self.health_server.stop(0)
         log.info("gateway_stopped")
@@ -110,17 +117,29 @@ def build(app: Any) -> Gateway | None:
     adapter = DecodeAdapter(state, pool.addresses)
     pool.adapter = adapter
     counter = load_tokenizer(gs.tokenizer) if gs.tokenizer else None
+    prefill = None
+    if gs.pool.prefill:
+        prefill = PrefillProxy(
+            app.fleet,
+            PrefillAdapter(app.components["prefill"]),
+            gs.pool.prefill,
+            gs,
+            app.clock,
+        )
     picker = Picker(
         gs,
         adapter,
         app.clock,
         lambda: int(state.settings.max_request_kv_tokens),
         counter,
+        prefill,
     )
     app.components["gateway"] = picker
 
     def reload(new: Settings) -> None:
         picker.apply_settings(new.gateway)
+        if prefill is not None:
+            prefill.apply_settings(new.gateway)
         if scraper is not None:
             scraper.apply_settings(new.gateway)
 
