@@ -78,6 +78,7 @@ async def gateway_stack(
     failure_mode_allow: bool = True,
     subset_from_header: bool = False,
     request_body_mode: str = "FULL_DUPLEX_STREAMED",
+    with_pool: bool = True,
 ) -> AsyncIterator[Stack]:
     async with upstreams(4) as ups:
         ports = [u.port for u in ups]
@@ -87,6 +88,8 @@ async def gateway_stack(
             "health_port": 0,
             **pool_overrides(ports, **(engine or {})),
         }
+        if not with_pool:
+            gw["pool"] = {"decode": []}
         extra = dict(gateway or {})
         pool = {**gw["pool"], **extra.pop("pool", {})}
         gw.update(extra, pool=pool)

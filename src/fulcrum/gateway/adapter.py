@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from fulcrum.core.decode.view import GpuWriter
 from fulcrum.errors import NotFound, ResourceExhausted
+from fulcrum.gateway import metrics as gm
+from fulcrum.gateway.registry import AddressBook
 from fulcrum.state.decode import DecodeState
 from fulcrum.state.prefill import Batch, Delivery, PrefillState
 
@@ -55,9 +57,16 @@ class DecodeAdapter:
     table); a GPU without an address is never picked by the gateway.
     """
 
-    def __init__(self, state: DecodeState, addresses: dict[GpuKey, str]) -> None:
+    def __init__(
+        self,
+        state: DecodeState,
+        addresses: dict[GpuKey, str],
+        registered: AddressBook | None = None,
+    ) -> None:
         self._state = state
         self._addresses = addresses
+        self._registered = registered
+        self._book_version = -1
         self._view_id = -1
         self._writer: GpuWriter | None = None
         self._slot_key: list[GpuKey] = []
@@ -76,15 +85,32 @@ class DecodeAdapter:
     def _sync(self) -> GpuWriter:
         """Slot maps of the current view (rebuilt when the decode table rebuilt its view)."""
         view = self._state.view
-        if id(view) != self._view_id or self._writer is None or self._writer.view is not view:
+        book = self._registered
+        if (
+            id(view) != self._view_id
+            or self._writer is None
+            or self._writer.view is not view
+            or (book is not None and book.version != self._book_version)
+        ):
             keys = [(iid, g) for iid, g, _c, _k in self._state.gpu_loads()]
             self._slot_key = keys
-            self._slot_addr = [self._addresses.get(k) for k in keys]
+            pool = self._addresses
+            self._slot_addr = [
+                pool.get(k) or (book.get(k) if book is not None else None) for k in keys
+            ]
+            self._book_version = book.version if book is not None else -1
+            gm.ENDPOINTS.set(sum(a is not None for a in self._slot_addr))
             self._addr_slot = {a: s for s, a in enumerate(self._slot_addr) if a is not None}
             self._all_addressed = all(a is not None for a in self._slot_addr)
             self._writer = GpuWriter(view)
             self._view_id = id(view)
         return self._writer
+
+    def _slot_addr_of(self, key: GpuKey) -> str | None:
+        got = self._addresses.get(key)
+        if got is None and self._registered is not None:
+            got = self._registered.get(key)
+        return got
 
     def known(self, address: str) -> bool:
         """Whether ``address`` is a decode GPU the gateway may route to now."""
@@ -147,7 +173,7 @@ class DecodeAdapter:
                     c, k = writer.load(s)
                     writer.write(s, c, k, True)
         key = (r.instance_id, r.gpu_index)
-        address = self._addresses.get(key)
+        address = self._slot_addr_of(key)
         if address is None:  # pragma: no cover - closed GPUs are never chosen
             self._state.release(request_id, now_ns)
             raise NoEligibleEndpoint(f"decode GPU {key} has no serving address")

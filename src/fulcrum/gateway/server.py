@@ -114,7 +114,7 @@ def build(app: Any) -> Gateway | None:
         return None
     state: DecodeState = app.components["decode"]
     pool = StaticPool(app.fleet, gs.pool.decode)
-    adapter = DecodeAdapter(state, pool.addresses)
+    adapter = DecodeAdapter(state, pool.addresses, app.components.get("serving_addresses"))
     pool.adapter = adapter
     counter = load_tokenizer(gs.tokenizer) if gs.tokenizer else None
     prefill = None
