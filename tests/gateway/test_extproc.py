@@ -278,3 +278,40 @@ async def test_gateway_off_by_default() -> None:
     async with running_server() as d:
         assert d.gateway is None
         assert "gateway" not in d.app.components
+
+
+async def test_reload_applies_the_gateway_keys() -> None:
+    from fulcrum.config import with_overrides
+
+    async with running_server(overrides()) as d:
+        ch, stub = await with_stub(d)
+        async with ch:
+            state: DecodeState = d.app.components["decode"]
+
+            async def kv_of(body: bytes) -> int:
+                s = Stream(stub)
+                await s.send(headers_msg())
+                await s.send(body_msg(body, True))
+                addr = dest(await s.recv(), "request_headers")
+                await s.recv()
+                kv = state.gpu_load("d0", ADDRS.index(addr))[1]
+                await s.close()
+                await wait_for(lambda: state.held == 0, what="released")
+                return kv
+
+            assert await kv_of(completion(400)) == 100 + 10
+            new = with_overrides(
+                d.app.settings,
+                {"gateway": {"chars_per_token": 2.0, "default_max_tokens": 7, "max_in_flight": 1}},
+            )
+            for hook in d.app.reload_hooks:
+                hook(new)
+            assert await kv_of(completion(400)) == 200 + 10
+            assert await kv_of(json.dumps({"prompt": "p" * 40}).encode()) == 20 + 7
+            s = Stream(stub)
+            await s.send(headers_msg(eos=True))
+            await s.recv()
+            s2 = Stream(stub)
+            await s2.send(headers_msg(eos=True))
+            assert (await s2.recv()).immediate_response.status.code == 429  # max_in_flight 1
+            await s.close()

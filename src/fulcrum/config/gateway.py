@@ -128,7 +128,11 @@ class PrefillProxySettings(Section):
 class ScrapeSettings(Section):
     """Correct the load view from the engines' own Prometheus metrics."""
 
-    enabled: bool = Field(False, description="scrape every pool engine's ranks")
+    enabled: bool = Field(
+        False,
+        description="scrape every pool engine's ranks",
+        json_schema_extra={"restart_only": True},
+    )
     interval_ms: int = Field(1000, ge=50, le=600_000, description="scrape period, ms")
     timeout_ms: int = Field(500, ge=10, le=60_000, description="per-scrape HTTP timeout, ms")
 
@@ -171,6 +175,7 @@ class GatewaySettings(Section):
         None,
         description="path of a tokenizer.json (needs the `tokenizers` package) to count "
         "prompt tokens exactly; null = characters / chars_per_token",
+        json_schema_extra={"restart_only": True},
     )
     default_max_tokens: int = Field(
         256,
