@@ -315,3 +315,17 @@ async def test_reload_applies_the_gateway_keys() -> None:
             await s2.send(headers_msg(eos=True))
             assert (await s2.recv()).immediate_response.status.code == 429  # max_in_flight 1
             await s.close()
+
+
+async def test_full_duplex_request_with_trailers_is_picked_at_the_trailers(gw: Daemon) -> None:
+    ch, stub = await with_stub(gw)
+    async with ch:
+        s = Stream(stub)
+        await s.send(headers_msg())
+        await s.send(body_msg(completion(80), False))
+        await s.send(ep.ProcessingRequest(request_trailers=ep.HttpTrailers()))
+        assert dest(await s.recv(), "request_headers") in ADDRS
+        sr = (await s.recv()).request_body.response.body_mutation.streamed_response
+        assert sr.body == completion(80) and not sr.end_of_stream
+        assert (await s.recv()).WhichOneof("response") == "request_trailers"
+        await s.close()

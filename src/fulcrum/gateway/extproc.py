@@ -228,6 +228,15 @@ class Picker:
             hook(request_id, placement)
         return placement
 
+    async def pick_full(
+        self, body: bytes, path: str, subset: list[str] | None
+    ) -> Placement | Refusal:
+        """:meth:`pick`, then (P/D, a request with a prompt) :meth:`pick_prefill`."""
+        out = self.pick(body, path, subset)
+        if self.prefill is not None and isinstance(out, Placement) and out.prompt_tokens > 0:
+            return await self.pick_prefill(out)
+        return out
+
     async def pick_prefill(self, placement: Placement) -> Placement | Refusal:
         """P/D: choose the prefill engine and rank with the prefill balancer (waits for a
         pull made on an engine's behalf). On a refusal the decode placement is released."""
@@ -329,6 +338,21 @@ def _json_str(s: str) -> str:
     return json.dumps(s)
 
 
+def _streamed_request_body(body: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED: the request body handed back to Envoy in one piece."""
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(
+            response=ep.CommonResponse(
+                body_mutation=ep.BodyMutation(
+                    streamed_response=ep.StreamedBodyResponse(
+                        body=body, end_of_stream=end_of_stream
+                    )
+                )
+            )
+        )
+    )
+
+
 _EMPTY_REQ_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
 _EMPTY_RESP_HEADERS = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
 _EMPTY_REQ_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse())
@@ -375,13 +399,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                             break
                     subset = subset_hint(req, settings.subset_namespace)
                     if hs.end_of_stream or body_none:
-                        out = picker.pick(b"", path, subset)
-                        if (
-                            picker.prefill is not None
-                            and isinstance(out, Placement)
-                            and out.prompt_tokens > 0
-                        ):
-                            out = await picker.pick_prefill(out)
+                        out = await picker.pick_full(b"", path, subset)
                         if isinstance(out, Refusal):
                             yield picker.immediate(out)
                             return
@@ -413,13 +431,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         continue
                     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                     chunks = []
-                    out = picker.pick(body, path, subset)
-                    if (
-                        picker.prefill is not None
-                        and isinstance(out, Placement)
-                        and out.prompt_tokens > 0
-                    ):
-                        out = await picker.pick_prefill(out)
+                    out = await picker.pick_full(body, path, subset)
                     if isinstance(out, Refusal):
                         yield picker.immediate(out)
                         return
@@ -428,20 +440,22 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         if pending_headers:
                             pending_headers = False
                             yield picker.destination(out, "request_headers")
-                        yield ep.ProcessingResponse(
-                            request_body=ep.BodyResponse(
-                                response=ep.CommonResponse(
-                                    body_mutation=ep.BodyMutation(
-                                        streamed_response=ep.StreamedBodyResponse(
-                                            body=body, end_of_stream=True
-                                        )
-                                    )
-                                )
-                            )
-                        )
+                        yield _streamed_request_body(body, True)
                     else:
                         yield picker.destination(out, "request_body")
                 elif kind == "request_trailers":
+                    if duplex and pending_headers:
+                        # A request with trailers: the body ended without end_of_stream.
+                        body = b"".join(chunks)
+                        chunks = []
+                        out = await picker.pick_full(body, path, subset)
+                        if isinstance(out, Refusal):
+                            yield picker.immediate(out)
+                            return
+                        placement = out
+                        pending_headers = False
+                        yield picker.destination(out, "request_headers")
+                        yield _streamed_request_body(body, False)
                     yield _EMPTY_REQ_TRAILERS
                 elif kind == "response_headers":
                     if placement is not None:
