@@ -349,7 +349,7 @@ def run(quick: bool) -> str:
         rows,
     )
     return (
-        "## Gateway\n\n"
+        "### Gateway\n\n"
         "HTTP through a real Envoy 1.40 on loopback (deploy/envoy/envoy.yaml with free ports;"
         f" Envoy --concurrency 1), {meta['workers']} closed-loop keep-alive clients, "
         f"{meta['rounds']} interleaved round(s) of {meta['duration_s']:.0f} s per setup, "
