@@ -151,3 +151,28 @@ async def test_envoy_passes_the_prefiller_header_to_the_decode_endpoint() -> Non
         px = st.gateway.picker.prefill
         assert px is not None
         await wait_for(lambda: px.outstanding == 0, what="prefill accounted as finished")
+
+
+async def test_stream_gone_while_waiting_for_a_prefill_pull_releases_decode() -> None:
+    ov = pd_overrides([PREFILL[0]], wait_ms=60_000, queue_steps=1)
+    async with running_server(ov) as d:
+        state: PrefillState = d.app.components["prefill"]
+        budget = state.settings.step_quota_ns
+        n = next(t for t in range(1000, 200_000, 500) if state.predict_ns(t, 0) > budget // 2)
+        decode = d.app.components["decode"]
+        ch, stub = await with_stub(d)
+        async with ch:
+            s1 = Stream(stub)
+            await s1.send(headers_msg())
+            await s1.send(body_msg(prompt(n), True))
+            await s1.recv()
+            await s1.recv()
+            s2 = Stream(stub)
+            await s2.send(headers_msg())
+            await s2.send(body_msg(prompt(n), True))  # waits: the engine is full
+            await wait_for(lambda: decode.held == 2, what="second decode placement")
+            s2.call.cancel()
+            await wait_for(lambda: decode.held == 1, what="released on cancel")
+            assert d.gateway.picker.in_flight == 1
+            await s1.close()
+            await wait_for(lambda: d.gateway.picker.in_flight == 0, what="all released")

@@ -268,6 +268,9 @@ class Picker:
         s = self.settings
         try:
             prefiller = await self.prefill.place(placement.request_id, placement.prompt_tokens)
+        except asyncio.CancelledError:  # the stream went away while waiting for a pull
+            self.release(placement, "stream_closed")
+            raise
         except (DeadlineExceeded, ResourceExhausted) as err:
             self.release(placement, "stream_closed")
             self._count("shed")
