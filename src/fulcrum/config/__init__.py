@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError
 from fulcrum.config.base import Section
 from fulcrum.config.decode import DecodeSettings
 from fulcrum.config.eplb import EplbSettings
+from fulcrum.config.gateway import GatewaySettings
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.config.security import SecuritySettings
 from fulcrum.config.server import FleetSettings, LoggingSettings, MetricsSettings, ServerSettings
@@ -36,6 +37,7 @@ class Settings(Section):
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     vision: VisionSettings = Field(default_factory=VisionSettings)
     eplb: EplbSettings = Field(default_factory=EplbSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
 
 
 class ConfigError(Exception):

@@ -19,6 +19,7 @@ from fulcrum.core.types import (
     VisionMachineShape,
 )
 from fulcrum.errors import InvalidArgument
+from fulcrum.gateway.registry import AddressBook, validate_addresses
 from fulcrum.metrics import FLEET_EVENTS, FLEET_MEMBERS
 from fulcrum.service.app import App
 from fulcrum.v1 import fleet_pb2 as pb
@@ -76,6 +77,7 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
         fs = app.settings.fleet
         self._interval = fs.heartbeat_interval_ms
         self._timeout = fs.heartbeat_timeout_ms
+        self._addresses: AddressBook = app.components["serving_addresses"]
 
     def _gauge(self) -> None:
         for kind in MemberKind:
@@ -85,7 +87,12 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterResponse:
         shape = shape_from_pb(request)
+        addresses = None  # the gateway's serving addresses, validated before admission
+        gpus = request.decode_instance.gpus
+        if len(gpus) <= self._fleet.settings.max_gpus_per_member:
+            addresses = validate_addresses([g.serving_address for g in gpus])
         member, replaced = self._fleet.register(request.member_id, shape, self._app.clock())
+        self._addresses.record(member, addresses)
         event = "rejoined" if replaced else "joined"
         FLEET_EVENTS.labels(member.kind.value, event).inc()
         self._gauge()
@@ -150,6 +157,9 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
 
 
 def register(server: grpc.aio.Server, app: App) -> list[str]:
+    book = AddressBook()
+    app.components["serving_addresses"] = book
+    app.fleet.add_listener(MemberKind.DECODE_INSTANCE, book)
     servicer = FleetServicer(app)
     pb_grpc.add_FleetServiceServicer_to_server(servicer, server)
     app.every(app.settings.fleet.sweep_interval_ms / 1000, servicer.sweep, "fleet-sweep")

@@ -46,6 +46,7 @@ class Daemon:
     port: int = 0
     metrics_port: int = 0
     _metrics_server: Any = None
+    gateway: Any = None  # fulcrum.gateway.server.Gateway when gateway.enabled
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -63,6 +64,8 @@ class Daemon:
 
             self._metrics_server, _ = start_http_server(m.port, addr=m.host, registry=REGISTRY)
             self.metrics_port = self._metrics_server.server_port
+        if self.gateway is not None:
+            await self.gateway.start()
         BUILD_INFO.labels(__version__).set(1)
         DRAINING.set(0)
         log.info(
@@ -93,6 +96,8 @@ class Daemon:
             # Calls arriving now still get a clean UNAVAILABLE from the interceptor;
             # once the server stops they would be cancelled by the transport instead.
             await asyncio.sleep(linger)
+        if self.gateway is not None:
+            await self.gateway.stop(max(0.0, deadline - loop.time()))
         await self.server.stop(max(0.0, deadline - loop.time()))
         await self.app.stop_tasks()
         if self._metrics_server is not None:
@@ -128,7 +133,10 @@ def build(settings: Settings, app: App | None = None) -> Daemon:
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection([*names, health_name, reflection.SERVICE_NAME], server)
     port = security.add_port(server, settings)
-    return Daemon(app=app, server=server, health=health, services=names, port=port)
+    from fulcrum.gateway import server as gateway_server
+
+    gw = gateway_server.build(app)
+    return Daemon(app=app, server=server, health=health, services=names, port=port, gateway=gw)
 
 
 def install_signal_handlers(

@@ -83,19 +83,26 @@ class DecodeGpuCapacity(_message.Message):
 
     MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
     MAX_KV_TOKENS_FIELD_NUMBER: _builtins.int
+    SERVING_ADDRESS_FIELD_NUMBER: _builtins.int
     max_concurrency: _builtins.int
     """Largest number of concurrent requests on the GPU (> 0)."""
     max_kv_tokens: _builtins.int
     """Largest total KV cache on the GPU, in tokens (> 0)."""
+    serving_address: _builtins.str
+    """Optional: the "ip:port" serving this GPU's (DP rank's) HTTP requests, for the gateway
+    endpoint picker (gateway.enabled). Empty: the gateway never routes to this GPU. Set
+    on every GPU of the instance or on none.
+    """
     def __init__(
         self,
         *,
         max_concurrency: _builtins.int = ...,
         max_kv_tokens: _builtins.int = ...,
+        serving_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_concurrency", b"max_concurrency", "max_kv_tokens", b"max_kv_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_concurrency", b"max_concurrency", "max_kv_tokens", b"max_kv_tokens", "serving_address", b"serving_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,371 @@
+"""Gateway benchmark: HTTP requests through a real Envoy on loopback, three ways.
+
+- **Fulcrum EPP**: Envoy's ext_proc asks the Fulcrum daemon (``fulcrum serve`` with the
+  gateway on, its own process) for each request's destination: body read in
+  FULL_DUPLEX_STREAMED mode, prompt + max_tokens parsed, decode placement held for the
+  life of the request, response body streamed back through the picker (the example
+  bootstrap deploy/envoy/envoy.yaml, ports replaced).
+- **no-op picker**: the same Envoy bootstrap and the same stack (grpc.aio on uvloop,
+  xds-protos messages, body collected and sent back, response echoed) in its own
+  process, answering round robin without parsing or placing anything. The baseline the
+  picker is measured against (aim: >= 0.8x its throughput).
+- **Envoy round robin**: the same Envoy without the ext_proc filter (no picker at all).
+
+Four upstreams in the load generator's process answer after a fixed 20 ms (simulated
+model latency). ``workers`` closed-loop clients on keep-alive connections send an
+OpenAI completion (1,000-character prompt, max_tokens 64). Figures: requests/s, latency
+added over the 20 ms p50/p99 (client side), and CPU per request of Envoy + picker
+(``/proc/<pid>/stat``; the load generator and upstreams are not counted). Runs are
+interleaved (RR, no-op, Fulcrum, repeated) and summed per setup.
+
+Run alone: ``.venv/bin/python benchmarks/bench_gateway.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # pragma: no cover - direct execution
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import fmt_rate, md_table, percentiles, progress, ratio  # noqa: E402
+
+UPSTREAM_DELAY_S = 0.020
+BODY = json.dumps({"model": "m", "prompt": "x" * 1000, "max_tokens": 64}).encode()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 30.0
+    while True:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"{what} exited early: {err[-2000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not listen in 30 s")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _process(args: list[str], port: int, what: str) -> Iterator[int]:
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_port(port, proc, what)
+        yield proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def fulcrum_picker(upstream_ports: list[int]) -> Iterator[tuple[int, int]]:
+    """The daemon with the gateway on; yields (ext_proc port, pid)."""
+    port = _free_port()
+    cfg = {
+        "server": {"host": "127.0.0.1", "port": _free_port(), "seed": 7},
+        "metrics": {"enabled": False},
+        "logging": {"level": "error", "format": "json"},
+        "gateway": {
+            "enabled": True,
+            "port": port,
+            "health_port": _free_port(),
+            "pool": {"decode": [{"id": "d0", "host": "127.0.0.1", "ports": upstream_ports}]},
+        },
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fulcrum.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        args = [sys.executable, "-m", "fulcrum.cli", "serve", "--config", str(path)]
+        with _process(args, port, "fulcrum") as pid:
+            yield port, pid
+
+
+@contextlib.contextmanager
+def noop_picker(upstream_ports: list[int]) -> Iterator[tuple[int, int]]:
+    """The no-op picker of the same stack, in its own process; yields (port, pid)."""
+    port = _free_port()
+    args = [sys.executable, __file__, "--noop-picker", str(port), *map(str, upstream_ports)]
+    with _process(args, port, "no-op picker") as pid:
+        yield port, pid
+
+
+def serve_noop(port: int, upstream_ports: list[int]) -> None:
+    """The no-op ext_proc picker: round robin, body collected and returned, no parsing."""
+    import grpc
+    import uvloop
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+    from google.protobuf import struct_pb2
+
+    addrs = itertools.cycle([f"127.0.0.1:{p}" for p in upstream_ports])
+    key = "x-gateway-destination-endpoint"
+
+    def dest(addr: str) -> tuple[ep.CommonResponse, struct_pb2.Struct]:
+        common = ep.CommonResponse(
+            header_mutation=ep.HeaderMutation(
+                set_headers=[
+                    base_pb2.HeaderValueOption(
+                        header=base_pb2.HeaderValue(key=key, raw_value=addr.encode())
+                    )
+                ]
+            ),
+            clear_route_cache=True,
+        )
+        md = struct_pb2.Struct()
+        md.fields["envoy.lb"].struct_value.fields[key].string_value = addr
+        return common, md
+
+    class Noop(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+        async def Process(self, it, context):  # type: ignore[no-untyped-def]
+            chunks: list[bytes] = []
+            async for req in it:
+                kind = req.WhichOneof("request")
+                if kind == "request_headers":
+                    if req.request_headers.end_of_stream:
+                        common, md = dest(next(addrs))
+                        yield ep.ProcessingResponse(
+                            request_headers=ep.HeadersResponse(response=common),
+                            dynamic_metadata=md,
+                        )
+                elif kind == "request_body":
+                    chunks.append(req.request_body.body)
+                    if req.request_body.end_of_stream:
+                        common, md = dest(next(addrs))
+                        yield ep.ProcessingResponse(
+                            request_headers=ep.HeadersResponse(response=common),
+                            dynamic_metadata=md,
+                        )
+                        yield ep.ProcessingResponse(
+                            request_body=ep.BodyResponse(
+                                response=ep.CommonResponse(
+                                    body_mutation=ep.BodyMutation(
+                                        streamed_response=ep.StreamedBodyResponse(
+                                            body=b"".join(chunks), end_of_stream=True
+                                        )
+                                    )
+                                )
+                            )
+                        )
+                elif kind == "response_headers":
+                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+                elif kind == "response_body":
+                    rb = req.response_body
+                    yield ep.ProcessingResponse(
+                        response_body=ep.BodyResponse(
+                            response=ep.CommonResponse(
+                                body_mutation=ep.BodyMutation(
+                                    streamed_response=ep.StreamedBodyResponse(
+                                        body=rb.body, end_of_stream=rb.end_of_stream
+                                    )
+                                )
+                            )
+                        )
+                    )
+                elif kind == "request_trailers":
+                    yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+                elif kind == "response_trailers":
+                    yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+    async def main() -> None:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        ep_grpc.add_ExternalProcessorServicer_to_server(Noop(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    uvloop.run(main())
+
+
+def _round_robin_config(text: str) -> str:
+    """The example bootstrap without the ext_proc filter (Envoy alone, round robin)."""
+    start = text.index("                  # 2. Ask the picker.\n")
+    end = text.index("                  - name: envoy.filters.http.router\n")
+    return text[:start] + text[end:]
+
+
+@dataclass
+class Figures:
+    name: str
+    requests: int = 0
+    errors: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    latencies_s: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.wall_s if self.wall_s else float("nan")
+
+    @property
+    def cpu_per_request_s(self) -> float:
+        return self.cpu_s / self.requests if self.requests else float("nan")
+
+
+async def _load(port: int, workers: int, duration_s: float, fig: Figures, pids: list[int]) -> None:
+    from fulcrum.gateway.testing import HttpClient
+
+    clients = [HttpClient("127.0.0.1", port) for _ in range(workers)]
+    for c in clients:  # warm: connections up, first picks done
+        r = await c.request("POST", "/v1/completions", BODY)
+        if r.status != 200:
+            raise RuntimeError(f"{fig.name}: warm-up answered {r.status}")
+    cpu0 = sum(_cpu_s(p) for p in pids)
+    t0 = time.perf_counter()
+    deadline = t0 + duration_s
+
+    async def worker(c: HttpClient) -> None:
+        while True:
+            s = time.perf_counter()
+            if s >= deadline:
+                return
+            r = await c.request("POST", "/v1/completions", BODY)
+            fig.latencies_s.append(time.perf_counter() - s)
+            fig.requests += 1
+            if r.status != 200:
+                fig.errors += 1
+
+    await asyncio.gather(*(worker(c) for c in clients))
+    fig.wall_s += time.perf_counter() - t0
+    fig.cpu_s += sum(_cpu_s(p) for p in pids) - cpu0
+    for c in clients:
+        await c.close()
+
+
+@contextlib.asynccontextmanager
+async def _envoy(config: str) -> AsyncIterator[tuple[int, int]]:
+    from fulcrum.gateway.testing import start_envoy
+
+    env = await start_envoy(config, concurrency=1, log_level="error")
+    try:
+        yield env.port, env.proc.pid
+    finally:
+        env.stop()
+
+
+async def _bench(quick: bool) -> tuple[list[Figures], dict[str, object]]:
+    from fulcrum.gateway.testing import render_envoy_config, upstreams
+
+    duration = 2.0 if quick else 5.0
+    rounds = 1 if quick else 2
+    workers = 32
+    figs = {n: Figures(n) for n in ("Envoy round robin", "no-op picker", "Fulcrum EPP")}
+    async with upstreams(4) as ups:
+        for u in ups:
+            u.record = False
+            u.delay_s = UPSTREAM_DELAY_S
+        ports = [u.port for u in ups]
+        template = render_envoy_config(9002, ports, listener_port=0, admin_port=0)
+        with (
+            noop_picker(ports) as (noop_port, noop_pid),
+            fulcrum_picker(ports) as (
+                epp_port,
+                epp_pid,
+            ),
+        ):
+            configs = {
+                "Envoy round robin": (_round_robin_config(template), []),
+                "no-op picker": (
+                    template.replace("port_value: 9002", f"port_value: {noop_port}"),
+                    [noop_pid],
+                ),
+                "Fulcrum EPP": (
+                    template.replace("port_value: 9002", f"port_value: {epp_port}"),
+                    [epp_pid],
+                ),
+            }
+            for r in range(rounds):
+                for name, (cfg, pids) in configs.items():
+                    progress(f"gateway: {name}, round {r + 1}/{rounds}")
+                    async with _envoy(cfg) as (port, envoy_pid):
+                        await _load(port, workers, duration, figs[name], [envoy_pid, *pids])
+    meta = {"workers": workers, "duration_s": duration, "rounds": rounds}
+    return list(figs.values()), meta
+
+
+def run(quick: bool) -> str:
+    figs, meta = asyncio.run(_bench(quick))
+    by = {f.name: f for f in figs}
+    noop = by["no-op picker"]
+    rows = []
+    for f in figs:
+        p50, p99 = percentiles(f.latencies_s)
+        rows.append(
+            [
+                f.name,
+                fmt_rate(f.rate),
+                ratio(f.rate, noop.rate),
+                f"{(p50 - UPSTREAM_DELAY_S) * 1e3:.2f}",
+                f"{(p99 - UPSTREAM_DELAY_S) * 1e3:.2f}",
+                f"{f.cpu_per_request_s * 1e6:,.0f}",
+                f.errors,
+            ]
+        )
+    epp = by["Fulcrum EPP"]
+    verdict = "met" if epp.rate >= 0.8 * noop.rate else "MISSED"
+    table = md_table(
+        [
+            "setup",
+            "requests/s",
+            "vs no-op picker",
+            "added latency p50 (ms)",
+            "added latency p99 (ms)",
+            "CPU/request, Envoy + picker (us)",
+            "errors",
+        ],
+        rows,
+    )
+    return (
+        "### Gateway\n\n"
+        "HTTP through a real Envoy 1.40 on loopback (deploy/envoy/envoy.yaml with free ports;"
+        f" Envoy --concurrency 1), {meta['workers']} closed-loop keep-alive clients, "
+        f"{meta['rounds']} interleaved round(s) of {meta['duration_s']:.0f} s per setup, "
+        "four upstreams answering after 20 ms, an OpenAI completion body (1,000-character "
+        "prompt, max_tokens 64). Added latency = client latency - 20 ms. CPU counts Envoy "
+        "and the picker process (not the load generator nor the upstreams).\n\n"
+        f"{table}\n\n"
+        f"Aim: Fulcrum EPP >= 0.8x the no-op picker's throughput: **{verdict}** "
+        f"({ratio(epp.rate, noop.rate)}).\n\n"
+        "Command: `.venv/bin/python benchmarks/bench_gateway.py` "
+        "(or `make bench`; `--quick` for 2 s runs).\n"
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--noop-picker":
+        serve_noop(int(sys.argv[2]), [int(p) for p in sys.argv[3:]])
+    else:
+        print(run("--quick" in sys.argv))

@@ -1,0 +1,159 @@
+"""Correct the decode view from the engines' own Prometheus metrics (vLLM, SGLang).
+
+Every ``gateway.scrape.interval_ms`` the scraper fetches ``http://host:port/metrics`` of
+every DP rank of every pool engine and parses it with prometheus_client's parser, both
+in worker threads (never on the event loop). The figures come back to the loop, where an
+engine whose ranks all answered gets a heartbeat on its behalf with, per rank:
+
+- requests = running + waiting (``vllm:num_requests_running`` +
+  ``vllm:num_requests_waiting``; SGLang ``sglang:num_running_reqs`` +
+  ``sglang:num_queue_reqs``), summed over the samples of the page;
+- KV tokens = KV cache usage (``vllm:kv_cache_usage_perc``, older
+  ``vllm:gpu_cache_usage_perc``, SGLang ``sglang:token_usage``; a fraction in [0, 1])
+  times the rank's configured ``max_kv_tokens``.
+
+The report replaces the rank's figures in the decode view like an engine's own heartbeat
+(placements made since are the engine's to count from then on; releases lower the view).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import structlog
+from prometheus_client.parser import text_string_to_metric_families
+
+from fulcrum.config.gateway import GatewaySettings, PoolEngine
+from fulcrum.core.types import DecodeInstanceLoad
+from fulcrum.gateway import metrics as gm
+from fulcrum.gateway.pool import StaticPool
+
+log = structlog.get_logger(__name__)
+
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_KIND_PREFIX = {"vllm": "vllm:", "sglang": "sglang:", "auto": ""}
+#: Largest metrics page read, bytes (a vLLM page is ~100 KiB).
+MAX_PAGE_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class RankLoad:
+    """One rank's figures: requests running and waiting, KV usage fraction."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+def parse_metrics(text: str, kind: str = "auto") -> RankLoad | None:
+    """Figures of one engine metrics page; None when it has none of the known gauges."""
+    prefix = _KIND_PREFIX[kind]
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name
+        if name not in RUNNING and name not in WAITING and name not in KV_USAGE:
+            continue
+        if prefix and not name.startswith(prefix):
+            continue
+        for sample in family.samples:
+            if sample.name == name:
+                sums[name] = sums.get(name, 0.0) + float(sample.value)
+    if not sums:
+        return None
+
+    def first(names: tuple[str, ...]) -> float:
+        for n in names:
+            if n in sums:
+                return sums[n]
+        return 0.0
+
+    running = max(0, round(first(RUNNING)))
+    waiting = max(0, round(first(WAITING)))
+    usage = min(max(first(KV_USAGE), 0.0), 1.0)
+    return RankLoad(running, waiting, usage)
+
+
+def fetch(url: str, timeout_s: float) -> str:
+    """GET a metrics page (worker thread)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        data: bytes = resp.read(MAX_PAGE_BYTES)
+    return data.decode("utf-8", "replace")
+
+
+def scrape_engine(engine: PoolEngine, timeout_s: float, kind: str) -> list[RankLoad] | None:
+    """All ranks of one engine (worker thread); None when any rank fails."""
+    out = []
+    host = f"[{engine.host}]" if ":" in engine.host else engine.host
+    for port in engine.ports:
+        try:
+            load = parse_metrics(
+                fetch(f"http://{host}:{port}{engine.metrics_path}", timeout_s), kind
+            )
+        except Exception:
+            return None
+        if load is None:
+            return None
+        out.append(load)
+    return out
+
+
+def to_load(engine: PoolEngine, ranks: list[RankLoad]) -> DecodeInstanceLoad:
+    """The heartbeat load of an engine from its ranks' figures."""
+    return DecodeInstanceLoad(
+        concurrency=tuple(min(r.running + r.waiting, (1 << 20) - 1) for r in ranks),
+        kv_tokens=tuple(round(r.kv_usage * engine.max_kv_tokens) for r in ranks),
+    )
+
+
+class Scraper:
+    """Periodic scrape of the pool (fetch + parse in threads, apply on the loop)."""
+
+    def __init__(
+        self, settings: GatewaySettings, pool: StaticPool, clock: Callable[[], int]
+    ) -> None:
+        self._settings = settings
+        self._pool = pool
+        self._clock = clock
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gw-scrape")
+        self.rounds = 0
+
+    def apply_settings(self, settings: GatewaySettings) -> None:
+        self._settings = settings
+
+    async def scrape_once(self) -> None:
+        """One round: every engine, results applied on the loop."""
+        loop = asyncio.get_running_loop()
+        s = self._settings
+        engines = self._pool.engines
+        timeout = s.scrape.timeout_ms / 1000
+        results = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._executor, scrape_engine, e, timeout, s.engine_kind)
+                for e in engines
+            )
+        )
+        now = self._clock()
+        for engine, ranks in zip(engines, results, strict=True):
+            if ranks is None:
+                gm.SCRAPES.labels("error").inc()
+                continue
+            gm.SCRAPES.labels("ok").inc()
+            self._pool.report(engine.id, to_load(engine, ranks), now)
+        self.rounds += 1
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self._settings.scrape.interval_ms / 1000)
+                try:
+                    await self.scrape_once()
+                except Exception:
+                    log.exception("gateway_scrape_failed")
+        finally:
+            self._executor.shutdown(wait=False, cancel_futures=True)

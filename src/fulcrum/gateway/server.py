@@ -1,0 +1,170 @@
+"""The picker's servers in the daemon: ext_proc on ``gateway.port``, gRPC health on
+``gateway.health_port``; the static pool's keep-alive and the optional scraper.
+
+Health services (proposal 004): ``liveness`` (SERVING while the process answers),
+``readiness`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` (SERVING once the pool is
+registered and the ext_proc server listens; NOT_SERVING while draining), and ``""``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from fulcrum.config import Settings
+from fulcrum.gateway.adapter import DecodeAdapter, PrefillAdapter
+from fulcrum.gateway.body import load_tokenizer
+from fulcrum.gateway.extproc import SERVICE, Picker, add_to_server
+from fulcrum.gateway.pool import StaticPool
+from fulcrum.gateway.prefill import PrefillProxy
+from fulcrum.gateway.scrape import Scraper
+from fulcrum.state.decode import DecodeState
+
+log = structlog.get_logger(__name__)
+
+HEALTH_SERVICES = ("liveness", "readiness", SERVICE, "")
+
+
+@dataclass
+class Gateway:
+    """A built (and, after :meth:`start`, running) endpoint picker."""
+
+    app: Any
+    picker: Picker
+    pool: StaticPool
+    server: grpc.aio.Server
+    health_server: grpc.aio.Server
+    health: HealthServicer
+    port: int
+    health_port: int
+    scraper: Scraper | None = None
+    _started: bool = field(default=False)
+    _drain_task: asyncio.Future[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.app.settings.gateway.host}:{self.port}"
+
+    async def start(self) -> None:
+        app = self.app
+        now = app.clock()
+        self.pool.start(now)
+        interval = app.settings.fleet.heartbeat_timeout_ms / 2000
+        app.every(interval, self.pool.keep_alive, "gateway-pool-keepalive")
+        prefill = self.picker.prefill
+        if prefill is not None:
+            prefill.start(now)
+            app.every(interval, prefill.keep_alive, "gateway-prefill-keepalive")
+        if self.scraper is not None:
+            app.spawn(self.scraper.run(), "gateway-scrape")
+        await self.health_server.start()
+        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        await self.server.start()
+        for name in ("readiness", SERVICE, ""):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._started = True
+        app.drain_hooks.append(self._on_drain)
+        log.info(
+            "gateway_started",
+            address=self.address,
+            health_port=self.health_port,
+            endpoints=len(self.pool.addresses),
+            policy=self.picker.adapter.policy_name,
+        )
+
+    def _on_drain(self) -> None:
+        """The daemon drains: the gateway should stop sending new requests here."""
+        self._drain_task = asyncio.ensure_future(self._set_ready(False))
+
+    async def _set_ready(self, ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("readiness", SERVICE, ""):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        """Readiness NOT_SERVING, streams get ``grace_s`` to finish, then stop."""
+        if not self._started:
+            return
+        self._started = False
+        await self._set_ready(False)
+        await self.server.stop(grace_s)
+        if self.picker.prefill is not None:
+            await self.picker.prefill.stop(self.app.clock())
+        self.pool.stop(self.app.clock())
+        await self.health_server.stop(0)
+        log.info("gateway_stopped")
+
+
+def build(app: Any) -> Gateway | None:
+    """Build the picker from ``app.settings.gateway`` (None when it is off). Needs the
+    decode balancer built first (``app.components["decode"]``)."""
+    settings: Settings = app.settings
+    gs = settings.gateway
+    if not gs.enabled:
+        return None
+    state: DecodeState = app.components["decode"]
+    pool = StaticPool(app.fleet, gs.pool.decode)
+    adapter = DecodeAdapter(state, pool.addresses, app.components.get("serving_addresses"))
+    pool.adapter = adapter
+    counter = load_tokenizer(gs.tokenizer) if gs.tokenizer else None
+    prefill = None
+    if gs.pool.prefill:
+        prefill = PrefillProxy(
+            app.fleet,
+            PrefillAdapter(app.components["prefill"]),
+            gs.pool.prefill,
+            gs,
+            app.clock,
+        )
+    picker = Picker(
+        gs,
+        adapter,
+        app.clock,
+        lambda: int(state.settings.max_request_kv_tokens),
+        counter,
+        prefill,
+    )
+    app.components["gateway"] = picker
+
+    def reload(new: Settings) -> None:
+        picker.apply_settings(new.gateway)
+        if prefill is not None:
+            prefill.apply_settings(new.gateway)
+        if scraper is not None:
+            scraper.apply_settings(new.gateway)
+
+    app.reload_hooks.append(reload)
+    options = [
+        ("grpc.max_receive_message_length", gs.max_body_bytes + (1 << 20)),
+        ("grpc.max_send_message_length", gs.max_body_bytes + (1 << 20)),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    add_to_server(server, picker)
+    port = server.add_insecure_port(f"{gs.host}:{gs.port}")
+    health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
+    health_port = health_server.add_insecure_port(f"{gs.host}:{gs.health_port}")
+    scraper = Scraper(gs, pool, app.clock) if gs.scrape.enabled else None
+    return Gateway(
+        app=app,
+        picker=picker,
+        pool=pool,
+        server=server,
+        health_server=health_server,
+        health=health,
+        port=port,
+        health_port=health_port,
+        scraper=scraper,
+    )
