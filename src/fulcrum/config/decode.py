@@ -84,6 +84,17 @@ class DecodeSettings(Section):
         description="largest KV length one request may ask for; bigger is refused, tokens",
     )
 
+    metrics_gpu_series: int = Field(
+        1024,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "per-GPU gauges are exported for every decode GPU while there are at most "
+            "this many, else for this many most loaded GPUs (per-member sums and summaries "
+            "are always exported); bounds the /metrics size at full scale, GPUs"
+        ),
+    )
+
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:

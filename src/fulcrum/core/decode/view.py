@@ -364,6 +364,83 @@ def write_range(view: FleetView, start: int, concurrency: I64, kv_tokens: I64) -
     )
 
 
+def open_range(
+    view: FleetView, start: int, max_concurrency: I64, max_kv_tokens: I64
+) -> None:
+    """IN PLACE: make GPUs ``start .. start + k - 1`` live and idle with the given
+    capacities (requests, tokens; arrays of shape ``(k,)``). O(k). The slots must be
+    closed (not live) before; for the single owner of the view's arrays only. Raises
+    ValueError, changing nothing, on a bad range, a live slot or an out-of-range capacity.
+    """
+    k = int(max_concurrency.shape[0])
+    if max_kv_tokens.shape != (k,) or not 0 <= start <= start + k <= view.n_gpus:
+        raise ValueError(f"range [{start}, {start + k}) or shapes do not fit the view")
+    end = start + k
+    if bool(view.live[start:end].any()):
+        raise ValueError(f"range [{start}, {end}): holds live GPUs")
+    if bool(((max_concurrency < 1) | (max_concurrency >= MAX_CONCURRENCY_LIMIT)).any()):
+        raise ValueError(f"max_concurrency: must be in [1, {MAX_CONCURRENCY_LIMIT})")
+    if bool(((max_kv_tokens < 1) | (max_kv_tokens >= MAX_KV_LIMIT)).any()):
+        raise ValueError(f"max_kv_tokens: must be in [1, {MAX_KV_LIMIT})")
+    view.concurrency[start:end] = 0
+    view.kv_tokens[start:end] = 0
+    view.max_concurrency[start:end] = max_concurrency
+    view.max_kv_tokens[start:end] = max_kv_tokens
+    view.live[start:end] = True
+    view.headroom[start:end] = max_kv_tokens
+    view.order_conc[start:end] = MAX_KV_LIMIT - 1
+    view.order_kv[start:end] = 0
+
+
+def close_range(view: FleetView, start: int, k: int) -> None:
+    """IN PLACE: take GPUs ``start .. start + k - 1`` out (not live, idle, capacity 1):
+    the state of a free slot. O(k); keeps ``totals`` consistent. Owner only."""
+    if not 0 <= start <= start + k <= view.n_gpus:
+        raise ValueError(f"range [{start}, {start + k}) does not fit the view")
+    end = start + k
+    live = view.live[start:end]
+    view.totals[0] -= int(view.concurrency[start:end][live].sum())
+    view.totals[1] -= int(view.kv_tokens[start:end][live].sum())
+    view.concurrency[start:end] = 0
+    view.kv_tokens[start:end] = 0
+    view.max_concurrency[start:end] = 1
+    view.max_kv_tokens[start:end] = 1
+    view.live[start:end] = False
+    view.headroom[start:end] = -1
+    view.order_conc[start:end] = INT64_MAX
+    view.order_kv[start:end] = INT64_MAX
+
+
+def resized(view: FleetView, capacity: int, index: I64 | None = None) -> FleetView:
+    """A new view of ``capacity`` slots: slot ``i`` takes old slot ``index[i]`` for
+    ``i < len(index)`` (default: the identity over the old slots), the rest are free
+    slots (see :func:`close_range`). Copies; the old view is untouched. O(capacity)."""
+    if index is None:
+        index = np.arange(view.n_gpus, dtype=np.int64)
+    n = int(index.shape[0])
+    if n > capacity:
+        raise ValueError(f"capacity {capacity} < {n} slots kept")
+
+    def take(arr: npt.NDArray[np.int64], fill: int) -> npt.NDArray[np.int64]:
+        out = np.full(capacity, fill, dtype=np.int64)
+        out[:n] = arr[index]
+        return out
+
+    live = np.zeros(capacity, dtype=np.bool_)
+    live[:n] = view.live[index]
+    return FleetView(
+        concurrency=take(view.concurrency, 0),
+        kv_tokens=take(view.kv_tokens, 0),
+        max_concurrency=take(view.max_concurrency, 1),
+        max_kv_tokens=take(view.max_kv_tokens, 1),
+        live=live,
+        headroom=take(view.headroom, -1),
+        order_conc=take(view.order_conc, INT64_MAX),
+        order_kv=take(view.order_kv, INT64_MAX),
+        totals=view.totals.copy(),
+    )
+
+
 def copy_view(view: FleetView) -> FleetView:
     """A deep copy (every array copied)."""
     return FleetView(

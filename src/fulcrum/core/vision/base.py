@@ -66,7 +66,7 @@ def check_patches(patches: int) -> None:
 def no_fit_reason(fleet: VisionFleet, patches: int) -> str:
     """Why no GPU can take ``patches`` patches (for RESOURCE_EXHAUSTED)."""
     t = fleet.topology
-    if t.live_machines.size == 0:
+    if not t.live_machine_list:
         return "no live VE machine"
     free = t.limit[t.live] - fleet.patches_in_flight[t.live]
     return (
@@ -78,17 +78,14 @@ def no_fit_reason(fleet: VisionFleet, patches: int) -> str:
 def eligible_machines(fleet: VisionFleet, patches: int) -> npt.NDArray[np.int64]:
     """Indices (ascending) of machines with at least one eligible GPU for ``patches``.
 
-    Fast path without capacities: the live machines, O(1). Otherwise one vectorised
+    Fast path without capacities: the live machines, O(M). Otherwise one vectorised
     pass over the ``(G,)`` arrays.
     """
     t = fleet.topology
-    if t.unlimited:
-        return t.live_machines
-    if t.n_machines == 0:
-        return t.live_machines
+    if t.unlimited or t.n_machines == 0:
+        return np.asarray(t.live_machine_list, dtype=np.int64)
     slack = t.limit - fleet.patches_in_flight
-    best = np.maximum.reduceat(slack, t.machine_start[:-1])
-    return np.flatnonzero(best >= patches).astype(np.int64)
+    return np.unique(t.gpu_machine[slack >= patches]).astype(np.int64)
 
 
 def best_gpu(fleet: VisionFleet, machine: int, patches: int) -> int:
@@ -98,7 +95,7 @@ def best_gpu(fleet: VisionFleet, machine: int, patches: int) -> int:
     ``patches``. O(GPUs of the machine).
     """
     t = fleet.topology
-    s, e = t.starts[machine], t.starts[machine + 1]
+    s, e = t.starts[machine], t.ends[machine]
     load = fleet.patches_in_flight[s:e]
     if t.unlimited and t.all_live_list[machine]:
         return s + int(load.argmin())
