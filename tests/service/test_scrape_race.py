@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from fulcrum.client import FulcrumClient
+from fulcrum.service.looplag import LagMonitor
 from fulcrum.service.server import Daemon
 from fulcrum.state.decode import DecodeState
 from fulcrum.state.vision import VisionState
@@ -233,3 +235,27 @@ async def test_scrape_is_bounded_at_scale() -> None:
     loaded = [s for s in fams["fulcrum_decode_gpu_concurrency"].samples if s.value > 0]
     assert sum(s.value for s in loaded) == 3
     assert sum(s.value for s in fams["fulcrum_decode_instance_concurrency"].samples) == 3
+
+
+async def test_event_loop_lag_histogram_sees_a_stall(daemon: Daemon) -> None:
+    """A deliberate 60 ms stall of the loop shows as a lag of at least 50 ms (the stall
+    minus the probe's 10 ms period), in the monitor and in the exported histogram."""
+    monitor = daemon.app.components["loop_lag"]
+    assert isinstance(monitor, LagMonitor)
+    start = monitor.samples
+    while monitor.samples < start + 2:  # the probe runs
+        await asyncio.sleep(0)
+    time.sleep(0.06)  # a handler holding the loop
+    seen = monitor.samples
+    while monitor.samples == seen:
+        await asyncio.sleep(0)
+    assert monitor.max_s >= 0.05
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(
+            f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=30
+        ).read().decode()
+    )
+    [fam] = [f for f in text_string_to_metric_families(text)
+             if f.name == "fulcrum_event_loop_lag_seconds"]
+    buckets = {s.labels["le"]: s.value for s in fam.samples if s.name.endswith("_bucket")}
+    assert buckets["+Inf"] > buckets["0.05"]  # at least one wake-up 50 ms late or more
