@@ -65,10 +65,12 @@ class SlotAllocator:
     used ones (the caller then moves its members with :meth:`compaction`).
     """
 
-    __slots__ = ("_free", "capacity", "end", "used")
+    __slots__ = ("_free", "capacity", "end", "min_waste", "used")
 
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, capacity: int = 64, min_waste: int = 1024) -> None:
         self.capacity = max(capacity, 1)
+        #: Free slots below the end worth a compaction at least (tests lower it).
+        self.min_waste = min_waste
         self.end = 0
         self.used = 0
         self._free: dict[int, list[int]] = {}
@@ -107,7 +109,7 @@ class SlotAllocator:
 
     def needs_compaction(self) -> bool:
         """Free slots below the end outnumber the used ones (and are worth moving)."""
-        return self.wasted > max(self.used, 1024)
+        return self.wasted > max(self.used, self.min_waste)
 
     def compaction(self, ranges: list[tuple[int, int]]) -> tuple[I64, list[int]]:
         """Pack ``ranges`` (``(start, n)`` of every member, in the order to keep) at the
