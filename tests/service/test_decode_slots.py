@@ -53,7 +53,9 @@ def test_slots_follow_the_model(
                 held = {r: h for r, h in held.items() if h[0] != member_id}
             incarnation += 1
             shape = DecodeInstanceShape((4,) * b, (10_000,) * b)
-            members[member_id] = Member(member_id, MemberKind.DECODE_INSTANCE, incarnation, shape, 0)
+            members[member_id] = Member(
+                member_id, MemberKind.DECODE_INSTANCE, incarnation, shape, 0
+            )
             state.on_join(members[member_id], 0)
             model.update({(member_id, g): (0, 0) for g in range(b)})
         elif kind == "leave" and IDS[a] in members:
