@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from fulcrum.metrics import REGISTRY
 from fulcrum.metrics.placement import gpu_rows, imbalance_of
-from fulcrum.state.placement import MemberFigures
+from fulcrum.state.placement import MemberTable
 
 #: Outcomes of a PlaceDecode call (unary or streamed).
 PLACE_OUTCOMES = ("placed", "invalid_argument", "already_exists", "resource_exhausted")
@@ -68,7 +68,7 @@ class DecodeSnapshot:
     #: Per-GPU series bound (``decode.metrics_gpu_series``).
     gpu_series: int = 0
     #: Per instance: ``values = (concurrency, kv_tokens)``, each of shape ``(gpus,)``.
-    members: tuple[MemberFigures, ...] = ()
+    members: MemberTable = field(default_factory=MemberTable)
     placements: tuple[tuple[tuple[str, str, str], int], ...] = ()
     releases: tuple[tuple[str, int], ...] = ()
 

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from fulcrum.metrics import REGISTRY
 from fulcrum.metrics.placement import gpu_rows, imbalance_of
-from fulcrum.state.placement import MemberFigures
+from fulcrum.state.placement import MemberTable
 
 #: Outcomes of a PlaceImages request.
 PLACE_OUTCOMES = ("placed", "invalid_argument", "already_exists", "resource_exhausted")
@@ -75,7 +75,7 @@ class VisionSnapshot:
     #: Per-GPU series bound (``vision.metrics_gpu_series``).
     gpu_series: int = 0
     #: Per machine: ``values = (patches_in_flight,)``, shape ``(gpus,)``.
-    members: tuple[MemberFigures, ...] = ()
+    members: MemberTable = field(default_factory=MemberTable)
     placements: tuple[tuple[tuple[str, str], int], ...] = ()
     images: tuple[tuple[str, int], ...] = ()
     patches: tuple[tuple[str, int], ...] = ()

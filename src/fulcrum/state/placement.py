@@ -304,28 +304,79 @@ class MemberFigures:
     values: tuple[I64, ...]
 
 
-class MemberFigureCache:
-    """Per-member copies of GPU figures, refreshed only for members marked dirty."""
+@dataclass(frozen=True, slots=True)
+class MemberTable:
+    """Every member's :class:`MemberFigures` at a publication, in chunks (iterate it)."""
 
-    __slots__ = ("_dirty", "_figures")
+    chunks: tuple[tuple[MemberFigures | None, ...], ...] = ()
+
+    def __iter__(self) -> Iterator[MemberFigures]:
+        for chunk in self.chunks:
+            for figures in chunk:
+                if figures is not None:
+                    yield figures
+
+
+#: Members per chunk of a :class:`MemberTable`.
+CHUNK = 64
+
+
+class MemberFigureCache:
+    """Per-member copies of GPU figures, refreshed only for members marked dirty.
+
+    Members hold fixed positions in chunks of :data:`CHUNK`; a refresh copies the dirty
+    members' figures and rebuilds only their chunks and the tuple of chunks, so that a
+    publication costs O(changed GPUs + CHUNK + members / CHUNK), not O(members).
+    """
+
+    __slots__ = ("_chunks", "_dirty", "_dirty_chunks", "_free", "_frozen", "_pos", "_table")
 
     def __init__(self) -> None:
-        self._figures: dict[str, MemberFigures] = {}
+        self._pos: dict[str, int] = {}
+        self._free: list[int] = []
+        self._chunks: list[list[MemberFigures | None]] = []
+        self._frozen: list[tuple[MemberFigures | None, ...]] = []
         self._dirty: dict[str, Slots] = {}
+        self._dirty_chunks: set[int] = set()
+        self._table = MemberTable()
 
     def mark(self, slots: Slots) -> None:
         self._dirty[slots.member_id] = slots
 
     def forget(self, member_id: str) -> None:
-        self._figures.pop(member_id, None)
         self._dirty.pop(member_id, None)
+        pos = self._pos.pop(member_id, None)
+        if pos is not None:
+            c, i = divmod(pos, CHUNK)
+            self._chunks[c][i] = None
+            self._dirty_chunks.add(c)
+            self._free.append(pos)
 
-    def refresh(self, read: Callable[[Slots], tuple[I64, ...]]) -> tuple[MemberFigures, ...]:
+    def _position(self, member_id: str) -> int:
+        pos = self._pos.get(member_id)
+        if pos is None:
+            if self._free:
+                pos = self._free.pop()
+            else:
+                pos = len(self._pos)
+                if pos // CHUNK == len(self._chunks):
+                    self._chunks.append([None] * CHUNK)
+                    self._frozen.append(())
+            self._pos[member_id] = pos
+        return pos
+
+    def refresh(self, read: Callable[[Slots], tuple[I64, ...]]) -> MemberTable:
         """Copy the dirty members' figures (``read(slots)`` returns fresh arrays) and
-        return every member's, in id order of first publication."""
+        return the table of every member's."""
         if self._dirty:
-            figures = self._figures
             for member_id, slots in self._dirty.items():
-                figures[member_id] = MemberFigures(member_id, read(slots))
+                c, i = divmod(self._position(member_id), CHUNK)
+                self._chunks[c][i] = MemberFigures(member_id, read(slots))
+                self._dirty_chunks.add(c)
             self._dirty.clear()
-        return tuple(self._figures.values())
+        if self._dirty_chunks:
+            for c in self._dirty_chunks:
+                self._frozen[c] = tuple(self._chunks[c])
+            self._dirty_chunks.clear()
+            self._table = MemberTable(tuple(self._frozen))
+        return self._table
