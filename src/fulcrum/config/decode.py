@@ -85,7 +85,7 @@ class DecodeSettings(Section):
     )
 
     metrics_gpu_series: int = Field(
-        1024,
+        256,
         ge=0,
         le=1_000_000,
         description=(

@@ -48,7 +48,7 @@ class VisionSettings(Section):
     )
 
     metrics_gpu_series: int = Field(
-        1024,
+        256,
         ge=0,
         le=1_000_000,
         description=(

@@ -26,7 +26,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from fulcrum.metrics import REGISTRY
-from fulcrum.metrics.placement import gpu_rows, imbalance_of
+from fulcrum.metrics.placement import (
+    YIELD_EVERY,
+    gpu_rows,
+    imbalance_of,
+    member_sums,
+    yield_gil,
+)
 from fulcrum.state.placement import MemberTable
 
 #: Outcomes of a PlaceDecode call (unary or streamed).
@@ -152,19 +158,20 @@ class _ScrapeCollector(Collector):
         if source is not None:
             snap = source.snapshot
             members = sorted(snap.members, key=lambda m: m.member_id)
-            n_gpus = 0
-            for m in members:
-                c, k = m.values
-                n_gpus += int(c.shape[0])
-                inst_conc.add_metric([m.member_id], float(c.sum()))
-                inst_kv.add_metric([m.member_id], float(k.sum()))
-            gpus.add_metric([], float(n_gpus))
+            sums_c, sums_k = member_sums(members, 0), member_sums(members, 1)
+            for i, m in enumerate(members):
+                inst_conc.add_metric([m.member_id], float(sums_c[i]))
+                inst_kv.add_metric([m.member_id], float(sums_k[i]))
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    yield_gil()
+            gpus.add_metric([], float(sum(int(m.values[0].shape[0]) for m in members)))
             # Rank by requests, then KV (< 2^20 and < 2^40: see core.decode.view).
-            for member_id, gpu, (gc, gk) in gpu_rows(
-                members, snap.gpu_series, lambda v: v[0] * (1 << 40) + v[1]
-            ):
+            rows = gpu_rows(members, snap.gpu_series, lambda v: v[0] * (1 << 40) + v[1])
+            for i, (member_id, gpu, (gc, gk)) in enumerate(rows):
                 conc.add_metric([member_id, str(gpu)], float(gc))
                 kv.add_metric([member_id, str(gpu)], float(gk))
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    yield_gil()
             all_c = [m.values[0] for m in members]
             all_k = [m.values[1] for m in members]
             imbalance.add_metric([snap.policy, "concurrency"], imbalance_of(all_c))

@@ -3,6 +3,7 @@ thread on published snapshots only: bounded per-GPU rows and imbalance."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -52,3 +53,25 @@ def gpu_rows(
         m = members[i]
         gpu = pos - int(offsets[i])
         yield m.member_id, gpu, tuple(int(v[gpu]) for v in m.values)
+
+
+#: Samples added between two yields of the GIL (see :func:`yield_gil`).
+YIELD_EVERY = 256
+
+
+def yield_gil() -> None:
+    """Let the event loop's thread take the GIL now (a scrape of a large fleet is CPU
+    work in the scrape thread; without yielding, the loop waits for the interpreter's
+    switch interval at each of its GIL acquisitions)."""
+    time.sleep(0)
+
+
+def member_sums(members: Sequence[MemberFigures], which: int) -> list[int]:
+    """Sum over each member's GPUs of figure ``which`` (one vectorised pass)."""
+    if not members:
+        return []
+    values = np.concatenate([m.values[which] for m in members])
+    sizes = [int(m.values[which].shape[0]) for m in members]
+    starts = np.cumsum([0, *sizes[:-1]])
+    sums: list[int] = np.add.reduceat(values, starts).tolist()
+    return sums

@@ -24,7 +24,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from fulcrum.metrics import REGISTRY
-from fulcrum.metrics.placement import gpu_rows, imbalance_of
+from fulcrum.metrics.placement import (
+    YIELD_EVERY,
+    gpu_rows,
+    imbalance_of,
+    member_sums,
+    yield_gil,
+)
 from fulcrum.state.placement import MemberTable
 
 #: Outcomes of a PlaceImages request.
@@ -158,14 +164,17 @@ class _ScrapeCollector(Collector):
         if source is not None:
             snap = source.snapshot
             members = sorted(snap.members, key=lambda m: m.member_id)
-            n_gpus = 0
-            for m in members:
-                (pif,) = m.values
-                n_gpus += int(pif.shape[0])
-                per_machine.add_metric([m.member_id], float(pif.sum()))
-            n_gpus_f.add_metric([], float(n_gpus))
-            for machine, gpu, (value,) in gpu_rows(members, snap.gpu_series, lambda v: v[0]):
+            sums = member_sums(members, 0)
+            for i, m in enumerate(members):
+                per_machine.add_metric([m.member_id], float(sums[i]))
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    yield_gil()
+            n_gpus_f.add_metric([], float(sum(int(m.values[0].shape[0]) for m in members)))
+            rows = gpu_rows(members, snap.gpu_series, lambda v: v[0])
+            for i, (machine, gpu, (value,)) in enumerate(rows):
                 gpus.add_metric([machine, str(gpu)], float(value))
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    yield_gil()
             imbalance.add_metric([snap.policy], imbalance_of([m.values[0] for m in members]))
             held.add_metric([], float(snap.held))
             for (policy, outcome), n in sorted(snap.placements):
