@@ -172,8 +172,125 @@ async def timed_calls(
     return lat, time.perf_counter() - t0
 
 
+def _q(samples: list[float]) -> list[str]:
+    """p50, p99 and max of ``samples`` (s) in ms."""
+    p50, p99 = percentiles(samples, (50, 99))
+    return [_ms(p50), _ms(p99), _ms(max(samples) if samples else float("nan"))]
+
+
+def table_work(quick: bool) -> str:
+    """CPU time per event in the daemon's decode and VE tables (in-process, no gRPC):
+    thread CPU time, so that the shared machine's other work does not count."""
+    import numpy as np
+
+    from fulcrum.config.decode import DecodeSettings
+    from fulcrum.config.vision import VisionSettings
+    from fulcrum.core.types import (
+        DecodeInstanceLoad,
+        DecodeInstanceShape,
+        Member,
+        MemberKind,
+        VisionMachineShape,
+    )
+    from fulcrum.state.decode import DecodeState
+    from fulcrum.state.vision import ImageRequest, VisionState
+
+    clock = time.thread_time
+    rows: list[list[str]] = []
+    scale = 8 if quick else 1
+    for n_inst, gpus in ((2048 // scale, 64), (256 // scale, 1024)):
+        st = DecodeState(DecodeSettings(max_placements=10_000_000), np.random.default_rng(0))
+        pending: list[Callable[[], None]] = []
+        st.set_schedule(pending.append)  # publish as the daemon does: once per iteration
+
+        def flush(pending: list[Callable[[], None]] = pending) -> float:
+            t0 = clock()
+            for cb in pending:
+                cb()
+            pending.clear()
+            return clock() - t0
+
+        shape = DecodeInstanceShape((1_000,) * gpus, (1 << 30,) * gpus)
+        joins, pubs = [], []
+        members = []
+        for i in range(n_inst):
+            m = Member(f"dec-{i:05d}", MemberKind.DECODE_INSTANCE, i + 1, shape, 0)
+            members.append(m)
+            t0 = clock()
+            st.on_join(m, 0)
+            joins.append(clock() - t0)
+            pubs.append(flush())
+        total = n_inst * gpus
+        rows.append([f"decode join ({gpus} GPUs; fleet to {total:,} GPUs)", *_q(joins)])
+        load = DecodeInstanceLoad((3,) * gpus, (30_000,) * gpus)
+        beats = []
+        for m in members[: min(512, n_inst)]:
+            t0 = clock()
+            st.validate_load(m, load)
+            st.on_load(m, load, 0)
+            beats.append(clock() - t0)
+            flush()
+        rows.append([f"decode heartbeat with load ({gpus} GPUs, {total:,} in all)", *_q(beats)])
+        places, releases = [], []
+        for k in range(2_000):
+            t0 = clock()
+            st.place(f"r{k}", 100_000 if k % 10 == 0 else 2_000, 0)
+            places.append(clock() - t0)
+            pubs.append(flush())
+        for k in range(2_000):
+            t0 = clock()
+            st.release(f"r{k}", 0)
+            releases.append(clock() - t0)
+            flush()
+        rows.append([f"PlaceDecode in the table ({total:,} GPUs, dual)", *_q(places)])
+        rows.append([f"ReleaseDecode in the table ({total:,} GPUs)", *_q(releases)])
+        rows.append([f"metrics snapshot publication ({total:,} GPUs)", *_q(pubs)])
+        churn = []
+        for i, m in enumerate(members[: min(256, n_inst)]):
+            t0 = clock()
+            st.on_leave(m, "deregistered", 0)
+            again = Member(m.member_id, m.kind, 10_000 + i, m.shape, 0)
+            st.on_join(again, 0)
+            churn.append(clock() - t0)
+            flush()
+        rows.append([f"decode leave + rejoin ({gpus} GPUs, {total:,} in all)", *_q(churn)])
+        if gpus == 64:
+            from prometheus_client import generate_latest
+
+            from fulcrum.metrics import REGISTRY
+
+            vs = VisionState(VisionSettings(), np.random.default_rng(1))
+            vjoins = []
+            for i in range(1024 // scale):
+                t0 = clock()
+                vs.on_join(
+                    Member(f"ve-{i:05d}", MemberKind.VISION_MACHINE, i + 1,
+                           VisionMachineShape(gpus=8, max_patches_in_flight=0), 0),
+                    0,
+                )
+                vjoins.append(clock() - t0)
+            rows.append([f"VE join (8 GPUs; fleet to {8 * 1024 // scale:,} GPUs)", *_q(vjoins)])
+            vplace = []
+            for k in range(2_000):
+                t0 = clock()
+                vs.place(f"v{k}", [ImageRequest(1280, 800)], 0)
+                vplace.append(clock() - t0)
+            rows.append(["PlaceImages in the table (one 1280x800 image)", *_q(vplace)])
+            st.publisher.publish()
+            t0 = clock()
+            text = generate_latest(REGISTRY)
+            took = clock() - t0
+            rows.append(
+                [f"/metrics collect + format in the scrape thread ({len(text) / 2**20:.2f} MiB)",
+                 _ms(took), "", ""]
+            )
+    return md_table(["event (CPU time of the thread)", "p50 (ms)", "p99 (ms)", "max (ms)"], rows)
+
+
 def _ms(x: float) -> str:
-    return "-" if x != x else f"{x * 1e3:,.1f}"
+    if x != x:
+        return "-"
+    return f"{x * 1e3:,.1f}" if x >= 0.01 else f"{x * 1e3:.3f}"
 
 
 async def measure(address: str, mport: int, quick: bool) -> dict[str, object]:
@@ -302,6 +419,11 @@ async def measure(address: str, mport: int, quick: bool) -> dict[str, object]:
 
 
 def run(quick: bool) -> str:
+    progress("scale: CPU per event in the tables (in-process)")
+    from fulcrum.logs import configure as configure_logs
+
+    configure_logs("warning")
+    work = table_work(quick)
     with daemon_process() as (address, mport):
         r = asyncio.run(measure(address, mport, quick))
     n_reg, wall, (p50, p99), per_kind = r["register"]  # type: ignore[misc]
@@ -363,6 +485,13 @@ and 100 ms of loop time.
 
 /metrics at full scale: {size / 2**20:.2f} MiB, {t_min * 1e3:,.0f}-{t_max * 1e3:,.0f} ms
 per scrape (client wall time; the loop's share is the lag of the /metrics phase above).
+
+Work per event in the decode and VE tables at the same scale (in-process, no gRPC;
+thread CPU time, so the shared machine's other work is not counted; joins include the
+arrays' doubling, leaves the compaction when due). Before this change a decode join
+rebuilt the whole view: 148 ms per join at 256 instances x 1,024 GPUs.
+
+{work}
 
 Command: `{cmd}`; machine: {os.cpu_count()} cores, shared.
 """

@@ -506,19 +506,18 @@ def resized(view: FleetView, capacity: int, index: I64 | None = None) -> FleetVi
     ``i < len(index)`` (default: the identity over the old slots), the rest are free
     slots (see :func:`close_range`). Copies; the old view is untouched. O(capacity).
     The new view has block minima (:class:`BlockMins`): it is meant for an owner."""
-    if index is None:
-        index = np.arange(view.n_gpus, dtype=np.int64)
-    n = int(index.shape[0])
+    n = view.n_gpus if index is None else int(index.shape[0])
     if n > capacity:
         raise ValueError(f"capacity {capacity} < {n} slots kept")
 
     def take(arr: npt.NDArray[np.int64], fill: int) -> npt.NDArray[np.int64]:
-        out = np.full(capacity, fill, dtype=np.int64)
-        out[:n] = arr[index]
+        out = np.empty(capacity, dtype=np.int64)
+        out[:n] = arr if index is None else arr[index]  # growth: a plain copy
+        out[n:] = fill
         return out
 
     live = np.zeros(capacity, dtype=np.bool_)
-    live[:n] = view.live[index]
+    live[:n] = view.live if index is None else view.live[index]
     order_conc = take(view.order_conc, INT64_MAX)
     order_kv = take(view.order_kv, INT64_MAX)
     return FleetView(
