@@ -65,8 +65,8 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def daemon_process() -> Iterator[tuple[str, int]]:
-    """The daemon in a child process; yields (gRPC address, metrics port)."""
+def daemon_process() -> Iterator[tuple[str, int, int]]:
+    """The daemon in a child process; yields (gRPC address, metrics port, pid)."""
     port, mport = _free_port(), _free_port()
     cfg = {
         "server": {"host": "127.0.0.1", "port": port, "seed": 7},
@@ -100,7 +100,7 @@ def daemon_process() -> Iterator[tuple[str, int]]:
                 if time.monotonic() > deadline:
                     raise RuntimeError("daemon did not become healthy in 30 s")
                 time.sleep(0.1)
-            yield address, mport
+            yield address, mport, proc.pid
         finally:
             proc.terminate()
             try:
@@ -293,7 +293,36 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:,.1f}" if x >= 0.01 else f"{x * 1e3:.3f}"
 
 
-async def measure(address: str, mport: int, quick: bool) -> dict[str, object]:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def paired_cpu(
+    pid: int, rounds: int, phases: dict[str, Callable[[], Awaitable[int]]]
+) -> dict[str, tuple[float, float]]:
+    """Run each phase once per round, in an order rotating between rounds; returns per
+    phase (median calls/s, median daemon CPU per call in s)."""
+    import statistics
+
+    names = list(phases)
+    got: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            c0, t0 = _cpu_s(pid), time.perf_counter()
+            calls = await phases[name]()
+            t1, c1 = time.perf_counter(), _cpu_s(pid)
+            got[name].append((calls / (t1 - t0), (c1 - c0) / calls))
+    return {
+        n: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v))
+        for n, v in got.items()
+    }
+
+
+async def measure(address: str, mport: int, pid: int, quick: bool) -> dict[str, object]:
     scale = 8 if quick else 1
     n_decode, n_ve, n_prefill = 2048 // scale, 1024 // scale, 1024 // scale
     n_groups = 8 if quick else 64
@@ -377,7 +406,7 @@ async def measure(address: str, mport: int, quick: bool) -> dict[str, object]:
         phase_end("Heartbeat with load (decode, VE)")
 
         progress("scale: PlaceDecode vs Ping (paired rounds)")
-        workers, per_worker, rounds = 8, (60 if quick else 120), 3
+        workers, per_worker, rounds = 8, (40 if quick else 80), 7
         unary: list[list[dpb.PlaceDecodeRequest]] = []
         stream: list[list[dpb.PlaceDecodeStreamRequest]] = []
 
@@ -403,6 +432,30 @@ async def measure(address: str, mport: int, quick: bool) -> dict[str, object]:
             c, workers=workers, per_worker=per_worker, rounds=rounds, place=place,
             place_stream=place_stream, before_round=build, after_round=lambda: None,
         )
+        progress("scale: daemon CPU per call, PlaceDecode vs Ping")
+        from fulcrum.v1 import diagnostics_pb2 as dipb
+
+        n_cpu = 1_200 if quick else 2_400
+        counter = iter(range(1 << 30))
+
+        async def many(make: Callable[[], Awaitable[object]]) -> int:
+            async def one(_: int) -> None:
+                for _ in range(n_cpu // workers):
+                    await make()
+
+            await asyncio.gather(*(one(w) for w in range(workers)))
+            return n_cpu // workers * workers
+
+        ping_req = dipb.PingRequest()
+
+        async def cpu_ping() -> int:
+            return await many(lambda: c.diagnostics.Ping(ping_req))
+
+        async def cpu_place() -> int:
+            return await many(lambda: c.decode.PlaceDecode(dpb.PlaceDecodeRequest(
+                request_id=f"c{next(counter)}", kv_tokens=2_000)))
+
+        out["cpu"] = await paired_cpu(pid, 5, {"ping": cpu_ping, "place": cpu_place})
         phase_end("PlaceDecode / Ping rounds")
 
         progress("scale: /metrics")
@@ -424,8 +477,8 @@ def run(quick: bool) -> str:
 
     configure_logs("warning")
     work = table_work(quick)
-    with daemon_process() as (address, mport):
-        r = asyncio.run(measure(address, mport, quick))
+    with daemon_process() as (address, mport, pid):
+        r = asyncio.run(measure(address, mport, pid, quick))
     n_reg, wall, (p50, p99), per_kind = r["register"]  # type: ignore[misc]
     rates = r["rates"]
     assert isinstance(rates, dict)
@@ -461,6 +514,17 @@ def run(quick: bool) -> str:
              f"{rates['ping_s']:,.0f} (PingStream)", f"{rates['ratio_s']:.2f}"],
         ],
     )
+    cpu = r["cpu"]
+    assert isinstance(cpu, dict)
+    (ping_rate, ping_cpu), (place_rate, place_cpu) = cpu["ping"], cpu["place"]
+    cpu_table = md_table(
+        ["call", "calls/s (median)", "daemon CPU per call (us, median)", "note"],
+        [
+            ["Ping", f"{ping_rate:,.0f}", f"{ping_cpu * 1e6:,.0f}", ""],
+            ["PlaceDecode", f"{place_rate:,.0f}", f"{place_cpu * 1e6:,.0f}",
+             f"CPU-bound throughput ratio to Ping: {ping_cpu / place_cpu:.2f}"],
+        ],
+    )
     cmd = ".venv/bin/python benchmarks/bench_scale.py" + (" --quick" if quick else "")
     members = r["members"]
     groups = r["groups"]
@@ -482,6 +546,12 @@ and 100 ms of loop time.
 {calls}
 
 {rate_table}
+
+The same two calls alternated in 5 rounds of {2400 if not quick else 1200:,} calls each, with the
+daemon's own CPU time per call (`/proc/<pid>/stat`): on a shared machine the CPU per call
+is steadier than calls/s, and the daemon's throughput when CPU-bound is its inverse.
+
+{cpu_table}
 
 /metrics at full scale: {size / 2**20:.2f} MiB, {t_min * 1e3:,.0f}-{t_max * 1e3:,.0f} ms
 per scrape (client wall time; the loop's share is the lag of the /metrics phase above).

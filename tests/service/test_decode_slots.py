@@ -104,3 +104,38 @@ def test_slots_follow_the_model(
         state.release(rid, 0)
     with contextlib.suppress(NotFound):
         state.release("nope", 0)
+
+
+def test_large_table_keeps_its_block_minima() -> None:
+    """At 5,120 GPUs the view keeps block minima: they stay exact through placements,
+    releases, heartbeats, leaves (compaction forced) and joins."""
+    state = DecodeState(DecodeSettings(), np.random.default_rng(5))
+    state._alloc.min_waste = 0
+    shape = DecodeInstanceShape((8,) * 64, (100_000,) * 64)
+    members = [Member(f"d-{i:03d}", MemberKind.DECODE_INSTANCE, i + 1, shape, 0) for i in range(80)]
+    for m in members:
+        state.on_join(m, 0)
+    assert state.view.blocks is not None
+    rng = np.random.default_rng(9)
+    placed: list[str] = []
+    for step in range(600):
+        op = int(rng.integers(5))
+        if op <= 1:
+            with contextlib.suppress(ResourceExhausted):
+                state.place(f"r{step}", int(rng.integers(1, 30_000)), 0)
+                placed.append(f"r{step}")
+        elif op == 2 and placed:
+            with contextlib.suppress(NotFound):
+                state.release(placed.pop(int(rng.integers(len(placed)))), 0)
+        elif op == 3:
+            m = members[int(rng.integers(len(members)))]
+            state.on_load(m, DecodeInstanceLoad((1,) * 64, (int(rng.integers(0, 9_000)),) * 64), 0)
+        else:
+            i = int(rng.integers(len(members)))
+            state.on_leave(members[i], "deregistered", 0)
+            members[i] = Member(members[i].member_id, MemberKind.DECODE_INSTANCE, 1_000 + step,
+                                shape, 0)
+            state.on_join(members[i], 0)
+        if step % 50 == 0:
+            state.view.check()
+    state.view.check()

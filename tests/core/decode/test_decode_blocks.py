@@ -21,7 +21,7 @@ from fulcrum.core.decode import (
     resized,
     write_range,
 )
-from fulcrum.core.decode.view import BLOCK
+from fulcrum.core.decode.view import BLOCK, BlockMins
 
 ops = st.lists(
     st.one_of(
@@ -50,6 +50,8 @@ def test_block_minima_give_the_plain_decisions(
 ) -> None:
     base = FleetView.build(np.zeros(n), np.zeros(n), np.full(n, 8), np.full(n, 60_000))
     view = resized(base, n)
+    fields = {f: getattr(view, f) for f in FleetView.__dataclass_fields__ if f != "blocks"}
+    view = FleetView(**fields, blocks=BlockMins.of(view.order_conc, view.order_kv))
     writer = GpuWriter(view)
     for kind, a, b, c in ops:
         g = a % n

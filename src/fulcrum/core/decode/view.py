@@ -63,6 +63,9 @@ INT64_MIN: Final = int(np.iinfo(np.int64).min)
 
 BLOCK: Final = 256
 """Slots per block of :class:`BlockMins`."""
+BLOCKS_FROM: Final = 16 * BLOCK
+"""Views of at least this many slots get block minima from :func:`resized` (below it, a
+plain argmin is cheaper than keeping them)."""
 
 
 @dataclass(slots=True)
@@ -505,7 +508,8 @@ def resized(view: FleetView, capacity: int, index: I64 | None = None) -> FleetVi
     """A new view of ``capacity`` slots: slot ``i`` takes old slot ``index[i]`` for
     ``i < len(index)`` (default: the identity over the old slots), the rest are free
     slots (see :func:`close_range`). Copies; the old view is untouched. O(capacity).
-    The new view has block minima (:class:`BlockMins`): it is meant for an owner."""
+    The new view has block minima (:class:`BlockMins`) from :data:`BLOCKS_FROM` slots:
+    it is meant for an owner."""
     n = view.n_gpus if index is None else int(index.shape[0])
     if n > capacity:
         raise ValueError(f"capacity {capacity} < {n} slots kept")
@@ -530,7 +534,7 @@ def resized(view: FleetView, capacity: int, index: I64 | None = None) -> FleetVi
         order_conc=order_conc,
         order_kv=order_kv,
         totals=view.totals.copy(),
-        blocks=BlockMins.of(order_conc, order_kv),
+        blocks=BlockMins.of(order_conc, order_kv) if capacity >= BLOCKS_FROM else None,
     )
 
 
