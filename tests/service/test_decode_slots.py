@@ -107,12 +107,14 @@ def test_slots_follow_the_model(
 
 
 def test_large_table_keeps_its_block_minima() -> None:
-    """At 5,120 GPUs the view keeps block minima: they stay exact through placements,
+    """At 32,832 GPUs the view keeps block minima: they stay exact through placements,
     releases, heartbeats, leaves (compaction forced) and joins."""
     state = DecodeState(DecodeSettings(), np.random.default_rng(5))
     state._alloc.min_waste = 0
     shape = DecodeInstanceShape((8,) * 64, (100_000,) * 64)
-    members = [Member(f"d-{i:03d}", MemberKind.DECODE_INSTANCE, i + 1, shape, 0) for i in range(80)]
+    members = [
+        Member(f"d-{i:03d}", MemberKind.DECODE_INSTANCE, i + 1, shape, 0) for i in range(513)
+    ]
     for m in members:
         state.on_join(m, 0)
     assert state.view.blocks is not None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -65,8 +65,7 @@ class DecodeCounts:
     releases: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeSnapshot:
+class DecodeSnapshot(NamedTuple):
     """What the scrape thread reads: published by the loop, never written after."""
 
     policy: str = ""
@@ -74,7 +73,7 @@ class DecodeSnapshot:
     #: Per-GPU series bound (``decode.metrics_gpu_series``).
     gpu_series: int = 0
     #: Per instance: ``values = (concurrency, kv_tokens)``, each of shape ``(gpus,)``.
-    members: MemberTable = field(default_factory=MemberTable)
+    members: MemberTable = MemberTable()
     placements: tuple[tuple[tuple[str, str, str], int], ...] = ()
     releases: tuple[tuple[str, int], ...] = ()
 

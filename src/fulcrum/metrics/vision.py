@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -72,8 +72,7 @@ class VisionCounts:
     releases: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class VisionSnapshot:
+class VisionSnapshot(NamedTuple):
     """What the scrape thread reads: published by the loop, never written after."""
 
     policy: str = ""
@@ -81,7 +80,7 @@ class VisionSnapshot:
     #: Per-GPU series bound (``vision.metrics_gpu_series``).
     gpu_series: int = 0
     #: Per machine: ``values = (patches_in_flight,)``, shape ``(gpus,)``.
-    members: MemberTable = field(default_factory=MemberTable)
+    members: MemberTable = MemberTable()
     placements: tuple[tuple[tuple[str, str], int], ...] = ()
     images: tuple[tuple[str, int], ...] = ()
     patches: tuple[tuple[str, int], ...] = ()

@@ -44,9 +44,10 @@ from fulcrum.core.decode import (
 from fulcrum.core.decode.policy import DecodePolicy
 from fulcrum.core.decode.view import MAX_CONCURRENCY_LIMIT, MAX_KV_LIMIT, GpuWriter
 from fulcrum.core.types import DecodeInstanceLoad, DecodeInstanceShape, Member, MemberLoad
-from fulcrum.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.metrics import decode as metrics
 from fulcrum.state.placement import (
+    Lease,
     LeaseTable,
     MemberFigureCache,
     Publisher,
@@ -227,16 +228,13 @@ class DecodeState:
                 "kv_tokens", f"must be in [1, {self._max_request_kv}], got {kv_tokens}"
             )
         leases = self._leases
-        if leases.due(now_ns):
+        held = leases.held
+        if held and next(iter(held.values())).deadline_ns <= now_ns:
             self.expire(now_ns)
-        try:
-            leases.check_room(request_id)
-        except AlreadyExists:
-            self.count_refused("already_exists")
-            raise
-        except ResourceExhausted:
-            self.count_refused("resource_exhausted")
-            raise
+        if request_id in held or len(held) >= leases.max_held:
+            outcome, error = leases.refusal(request_id)
+            self.count_refused(outcome)
+            raise error
         liveness = self._liveness
         rounds = len(self._instances) + 1
         while True:
@@ -268,7 +266,9 @@ class DecodeState:
         writer.write(slot, conc, kv, True)
         self._cursor = out.cursor
         gpu_index = slot - slots.start
-        leases.hold(request_id, _Placed(slots, gpu_index, kv_tokens), now_ns)
+        held[request_id] = Lease(
+            _Placed(slots, gpu_index, kv_tokens), now_ns, now_ns + leases.lease_ns
+        )
         slots.requests[request_id] = 1
         counts[self._k_placed[out.kind]] += 1
         self._figures.mark(slots)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -164,9 +164,10 @@ class Slots:
 # -- leases -----------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Lease(Generic[R]):
-    """A held placement: the balancer's record, when it was placed and its deadline (ns)."""
+class Lease(NamedTuple, Generic[R]):
+    """A held placement: the balancer's record, when it was placed and its deadline (ns).
+    Immutable: replace the entry (``held[id] = lease._replace(...)``; its place in the
+    expiry order is kept)."""
 
     record: R
     placed_ns: int
@@ -181,14 +182,16 @@ class LeaseTable(Generic[R]):
     entries expire at their own (later) deadline, as documented.
     """
 
-    __slots__ = ("_held", "lease_ns", "max_held", "retry_after_ms", "setting", "what")
+    __slots__ = ("held", "lease_ns", "max_held", "retry_after_ms", "setting", "what")
 
     def __init__(
         self, what: str, setting: str, lease_ms: int, max_held: int, retry_after_ms: int
     ) -> None:
         self.what = what
         self.setting = setting
-        self._held: OrderedDict[str, Lease[R]] = OrderedDict()
+        #: request id -> lease, in placement order. The decision paths read and write it
+        #: inline (hot path); everything else goes through the methods.
+        self.held: OrderedDict[str, Lease[R]] = OrderedDict()
         self.lease_ns = lease_ms * NS_PER_MS
         self.max_held = max_held
         self.retry_after_ms = retry_after_ms
@@ -204,44 +207,45 @@ class LeaseTable(Generic[R]):
         return self.lease_ns // NS_PER_MS
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self.held)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._held
+        return request_id in self.held
 
     def get(self, request_id: str) -> Lease[R] | None:
-        return self._held.get(request_id)
+        return self.held.get(request_id)
 
     def due(self, now_ns: int) -> bool:
         """Whether the oldest placement's lease has run out."""
-        held = self._held
+        held = self.held
         return bool(held) and next(iter(held.values())).deadline_ns <= now_ns
 
-    def check_room(self, request_id: str) -> None:
-        """Raise AlreadyExists or ResourceExhausted (changing nothing) unless
-        ``request_id`` may be placed now."""
-        if request_id in self._held:
-            raise AlreadyExists(
+    def room_for(self, request_id: str) -> bool:
+        """Whether ``request_id`` may be placed now (not held, table not full)."""
+        return request_id not in self.held and len(self.held) < self.max_held
+
+    def refusal(self, request_id: str) -> tuple[str, AlreadyExists | ResourceExhausted]:
+        """Why ``request_id`` may not be placed now (when :meth:`room_for` is false): the
+        outcome label and the error to raise."""
+        if request_id in self.held:
+            return "already_exists", AlreadyExists(
                 f"request_id: {request_id!r} already holds a placement ({self.what})"
             )
-        if len(self._held) >= self.max_held:
-            raise ResourceExhausted(
-                f"{self.what} placements: table full ({self.max_held} held, "
-                f"{self.setting}); release finished requests",
-                self.retry_after_ms,
-            )
+        return "resource_exhausted", ResourceExhausted(
+            f"{self.what} placements: table full ({self.max_held} held, "
+            f"{self.setting}); release finished requests",
+            self.retry_after_ms,
+        )
 
-    def hold(self, request_id: str, record: R, now_ns: int) -> Lease[R]:
-        lease = Lease(record, now_ns, now_ns + self.lease_ns)
-        self._held[request_id] = lease
-        return lease
+    def hold(self, request_id: str, record: R, now_ns: int) -> None:
+        self.held[request_id] = Lease(record, now_ns, now_ns + self.lease_ns)
 
     def pop(self, request_id: str) -> Lease[R] | None:
-        return self._held.pop(request_id, None)
+        return self.held.pop(request_id, None)
 
     def expired(self, now_ns: int) -> Iterator[tuple[str, Lease[R]]]:
         """Pop and yield the placements whose lease ran out by ``now_ns`` (oldest first)."""
-        held = self._held
+        held = self.held
         while held:
             request_id, first = next(iter(held.items()))
             if first.deadline_ns > now_ns:
@@ -295,20 +299,25 @@ class Publisher(Generic[S]):
     _publish = publish
 
 
-@dataclass(frozen=True, slots=True)
-class MemberFigures:
-    """One member's per-GPU figures at publication (arrays copied, never written)."""
+class MemberFigures(NamedTuple):
+    """One member's per-GPU figures at publication (arrays copied, never written).
+
+    (NamedTuples here and in the snapshots: one is built per publication, and a tuple is
+    several times cheaper to construct than a frozen dataclass.)"""
 
     member_id: str
     #: One array per figure, each of shape ``(gpus,)``, int64.
     values: tuple[I64, ...]
 
 
-@dataclass(frozen=True, slots=True)
 class MemberTable:
-    """Every member's :class:`MemberFigures` at a publication, in chunks (iterate it)."""
+    """Every member's :class:`MemberFigures` at a publication, in chunks (iterate it).
+    Never changed after construction."""
 
-    chunks: tuple[tuple[MemberFigures | None, ...], ...] = ()
+    __slots__ = ("chunks",)
+
+    def __init__(self, chunks: tuple[tuple[MemberFigures | None, ...], ...] = ()) -> None:
+        self.chunks = chunks
 
     def __iter__(self) -> Iterator[MemberFigures]:
         for chunk in self.chunks:

@@ -42,7 +42,7 @@ from fulcrum.core.vision.fleet import (
 )
 from fulcrum.core.vision.patches import InvalidImageError, checked_patches
 from fulcrum.core.vision.registry import make_policy
-from fulcrum.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.metrics import vision as metrics
 from fulcrum.state.placement import (
     LeaseTable,
@@ -290,7 +290,7 @@ class VisionState:
             keep = [im for im in images if im.machine_id != member_id]
             lost += len(images) - len(keep)
             if keep:
-                lease.record = keep
+                leases.held[request_id] = lease._replace(record=keep)
             else:
                 leases.pop(request_id)
         machine.requests.clear()
@@ -395,14 +395,10 @@ class VisionState:
         leases = self._leases
         if leases.due(now_ns):
             self.expire(now_ns)
-        try:
-            leases.check_room(request_id)
-        except AlreadyExists:
-            self.count_refused("already_exists")
-            raise
-        except ResourceExhausted:
-            self.count_refused("resource_exhausted")
-            raise
+        if not leases.room_for(request_id):
+            outcome, error = leases.refusal(request_id)
+            self.count_refused(outcome)
+            raise error
         policy, rng = self._policy, self._rng
         while True:
             # The pure fold of core.vision.place_many, done in place on our own array:
