@@ -1,4 +1,8 @@
-"""Settings of the decode balancer: policy, its parameters, leases and bounds."""
+"""Settings of the decode balancer: policy, its parameters, leases and bounds.
+
+Every key is reloadable: on SIGHUP the decode table's ``apply_settings`` applies all of
+them to the next call (none is restart-only).
+"""
 
 from __future__ import annotations
 

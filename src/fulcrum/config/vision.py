@@ -1,4 +1,8 @@
-"""Settings of the vision-encoder (VE) balancer."""
+"""Settings of the vision-encoder (VE) balancer.
+
+Every key is reloadable: on SIGHUP the vision table's ``apply_settings`` applies all of
+them to the next call (none is restart-only).
+"""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import structlog
 from fulcrum.errors import FulcrumError, InvalidArgument
 from fulcrum.service.app import App
 from fulcrum.service.errors import status_of
+from fulcrum.units import NS_PER_MS, NS_PER_S
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +54,7 @@ async def sweep_leases(
     """Call ``expire(now_ns)`` every ``interval_ms()`` ms (read at every round, so that a
     reload of the sweep period applies) until the daemon stops."""
     while True:
-        await asyncio.sleep(interval_ms() / 1000)
+        await asyncio.sleep(interval_ms() * NS_PER_MS / NS_PER_S)
         try:
             expire(app.clock())
         except Exception:
