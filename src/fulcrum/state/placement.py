@@ -15,9 +15,13 @@ everything that is the same for both:
   order at the next sweep or placement after their deadline (O(expired)). A member that
   leaves (deregistered, lapsed, replaced) drops its share of the held placements, which
   are counted as lost.
-- **Refusals.** One convention: every refusal raises a :mod:`fulcrum.errors` error
-  before anything changes; "no capacity" and "table full" are ``ResourceExhausted`` with
-  ``retry_after_ms`` = the sweep interval (when held placements may next be freed).
+- **Refusals.** One convention: the pure policies of both cores *return* a
+  ``NoCapacity`` value (``fulcrum.core.decode.NoCapacity``,
+  ``fulcrum.core.vision.NoCapacity``, each with a ``reason``) instead of raising; the
+  table raises every refusal as a :mod:`fulcrum.errors` error before anything changes:
+  "no capacity" (:meth:`LeaseTable.refuse_no_capacity`) and "table full"
+  (:meth:`LeaseTable.refusal`) are ``ResourceExhausted`` with ``retry_after_ms`` = the
+  sweep interval (when held placements may next be freed).
 - **Reload.** One convention: ``apply_settings(settings)`` on the balancer applies every
   reloadable key (policy, lease, limits, metrics bounds) to the next call; placements
   already held keep their deadline.

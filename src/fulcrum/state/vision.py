@@ -34,7 +34,7 @@ from fulcrum.config.vision import VisionSettings
 from fulcrum.core.types import Member, MemberLoad, VisionMachineLoad, VisionMachineShape
 from fulcrum.core.vision.base import VisionPolicy
 from fulcrum.core.vision.fleet import (
-    NoEligibleGpuError,
+    NoCapacity,
     Placement,
     SlotTopology,
     VisionFleet,
@@ -406,17 +406,16 @@ class VisionState:
             fleet = self._fleet
             pif = fleet.patches_in_flight
             placed: list[Placement] = []
-            try:
-                for n in counts:
-                    decision = policy.select(fleet, n, rng)
-                    g = decision.gpu
-                    pif[g] = pif.item(g) + n  # scalar Python arithmetic: no numpy scalars
-                    placed.append(decision)
-            except NoEligibleGpuError as err:
-                for decision in placed:
-                    pif[decision.gpu] -= decision.patches
-                self.count_refused("resource_exhausted")
-                raise leases.refuse_no_capacity(err.reason) from None
+            for n in counts:
+                decision = policy.select(fleet, n, rng)
+                if isinstance(decision, NoCapacity):
+                    for done in placed:
+                        pif[done.gpu] -= done.patches
+                    self.count_refused("resource_exhausted")
+                    raise leases.refuse_no_capacity(decision.reason)
+                g = decision.gpu
+                pif[g] = pif.item(g) + n  # scalar Python arithmetic: no numpy scalars
+                placed.append(decision)
             for decision in placed:  # undone here; committed below once all are live
                 pif[decision.gpu] -= decision.patches
             if self._liveness is None or self._all_live(placed, now_ns):

@@ -34,7 +34,7 @@ import numpy.typing as npt
 __all__ = [
     "NO_LIMIT",
     "MachineSpec",
-    "NoEligibleGpuError",
+    "NoCapacity",
     "Placement",
     "SlotTopology",
     "Topology",
@@ -55,16 +55,18 @@ _DEAD_LIMIT = np.int64(-1)
 """Effective limit of a GPU that is not live: no image (>= 1 patch) ever fits."""
 
 
-class NoEligibleGpuError(Exception):
-    """No GPU can take the image: no live machine, or no live GPU with room.
+@dataclass(frozen=True, slots=True)
+class NoCapacity:
+    """No GPU can take the image: no live machine, or no live GPU with room. Returned
+    (not raised) by the policies and :func:`~fulcrum.core.vision.base.place_many`, as the
+    decode core returns its own ``NoCapacity``; the daemon's placement table turns it
+    into RESOURCE_EXHAUSTED.
 
     Attributes:
         reason: human-readable reason, suitable for a RESOURCE_EXHAUSTED status.
     """
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    reason: str
 
 
 class Topology(Protocol):
