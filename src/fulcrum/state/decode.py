@@ -24,7 +24,6 @@ events in the same order with the same seed give the same decisions.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -47,7 +46,8 @@ from fulcrum.core.types import DecodeInstanceLoad, DecodeInstanceShape, Member, 
 from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.metrics import decode as metrics
 from fulcrum.state.placement import (
-    Lease,
+    DEADLINE_NS,
+    RECORD,
     LeaseTable,
     MemberFigureCache,
     Publisher,
@@ -86,13 +86,10 @@ class ReleaseResult(NamedTuple):
     held_ns: int
 
 
-@dataclass(slots=True)
-class _Placed:
-    """The record held for one placement."""
-
-    slots: Slots
-    gpu_index: int
-    kv_tokens: int
+#: The record held for one placement: ``(instance_id, incarnation, gpu_index,
+#: kv_tokens)``, a plain tuple of atomic values (the instance by id, not by reference):
+#: the collector untracks it (see :data:`fulcrum.state.placement.Lease`).
+_Placed = tuple[str, int, int, int]
 
 
 class DecodeState:
@@ -229,7 +226,7 @@ class DecodeState:
             )
         leases = self._leases
         held = leases.held
-        if held and next(iter(held.values())).deadline_ns <= now_ns:
+        if held and next(iter(held.values()))[DEADLINE_NS] <= now_ns:
             self.expire(now_ns)
         if request_id in held or len(held) >= leases.max_held:
             outcome, error = leases.refusal(request_id)
@@ -266,8 +263,10 @@ class DecodeState:
         writer.write(slot, conc, kv, True)
         self._cursor = out.cursor
         gpu_index = slot - slots.start
-        held[request_id] = Lease(
-            _Placed(slots, gpu_index, kv_tokens), now_ns, now_ns + leases.lease_ns
+        held[request_id] = (
+            (member.member_id, member.incarnation, gpu_index, kv_tokens),
+            now_ns,
+            now_ns + leases.lease_ns,
         )
         slots.requests[request_id] = 1
         counts[self._k_placed[out.kind]] += 1
@@ -302,12 +301,12 @@ class DecodeState:
                 f"request_id: {request_id!r} holds no decode placement "
                 "(unknown, already released, expired, or lost with its instance)"
             )
-        placed = lease.record
+        placed, placed_ns, _ = lease
         self._unhold(request_id, placed)
         self._counts.releases["released"] += 1
         self.publisher.changed()
         return ReleaseResult(
-            placed.slots.member.member_id, placed.gpu_index, max(now_ns - lease.placed_ns, 0)
+            placed[0], placed[2], max(now_ns - placed_ns, 0)
         )
 
     def count_release_refused(self, outcome: str) -> None:
@@ -317,21 +316,22 @@ class DecodeState:
 
     def _unhold(self, request_id: str, placed: _Placed) -> None:
         """Take a popped placement's share off its GPU (never below 0)."""
-        slots = placed.slots
+        instance_id, incarnation, gpu_index, kv_tokens = placed
+        slots = self._instances.get(instance_id)
+        if slots is None or slots.member.incarnation != incarnation:
+            return  # its instance left: the share left with it
         slots.requests.pop(request_id, None)
-        if self._instances.get(slots.member_id) is not slots:
-            return
-        slot = slots.start + placed.gpu_index
+        slot = slots.start + gpu_index
         writer = self._writer
         conc, kv = writer.load(slot)
-        writer.write(slot, max(conc - 1, 0), max(kv - placed.kv_tokens, 0), writer.is_live(slot))
+        writer.write(slot, max(conc - 1, 0), max(kv - kv_tokens, 0), writer.is_live(slot))
         self._figures.mark(slots)
 
     def expire(self, now_ns: int) -> int:
         """Expire placements whose lease ran out (in placement order); returns how many."""
         n = 0
         for request_id, lease in self._leases.expired(now_ns):
-            self._unhold(request_id, lease.record)
+            self._unhold(request_id, lease[RECORD])
             n += 1
         if n:
             self.expired_total += n

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Final, Generic, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -168,14 +168,16 @@ class Slots:
 # -- leases -----------------------------------------------------------------------------
 
 
-class Lease(NamedTuple, Generic[R]):
-    """A held placement: the balancer's record, when it was placed and its deadline (ns).
-    Immutable: replace the entry (``held[id] = lease._replace(...)``; its place in the
-    expiry order is kept)."""
-
-    record: R
-    placed_ns: int
-    deadline_ns: int
+#: A held placement: ``(record, placed_ns, deadline_ns)``, a plain tuple. With a record of
+#: atomic values only (strings, ints, plain tuples of them), CPython's collector untracks
+#: both (it untracks exact tuples only, not NamedTuples), so that a table of a million
+#: held placements adds nothing to a collection's pause on the loop. Replace an entry
+#: to change it (``held[id] = (new, placed, deadline)``: its expiry order is kept).
+Lease = tuple[R, int, int]
+#: Positions in a :data:`Lease`.
+RECORD: Final = 0
+PLACED_NS: Final = 1
+DEADLINE_NS: Final = 2
 
 
 class LeaseTable(Generic[R]):
@@ -222,7 +224,7 @@ class LeaseTable(Generic[R]):
     def due(self, now_ns: int) -> bool:
         """Whether the oldest placement's lease has run out."""
         held = self.held
-        return bool(held) and next(iter(held.values())).deadline_ns <= now_ns
+        return bool(held) and next(iter(held.values()))[DEADLINE_NS] <= now_ns
 
     def room_for(self, request_id: str) -> bool:
         """Whether ``request_id`` may be placed now (not held, table not full)."""
@@ -242,7 +244,7 @@ class LeaseTable(Generic[R]):
         )
 
     def hold(self, request_id: str, record: R, now_ns: int) -> None:
-        self.held[request_id] = Lease(record, now_ns, now_ns + self.lease_ns)
+        self.held[request_id] = (record, now_ns, now_ns + self.lease_ns)
 
     def pop(self, request_id: str) -> Lease[R] | None:
         return self.held.pop(request_id, None)
@@ -252,7 +254,7 @@ class LeaseTable(Generic[R]):
         held = self.held
         while held:
             request_id, first = next(iter(held.items()))
-            if first.deadline_ns > now_ns:
+            if first[DEADLINE_NS] > now_ns:
                 return
             held.popitem(last=False)
             yield request_id, first

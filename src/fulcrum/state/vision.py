@@ -45,6 +45,7 @@ from fulcrum.core.vision.registry import make_policy
 from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.metrics import vision as metrics
 from fulcrum.state.placement import (
+    RECORD,
     LeaseTable,
     MemberFigureCache,
     Publisher,
@@ -116,7 +117,9 @@ class VisionState:
         self._pif: npt.NDArray[np.int64] = np.zeros(cap, dtype=np.int64)
         # The decision's input: the topology over the very array ``_pif`` (in place).
         self._fleet = VisionFleet(self._topology, self._pif)
-        self._leases: LeaseTable[list[PlacedImage]] = LeaseTable(
+        # Records are plain tuples of plain tuples (the fields of PlacedImage): atomic
+        # values only, so the collector untracks them (see placement.Lease).
+        self._leases: LeaseTable[tuple[tuple[str, int, int, int, int], ...]] = LeaseTable(
             "vision", "vision.max_placements", settings.lease_ms, settings.max_placements,
             settings.sweep_interval_ms,
         )
@@ -286,11 +289,11 @@ class VisionState:
             lease = leases.get(request_id)
             if lease is None:
                 continue
-            images = lease.record
-            keep = [im for im in images if im.machine_id != member_id]
+            images, placed_ns, deadline_ns = lease
+            keep = tuple(im for im in images if im[0] != member_id)
             lost += len(images) - len(keep)
             if keep:
-                leases.held[request_id] = lease._replace(record=keep)
+                leases.held[request_id] = (keep, placed_ns, deadline_ns)
             else:
                 leases.pop(request_id)
         machine.requests.clear()
@@ -439,7 +442,11 @@ class VisionState:
             )
             machine.add_request(request_id)
             self._figures.mark(machine)
-        leases.hold(request_id, out, now_ns)
+        leases.hold(
+            request_id,
+            tuple((m, g, p, i, gen) for m, g, p, i, gen in out),  # plain tuples: untracked
+            now_ns,
+        )
         c = self._counts
         c.placements[self._k_placed] += 1
         name = self._k_placed[0]
@@ -484,21 +491,22 @@ class VisionState:
                 f"request_id: {request_id!r} holds no placement "
                 "(released, expired, lost with its machine, or never placed)"
             )
-        patches = self._free(request_id, lease.record)
+        images = lease[RECORD]
+        patches = self._free(request_id, images)
         self._counts.releases["released"] += 1
         self.publisher.changed()
-        return len(lease.record), patches
+        return len(images), patches
 
-    def _free(self, request_id: str, images: list[PlacedImage]) -> int:
+    def _free(self, request_id: str, images: Sequence[tuple[str, int, int, int, int]]) -> int:
+        """Take held images off their GPUs (records: PlacedImage fields as plain tuples)."""
         total = 0
-        for im in images:
-            machine = self._machines.get(im.machine_id)
-            total += im.patches
-            if machine is None or machine.member.incarnation != im.incarnation:
+        for machine_id, gpu_index, p, incarnation, generation in images:
+            machine = self._machines.get(machine_id)
+            total += p
+            if machine is None or machine.member.incarnation != incarnation:
                 continue
-            g = machine.start + im.gpu_index
-            p = im.patches
-            if im.generation == machine.generation:
+            g = machine.start + gpu_index
+            if generation == machine.generation:
                 self._pending[g] -= p
                 self._pif[g] -= p
             else:
@@ -518,9 +526,9 @@ class VisionState:
         """
         n = images = 0
         for request_id, lease in self._leases.expired(now_ns):
-            self._free(request_id, lease.record)
+            self._free(request_id, lease[RECORD])
             n += 1
-            images += len(lease.record)
+            images += len(lease[RECORD])
         if n:
             metrics.EXPIRATIONS.inc(n)
             metrics.EXPIRED_IMAGES.inc(images)
