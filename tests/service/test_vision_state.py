@@ -97,9 +97,9 @@ def test_leases_expire_in_order() -> None:
     assert state.held == 1
 
 
-def test_reconfigure_switches_policy() -> None:
+def test_apply_settings_switches_policy() -> None:
     state = make_state()
-    state.reconfigure(VisionSettings(policy="least_patches"))
+    state.apply_settings(VisionSettings(policy="least_patches"))
     assert state.policy_name == "least_patches"
     assert state.place("r", [SHOT], 0)[0].machine_id == "ve-0"
 

@@ -1,4 +1,8 @@
-"""Settings of the decode balancer: policy, its parameters, leases and bounds."""
+"""Settings of the decode balancer: policy, its parameters, leases and bounds.
+
+Every key is reloadable: on SIGHUP the decode table's ``apply_settings`` applies all of
+them to the next call (none is restart-only).
+"""
 
 from __future__ import annotations
 
@@ -82,6 +86,17 @@ class DecodeSettings(Section):
         ge=1,
         le=MAX_KV_LIMIT - 1,
         description="largest KV length one request may ask for; bigger is refused, tokens",
+    )
+
+    metrics_gpu_series: int = Field(
+        256,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "per-GPU gauges are exported for every decode GPU while there are at most "
+            "this many, else for this many most loaded GPUs (per-member sums and summaries "
+            "are always exported); bounds the /metrics size at full scale, GPUs"
+        ),
     )
 
     @field_validator("policy")

@@ -1,4 +1,8 @@
-"""Settings of the vision-encoder (VE) balancer."""
+"""Settings of the vision-encoder (VE) balancer.
+
+Every key is reloadable: on SIGHUP the vision table's ``apply_settings`` applies all of
+them to the next call (none is restart-only).
+"""
 
 from __future__ import annotations
 
@@ -38,13 +42,24 @@ class VisionSettings(Section):
         description="placements not released within this time expire (and are counted), ms",
     )
     sweep_interval_ms: int = Field(
-        500, ge=5, le=60_000, description="period of the lease-expiry sweep, ms (read at start)"
+        500, ge=5, le=60_000, description="period of the lease-expiry sweep, ms"
     )
     max_placements: int = Field(
         100_000,
         ge=1,
         le=10_000_000,
         description="placed requests held at once; beyond it PlaceImages is RESOURCE_EXHAUSTED",
+    )
+
+    metrics_gpu_series: int = Field(
+        256,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "per-GPU gauges are exported for every VE GPU while there are at most "
+            "this many, else for this many most loaded GPUs (per-member sums and summaries "
+            "are always exported); bounds the /metrics size at full scale, GPUs"
+        ),
     )
 
     @field_validator("policy")

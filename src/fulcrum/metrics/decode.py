@@ -2,26 +2,38 @@
 
 Labels are bounded: ``policy`` is a registered decode policy name (6), ``branch`` is
 "short", "long" or "" (dual's branch), ``outcome`` and ``reason`` come from fixed sets,
-``decode_instance``/``gpu`` are bounded by the fleet size and disappear with the instance. The
-per-GPU gauges, the imbalances and the placement/release counters are read from the
-daemon's state at scrape time, so a placement costs no collector update (the counters
-are plain ints in :class:`DecodeCounts`: no lock, no label lookup on the decision path).
-The scrape source is the latest daemon state created in the process (one daemon per
-process in production).
+``decode_instance`` is bounded by the fleet's member bound and ``gpu`` series by
+``decode.metrics_gpu_series``: per-GPU gauges are exported for every GPU while the
+decode fleet has at most that many GPUs, else for that many most loaded GPUs (most
+requests, then most KV); per-instance sums and the balancer's summaries are always
+exported. Series of an instance disappear with it.
+
+One owner: the scrape thread never reads the daemon's live state. It reads the immutable
+:class:`DecodeSnapshot` the event loop publishes after changes
+(:class:`fulcrum.state.placement.Publisher`); everything derived (imbalance, sums, top-k)
+is computed here, in the scrape thread, from that snapshot.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fulcrum.metrics import REGISTRY
+from fulcrum.metrics.placement import (
+    YIELD_EVERY,
+    gpu_rows,
+    imbalance_of,
+    member_sums,
+    yield_gil,
+)
+from fulcrum.state.placement import MemberTable
 
 #: Outcomes of a PlaceDecode call (unary or streamed).
 PLACE_OUTCOMES = ("placed", "invalid_argument", "already_exists", "resource_exhausted")
@@ -44,7 +56,8 @@ LOST = Counter(
 
 @dataclass(slots=True)
 class DecodeCounts:
-    """Per-call counters kept as plain ints by the state and exported at scrape time."""
+    """Per-call counters kept as plain ints by the state (on the loop); the published
+    snapshot carries a copy."""
 
     #: (policy, branch, outcome) -> PlaceDecode calls; outcome in :data:`PLACE_OUTCOMES`.
     placements: dict[tuple[str, str, str], int] = field(default_factory=dict)
@@ -52,60 +65,62 @@ class DecodeCounts:
     releases: dict[str, int] = field(default_factory=dict)
 
 
-class DecodeSource(Protocol):
-    """What the scrape-time collector reads from the daemon's decode state."""
+class DecodeSnapshot(NamedTuple):
+    """What the scrape thread reads: published by the loop, never written after."""
 
+    policy: str = ""
+    held: int = 0
+    #: Per-GPU series bound (``decode.metrics_gpu_series``).
+    gpu_series: int = 0
+    #: Per instance: ``values = (concurrency, kv_tokens)``, each of shape ``(gpus,)``.
+    members: MemberTable = MemberTable()
+    placements: tuple[tuple[tuple[str, str, str], int], ...] = ()
+    releases: tuple[tuple[str, int], ...] = ()
+
+
+class SnapshotSource(Protocol):
     @property
-    def policy_name(self) -> str: ...
-
-    def gpu_loads(self) -> Iterable[tuple[str, int, int, int]]:
-        """``(instance_id, gpu_index, concurrency, kv_tokens)`` of every decode GPU."""
-        ...
-
-    def imbalance(self) -> tuple[float, float]:
-        """Max over mean across decode GPUs of (concurrency, total KV); 1.0 = perfect."""
-        ...
-
-    @property
-    def held(self) -> int:
-        """Placements held (not yet released, expired or lost)."""
-        ...
-
-    @property
-    def counts(self) -> DecodeCounts: ...
-
-
-_Families = tuple[
-    GaugeMetricFamily,
-    GaugeMetricFamily,
-    GaugeMetricFamily,
-    GaugeMetricFamily,
-    CounterMetricFamily,
-    CounterMetricFamily,
-]
+    def snapshot(self) -> DecodeSnapshot: ...
 
 
 class _ScrapeCollector(Collector):
-    """Per-GPU concurrency and KV and the imbalances, read from the current source."""
+    """Per-GPU (bounded) and per-instance load, imbalance and counters from a snapshot."""
 
     def __init__(self) -> None:
-        self._source: weakref.ReferenceType[DecodeSource] | None = None
+        self._source: weakref.ReferenceType[SnapshotSource] | None = None
 
-    def set_source(self, source: DecodeSource) -> None:
+    def set_source(self, source: SnapshotSource) -> None:
         self._source = weakref.ref(source)
 
-    def _families(self) -> _Families:
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily | CounterMetricFamily, ...]:
         return (
             GaugeMetricFamily(
                 "fulcrum_decode_gpu_concurrency",
-                "Requests on each decode GPU (last report plus placements since, minus releases).",
+                "Requests on each decode GPU (last report plus placements since, minus "
+                "releases); every GPU up to decode.metrics_gpu_series GPUs, else the most "
+                "loaded ones.",
                 labels=["decode_instance", "gpu"],
             ),
             GaugeMetricFamily(
                 "fulcrum_decode_gpu_kv_tokens",
-                "Total KV on each decode GPU, tokens (last report plus placements since, "
-                "minus releases).",
+                "Total KV on each decode GPU, tokens (same GPUs as "
+                "fulcrum_decode_gpu_concurrency).",
                 labels=["decode_instance", "gpu"],
+            ),
+            GaugeMetricFamily(
+                "fulcrum_decode_instance_concurrency",
+                "Requests on all GPUs of each decode instance.",
+                labels=["decode_instance"],
+            ),
+            GaugeMetricFamily(
+                "fulcrum_decode_instance_kv_tokens",
+                "Total KV on all GPUs of each decode instance, tokens.",
+                labels=["decode_instance"],
+            ),
+            GaugeMetricFamily(
+                "fulcrum_decode_gpus",
+                "Decode GPUs in placement (all instances).",
             ),
             GaugeMetricFamily(
                 "fulcrum_decode_imbalance",
@@ -137,20 +152,33 @@ class _ScrapeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         fams = self._families()
-        conc, kv, imbalance, held, placements, releases = fams
+        conc, kv, inst_conc, inst_kv, gpus, imbalance, held, placements, releases = fams
         source = self._source() if self._source is not None else None
         if source is not None:
-            for instance, gpu, c, k in source.gpu_loads():
-                conc.add_metric([instance, str(gpu)], float(c))
-                kv.add_metric([instance, str(gpu)], float(k))
-            imb_c, imb_k = source.imbalance()
-            imbalance.add_metric([source.policy_name, "concurrency"], imb_c)
-            imbalance.add_metric([source.policy_name, "kv_tokens"], imb_k)
-            held.add_metric([], float(source.held))
-            counts = source.counts
-            for labels, n in sorted(counts.placements.items()):
+            snap = source.snapshot
+            members = sorted(snap.members, key=lambda m: m.member_id)
+            sums_c, sums_k = member_sums(members, 0), member_sums(members, 1)
+            for i, m in enumerate(members):
+                inst_conc.add_metric([m.member_id], float(sums_c[i]))
+                inst_kv.add_metric([m.member_id], float(sums_k[i]))
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    yield_gil()
+            gpus.add_metric([], float(sum(int(m.values[0].shape[0]) for m in members)))
+            # Rank by requests, then KV (< 2^20 and < 2^40: see core.decode.view).
+            rows = gpu_rows(members, snap.gpu_series, lambda v: v[0] * (1 << 40) + v[1])
+            for i, (member_id, gpu, (gc, gk)) in enumerate(rows):
+                conc.add_metric([member_id, str(gpu)], float(gc))
+                kv.add_metric([member_id, str(gpu)], float(gk))
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    yield_gil()
+            all_c = [m.values[0] for m in members]
+            all_k = [m.values[1] for m in members]
+            imbalance.add_metric([snap.policy, "concurrency"], imbalance_of(all_c))
+            imbalance.add_metric([snap.policy, "kv_tokens"], imbalance_of(all_k))
+            held.add_metric([], float(snap.held))
+            for labels, n in sorted(snap.placements):
                 placements.add_metric(list(labels), float(n))
-            for outcome, n in sorted(counts.releases.items()):
+            for outcome, n in sorted(snap.releases):
                 releases.add_metric([outcome], float(n))
         yield from fams
 
@@ -159,6 +187,7 @@ SCRAPE = _ScrapeCollector()
 REGISTRY.register(SCRAPE)
 
 
-def set_source(source: DecodeSource) -> None:
-    """Make ``source`` (the daemon's decode state; held weakly) feed the scrape-time gauges."""
+def set_source(source: SnapshotSource) -> None:
+    """Make ``source`` (the daemon's decode snapshot publisher; held weakly) feed the
+    scrape-time gauges."""
     SCRAPE.set_source(source)

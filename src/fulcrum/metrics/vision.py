@@ -1,29 +1,42 @@
 """Prometheus collectors of the vision-encoder (VE) balancer, on :data:`fulcrum.metrics.REGISTRY`.
 
 Labels are bounded: ``policy`` is a registered VE policy name (3), ``outcome`` and
-``reason`` come from fixed sets, ``machine``/``gpu`` are bounded by the fleet size (and
-disappear with the machine). Everything that changes per call (per-GPU patches in
-flight, imbalance, placements held, placement/release counters) is read from the
-daemon's state at scrape time, so a decision costs no collector update. The scrape
-source is the latest daemon state created in the process (one daemon per process in
-production).
+``reason`` come from fixed sets, ``machine`` is bounded by the fleet's member bound and
+``gpu`` series by ``vision.metrics_gpu_series``: per-GPU patches in flight are exported
+for every GPU while the VE fleet has at most that many GPUs, else for that many most
+loaded GPUs; per-machine sums and the balancer's summaries are always exported.
+
+One owner: the scrape thread never reads the daemon's live state, only the immutable
+:class:`VisionSnapshot` the event loop publishes after changes
+(:class:`fulcrum.state.placement.Publisher`); imbalance, sums and top-k are computed
+here, in the scrape thread, from that snapshot.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fulcrum.metrics import REGISTRY
+from fulcrum.metrics.placement import (
+    YIELD_EVERY,
+    gpu_rows,
+    imbalance_of,
+    member_sums,
+    yield_gil,
+)
+from fulcrum.state.placement import MemberTable
 
 #: Outcomes of a PlaceImages request.
 PLACE_OUTCOMES = ("placed", "invalid_argument", "already_exists", "resource_exhausted")
+#: Outcomes of a ReleaseImages request.
+RELEASE_OUTCOMES = ("released", "invalid_argument", "not_found")
 
 EXPIRATIONS = Counter(
     "fulcrum_vision_expirations",
@@ -43,10 +56,11 @@ LOST_IMAGES = Counter(
     registry=REGISTRY,
 )
 
+
 @dataclass(slots=True)
 class VisionCounts:
-    """Per-call counters kept as plain ints by the state (no lock, no label lookup on the
-    decision path) and exported at scrape time."""
+    """Per-call counters kept as plain ints by the state (on the loop); the published
+    snapshot carries a copy."""
 
     #: (policy, outcome) -> PlaceImages requests; outcome in :data:`PLACE_OUTCOMES`.
     placements: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -54,61 +68,55 @@ class VisionCounts:
     images: dict[str, int] = field(default_factory=dict)
     #: policy -> patches placed.
     patches: dict[str, int] = field(default_factory=dict)
-    #: outcome (released, not_found) -> ReleaseImages requests.
+    #: outcome -> ReleaseImages requests; outcome in :data:`RELEASE_OUTCOMES`.
     releases: dict[str, int] = field(default_factory=dict)
 
 
-class VisionSource(Protocol):
-    """What the scrape-time collector reads from the daemon's VE state."""
+class VisionSnapshot(NamedTuple):
+    """What the scrape thread reads: published by the loop, never written after."""
 
+    policy: str = ""
+    held: int = 0
+    #: Per-GPU series bound (``vision.metrics_gpu_series``).
+    gpu_series: int = 0
+    #: Per machine: ``values = (patches_in_flight,)``, shape ``(gpus,)``.
+    members: MemberTable = MemberTable()
+    placements: tuple[tuple[tuple[str, str], int], ...] = ()
+    images: tuple[tuple[str, int], ...] = ()
+    patches: tuple[tuple[str, int], ...] = ()
+    releases: tuple[tuple[str, int], ...] = ()
+
+
+class SnapshotSource(Protocol):
     @property
-    def policy_name(self) -> str: ...
-
-    def gpu_loads(self) -> Iterable[tuple[str, int, int]]:
-        """``(machine_id, gpu_index, patches_in_flight)`` of every GPU."""
-        ...
-
-    def imbalance(self) -> float:
-        """Max over mean of patches in flight across live GPUs (1.0 = perfect)."""
-        ...
-
-    @property
-    def held(self) -> int:
-        """Placed requests held."""
-        ...
-
-    @property
-    def counts(self) -> VisionCounts: ...
-
-
-_Families = tuple[
-    GaugeMetricFamily,
-    GaugeMetricFamily,
-    GaugeMetricFamily,
-    CounterMetricFamily,
-    CounterMetricFamily,
-    CounterMetricFamily,
-    CounterMetricFamily,
-]
+    def snapshot(self) -> VisionSnapshot: ...
 
 
 class _ScrapeCollector(Collector):
-    """Per-GPU patches in flight and the imbalance, read from the current source."""
+    """Per-GPU (bounded) and per-machine patches in flight, imbalance and counters."""
 
     def __init__(self) -> None:
-        self._source: weakref.ReferenceType[VisionSource] | None = None
+        self._source: weakref.ReferenceType[SnapshotSource] | None = None
 
-    def set_source(self, source: VisionSource) -> None:
+    def set_source(self, source: SnapshotSource) -> None:
         self._source = weakref.ref(source)
 
-    def _families(self) -> _Families:
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily | CounterMetricFamily, ...]:
         return (
             GaugeMetricFamily(
                 "fulcrum_vision_gpu_patches_in_flight",
                 "Image patches in flight on each VE GPU (last report plus placements since, "
-                "minus releases).",
+                "minus releases); every GPU up to vision.metrics_gpu_series GPUs, else the "
+                "most loaded ones.",
                 labels=["machine", "gpu"],
             ),
+            GaugeMetricFamily(
+                "fulcrum_vision_machine_patches_in_flight",
+                "Image patches in flight on all GPUs of each VE machine.",
+                labels=["machine"],
+            ),
+            GaugeMetricFamily("fulcrum_vision_gpus", "VE GPUs in placement (all machines)."),
             GaugeMetricFamily(
                 "fulcrum_vision_imbalance",
                 "Max over mean of patches in flight across live VE GPUs (1.0 = perfect), "
@@ -137,7 +145,8 @@ class _ScrapeCollector(Collector):
             ),
             CounterMetricFamily(
                 "fulcrum_vision_releases",
-                "ReleaseImages requests (unary or streamed), by outcome (released, not_found).",
+                "ReleaseImages requests (unary or streamed), by outcome (released, "
+                "invalid_argument, not_found).",
                 labels=["outcome"],
             ),
         )
@@ -147,21 +156,33 @@ class _ScrapeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         fams = self._families()
-        gpus, imbalance, held, placements, images, patches, releases = fams
+        gpus, per_machine, n_gpus_f, imbalance, held, placements, images, patches, releases = (
+            fams
+        )
         source = self._source() if self._source is not None else None
         if source is not None:
-            for machine, gpu, value in source.gpu_loads():
+            snap = source.snapshot
+            members = sorted(snap.members, key=lambda m: m.member_id)
+            sums = member_sums(members, 0)
+            for i, m in enumerate(members):
+                per_machine.add_metric([m.member_id], float(sums[i]))
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    yield_gil()
+            n_gpus_f.add_metric([], float(sum(int(m.values[0].shape[0]) for m in members)))
+            rows = gpu_rows(members, snap.gpu_series, lambda v: v[0])
+            for i, (machine, gpu, (value,)) in enumerate(rows):
                 gpus.add_metric([machine, str(gpu)], float(value))
-            imbalance.add_metric([source.policy_name], source.imbalance())
-            held.add_metric([], float(source.held))
-            counts = source.counts
-            for (policy, outcome), n in sorted(counts.placements.items()):
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    yield_gil()
+            imbalance.add_metric([snap.policy], imbalance_of([m.values[0] for m in members]))
+            held.add_metric([], float(snap.held))
+            for (policy, outcome), n in sorted(snap.placements):
                 placements.add_metric([policy, outcome], float(n))
-            for policy, n in sorted(counts.images.items()):
+            for policy, n in sorted(snap.images):
                 images.add_metric([policy], float(n))
-            for policy, n in sorted(counts.patches.items()):
+            for policy, n in sorted(snap.patches):
                 patches.add_metric([policy], float(n))
-            for outcome, n in sorted(counts.releases.items()):
+            for outcome, n in sorted(snap.releases):
                 releases.add_metric([outcome], float(n))
         yield from fams
 
@@ -170,6 +191,7 @@ SCRAPE = _ScrapeCollector()
 REGISTRY.register(SCRAPE)
 
 
-def set_source(source: VisionSource) -> None:
-    """Make ``source`` (the daemon's VE state; held weakly) feed the scrape-time gauges."""
+def set_source(source: SnapshotSource) -> None:
+    """Make ``source`` (the daemon's VE snapshot publisher; held weakly) feed the
+    scrape-time gauges."""
     SCRAPE.set_source(source)

@@ -7,6 +7,7 @@ reply (code + message) instead of ending the stream.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,8 +18,9 @@ from fulcrum.core.types import MemberKind
 from fulcrum.errors import FailedPrecondition, InvalidArgument, NotFound
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
-from fulcrum.service.streams import place_release_stream
+from fulcrum.service.streams import place_release_stream, sweep_leases
 from fulcrum.state.decode import DecodeState
+from fulcrum.units import NS_PER_MS
 from fulcrum.v1 import decode_pb2 as pb
 from fulcrum.v1 import decode_pb2_grpc as pb_grpc
 
@@ -87,7 +89,7 @@ class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
         r = state.release(request_id, self._app.clock())
         reply.instance_id = r.instance_id
         reply.gpu_index = r.gpu_index
-        reply.held_ms = r.held_ns // 1_000_000
+        reply.held_ms = r.held_ns // NS_PER_MS
 
     # -- RPCs ----------------------------------------------------------------------------
 
@@ -134,14 +136,16 @@ def register(server: grpc.aio.Server, app: App) -> list[str]:
     app.components["decode"] = state
     fleet.add_listener(MemberKind.DECODE_INSTANCE, state)
 
+    state.set_schedule(asyncio.get_running_loop().call_soon)
+
     def reload(settings: Settings) -> None:
-        state.reconfigure(settings.decode)
+        state.apply_settings(settings.decode)
 
     app.reload_hooks.append(reload)
-
-    def sweep(now_ns: int) -> None:
-        state.expire(now_ns)
-
-    app.every(app.settings.decode.sweep_interval_ms / 1000, sweep, "decode-leases")
+    # The period is read at every round, so that a reload applies it.
+    app.spawn(
+        sweep_leases(app, state.expire, lambda: state.settings.sweep_interval_ms),
+        "decode-leases",
+    )
     pb_grpc.add_DecodeBalancerServiceServicer_to_server(DecodeServicer(app, state), server)
     return [SERVICE]

@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from fulcrum import __version__
 from fulcrum.config import Settings
 from fulcrum.metrics import BUILD_INFO, DRAINING, REGISTRY
-from fulcrum.service import decode, diagnostics, eplb, fleet, prefill, security, vision
+from fulcrum.service import decode, diagnostics, eplb, fleet, looplag, prefill, security, vision
 from fulcrum.service.app import App
 from fulcrum.service.interceptors import ShellInterceptor
 
@@ -128,6 +128,7 @@ def build(settings: Settings, app: App | None = None) -> Daemon:
     names: list[str] = []
     for module in SERVICE_MODULES:
         names.extend(module.register(server, app))
+    looplag.start(app)  # fulcrum_event_loop_lag_seconds
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name

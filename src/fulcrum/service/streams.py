@@ -1,16 +1,25 @@
 """The place/release stream loop shared by the decode and vision placement streams.
 
+Also the lease sweep both placement tables run.
+
 One reply per message, in order, with the unary calls' semantics; a refused message gets
 its status code and message in the reply and the stream stays open.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+import structlog
+
 from fulcrum.errors import FulcrumError, InvalidArgument
+from fulcrum.service.app import App
 from fulcrum.service.errors import status_of
+from fulcrum.units import NS_PER_MS, NS_PER_S
+
+log = structlog.get_logger(__name__)
 
 R = TypeVar("R")
 
@@ -37,3 +46,16 @@ async def place_release_stream(
             reply.code = status_of(err).value[0]
             reply.message = err.message
         yield reply
+
+
+async def sweep_leases(
+    app: App, expire: Callable[[int], object], interval_ms: Callable[[], int]
+) -> None:
+    """Call ``expire(now_ns)`` every ``interval_ms()`` ms (read at every round, so that a
+    reload of the sweep period applies) until the daemon stops."""
+    while True:
+        await asyncio.sleep(interval_ms() * NS_PER_MS / NS_PER_S)
+        try:
+            expire(app.clock())
+        except Exception:
+            log.exception("periodic_job_failed", job="lease-sweep")

@@ -7,6 +7,7 @@ reply (code + message) instead of ending the stream.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,10 +15,10 @@ import structlog
 
 from fulcrum.config import Settings
 from fulcrum.core.types import MemberKind
-from fulcrum.errors import FailedPrecondition, NotFound
+from fulcrum.errors import FailedPrecondition, InvalidArgument, NotFound
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
-from fulcrum.service.streams import place_release_stream
+from fulcrum.service.streams import place_release_stream, sweep_leases
 from fulcrum.state.vision import ImageRequest, VisionState
 from fulcrum.v1 import vision_pb2 as pb
 from fulcrum.v1 import vision_pb2_grpc as pb_grpc
@@ -37,6 +38,7 @@ class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
 
     def place(self, request: pb.PlaceImagesRequest, reply: pb.PlaceImagesResponse) -> None:
         """One PlaceImages, unary or streamed: fills ``reply`` (untouched on error)."""
+        state = self._state
         request_id = request.request_id
         # Fast path of require_id (same rule); the helper names the broken rule otherwise.
         if not (
@@ -45,19 +47,28 @@ class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
             and request_id.isprintable()
             and " " not in request_id
         ):
-            require_id(request_id, "request_id")
+            try:
+                require_id(request_id, "request_id")
+            except InvalidArgument:
+                state.count_refused("invalid_argument")
+                raise
+        # The repeated field's length is bounded before any element is converted.
+        state.check_image_count(len(request.images))
         images = [ImageRequest(im.width, im.height, im.patch_size) for im in request.images]
-        state = self._state
         placed = state.place(request_id, images, self._app.clock())
         reply.policy = state.policy_name
-        reply.lease_ms = state.settings.lease_ms
+        reply.lease_ms = state.lease_ms
         add = reply.placements.add
         for p in placed:
             add(machine_id=p.machine_id, gpu_index=p.gpu_index, patches=p.patches)
 
     def release(self, request: pb.ReleaseImagesRequest, reply: pb.ReleaseImagesResponse) -> None:
         """One ReleaseImages, unary or streamed: fills ``reply`` (untouched on error)."""
-        request_id = require_id(request.request_id, "request_id")
+        try:
+            request_id = require_id(request.request_id, "request_id")
+        except InvalidArgument:
+            self._state.count_release_refused("invalid_argument")
+            raise
         reply.images, reply.patches = self._state.release(request_id, self._app.clock())
 
     # -- RPCs ----------------------------------------------------------------------------
@@ -118,13 +129,16 @@ def register(server: grpc.aio.Server, app: App) -> list[str]:
     app.components["vision"] = state
     fleet.add_listener(MemberKind.VISION_MACHINE, state)
 
+    state.set_schedule(asyncio.get_running_loop().call_soon)
+
     def reload(settings: Settings) -> None:
-        state.reconfigure(settings.vision)
+        state.apply_settings(settings.vision)
 
     app.reload_hooks.append(reload)
-    def sweep(now_ns: int) -> None:
-        state.expire(now_ns)
-
-    app.every(app.settings.vision.sweep_interval_ms / 1000, sweep, "vision-leases")
+    # The period is read at every round, so that a reload applies it.
+    app.spawn(
+        sweep_leases(app, state.expire, lambda: state.settings.sweep_interval_ms),
+        "vision-leases",
+    )
     pb_grpc.add_VisionBalancerServiceServicer_to_server(VisionServicer(app, state), server)
     return [SERVICE]

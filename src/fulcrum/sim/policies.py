@@ -147,6 +147,9 @@ class VisionChooser:
         """Global VE GPU index for an image of ``patches`` patches."""
         if self._core is not None:
             fleet = core_vision.VisionFleet(self.topology, patches_in_flight)
-            return self._core.select(fleet, patches, rng).gpu
+            out = self._core.select(fleet, patches, rng)
+            if isinstance(out, core_vision.NoCapacity):  # the core returns refusals
+                raise RuntimeError(f"vision: {out.reason}")
+            return out.gpu
         i, self._cursor = baselines.choose(self.name, images_in_flight, rng, self._cursor)
         return i

@@ -6,26 +6,24 @@ plus the placements made since it, minus releases. A report replaces the GPU's f
 lowers them again (never below 0). Without a heartbeat in between, release after place
 restores the view exactly.
 
-Placements are held per request id in a table bounded by ``decode.max_placements``, with
-a lease of ``decode.lease_ms``: unreleased placements expire (counted, and their share
-freed) at the next sweep or placement after their deadline. An instance that leaves
-(deregistered, lapsed, replaced) leaves placement at once; its held placements are
-dropped and counted as lost. Before a placement is committed, the chosen instance's
-liveness is checked with the fleet, so a lapsed instance is never chosen even between
-sweeps.
+The lease/placement mechanics are those of :mod:`fulcrum.state.placement`, shared with
+the vision table: placements are held per request id in a table bounded by
+``decode.max_placements`` with a lease of ``decode.lease_ms``; an instance that leaves
+drops its placements (counted as lost); before a placement is committed the chosen
+instance's liveness is checked with the fleet, so a lapsed instance is never chosen
+even between sweeps.
 
-Instances are kept sorted by id (GPU slots in that order), so that the same
-registrations and the same seed give the same decisions whatever the order of
-registration. The view's arrays are owned here and updated in place (O(1) per placement,
-one vectorised pass per heartbeat); a join or a leave rebuilds them (O(GPUs)).
+Slots: each instance's GPUs occupy a contiguous range of slots of the view's arrays
+(:class:`fulcrum.state.placement.SlotAllocator`); free slots are dead (never eligible).
+A join or a leave costs O(the instance's GPUs), a placement or a release O(1) (in-place
+writes through :class:`fulcrum.core.decode.GpuWriter`), a heartbeat one vectorised pass
+over the instance's GPUs. The layout depends on the order of events, so the same
+events in the same order with the same seed give the same decisions.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -35,15 +33,28 @@ from fulcrum.config.decode import DecodeSettings
 from fulcrum.core.decode import (
     FleetView,
     NoCapacity,
+    close_range,
     imbalance,
     make_policy,
+    open_range,
+    resized,
     write_range,
 )
 from fulcrum.core.decode.policy import DecodePolicy
 from fulcrum.core.decode.view import MAX_CONCURRENCY_LIMIT, MAX_KV_LIMIT, GpuWriter
 from fulcrum.core.types import DecodeInstanceLoad, DecodeInstanceShape, Member, MemberLoad
-from fulcrum.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.metrics import decode as metrics
+from fulcrum.state.placement import (
+    DEADLINE_NS,
+    RECORD,
+    LeaseTable,
+    MemberFigureCache,
+    Publisher,
+    Schedule,
+    SlotAllocator,
+    Slots,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -75,31 +86,16 @@ class ReleaseResult(NamedTuple):
     held_ns: int
 
 
-@dataclass(slots=True)
-class _Held:
-    instance: _Instance
-    gpu_index: int
-    kv_tokens: int
-    placed_ns: int
-    deadline_ns: int
-
-
-@dataclass(slots=True, eq=False)
-class _Instance:
-    member: Member
-    max_concurrency: tuple[int, ...]
-    max_kv_tokens: tuple[int, ...]
-    start: int = -1  # first slot in the view; -1 = not in it
-    requests: set[str] = field(default_factory=set)
-
-    @property
-    def gpus(self) -> int:
-        return len(self.max_concurrency)
+#: The record held for one placement: ``(instance_id, incarnation, gpu_index,
+#: kv_tokens)``, a plain tuple of atomic values (the instance by id, not by reference):
+#: the collector untracks it (see :data:`fulcrum.state.placement.Lease`).
+_Placed = tuple[str, int, int, int]
 
 
 class DecodeState:
     """Decode instances, per-GPU load and held placements. Not thread-safe: the daemon's
-    event loop is the only caller. Implements the fleet's ``FleetListener`` protocol."""
+    event loop is the only caller (the scrape thread reads :attr:`publisher`'s snapshot).
+    Implements the fleet's ``FleetListener`` protocol."""
 
     def __init__(
         self,
@@ -108,26 +104,29 @@ class DecodeState:
         liveness: Liveness | None = None,
         debug_log: bool = False,
     ) -> None:
-        self._settings = settings
         self._debug_log = debug_log  # one debug line per decision (costs ~7 us) only if on
         self._rng = rng
         self._liveness = liveness
-        self._instances: dict[str, _Instance] = {}
-        self._order: list[str] = []  # instance ids, sorted
-        self._slots: list[tuple[_Instance, int]] = []  # slot -> (instance, gpu index)
-        self._view = FleetView.build([], [], [], [])
+        self._instances: dict[str, Slots] = {}
+        self._alloc = SlotAllocator(64)
+        self._owner: list[Slots | None] = [None] * self._alloc.capacity  # slot -> instance
+        self._view = resized(FleetView.build([], [], [], []), self._alloc.capacity)
         self._writer = GpuWriter(self._view)  # O(1) scalar access to the view's arrays
-        self._held: OrderedDict[str, _Held] = OrderedDict()
+        self._leases: LeaseTable[_Placed] = LeaseTable(
+            "decode", "decode.max_placements", settings.lease_ms, settings.max_placements,
+            settings.sweep_interval_ms,
+        )
         self._cursor = 0
-        self._policy: DecodePolicy = make_policy(settings.policy, settings.params())
-        self._lease_ns = settings.lease_ms * 1_000_000
         self.expired_total = 0
         self.lost_total = 0
-        self._max_request_kv = settings.max_request_kv_tokens
-        self._max_placements = settings.max_placements
         self._counts = metrics.DecodeCounts()
+        self._figures = MemberFigureCache()
+        self._settings = settings
+        self._policy: DecodePolicy = make_policy(settings.policy, settings.params())
+        self._max_request_kv = settings.max_request_kv_tokens
         self._bind_metrics()
-        metrics.set_source(self)
+        self.publisher: Publisher[metrics.DecodeSnapshot] = Publisher(self._snapshot)
+        metrics.set_source(self.publisher)
 
     # -- configuration -------------------------------------------------------------------
 
@@ -143,9 +142,31 @@ class DecodeState:
         for outcome in metrics.RELEASE_OUTCOMES:
             c.releases.setdefault(outcome, 0)
 
+    def set_schedule(self, schedule: Schedule | None) -> None:
+        """Publish metrics snapshots through the event loop's ``call_soon``."""
+        self.publisher.set_schedule(schedule)
+
+    def _snapshot(self) -> metrics.DecodeSnapshot:
+        """The immutable snapshot for the scrape thread (built on the loop)."""
+        conc, kv = self._view.concurrency, self._view.kv_tokens
+
+        def read(s: Slots) -> tuple[np.ndarray, np.ndarray]:
+            e = s.start + s.gpus
+            return conc[s.start : e].copy(), kv[s.start : e].copy()
+
+        c = self._counts
+        return metrics.DecodeSnapshot(
+            policy=self._policy.name,
+            held=len(self._leases),
+            gpu_series=self._settings.metrics_gpu_series,
+            members=self._figures.refresh(read),
+            placements=tuple(c.placements.items()),
+            releases=tuple(c.releases.items()),
+        )
+
     @property
     def counts(self) -> metrics.DecodeCounts:
-        """Placement and release counters (exported at scrape time)."""
+        """Placement and release counters (live: the loop's own; see :attr:`publisher`)."""
         return self._counts
 
     @property
@@ -159,31 +180,36 @@ class DecodeState:
 
     @property
     def view(self) -> FleetView:
-        """The current view (owned here: read it, never keep it across calls)."""
+        """The current view (owned here: read it, never keep it across calls). Its arrays
+        have one slot per GPU of every instance plus free (dead) slots."""
         return self._view
 
     @property
     def held(self) -> int:
         """Placements held (not yet released, expired or lost)."""
-        return len(self._held)
+        return len(self._leases)
 
-    def reconfigure(self, settings: DecodeSettings) -> None:
-        """Apply new settings (SIGHUP): policy and parameters apply to the next decision, the
-        lease to new placements (expiry runs in placement order, so a shortened lease
-        takes effect once older placements are gone); held placements keep their deadline."""
+    def apply_settings(self, settings: DecodeSettings) -> None:
+        """Apply every key of new settings (SIGHUP): policy and parameters apply to the
+        next decision; lease, table bound, largest request, sweep period and metrics bound
+        to the next call. Held placements keep their deadline (expiry runs in placement
+        order, so a shortened lease takes effect once older placements are gone)."""
         self._policy = make_policy(settings.policy, settings.params())
         self._settings = settings
-        self._lease_ns = settings.lease_ms * 1_000_000
+        self._leases.configure(
+            settings.lease_ms, settings.max_placements, settings.sweep_interval_ms
+        )
         self._max_request_kv = settings.max_request_kv_tokens
-        self._max_placements = settings.max_placements
         self._bind_metrics()
-        log.info("decode_reconfigured", policy=settings.policy, lease_ms=settings.lease_ms)
+        self.publisher.changed()
+        log.info("decode_settings_applied", policy=settings.policy, lease_ms=settings.lease_ms)
 
     # -- placement ----------------------------------------------------------------------
 
     def count_refused(self, outcome: str) -> None:
         """Count a PlaceDecode refused before it reached the table (e.g. a bad id)."""
         self._counts.placements[self._k_refused[outcome]] += 1
+        self.publisher.changed()
 
     def place(self, request_id: str, kv_tokens: int, now_ns: int) -> PlaceResult:
         """Choose a GPU for ``kv_tokens`` tokens and hold the placement under the lease.
@@ -194,44 +220,40 @@ class DecodeState:
         """
         counts = self._counts.placements
         if not 1 <= kv_tokens <= self._max_request_kv:
-            counts[self._k_refused["invalid_argument"]] += 1
+            self.count_refused("invalid_argument")
             raise InvalidArgument(
                 "kv_tokens", f"must be in [1, {self._max_request_kv}], got {kv_tokens}"
             )
-        held = self._held
-        if held and next(iter(held.values())).deadline_ns <= now_ns:
+        leases = self._leases
+        held = leases.held
+        if held and next(iter(held.values()))[DEADLINE_NS] <= now_ns:
             self.expire(now_ns)
-        if request_id in held:
-            counts[self._k_refused["already_exists"]] += 1
-            raise AlreadyExists(f"request_id: {request_id!r} already holds a decode placement")
-        if len(held) >= self._max_placements:
-            counts[self._k_refused["resource_exhausted"]] += 1
-            raise ResourceExhausted(
-                f"decode placements: table full ({self._max_placements} held); "
-                "release finished requests",
-                self._settings.sweep_interval_ms,
-            )
+        if request_id in held or len(held) >= leases.max_held:
+            outcome, error = leases.refusal(request_id)
+            self.count_refused(outcome)
+            raise error
         liveness = self._liveness
         rounds = len(self._instances) + 1
         while True:
-            view = self._view
-            out = self._policy.select(view, kv_tokens, self._rng, self._cursor)
+            out = self._policy.select(self._view, kv_tokens, self._rng, self._cursor)
             if isinstance(out, NoCapacity):
                 key = (self._policy.name, out.kind, "resource_exhausted")
                 counts[key] = counts.get(key, 0) + 1
-                raise ResourceExhausted(f"decode: {out.reason}", self._settings.sweep_interval_ms)
+                self.publisher.changed()
+                raise leases.refuse_no_capacity(out.reason)
             slot = out.gpu
-            instance, gpu_index = self._slots[slot]
-            member = instance.member
+            slots = self._owner[slot]
+            assert slots is not None, "a free slot is never eligible"
+            member = slots.member
             if liveness is None or liveness(member.member_id, member.incarnation, now_ns):
                 break
             # The fleet found it lapsed (and normally told us through on_leave already).
-            if self._instances.get(member.member_id) is instance:
-                self._remove(instance, "lapsed")
+            if self._instances.get(member.member_id) is slots:
+                self._remove(slots, "lapsed")
             rounds -= 1
             if rounds <= 0:  # pragma: no cover - every round removes one instance
-                counts[self._k_refused["resource_exhausted"]] += 1
-                raise ResourceExhausted("decode: no live decode instance", 1000)
+                self.count_refused("resource_exhausted")
+                raise leases.refuse_no_capacity("no live decode instance")
         # The chosen GPU is live, has a free slot and room (the selection's filter), so
         # the new load is in range: the O(1) in-place write of the core.
         writer = self._writer
@@ -240,9 +262,16 @@ class DecodeState:
         kv += kv_tokens
         writer.write(slot, conc, kv, True)
         self._cursor = out.cursor
-        held[request_id] = _Held(instance, gpu_index, kv_tokens, now_ns, now_ns + self._lease_ns)
-        instance.requests.add(request_id)
+        gpu_index = slot - slots.start
+        held[request_id] = (
+            (member.member_id, member.incarnation, gpu_index, kv_tokens),
+            now_ns,
+            now_ns + leases.lease_ns,
+        )
+        slots.requests[request_id] = 1
         counts[self._k_placed[out.kind]] += 1
+        self._figures.mark(slots)
+        self.publisher.changed()
         if self._debug_log:
             log.debug(
                 "decode_placed",
@@ -259,54 +288,56 @@ class DecodeState:
             out.kind,
             conc,
             kv,
-            self._lease_ns // 1_000_000,
+            leases.lease_ms,
         )
 
     def release(self, request_id: str, now_ns: int) -> ReleaseResult:
         """Free a held placement; NotFound when unknown, released, expired or lost."""
-        held = self._held.pop(request_id, None)
-        if held is None:
+        lease = self._leases.pop(request_id)
+        if lease is None:
             self._counts.releases["not_found"] += 1
+            self.publisher.changed()
             raise NotFound(
                 f"request_id: {request_id!r} holds no decode placement "
                 "(unknown, already released, expired, or lost with its instance)"
             )
-        self._unhold(request_id, held)
+        placed, placed_ns, _ = lease
+        self._unhold(request_id, placed)
         self._counts.releases["released"] += 1
+        self.publisher.changed()
         return ReleaseResult(
-            held.instance.member.member_id, held.gpu_index, max(now_ns - held.placed_ns, 0)
+            placed[0], placed[2], max(now_ns - placed_ns, 0)
         )
 
     def count_release_refused(self, outcome: str) -> None:
         """Count a ReleaseDecode refused before it reached the table (e.g. a bad id)."""
         self._counts.releases[outcome] += 1
+        self.publisher.changed()
 
-    def _unhold(self, request_id: str, held: _Held) -> None:
+    def _unhold(self, request_id: str, placed: _Placed) -> None:
         """Take a popped placement's share off its GPU (never below 0)."""
-        instance = held.instance
-        instance.requests.discard(request_id)
-        if instance.start < 0:
-            return
-        slot = instance.start + held.gpu_index
+        instance_id, incarnation, gpu_index, kv_tokens = placed
+        slots = self._instances.get(instance_id)
+        if slots is None or slots.member.incarnation != incarnation:
+            return  # its instance left: the share left with it
+        slots.requests.pop(request_id, None)
+        slot = slots.start + gpu_index
         writer = self._writer
         conc, kv = writer.load(slot)
-        writer.write(slot, max(conc - 1, 0), max(kv - held.kv_tokens, 0), writer.is_live(slot))
+        writer.write(slot, max(conc - 1, 0), max(kv - kv_tokens, 0), writer.is_live(slot))
+        self._figures.mark(slots)
 
     def expire(self, now_ns: int) -> int:
         """Expire placements whose lease ran out (in placement order); returns how many."""
         n = 0
-        held = self._held
-        while held:
-            request_id, first = next(iter(held.items()))
-            if first.deadline_ns > now_ns:
-                break
-            held.popitem(last=False)
-            self._unhold(request_id, first)
+        for request_id, lease in self._leases.expired(now_ns):
+            self._unhold(request_id, lease[RECORD])
             n += 1
         if n:
             self.expired_total += n
             metrics.EXPIRATIONS.inc(n)
-            log.info("decode_leases_expired", count=n, held=len(held))
+            self.publisher.changed()
+            log.info("decode_leases_expired", count=n, held=len(self._leases))
         return n
 
     # -- fleet listener ------------------------------------------------------------------
@@ -315,134 +346,141 @@ class DecodeState:
         """Refuse a report with an absurd per-GPU figure (changes nothing)."""
         if not isinstance(load, DecodeInstanceLoad):
             raise InvalidArgument("load", "must be decode_instance for a decode instance")
-        for i, (c, k) in enumerate(zip(load.concurrency, load.kv_tokens, strict=True)):
-            if not 0 <= c < MAX_CONCURRENCY_LIMIT:
-                raise InvalidArgument(
-                    f"decode_instance.gpus[{i}].concurrency",
-                    f"must be in [0, {MAX_CONCURRENCY_LIMIT - 1}]",
-                )
-            if not 0 <= k < MAX_KV_LIMIT:
-                raise InvalidArgument(
-                    f"decode_instance.gpus[{i}].kv_tokens", f"must be in [0, {MAX_KV_LIMIT - 1}]"
-                )
+        conc = np.asarray(load.concurrency, dtype=np.int64)
+        kv = np.asarray(load.kv_tokens, dtype=np.int64)
+        bad_c = np.flatnonzero((conc < 0) | (conc >= MAX_CONCURRENCY_LIMIT))
+        if bad_c.size:
+            raise InvalidArgument(
+                f"decode_instance.gpus[{int(bad_c[0])}].concurrency",
+                f"must be in [0, {MAX_CONCURRENCY_LIMIT - 1}]",
+            )
+        bad_k = np.flatnonzero((kv < 0) | (kv >= MAX_KV_LIMIT))
+        if bad_k.size:
+            raise InvalidArgument(
+                f"decode_instance.gpus[{int(bad_k[0])}].kv_tokens",
+                f"must be in [0, {MAX_KV_LIMIT - 1}]",
+            )
 
     def on_join(self, member: Member, now_ns: int) -> None:
+        """Give the instance slots (O(its GPUs); amortised O(1) per GPU when the arrays
+        grow)."""
         shape = member.shape
         if not isinstance(shape, DecodeInstanceShape):
             return
         old = self._instances.get(member.member_id)
         if old is not None:  # the fleet calls on_leave first; be safe anyway
-            self._remove(old, "replaced", rebuild=False)
-        self._instances[member.member_id] = _Instance(
-            member=member,
-            max_concurrency=tuple(min(c, MAX_CONCURRENCY_LIMIT - 1) for c in shape.max_concurrency),
-            max_kv_tokens=tuple(min(k, MAX_KV_LIMIT - 1) for k in shape.max_kv_tokens),
+            self._remove(old, "replaced")
+        gpus = shape.gpus
+        start, grow_to = self._alloc.alloc(gpus)
+        if grow_to:
+            self._resize(grow_to)
+        mc = np.minimum(
+            np.asarray(shape.max_concurrency, dtype=np.int64), MAX_CONCURRENCY_LIMIT - 1
         )
-        bisect.insort(self._order, member.member_id)
-        self._rebuild()
+        # max_kv_tokens may be up to 2^64-1 (protobuf uint64): clip before converting.
+        mk = np.asarray([min(k, MAX_KV_LIMIT - 1) for k in shape.max_kv_tokens], dtype=np.int64)
+        open_range(self._view, start, mc, mk)
+        slots = Slots(member, start, gpus)
+        self._owner[start : start + gpus] = [slots] * gpus
+        self._instances[member.member_id] = slots
+        self._figures.mark(slots)
+        self.publisher.changed()
         log.info(
             "decode_instance_joined",
             instance_id=member.member_id,
             incarnation=member.incarnation,
-            gpus=shape.gpus,
+            gpus=gpus,
         )
 
     def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
-        instance = self._instances.get(member.member_id)
+        slots = self._instances.get(member.member_id)
         if (
-            instance is None
-            or instance.member.incarnation != member.incarnation
+            slots is None
+            or slots.member.incarnation != member.incarnation
             or not isinstance(load, DecodeInstanceLoad)
-            or instance.start < 0
         ):
             return
         write_range(
             self._view,
-            instance.start,
+            slots.start,
             np.asarray(load.concurrency, dtype=np.int64),
             np.asarray(load.kv_tokens, dtype=np.int64),
         )
+        self._figures.mark(slots)
+        self.publisher.changed()
         self.expire(now_ns)
 
     def on_leave(self, member: Member, reason: str, now_ns: int) -> None:
-        instance = self._instances.get(member.member_id)
-        if instance is None or instance.member.incarnation != member.incarnation:
+        slots = self._instances.get(member.member_id)
+        if slots is None or slots.member.incarnation != member.incarnation:
             return
-        self._remove(instance, reason)
+        self._remove(slots, reason)
 
-    def _remove(self, instance: _Instance, reason: str, rebuild: bool = True) -> None:
-        member_id = instance.member.member_id
+    def _remove(self, slots: Slots, reason: str) -> None:
+        """Take an instance out: its slots are freed, its placements lost. O(its GPUs +
+        its placements); amortised O(1) per GPU when the arrays are compacted."""
+        member_id = slots.member_id
         del self._instances[member_id]
-        i = bisect.bisect_left(self._order, member_id)
-        if i < len(self._order) and self._order[i] == member_id:
-            del self._order[i]
         lost = 0
-        for request_id in instance.requests:
-            if self._held.pop(request_id, None) is not None:
+        for request_id in slots.requests:
+            if self._leases.pop(request_id) is not None:
                 lost += 1
-        instance.requests.clear()
-        instance.start = -1
+        slots.requests.clear()
+        close_range(self._view, slots.start, slots.gpus)
+        self._owner[slots.start : slots.start + slots.gpus] = [None] * slots.gpus
+        self._alloc.free(slots.start, slots.gpus)
+        self._figures.forget(member_id)
+        if self._alloc.needs_compaction():
+            self._compact()
         if lost:
             self.lost_total += lost
             metrics.LOST.labels(reason).inc(lost)
-        if rebuild:
-            self._rebuild()
+        self.publisher.changed()
         log.info(
             "decode_instance_left",
             instance_id=member_id,
-            incarnation=instance.member.incarnation,
+            incarnation=slots.member.incarnation,
             reason=reason,
             lost_placements=lost,
         )
 
-    def _rebuild(self) -> None:
-        """Lay the instances' GPUs out in id order, keeping current loads (O(GPUs))."""
-        old = self._view
-        conc: list[np.ndarray[tuple[int], np.dtype[np.int64]]] = []
-        kv: list[np.ndarray[tuple[int], np.dtype[np.int64]]] = []
-        slots: list[tuple[_Instance, int]] = []
-        mc: list[int] = []
-        mk: list[int] = []
-        start = 0
-        for member_id in self._order:
-            inst = self._instances[member_id]
-            if inst.start >= 0:
-                conc.append(old.concurrency[inst.start : inst.start + inst.gpus])
-                kv.append(old.kv_tokens[inst.start : inst.start + inst.gpus])
-            else:
-                conc.append(np.zeros(inst.gpus, dtype=np.int64))
-                kv.append(np.zeros(inst.gpus, dtype=np.int64))
-            mc.extend(inst.max_concurrency)
-            mk.extend(inst.max_kv_tokens)
-            slots.extend((inst, g) for g in range(inst.gpus))
-            inst.start = start
-            start += inst.gpus
-        empty = np.zeros(0, dtype=np.int64)
-        self._view = FleetView.build(
-            np.concatenate(conc) if conc else empty,
-            np.concatenate(kv) if kv else empty,
-            mc,
-            mk,
-        )
+    def _resize(self, capacity: int, index: np.ndarray | None = None) -> None:
+        self._view = resized(self._view, capacity, index)
         self._writer = GpuWriter(self._view)
-        self._slots = slots
+        if index is None:
+            self._owner.extend([None] * (capacity - len(self._owner)))
 
-    # -- introspection (metrics, tests) --------------------------------------------------
+    def _compact(self) -> None:
+        """Pack the instances' slots at the front (O(GPUs), amortised over the leaves
+        that freed as many slots as are used)."""
+        order = list(self._instances.values())
+        index, starts = self._alloc.compaction([(s.start, s.gpus) for s in order])
+        self._resize(self._alloc.capacity, index)
+        owner: list[Slots | None] = [None] * self._alloc.capacity
+        for s, start in zip(order, starts, strict=True):
+            s.start = start
+            owner[start : start + s.gpus] = [s] * s.gpus
+        self._owner = owner
+
+    # -- introspection (tests, diagnostics; on the loop) ----------------------------------
 
     def gpu_loads(self) -> Iterator[tuple[str, int, int, int]]:
-        """``(instance_id, gpu_index, concurrency, kv_tokens)`` of every decode GPU."""
+        """``(instance_id, gpu_index, concurrency, kv_tokens)`` of every decode GPU, in
+        instance id order."""
         view = self._view
-        conc = view.concurrency.tolist()
-        kv = view.kv_tokens.tolist()
-        for slot, (inst, gpu) in enumerate(self._slots):
-            yield inst.member.member_id, gpu, conc[slot], kv[slot]
+        for member_id in sorted(self._instances):
+            s = self._instances[member_id]
+            conc = view.concurrency[s.start : s.start + s.gpus].tolist()
+            kv = view.kv_tokens[s.start : s.start + s.gpus].tolist()
+            for gpu in range(s.gpus):
+                yield member_id, gpu, conc[gpu], kv[gpu]
 
     def gpu_load(self, instance_id: str, gpu_index: int) -> tuple[int, int]:
         """(requests, KV tokens) the balancer sees on one GPU; NotFound if unknown."""
-        inst = self._instances.get(instance_id)
-        if inst is None or not 0 <= gpu_index < inst.gpus or inst.start < 0:
+        s = self._instances.get(instance_id)
+        if s is None or not 0 <= gpu_index < s.gpus:
             raise NotFound(f"instance_id: {instance_id!r} gpu {gpu_index} is not known")
-        slot = inst.start + gpu_index
+        slot = s.start + gpu_index
         return int(self._view.concurrency[slot]), int(self._view.kv_tokens[slot])
 
     def imbalance(self) -> tuple[float, float]:

@@ -7,20 +7,23 @@ it; releasing an image placed before the latest report lowers ``base`` (never be
 one placed after it lowers ``pending``. Without heartbeats in between, release after
 place restores the view exactly.
 
-Placements are held per request id in a table bounded by ``vision.max_placements``,
-with a lease of ``vision.lease_ms``: unreleased placements expire (counted) at the next
-sweep or placement after their deadline. A machine that leaves (deregistered, lapsed,
-replaced) leaves placement at once; its held images are dropped and counted as lost.
+The lease/placement mechanics are those of :mod:`fulcrum.state.placement`, shared with
+the decode table: placed requests are held per request id in a table bounded by
+``vision.max_placements`` with a lease of ``vision.lease_ms``; a machine that leaves
+drops its images (counted as lost; a request keeps its images on other machines).
 
-Machines are kept sorted by id, so that the same registrations and the same seed give
-the same decisions whatever the order of registration.
+Slots: each machine's GPUs occupy a contiguous range of slots
+(:class:`fulcrum.state.placement.SlotAllocator`) of a
+:class:`fulcrum.core.vision.fleet.SlotTopology` updated in place, so that a join, a
+leave or a heartbeat costs O(the machine's GPUs), never a rebuild of the fleet. The
+layout depends on the order of events: the same events in the same order with the same
+seed give the same decisions.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -31,22 +34,31 @@ from fulcrum.config.vision import VisionSettings
 from fulcrum.core.types import Member, MemberLoad, VisionMachineLoad, VisionMachineShape
 from fulcrum.core.vision.base import VisionPolicy
 from fulcrum.core.vision.fleet import (
-    MachineSpec,
-    NoEligibleGpuError,
+    NoCapacity,
     Placement,
+    SlotTopology,
     VisionFleet,
-    VisionTopology,
     imbalance,
 )
 from fulcrum.core.vision.patches import InvalidImageError, checked_patches
 from fulcrum.core.vision.registry import make_policy
-from fulcrum.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.metrics import vision as metrics
+from fulcrum.state.placement import (
+    RECORD,
+    LeaseTable,
+    MemberFigureCache,
+    Publisher,
+    Schedule,
+    SlotAllocator,
+    Slots,
+)
+from fulcrum.units import MAX_EXACT_FLOAT
 
 log = structlog.get_logger(__name__)
 
 #: Largest reported patches in flight per GPU (keeps int64 sums exact).
-MAX_REPORTED_PATCHES = 1 << 53
+MAX_REPORTED_PATCHES = MAX_EXACT_FLOAT
 
 #: ``liveness(machine_id, incarnation, now_ns) -> bool``: is the machine still live?
 Liveness = Callable[[str, int, int], bool]
@@ -75,25 +87,17 @@ class PlacedImage(NamedTuple):
     generation: int
 
 
-@dataclass(slots=True)
-class _Held:
-    images: list[PlacedImage]
-    deadline_ns: int
-
-
-@dataclass(slots=True)
-class _Machine:
-    member: Member
-    gpus: int
-    max_patches: int
-    start: int = -1  # first global GPU index in the current topology; -1 = not yet in it
+@dataclass(slots=True, eq=False)
+class _Machine(Slots):
+    index: int = -1  # machine index in the topology
+    max_patches: int = 0
     generation: int = 0  # heartbeat reports received
-    requests: dict[str, int] = field(default_factory=dict)  # request id -> images here
 
 
 class VisionState:
     """VE machines, patches in flight and held placements. Not thread-safe; the daemon's
-    event loop is the only caller. Implements the fleet's ``FleetListener`` protocol."""
+    event loop is the only caller (the scrape thread reads :attr:`publisher`'s snapshot).
+    Implements the fleet's ``FleetListener`` protocol."""
 
     def __init__(
         self,
@@ -104,21 +108,28 @@ class VisionState:
         self._rng = rng
         self._liveness = liveness
         self._machines: dict[str, _Machine] = {}
-        self._topology = VisionTopology.build([])
-        self._by_index: list[_Machine] = []
-        self._dirty = False
-        self._base: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
-        self._pending: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
-        self._pif: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
-        # The decision's input, built once per membership change (not per placement): the
-        # current topology over the very array ``_pif`` (updated in place).
+        self._alloc = SlotAllocator(64)
+        cap = self._alloc.capacity
+        self._topology = SlotTopology(cap)
+        self._by_index: list[_Machine | None] = []  # machine index -> machine
+        self._base: npt.NDArray[np.int64] = np.zeros(cap, dtype=np.int64)
+        self._pending: npt.NDArray[np.int64] = np.zeros(cap, dtype=np.int64)
+        self._pif: npt.NDArray[np.int64] = np.zeros(cap, dtype=np.int64)
+        # The decision's input: the topology over the very array ``_pif`` (in place).
         self._fleet = VisionFleet(self._topology, self._pif)
-        self._held: OrderedDict[str, _Held] = OrderedDict()
+        # Records are plain tuples of plain tuples (the fields of PlacedImage): atomic
+        # values only, so the collector untracks them (see placement.Lease).
+        self._leases: LeaseTable[tuple[tuple[str, int, int, int, int], ...]] = LeaseTable(
+            "vision", "vision.max_placements", settings.lease_ms, settings.max_placements,
+            settings.sweep_interval_ms,
+        )
         self._settings = settings
         self._policy: VisionPolicy = make_policy(settings.policy)
         self._counts = metrics.VisionCounts()
+        self._figures = MemberFigureCache()
         self._bind_metrics()
-        metrics.set_source(self)
+        self.publisher: Publisher[metrics.VisionSnapshot] = Publisher(self._snapshot)
+        metrics.set_source(self.publisher)
 
     # -- configuration -------------------------------------------------------------------
 
@@ -130,16 +141,39 @@ class VisionState:
             c.placements.setdefault((name, outcome), 0)
         c.images.setdefault(name, 0)
         c.patches.setdefault(name, 0)
-        c.releases.setdefault("released", 0)
-        c.releases.setdefault("not_found", 0)
+        for outcome in metrics.RELEASE_OUTCOMES:
+            c.releases.setdefault(outcome, 0)
         self._k_placed = (name, "placed")
         self._k_invalid = (name, "invalid_argument")
         self._k_dup = (name, "already_exists")
         self._k_exhausted = (name, "resource_exhausted")
 
+    def set_schedule(self, schedule: Schedule | None) -> None:
+        """Publish metrics snapshots through the event loop's ``call_soon``."""
+        self.publisher.set_schedule(schedule)
+
+    def _snapshot(self) -> metrics.VisionSnapshot:
+        """The immutable snapshot for the scrape thread (built on the loop)."""
+        pif = self._pif
+
+        def read(s: Slots) -> tuple[npt.NDArray[np.int64]]:
+            return (pif[s.start : s.start + s.gpus].copy(),)
+
+        c = self._counts
+        return metrics.VisionSnapshot(
+            policy=self._policy.name,
+            held=len(self._leases),
+            gpu_series=self._settings.metrics_gpu_series,
+            members=self._figures.refresh(read),
+            placements=tuple(c.placements.items()),
+            images=tuple(c.images.items()),
+            patches=tuple(c.patches.items()),
+            releases=tuple(c.releases.items()),
+        )
+
     @property
     def counts(self) -> metrics.VisionCounts:
-        """Per-call counters (exported at scrape time)."""
+        """Per-call counters (live: the loop's own; see :attr:`publisher`)."""
         return self._counts
 
     @property
@@ -151,14 +185,35 @@ class VisionState:
         """Registry name of the policy in force."""
         return self._policy.name
 
-    def reconfigure(self, settings: VisionSettings) -> None:
-        """Apply new settings (SIGHUP): policy, defaults and bounds apply to new calls;
+    @property
+    def lease_ms(self) -> int:
+        """Lease given to new placements, ms."""
+        return self._leases.lease_ms
+
+    def apply_settings(self, settings: VisionSettings) -> None:
+        """Apply every key of new settings (SIGHUP): policy, patch defaults, image bounds,
+        lease, table bound, sweep period and metrics bound apply to the next call;
         placements already held keep their deadline."""
         if settings.policy != self._policy.name:
             self._policy = make_policy(settings.policy)
             self._bind_metrics()
         self._settings = settings
-        log.info("vision_reconfigured", policy=settings.policy, lease_ms=settings.lease_ms)
+        self._leases.configure(
+            settings.lease_ms, settings.max_placements, settings.sweep_interval_ms
+        )
+        self.publisher.changed()
+        log.info("vision_settings_applied", policy=settings.policy, lease_ms=settings.lease_ms)
+
+    def count_refused(self, outcome: str) -> None:
+        """Count a PlaceImages refused before it reached the table (e.g. a bad id)."""
+        key = (self._policy.name, outcome)
+        self._counts.placements[key] = self._counts.placements.get(key, 0) + 1
+        self.publisher.changed()
+
+    def count_release_refused(self, outcome: str) -> None:
+        """Count a ReleaseImages refused before it reached the table (e.g. a bad id)."""
+        self._counts.releases[outcome] += 1
+        self.publisher.changed()
 
     # -- fleet listener ------------------------------------------------------------------
 
@@ -170,97 +225,116 @@ class VisionState:
             if not 0 <= value <= MAX_REPORTED_PATCHES:
                 raise InvalidArgument(
                     f"vision_machine.patches_in_flight[{i}]",
-                    f"must be in [0, {MAX_REPORTED_PATCHES}]",
+                    f"must be in [0, 2^53 = {MAX_REPORTED_PATCHES}]",
                 )
 
     def on_join(self, member: Member, now_ns: int) -> None:
+        """Give the machine slots: O(its GPUs) (amortised, when the arrays grow)."""
         shape = member.shape
         assert isinstance(shape, VisionMachineShape)
-        self._machines[member.member_id] = _Machine(
-            member=member, gpus=shape.gpus, max_patches=shape.max_patches_in_flight
-        )
-        self._dirty = True
+        old = self._machines.get(member.member_id)
+        if old is not None:  # the fleet calls on_leave first; be safe anyway
+            self._remove(old, "replaced")
+        gpus = shape.gpus
+        start, grow_to = self._alloc.alloc(gpus)
+        if grow_to:
+            self._resize(grow_to)
+        max_patches = min(shape.max_patches_in_flight, MAX_REPORTED_PATCHES)
+        index = self._topology.add_machine(member.member_id, start, gpus, max_patches)
+        machine = _Machine(member, start, gpus, index=index, max_patches=max_patches)
+        if index == len(self._by_index):
+            self._by_index.append(machine)
+        else:
+            self._by_index[index] = machine
+        self._machines[member.member_id] = machine
+        self._figures.mark(machine)
+        self.publisher.changed()
         log.info(
             "vision_machine_joined",
             machine_id=member.member_id,
             incarnation=member.incarnation,
-            gpus=shape.gpus,
+            gpus=gpus,
             max_patches_in_flight=shape.max_patches_in_flight,
         )
 
     def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
         machine = self._machines.get(member.member_id)
-        if machine is None or not isinstance(load, VisionMachineLoad):
+        if (
+            machine is None
+            or machine.member.incarnation != member.incarnation
+            or not isinstance(load, VisionMachineLoad)
+        ):
             return
-        self._sync()
         s, e = machine.start, machine.start + machine.gpus
         machine.generation += 1
         self._base[s:e] = np.asarray(load.patches_in_flight, dtype=np.int64)
         self._pending[s:e] = 0
         self._pif[s:e] = self._base[s:e]
+        self._figures.mark(machine)
+        self.publisher.changed()
 
     def on_leave(self, member: Member, reason: str, now_ns: int) -> None:
         machine = self._machines.get(member.member_id)
         if machine is None or machine.member.incarnation != member.incarnation:
             return
+        self._remove(machine, reason)
+
+    def _remove(self, machine: _Machine, reason: str) -> None:
+        """Take a machine out: its slots are freed, its images lost. O(its GPUs + its
+        held requests); amortised O(1) per GPU when the arrays are compacted."""
+        member_id = machine.member_id
+        leases = self._leases
         lost = 0
         for request_id in machine.requests:
-            held = self._held.get(request_id)
-            if held is None:
+            lease = leases.get(request_id)
+            if lease is None:
                 continue
-            keep = [im for im in held.images if im.machine_id != member.member_id]
-            lost += len(held.images) - len(keep)
+            images, placed_ns, deadline_ns = lease
+            keep = tuple(im for im in images if im[0] != member_id)
+            lost += len(images) - len(keep)
             if keep:
-                held.images = keep
+                leases.held[request_id] = (keep, placed_ns, deadline_ns)
             else:
-                del self._held[request_id]
-        del self._machines[member.member_id]
-        self._dirty = True
+                leases.pop(request_id)
+        machine.requests.clear()
+        del self._machines[member_id]
+        s, e = machine.start, machine.start + machine.gpus
+        self._topology.remove_machine(machine.index)
+        self._by_index[machine.index] = None
+        self._base[s:e] = 0
+        self._pending[s:e] = 0
+        self._pif[s:e] = 0
+        self._alloc.free(machine.start, machine.gpus)
+        self._figures.forget(member_id)
+        if self._alloc.needs_compaction():
+            self._compact()
         if lost:
             metrics.LOST_IMAGES.labels(reason).inc(lost)
-        log.info("vision_machine_left", machine_id=member.member_id, reason=reason, lost=lost)
+        self.publisher.changed()
+        log.info("vision_machine_left", machine_id=member_id, reason=reason, lost=lost)
 
-    def _sync(self) -> None:
-        """Rebuild the topology if membership changed since the last call (lazily, so that
-        a burst of registrations costs one rebuild)."""
-        if self._dirty:
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        """New topology after a membership change; carry each machine's GPU figures.
-
-        GPU slices of surviving machines are read at their old ``start``; machines that
-        joined since (``start == -1``) begin at zero. O(G + M log M).
-        """
-        self._dirty = False
-        order = sorted(self._machines)
-        specs = []
-        base_parts: list[npt.NDArray[np.int64]] = []
-        pending_parts: list[npt.NDArray[np.int64]] = []
-        start = 0
-        for machine_id in order:
-            machine = self._machines[machine_id]
-            specs.append(
-                MachineSpec(machine_id, tuple(range(machine.gpus)), max_patches=machine.max_patches)
-            )
-            old = machine.start
-            if old >= 0:
-                base_parts.append(self._base[old : old + machine.gpus])
-                pending_parts.append(self._pending[old : old + machine.gpus])
-            else:
-                base_parts.append(np.zeros(machine.gpus, dtype=np.int64))
-                pending_parts.append(np.zeros(machine.gpus, dtype=np.int64))
-            machine.start = start
-            start += machine.gpus
-        self._topology = VisionTopology.build(specs)
-        self._by_index = [self._machines[m] for m in order]
-        empty = np.zeros(0, dtype=np.int64)
-        self._base = np.concatenate(base_parts).astype(np.int64) if base_parts else empty
-        self._pending = (
-            np.concatenate(pending_parts).astype(np.int64) if pending_parts else empty.copy()
-        )
-        self._pif = self._base + self._pending
+    def _resize(self, capacity: int, index: npt.NDArray[np.int64] | None = None) -> None:
+        """New per-slot arrays of ``capacity`` slots (growth, or compaction by ``index``)."""
+        self._topology.resize(capacity, index)
+        if index is None:
+            index = np.arange(self._pif.shape[0], dtype=np.int64)
+        n = int(index.shape[0])
+        arrays = []
+        for arr in (self._base, self._pending, self._pif):
+            out = np.zeros(capacity, dtype=np.int64)
+            out[:n] = arr[index]
+            arrays.append(out)
+        self._base, self._pending, self._pif = arrays
         self._fleet = VisionFleet(self._topology, self._pif)
+
+    def _compact(self) -> None:
+        """Pack the machines' slots at the front (O(GPUs), amortised)."""
+        order = list(self._machines.values())
+        index, starts = self._alloc.compaction([(m.start, m.gpus) for m in order])
+        self._resize(self._alloc.capacity, index)
+        for machine, start in zip(order, starts, strict=True):
+            machine.start = start
+            self._topology.move_machine(machine.index, start)
 
     # -- placement -----------------------------------------------------------------------
 
@@ -269,7 +343,11 @@ class VisionState:
         if not images:
             raise InvalidArgument("images", "must not be empty")
         if len(images) > s.max_images_per_request:
-            raise InvalidArgument("images", f"must have at most {s.max_images_per_request} entries")
+            raise InvalidArgument(
+                "images",
+                f"must have at most {s.max_images_per_request} entries "
+                "(vision.max_images_per_request)",
+            )
         counts = []
         default, max_side = s.patch_size, s.max_side
         for i, (width, height, patch_size) in enumerate(images):
@@ -290,6 +368,17 @@ class VisionState:
                 raise InvalidArgument(f"images[{i}].{err.field}", err.rule) from None
         return counts
 
+    def check_image_count(self, n: int) -> None:
+        """Refuse (and count) a request of ``n`` images beyond the bound, before anything
+        is converted: the service calls it on the repeated field's length."""
+        if n > self._settings.max_images_per_request:
+            self.count_refused("invalid_argument")
+            raise InvalidArgument(
+                "images",
+                f"must have at most {self._settings.max_images_per_request} entries "
+                f"(vision.max_images_per_request), got {n}",
+            )
+
     def place(
         self, request_id: str, images: Sequence[ImageRequest], now_ns: int
     ) -> list[PlacedImage]:
@@ -304,99 +393,86 @@ class VisionState:
         try:
             counts = self._patch_counts(images)
         except InvalidArgument:
-            self._counts.placements[self._k_invalid] += 1
+            self.count_refused("invalid_argument")
             raise
-        held_table = self._held
-        if held_table and next(iter(held_table.values())).deadline_ns <= now_ns:
+        leases = self._leases
+        if leases.due(now_ns):
             self.expire(now_ns)
-        if request_id in held_table:
-            self._counts.placements[self._k_dup] += 1
-            raise AlreadyExists(f"request_id: {request_id!r} already holds a placement")
-        if len(held_table) >= self._settings.max_placements:
-            self._counts.placements[self._k_exhausted] += 1
-            raise ResourceExhausted(
-                f"vision: {self._settings.max_placements} placements held (vision.max_placements)",
-                retry_after_ms=100,
-            )
+        if not leases.room_for(request_id):
+            outcome, error = leases.refusal(request_id)
+            self.count_refused(outcome)
+            raise error
         policy, rng = self._policy, self._rng
         while True:
             # The pure fold of core.vision.place_many, done in place on our own array:
             # each image sees the ones before it; undone if any image fails.
-            if self._dirty:
-                self._rebuild()
-            fleet = self._fleet  # VisionFleet(self._topology, self._pif), kept by _rebuild
-            topology, pif = fleet.topology, fleet.patches_in_flight
+            fleet = self._fleet
+            pif = fleet.patches_in_flight
             placed: list[Placement] = []
-            try:
-                for n in counts:
-                    decision = policy.select(fleet, n, rng)
-                    g = decision.gpu
-                    pif[g] = pif.item(g) + n  # scalar Python arithmetic: no numpy scalars
-                    placed.append(decision)
-            except NoEligibleGpuError as err:
-                for decision in placed:
-                    pif[decision.gpu] -= decision.patches
-                self._counts.placements[self._k_exhausted] += 1
-                raise ResourceExhausted(f"vision: {err.reason}", retry_after_ms=100) from None
-            if self._liveness is None or self._all_live(placed, topology, now_ns):
-                break
-            # A chosen machine had lapsed: the fleet took it out (on_leave rebuilt the
-            # arrays); undo on the old array in case it is still ours, and choose again.
-            for decision in placed:
+            for n in counts:
+                decision = policy.select(fleet, n, rng)
+                if isinstance(decision, NoCapacity):
+                    for done in placed:
+                        pif[done.gpu] -= done.patches
+                    self.count_refused("resource_exhausted")
+                    raise leases.refuse_no_capacity(decision.reason)
+                g = decision.gpu
+                pif[g] = pif.item(g) + n  # scalar Python arithmetic: no numpy scalars
+                placed.append(decision)
+            for decision in placed:  # undone here; committed below once all are live
                 pif[decision.gpu] -= decision.patches
+            if self._liveness is None or self._all_live(placed, now_ns):
+                break
         machines = self._by_index
         pending = self._pending
         out: list[PlacedImage] = []
         for decision in placed:
             machine = machines[decision.machine]
+            assert machine is not None
             g = decision.gpu
-            pending[g] = pending.item(g) + decision.patches
+            p = decision.patches
+            pending[g] = pending.item(g) + p
+            pif[g] = pif.item(g) + p
             member = machine.member
             out.append(
                 PlacedImage(
-                    member.member_id,
-                    decision.gpu - machine.start,
-                    decision.patches,
-                    member.incarnation,
+                    member.member_id, g - machine.start, p, member.incarnation,
                     machine.generation,
                 )
             )
-            requests = machine.requests
-            requests[request_id] = requests.get(request_id, 0) + 1
-        held_table[request_id] = _Held(out, now_ns + self._settings.lease_ms * 1_000_000)
+            machine.add_request(request_id)
+            self._figures.mark(machine)
+        leases.hold(
+            request_id,
+            tuple((m, g, p, i, gen) for m, g, p, i, gen in out),  # plain tuples: untracked
+            now_ns,
+        )
         c = self._counts
         c.placements[self._k_placed] += 1
         name = self._k_placed[0]
         c.images[name] += len(out)
         c.patches[name] += sum(counts)
+        self.publisher.changed()
         return out
 
-    def _all_live(
-        self, placed: Sequence[Placement], topology: VisionTopology, now_ns: int
-    ) -> bool:
+    def _all_live(self, placed: Sequence[Placement], now_ns: int) -> bool:
+        """Whether every machine chosen is still live; a lapsed one is taken out."""
         assert self._liveness is not None
-        if len(placed) == 1:  # the common case: one image, one machine, no set needed
-            machine = self._machines.get(topology.machine_ids[placed[0].machine])
-            if machine is not None:
-                member = machine.member
-                if self._liveness(member.member_id, member.incarnation, now_ns):
-                    return True
         seen: set[int] = set()
         for p in placed:
             m = p.machine
             if m in seen:
                 continue
             seen.add(m)
-            machine = self._machines.get(topology.machine_ids[m])
+            machine = self._by_index[m]
             if machine is None:
                 return False
             member = machine.member
             if not self._liveness(member.member_id, member.incarnation, now_ns):
                 # The fleet normally reports the lapse through on_leave; make sure the
                 # machine is gone so that the next round cannot pick it again.
-                current = self._machines.get(member.member_id)
-                if current is not None and current.member.incarnation == member.incarnation:
-                    self.on_leave(member, "lapsed", now_ns)
+                if self._machines.get(member.member_id) is machine:
+                    self._remove(machine, "lapsed")
                 return False
         return True
 
@@ -407,77 +483,69 @@ class VisionState:
             NotFound: nothing is held under ``request_id`` (released, expired, lost with
                 its machine, or never placed).
         """
-        held = self._held.pop(request_id, None)
-        if held is None:
+        lease = self._leases.pop(request_id)
+        if lease is None:
             self._counts.releases["not_found"] += 1
+            self.publisher.changed()
             raise NotFound(
                 f"request_id: {request_id!r} holds no placement "
                 "(released, expired, lost with its machine, or never placed)"
             )
-        self._sync()
-        patches = self._free(request_id, held)
+        images = lease[RECORD]
+        patches = self._free(request_id, images)
         self._counts.releases["released"] += 1
-        return len(held.images), patches
+        self.publisher.changed()
+        return len(images), patches
 
-    def _free(self, request_id: str, held: _Held) -> int:
+    def _free(self, request_id: str, images: Sequence[tuple[str, int, int, int, int]]) -> int:
+        """Take held images off their GPUs (records: PlacedImage fields as plain tuples)."""
         total = 0
-        for im in held.images:
-            machine = self._machines.get(im.machine_id)
-            if machine is None or machine.member.incarnation != im.incarnation:
+        for machine_id, gpu_index, p, incarnation, generation in images:
+            machine = self._machines.get(machine_id)
+            total += p
+            if machine is None or machine.member.incarnation != incarnation:
                 continue
-            g = machine.start + im.gpu_index
-            p = im.patches
-            if im.generation == machine.generation:
+            g = machine.start + gpu_index
+            if generation == machine.generation:
                 self._pending[g] -= p
                 self._pif[g] -= p
             else:
                 dec = min(p, int(self._base[g]))
                 self._base[g] -= dec
                 self._pif[g] -= dec
-            total += p
-            left = machine.requests.get(request_id, 0) - 1
-            if left > 0:
-                machine.requests[request_id] = left
-            else:
-                machine.requests.pop(request_id, None)
+            machine.drop_request(request_id)
+            self._figures.mark(machine)
         return total
 
     def expire(self, now_ns: int) -> int:
         """Free the placements whose lease ran out by ``now_ns``; returns how many.
 
-        Deadlines grow with placement order (one lease for all), so only the oldest
-        entries are looked at: O(expired). After a reload that shortens the lease,
-        older entries expire at their own (later) deadline.
+        O(expired): only the oldest entries are looked at (deadlines grow with placement
+        order); after a reload that shortens the lease, older entries expire at their own
+        (later) deadline.
         """
-        held = self._held
         n = images = 0
-        if held:
-            self._sync()
-        while held:
-            request_id, entry = next(iter(held.items()))
-            if entry.deadline_ns > now_ns:
-                break
-            del held[request_id]
-            self._free(request_id, entry)
+        for request_id, lease in self._leases.expired(now_ns):
+            self._free(request_id, lease[RECORD])
             n += 1
-            images += len(entry.images)
+            images += len(lease[RECORD])
         if n:
             metrics.EXPIRATIONS.inc(n)
             metrics.EXPIRED_IMAGES.inc(images)
+            self.publisher.changed()
             log.info("vision_placements_expired", requests=n, images=images)
         return n
 
-    # -- views ---------------------------------------------------------------------------
+    # -- views (tests, diagnostics, GetMachineLoad; on the loop) ------------------------
 
     @property
     def held(self) -> int:
         """Placed requests held."""
-        return len(self._held)
+        return len(self._leases)
 
     def machine_ids(self) -> list[str]:
-        """Machines in placement order (sorted ids)."""
-        self._sync()
-        return list(self._topology.machine_ids)
+        """Machines, sorted by id."""
+        return sorted(self._machines)
 
     def machine_load(self, machine_id: str) -> tuple[list[int], int, int]:
         """(patches in flight per GPU, per-GPU max patches (0 = unlimited), images held).
@@ -488,30 +556,23 @@ class VisionState:
         machine = self._machines.get(machine_id)
         if machine is None:
             raise NotFound(f"machine_id: {machine_id!r} is not a registered VE machine")
-        self._sync()
         s = machine.start
         images = sum(machine.requests.values())
-        return (
-            [int(x) for x in self._pif[s : s + machine.gpus]],
-            machine.max_patches,
-            images,
-        )
+        return self._pif[s : s + machine.gpus].tolist(), machine.max_patches, images
 
     def fleet(self) -> VisionFleet:
-        """A copy of the current fleet view (for tests and diagnostics)."""
-        self._sync()
+        """A copy of the current fleet view (for tests and diagnostics): GPU indices are
+        slots, free slots are not live."""
         return VisionFleet(self._topology, self._pif.copy())
 
     def gpu_loads(self) -> Iterator[tuple[str, int, int]]:
-        """``(machine_id, gpu_index, patches_in_flight)`` of every GPU."""
-        self._sync()
-        pif = self._pif.tolist()
-        for machine_id in self._topology.machine_ids:
+        """``(machine_id, gpu_index, patches_in_flight)`` of every GPU, machines by id."""
+        for machine_id in sorted(self._machines):
             machine = self._machines[machine_id]
-            for i in range(machine.gpus):
-                yield machine_id, i, pif[machine.start + i]
+            pif = self._pif[machine.start : machine.start + machine.gpus].tolist()
+            for i, value in enumerate(pif):
+                yield machine_id, i, value
 
     def imbalance(self) -> float:
         """Max over mean of patches in flight across GPUs (1.0 = perfect or idle)."""
-        self._sync()
-        return imbalance(VisionFleet(self._topology, self._pif))
+        return imbalance(self._fleet)

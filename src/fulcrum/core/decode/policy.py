@@ -127,11 +127,19 @@ def pick_min(key: I64 | F64, view: FleetView, kv_tokens: int) -> int:
     index); -1 when none.
 
     Fast path: the global argmin, accepted when its headroom fits (then it is also the
-    eligible argmin). Otherwise one fused masked pass (:func:`masked_argmin`).
+    eligible argmin); through the view's block minima when it has them and ``key`` is
+    one of its packed orderings (O(n / BLOCK + BLOCK)). Otherwise one fused masked pass
+    (:func:`masked_argmin`).
     """
     if key.shape[0] == 0:
         return -1
-    i = int(key.argmin())
+    blocks = view.blocks
+    if blocks is not None and key is view.order_conc:
+        i = blocks.argmin(view.order_conc, blocks.conc)
+    elif blocks is not None and key is view.order_kv:
+        i = blocks.argmin(view.order_kv, blocks.kv)
+    else:
+        i = int(key.argmin())
     headroom = view.headroom
     if headroom.item(i) >= kv_tokens:
         return i

@@ -21,6 +21,12 @@ The two packed orderings are the decode balancer's two dimensions (SPEC section 
 them a policy's common case is one ``argmin`` plus an O(1) check of the winner's headroom,
 and only when the winner lacks KV room does it fall back to a masked pass.
 
+``blocks`` (optional, :class:`BlockMins`): per-block minima of ``order_conc`` and
+``order_kv`` over blocks of :data:`BLOCK` slots, kept by the owner's in-place writers,
+so that the argmin of a packed key costs O(n / BLOCK + BLOCK) instead of O(n) on a large
+fleet. Pure views built by :meth:`FleetView.build` have none (policies then take the
+plain argmin; both give the same index: the lowest among the minima).
+
 ``totals`` (int64, shape ``(2,)``) holds the sums of ``concurrency`` and ``kv_tokens``
 over live GPUs (requests, tokens), kept in O(1) by the updates so that policies reading
 the fleet's mean KV per request need no extra pass.
@@ -55,6 +61,54 @@ INT64_MAX: Final = int(np.iinfo(np.int64).max)
 INT64_MIN: Final = int(np.iinfo(np.int64).min)
 
 
+BLOCK: Final = 256
+"""Slots per block of :class:`BlockMins`."""
+BLOCKS_FROM: Final = 128 * BLOCK
+"""Views of at least this many slots (32,768) get block minima from :func:`resized`
+(below it, a plain argmin costs less than keeping them; measured on this machine)."""
+
+
+@dataclass(slots=True)
+class BlockMins:
+    """Minimum of ``order_conc`` and of ``order_kv`` over each block of :data:`BLOCK`
+    slots (the last block may be shorter); arrays of shape ``(ceil(n / BLOCK),)``."""
+
+    conc: I64
+    kv: I64
+
+    @staticmethod
+    def of(order_conc: I64, order_kv: I64) -> BlockMins:
+        """Computed from scratch: O(n)."""
+        n = int(order_conc.shape[0])
+        nb = -(-n // BLOCK)
+        pad = nb * BLOCK - n
+
+        def mins(key: I64) -> I64:
+            full = np.concatenate([key, np.full(pad, INT64_MAX, dtype=np.int64)])
+            return full.reshape(nb, BLOCK).min(axis=1) if nb else np.zeros(0, dtype=np.int64)
+
+        return BlockMins(conc=mins(order_conc), kv=mins(order_kv))
+
+    def refresh(self, view: FleetView, start: int, end: int) -> None:
+        """Recompute the blocks covering slots ``[start, end)``."""
+        if end <= start:
+            return
+        b0, b1 = start // BLOCK, (end - 1) // BLOCK + 1
+        s, e = b0 * BLOCK, min(b1 * BLOCK, view.n_gpus)
+        for key, out in ((view.order_conc, self.conc), (view.order_kv, self.kv)):
+            part = key[s:e]
+            pad = (b1 - b0) * BLOCK - (e - s)
+            if pad:
+                part = np.concatenate([part, np.full(pad, INT64_MAX, dtype=np.int64)])
+            out[b0:b1] = part.reshape(b1 - b0, BLOCK).min(axis=1)
+
+    def argmin(self, key: I64, mins: I64) -> int:
+        """Index of the smallest ``key`` (ties: lowest index), through ``mins``."""
+        b = int(mins.argmin())
+        s = b * BLOCK
+        return s + int(key[s : s + BLOCK].argmin())
+
+
 @dataclass(frozen=True, slots=True)
 class FleetView:
     """Per-GPU load and capacity of the decode fleet; all arrays have shape ``(n_gpus,)``.
@@ -72,6 +126,7 @@ class FleetView:
     order_conc: I64
     order_kv: I64
     totals: I64
+    blocks: BlockMins | None = None
 
     @property
     def total_concurrency(self) -> int:
@@ -171,6 +226,10 @@ class FleetView:
         assert np.array_equal(self.order_kv, expect.order_kv), "order_kv out of date"
         assert self.total_concurrency == expect.total_concurrency, "total_concurrency"
         assert self.total_kv_tokens == expect.total_kv_tokens, "total_kv_tokens"
+        if self.blocks is not None:
+            want = BlockMins.of(self.order_conc, self.order_kv)
+            assert np.array_equal(self.blocks.conc, want.conc), "blocks.conc out of date"
+            assert np.array_equal(self.blocks.kv, want.kv), "blocks.kv out of date"
 
     def same_as(self, other: FleetView) -> bool:
         """Exact equality of every array and total (dataclass ``==`` is ambiguous on arrays)."""
@@ -266,6 +325,8 @@ def write_gpu(view: FleetView, gpu: int, concurrency: int, kv_tokens: int, live:
         view.headroom[gpu] = -1
         view.order_conc[gpu] = INT64_MAX
         view.order_kv[gpu] = INT64_MAX
+    if view.blocks is not None:
+        view.blocks.refresh(view, gpu, gpu + 1)
 
 
 class GpuWriter:
@@ -278,7 +339,10 @@ class GpuWriter:
     path). It writes the very memory of ``view``; build a new writer for a new view.
     """
 
-    __slots__ = ("_conc", "_head", "_kv", "_live", "_mc", "_mk", "_n", "_oc", "_ok", "_tot", "view")
+    __slots__ = (
+        "_bc", "_bk", "_blocks", "_conc", "_head", "_kv", "_live", "_mc", "_mk", "_n", "_oc",
+        "_ok", "_tot", "view",
+    )
 
     def __init__(self, view: FleetView) -> None:
         self.view = view
@@ -292,6 +356,26 @@ class GpuWriter:
         self._oc = view.order_conc.data
         self._ok = view.order_kv.data
         self._tot = view.totals.data
+        self._blocks = view.blocks
+        if view.blocks is not None:
+            self._bc = view.blocks.conc.data
+            self._bk = view.blocks.kv.data
+
+    def _block(self, gpu: int, old_oc: int, old_ok: int) -> None:
+        """Keep the block minima after slot ``gpu``'s keys changed from the old ones:
+        O(1) when a key went down or was not its block's minimum, else O(BLOCK)."""
+        b = gpu // BLOCK
+        s = b * BLOCK
+        new_oc, new_ok = self._oc[gpu], self._ok[gpu]
+        bc, bk = self._bc, self._bk
+        if new_oc <= bc[b]:
+            bc[b] = new_oc
+        elif old_oc == bc[b]:
+            bc[b] = int(self.view.order_conc[s : s + BLOCK].min())
+        if new_ok <= bk[b]:
+            bk[b] = new_ok
+        elif old_ok == bk[b]:
+            bk[b] = int(self.view.order_kv[s : s + BLOCK].min())
 
     def load(self, gpu: int) -> tuple[int, int]:
         """(requests, KV tokens) on GPU ``gpu``."""
@@ -310,6 +394,7 @@ class GpuWriter:
                 f"gpu {gpu}: load out of range ({concurrency} requests, {kv_tokens} KV tokens)"
             )
         conc_arr, kv_arr, tot = self._conc, self._kv, self._tot
+        old_oc, old_ok = self._oc[gpu], self._ok[gpu]
         was_live = bool(self._live[gpu])
         if was_live:
             tot[0] -= conc_arr[gpu]
@@ -329,6 +414,8 @@ class GpuWriter:
             self._head[gpu] = -1
             self._oc[gpu] = INT64_MAX
             self._ok[gpu] = INT64_MAX
+        if self._blocks is not None:
+            self._block(gpu, old_oc, old_ok)
 
 
 def write_range(view: FleetView, start: int, concurrency: I64, kv_tokens: I64) -> None:
@@ -361,6 +448,93 @@ def write_range(view: FleetView, start: int, concurrency: I64, kv_tokens: I64) -
     )
     view.order_kv[start:end] = np.where(
         is_open, kv_tokens * MAX_CONCURRENCY_LIMIT + concurrency, INT64_MAX
+    )
+    if view.blocks is not None:
+        view.blocks.refresh(view, start, end)
+
+
+def open_range(
+    view: FleetView, start: int, max_concurrency: I64, max_kv_tokens: I64
+) -> None:
+    """IN PLACE: make GPUs ``start .. start + k - 1`` live and idle with the given
+    capacities (requests, tokens; arrays of shape ``(k,)``). O(k). The slots must be
+    closed (not live) before; for the single owner of the view's arrays only. Raises
+    ValueError, changing nothing, on a bad range, a live slot or an out-of-range capacity.
+    """
+    k = int(max_concurrency.shape[0])
+    if max_kv_tokens.shape != (k,) or not 0 <= start <= start + k <= view.n_gpus:
+        raise ValueError(f"range [{start}, {start + k}) or shapes do not fit the view")
+    end = start + k
+    if bool(view.live[start:end].any()):
+        raise ValueError(f"range [{start}, {end}): holds live GPUs")
+    if bool(((max_concurrency < 1) | (max_concurrency >= MAX_CONCURRENCY_LIMIT)).any()):
+        raise ValueError(f"max_concurrency: must be in [1, {MAX_CONCURRENCY_LIMIT})")
+    if bool(((max_kv_tokens < 1) | (max_kv_tokens >= MAX_KV_LIMIT)).any()):
+        raise ValueError(f"max_kv_tokens: must be in [1, {MAX_KV_LIMIT})")
+    view.concurrency[start:end] = 0
+    view.kv_tokens[start:end] = 0
+    view.max_concurrency[start:end] = max_concurrency
+    view.max_kv_tokens[start:end] = max_kv_tokens
+    view.live[start:end] = True
+    view.headroom[start:end] = max_kv_tokens
+    view.order_conc[start:end] = MAX_KV_LIMIT - 1
+    view.order_kv[start:end] = 0
+    if view.blocks is not None:
+        view.blocks.refresh(view, start, end)
+
+
+def close_range(view: FleetView, start: int, k: int) -> None:
+    """IN PLACE: take GPUs ``start .. start + k - 1`` out (not live, idle, capacity 1):
+    the state of a free slot. O(k); keeps ``totals`` consistent. Owner only."""
+    if not 0 <= start <= start + k <= view.n_gpus:
+        raise ValueError(f"range [{start}, {start + k}) does not fit the view")
+    end = start + k
+    live = view.live[start:end]
+    view.totals[0] -= int(view.concurrency[start:end][live].sum())
+    view.totals[1] -= int(view.kv_tokens[start:end][live].sum())
+    view.concurrency[start:end] = 0
+    view.kv_tokens[start:end] = 0
+    view.max_concurrency[start:end] = 1
+    view.max_kv_tokens[start:end] = 1
+    view.live[start:end] = False
+    view.headroom[start:end] = -1
+    view.order_conc[start:end] = INT64_MAX
+    view.order_kv[start:end] = INT64_MAX
+    if view.blocks is not None:
+        view.blocks.refresh(view, start, end)
+
+
+def resized(view: FleetView, capacity: int, index: I64 | None = None) -> FleetView:
+    """A new view of ``capacity`` slots: slot ``i`` takes old slot ``index[i]`` for
+    ``i < len(index)`` (default: the identity over the old slots), the rest are free
+    slots (see :func:`close_range`). Copies; the old view is untouched. O(capacity).
+    The new view has block minima (:class:`BlockMins`) from :data:`BLOCKS_FROM` slots:
+    it is meant for an owner."""
+    n = view.n_gpus if index is None else int(index.shape[0])
+    if n > capacity:
+        raise ValueError(f"capacity {capacity} < {n} slots kept")
+
+    def take(arr: npt.NDArray[np.int64], fill: int) -> npt.NDArray[np.int64]:
+        out = np.empty(capacity, dtype=np.int64)
+        out[:n] = arr if index is None else arr[index]  # growth: a plain copy
+        out[n:] = fill
+        return out
+
+    live = np.zeros(capacity, dtype=np.bool_)
+    live[:n] = view.live if index is None else view.live[index]
+    order_conc = take(view.order_conc, INT64_MAX)
+    order_kv = take(view.order_kv, INT64_MAX)
+    return FleetView(
+        concurrency=take(view.concurrency, 0),
+        kv_tokens=take(view.kv_tokens, 0),
+        max_concurrency=take(view.max_concurrency, 1),
+        max_kv_tokens=take(view.max_kv_tokens, 1),
+        live=live,
+        headroom=take(view.headroom, -1),
+        order_conc=order_conc,
+        order_kv=order_kv,
+        totals=view.totals.copy(),
+        blocks=BlockMins.of(order_conc, order_kv) if capacity >= BLOCKS_FROM else None,
     )
 
 

@@ -3,7 +3,7 @@
 from fulcrum.core.vision.base import VisionPolicy, place_many
 from fulcrum.core.vision.fleet import (
     MachineSpec,
-    NoEligibleGpuError,
+    NoCapacity,
     Placement,
     VisionFleet,
     VisionTopology,
@@ -28,7 +28,7 @@ __all__ = [
     "REGISTRY",
     "InvalidImageError",
     "MachineSpec",
-    "NoEligibleGpuError",
+    "NoCapacity",
     "Placement",
     "VisionFleet",
     "VisionPolicy",

@@ -1,7 +1,9 @@
 """Shared pieces of the VE policies: the policy protocol, eligibility, the pure fold.
 
-A policy is stateless: ``select(fleet, patches, rng)`` returns a :class:`Placement` and
-never mutates the fleet or anything else but the injected random generator.
+A policy is stateless: ``select(fleet, patches, rng)`` returns a :class:`Placement`, or a
+:class:`NoCapacity` when no GPU can take the image (returned, not raised: the decode
+core's convention too), and never mutates the fleet or anything else but the injected
+random generator.
 Ties are broken deterministically: the lowest index wins (lowest GPU index inside a
 machine, lowest machine index between machines).
 """
@@ -16,7 +18,7 @@ import numpy.typing as npt
 
 from fulcrum.core.vision.fleet import (
     NO_LIMIT,
-    NoEligibleGpuError,
+    NoCapacity,
     Placement,
     VisionFleet,
     commit,
@@ -29,7 +31,6 @@ __all__ = [
     "draw_machine",
     "draw_two_machines",
     "eligible_machines",
-    "least_loaded_gpu",
     "no_fit_reason",
     "place_many",
 ]
@@ -43,12 +44,14 @@ class VisionPolicy(Protocol):
         """The policy's registry name (also its metric label)."""
         ...
 
-    def select(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Placement:
-        """Where an image of ``patches`` patches goes; pure apart from ``rng``.
+    def select(
+        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
+    ) -> Placement | NoCapacity:
+        """Where an image of ``patches`` patches goes (or why nowhere); pure apart from
+        ``rng``.
 
         Raises:
             ValueError: ``patches`` < 1.
-            NoEligibleGpuError: no live GPU has room for ``patches``.
         """
         ...
 
@@ -66,7 +69,7 @@ def check_patches(patches: int) -> None:
 def no_fit_reason(fleet: VisionFleet, patches: int) -> str:
     """Why no GPU can take ``patches`` patches (for RESOURCE_EXHAUSTED)."""
     t = fleet.topology
-    if t.live_machines.size == 0:
+    if not t.live_machine_list:
         return "no live VE machine"
     free = t.limit[t.live] - fleet.patches_in_flight[t.live]
     return (
@@ -78,17 +81,14 @@ def no_fit_reason(fleet: VisionFleet, patches: int) -> str:
 def eligible_machines(fleet: VisionFleet, patches: int) -> npt.NDArray[np.int64]:
     """Indices (ascending) of machines with at least one eligible GPU for ``patches``.
 
-    Fast path without capacities: the live machines, O(1). Otherwise one vectorised
+    Fast path without capacities: the live machines, O(M). Otherwise one vectorised
     pass over the ``(G,)`` arrays.
     """
     t = fleet.topology
-    if t.unlimited:
-        return t.live_machines
-    if t.n_machines == 0:
-        return t.live_machines
+    if t.unlimited or t.n_machines == 0:
+        return np.asarray(t.live_machine_list, dtype=np.int64)
     slack = t.limit - fleet.patches_in_flight
-    best = np.maximum.reduceat(slack, t.machine_start[:-1])
-    return np.flatnonzero(best >= patches).astype(np.int64)
+    return np.unique(t.gpu_machine[slack >= patches]).astype(np.int64)
 
 
 def best_gpu(fleet: VisionFleet, machine: int, patches: int) -> int:
@@ -98,7 +98,7 @@ def best_gpu(fleet: VisionFleet, machine: int, patches: int) -> int:
     ``patches``. O(GPUs of the machine).
     """
     t = fleet.topology
-    s, e = t.starts[machine], t.starts[machine + 1]
+    s, e = t.starts[machine], t.ends[machine]
     load = fleet.patches_in_flight[s:e]
     if t.unlimited and t.all_live_list[machine]:
         return s + int(load.argmin())
@@ -107,18 +107,9 @@ def best_gpu(fleet: VisionFleet, machine: int, patches: int) -> int:
     return s + i if fits[i] else -1
 
 
-def least_loaded_gpu(fleet: VisionFleet, machine: int, patches: int) -> int:
-    """:func:`best_gpu`, raising :class:`NoEligibleGpuError` instead of returning -1."""
-    gpu = best_gpu(fleet, machine, patches)
-    if gpu < 0:
-        raise NoEligibleGpuError(
-            f"VE machine {fleet.topology.machine_ids[machine]!r} has no live GPU with room "
-            f"for {patches} patches"
-        )
-    return gpu
-
-
-def draw_machine(fleet: VisionFleet, patches: int, rng: np.random.Generator) -> tuple[int, int]:
+def draw_machine(
+    fleet: VisionFleet, patches: int, rng: np.random.Generator
+) -> tuple[int, int] | NoCapacity:
     """A machine drawn uniformly among those with an eligible GPU, and its best GPU.
 
     Draws: ``rng.integers(L)`` over the ``L`` live machines (ascending index); when that
@@ -132,20 +123,19 @@ def draw_machine(fleet: VisionFleet, patches: int, rng: np.random.Generator) -> 
         ``(machine, gpu)``: the machine index and the global index of its eligible GPU
         with the fewest patches in flight (:func:`best_gpu`).
 
-    Raises:
-        NoEligibleGpuError: no machine has an eligible GPU.
+    Returns :class:`NoCapacity` when no machine has an eligible GPU.
     """
     live = fleet.topology.live_machine_list
     n = len(live)
     if n == 0:
-        raise NoEligibleGpuError(no_fit_reason(fleet, patches))
+        return NoCapacity(no_fit_reason(fleet, patches))
     machine = live[int(rng.integers(n))]
     gpu = best_gpu(fleet, machine, patches)
     if gpu >= 0:
         return machine, gpu
     cand = eligible_machines(fleet, patches)
     if cand.shape[0] == 0:
-        raise NoEligibleGpuError(no_fit_reason(fleet, patches))
+        return NoCapacity(no_fit_reason(fleet, patches))
     machine = int(cand[int(rng.integers(cand.shape[0]))])
     return machine, best_gpu(fleet, machine, patches)
 
@@ -159,7 +149,7 @@ def _pair(n: int, rng: np.random.Generator) -> tuple[int, int]:
 
 def draw_two_machines(
     fleet: VisionFleet, patches: int, rng: np.random.Generator
-) -> tuple[tuple[int, int], ...]:
+) -> tuple[tuple[int, int], ...] | NoCapacity:
     """Two distinct machines drawn uniformly among the eligible ones (or the only one).
 
     Draws over a list of ``n`` machines: one ``k = rng.integers(n*(n-1))``, then
@@ -172,8 +162,7 @@ def draw_two_machines(
     Returns:
         One or two ``(machine, gpu)`` pairs, as :func:`draw_machine`.
 
-    Raises:
-        NoEligibleGpuError: no machine has an eligible GPU.
+    Returns :class:`NoCapacity` when no machine has an eligible GPU.
     """
     live = fleet.topology.live_machine_list
     n = len(live)
@@ -187,7 +176,7 @@ def draw_two_machines(
     cand = eligible_machines(fleet, patches)
     n = int(cand.shape[0])
     if n == 0:
-        raise NoEligibleGpuError(no_fit_reason(fleet, patches))
+        return NoCapacity(no_fit_reason(fleet, patches))
     if n == 1:
         a = int(cand[0])
         return ((a, best_gpu(fleet, a, patches)),)
@@ -201,11 +190,11 @@ def place_many(
     fleet: VisionFleet,
     patch_counts: Sequence[int],
     rng: np.random.Generator,
-) -> tuple[tuple[Placement, ...], VisionFleet]:
+) -> tuple[tuple[Placement, ...], VisionFleet] | NoCapacity:
     """Place several images in order; each sees the patches of the ones before it.
 
     A pure fold of ``select`` + :func:`commit`. All or nothing: if any image cannot be
-    placed the exception propagates and, the input being untouched, nothing is applied.
+    placed, the first :class:`NoCapacity` is returned (the input is untouched).
 
     Returns:
         The placements (same order as ``patch_counts``) and the resulting fleet.
@@ -214,6 +203,8 @@ def place_many(
     cur = fleet
     for p in patch_counts:
         placement = policy.select(cur, p, rng)
+        if isinstance(placement, NoCapacity):
+            return placement
         out.append(placement)
         cur = commit(cur, placement)
     return tuple(out), cur

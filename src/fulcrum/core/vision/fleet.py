@@ -15,13 +15,18 @@ it is live and ``patches_in_flight + p <= capacity`` (or the capacity is unlimit
 Capacity is a filter applied before any policy scores.
 
 Everything here is pure: :func:`commit` and :func:`release` return a new fleet and
-never touch their argument.
+never touch their argument. The one exception is :class:`SlotTopology`, the topology the
+daemon's table owns and updates in place (O(one machine's GPUs) per join or leave):
+machines occupy slot ranges with free slots in between, GPU indices are slot positions.
+Policies read any :class:`Topology` (both kinds) and never mutate it.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -29,8 +34,10 @@ import numpy.typing as npt
 __all__ = [
     "NO_LIMIT",
     "MachineSpec",
-    "NoEligibleGpuError",
+    "NoCapacity",
     "Placement",
+    "SlotTopology",
+    "Topology",
     "VisionFleet",
     "VisionTopology",
     "commit",
@@ -48,16 +55,51 @@ _DEAD_LIMIT = np.int64(-1)
 """Effective limit of a GPU that is not live: no image (>= 1 patch) ever fits."""
 
 
-class NoEligibleGpuError(Exception):
-    """No GPU can take the image: no live machine, or no live GPU with room.
+@dataclass(frozen=True, slots=True)
+class NoCapacity:
+    """No GPU can take the image: no live machine, or no live GPU with room. Returned
+    (not raised) by the policies and :func:`~fulcrum.core.vision.base.place_many`, as the
+    decode core returns its own ``NoCapacity``; the daemon's placement table turns it
+    into RESOURCE_EXHAUSTED.
 
     Attributes:
         reason: human-readable reason, suitable for a RESOURCE_EXHAUSTED status.
     """
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    reason: str
+
+
+class Topology(Protocol):
+    """What a policy reads of a topology (:class:`VisionTopology` or
+    :class:`SlotTopology`). Machine ``m``'s GPUs are ``starts[m]:ends[m]``; a GPU index
+    outside every live machine has ``limit == -1`` (never eligible)."""
+
+    @property
+    def machine_ids(self) -> Sequence[str]: ...
+    @property
+    def starts(self) -> Sequence[int]: ...
+    @property
+    def ends(self) -> Sequence[int]: ...
+    @property
+    def live_machine_list(self) -> Sequence[int]: ...
+    @property
+    def all_live_list(self) -> Sequence[bool]: ...
+    @property
+    def live_gpus_list(self) -> Sequence[int]: ...
+    @property
+    def unlimited(self) -> bool: ...
+    @property
+    def all_live(self) -> bool: ...
+    @property
+    def limit(self) -> I64: ...
+    @property
+    def live(self) -> BoolArr: ...
+    @property
+    def gpu_machine(self) -> I64: ...
+    @property
+    def n_machines(self) -> int: ...
+    @property
+    def n_gpus(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +170,7 @@ class VisionTopology:
     unlimited: bool = field(init=False)
     all_live: bool = field(init=False)
     starts: tuple[int, ...] = field(init=False, repr=False)
+    ends: tuple[int, ...] = field(init=False, repr=False)
     live_machine_list: tuple[int, ...] = field(init=False, repr=False)
     all_live_list: tuple[bool, ...] = field(init=False, repr=False)
     live_gpus_list: tuple[int, ...] = field(init=False, repr=False)
@@ -173,6 +216,7 @@ class VisionTopology:
         object.__setattr__(self, "unlimited", not bool(np.any(self.capacity[self.live] > 0)))
         object.__setattr__(self, "all_live", bool(np.all(self.live)))
         object.__setattr__(self, "starts", tuple(int(x) for x in self.machine_start))
+        object.__setattr__(self, "ends", self.starts[1:])
         object.__setattr__(self, "live_machine_list", tuple(int(x) for x in live_m))
         object.__setattr__(self, "all_live_list", tuple(bool(x) for x in all_live_m))
         object.__setattr__(self, "live_gpus_list", tuple(int(x) for x in live_gpus))
@@ -256,6 +300,139 @@ class VisionTopology:
         )
 
 
+class SlotTopology:
+    """A topology updated in place by its single owner (the daemon's VE table).
+
+    Machine ``m`` (an index reused after the machine leaves) occupies slots
+    ``starts[m]:ends[m]`` of per-GPU arrays of ``n_gpus`` slots (the capacity); free
+    slots are not live, have ``limit == -1`` and ``gpu_machine == -1``. The owner lays
+    out slots (e.g. with a slot allocator); :meth:`add_machine` and
+    :meth:`remove_machine` cost O(the machine's GPUs) plus O(M) list moves of machine
+    indices; :meth:`resize` (growth, compaction) O(capacity). Policies must not run while
+    the owner updates it.
+    """
+
+    __slots__ = (
+        "_free_machines",
+        "_limited",
+        "_live_slots",
+        "all_live_list",
+        "capacity",
+        "ends",
+        "gpu_machine",
+        "limit",
+        "live",
+        "live_gpus_list",
+        "live_machine_list",
+        "machine_ids",
+        "starts",
+    )
+
+    def __init__(self, capacity: int) -> None:
+        self.limit: I64 = np.full(capacity, _DEAD_LIMIT, dtype=np.int64)
+        self.live: BoolArr = np.zeros(capacity, dtype=np.bool_)
+        self.capacity: I64 = np.zeros(capacity, dtype=np.int64)
+        self.gpu_machine: I64 = np.full(capacity, -1, dtype=np.int64)
+        self.machine_ids: list[str] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.all_live_list: list[bool] = []
+        self.live_gpus_list: list[int] = []
+        self.live_machine_list: list[int] = []
+        self._free_machines: list[int] = []
+        self._limited = 0  # live machines with a per-GPU capacity
+        self._live_slots = 0
+
+    @property
+    def n_machines(self) -> int:
+        """Machine indices in use or free (``machine_ids[m] == ""`` when free)."""
+        return len(self.machine_ids)
+
+    @property
+    def n_gpus(self) -> int:
+        """Slots (GPU indices), live or free."""
+        return int(self.limit.shape[0])
+
+    @property
+    def unlimited(self) -> bool:
+        return self._limited == 0
+
+    @property
+    def all_live(self) -> bool:
+        return self._live_slots == self.n_gpus
+
+    def add_machine(self, machine_id: str, start: int, gpus: int, max_patches: int) -> int:
+        """Put a live machine on the free slots ``start:start+gpus``; returns its index."""
+        end = start + gpus
+        if not machine_id or gpus < 1 or max_patches < 0 or not 0 <= start <= end <= self.n_gpus:
+            raise ValueError(f"machine {machine_id!r}: bad range [{start}, {end}) or capacity")
+        if bool(self.live[start:end].any()):
+            raise ValueError(f"range [{start}, {end}): holds live GPUs")
+        if self._free_machines:
+            m = self._free_machines.pop()
+            self.machine_ids[m] = machine_id
+            self.starts[m], self.ends[m] = start, end
+            self.all_live_list[m] = True
+            self.live_gpus_list[m] = gpus
+        else:
+            m = len(self.machine_ids)
+            self.machine_ids.append(machine_id)
+            self.starts.append(start)
+            self.ends.append(end)
+            self.all_live_list.append(True)
+            self.live_gpus_list.append(gpus)
+        bisect.insort(self.live_machine_list, m)
+        self.capacity[start:end] = max_patches
+        self.limit[start:end] = max_patches if max_patches > 0 else NO_LIMIT
+        self.live[start:end] = True
+        self.gpu_machine[start:end] = m
+        self._live_slots += gpus
+        if max_patches > 0:
+            self._limited += 1
+        return m
+
+    def remove_machine(self, m: int) -> None:
+        """Take machine index ``m`` out; its slots become free."""
+        start, end = self.starts[m], self.ends[m]
+        if bool(self.capacity[start]):
+            self._limited -= 1
+        self._live_slots -= end - start
+        self.capacity[start:end] = 0
+        self.limit[start:end] = _DEAD_LIMIT
+        self.live[start:end] = False
+        self.gpu_machine[start:end] = -1
+        i = bisect.bisect_left(self.live_machine_list, m)
+        del self.live_machine_list[i]
+        self.machine_ids[m] = ""
+        self.starts[m] = self.ends[m] = 0
+        self.all_live_list[m] = False
+        self.live_gpus_list[m] = 0
+        self._free_machines.append(m)
+
+    def resize(self, capacity: int, index: I64 | None = None) -> None:
+        """New arrays of ``capacity`` slots: slot ``i`` takes old slot ``index[i]`` for
+        ``i < len(index)`` (default: identity), the rest free. The owner moves the
+        machines' ``starts``/``ends`` itself (:meth:`move_machine`)."""
+        if index is None:
+            index = np.arange(self.n_gpus, dtype=np.int64)
+        n = int(index.shape[0])
+
+        def take(arr: npt.NDArray[np.generic], fill: object) -> npt.NDArray[np.generic]:
+            out = np.full(capacity, fill, dtype=arr.dtype)
+            out[:n] = arr[index]
+            return out
+
+        self.limit = take(self.limit, _DEAD_LIMIT)  # type: ignore[assignment]
+        self.live = take(self.live, False)  # type: ignore[assignment]
+        self.capacity = take(self.capacity, 0)  # type: ignore[assignment]
+        self.gpu_machine = take(self.gpu_machine, -1)  # type: ignore[assignment]
+
+    def move_machine(self, m: int, start: int) -> None:
+        """Record that machine ``m`` now starts at slot ``start`` (after :meth:`resize`)."""
+        gpus = self.ends[m] - self.starts[m]
+        self.starts[m], self.ends[m] = start, start + gpus
+
+
 @dataclass(frozen=True, slots=True)
 class VisionFleet:
     """A topology plus the patches in flight on each GPU.
@@ -266,18 +443,18 @@ class VisionFleet:
             int64, >= 0. Treated as read-only by the core.
     """
 
-    topology: VisionTopology
+    topology: Topology
     patches_in_flight: I64
 
     @staticmethod
-    def empty(topology: VisionTopology) -> VisionFleet:
+    def empty(topology: Topology) -> VisionFleet:
         """The fleet with nothing in flight."""
         return VisionFleet(topology, np.zeros(topology.n_gpus, dtype=np.int64))
 
     def machine_load(self, machine: int) -> int:
         """Patches in flight over the live GPUs of machine index ``machine``."""
         t = self.topology
-        s, e = t.starts[machine], t.starts[machine + 1]
+        s, e = t.starts[machine], t.ends[machine]
         load = self.patches_in_flight[s:e]
         if t.all_live_list[machine]:
             total: int = sum(load.tolist())  # faster than ndarray.sum for a few GPUs

@@ -13,7 +13,7 @@ from typing import Final
 import numpy as np
 
 from fulcrum.core.vision.base import check_patches, no_fit_reason
-from fulcrum.core.vision.fleet import NO_LIMIT, NoEligibleGpuError, Placement, VisionFleet
+from fulcrum.core.vision.fleet import NO_LIMIT, NoCapacity, Placement, VisionFleet
 
 __all__ = ["NAME", "LeastPatches"]
 
@@ -29,17 +29,19 @@ class LeastPatches:
     def name(self) -> str:
         return NAME
 
-    def select(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Placement:
+    def select(
+        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
+    ) -> Placement | NoCapacity:
         check_patches(patches)
         t = fleet.topology
         load = fleet.patches_in_flight
         if t.n_gpus == 0:
-            raise NoEligibleGpuError(no_fit_reason(fleet, patches))
+            return NoCapacity(no_fit_reason(fleet, patches))
         if t.unlimited and t.all_live:
             gpu = int(load.argmin())
         else:
             fits = load + patches <= t.limit
             gpu = int(np.where(fits, load, NO_LIMIT).argmin())
             if not fits[gpu]:
-                raise NoEligibleGpuError(no_fit_reason(fleet, patches))
+                return NoCapacity(no_fit_reason(fleet, patches))
         return Placement(machine=int(t.gpu_machine[gpu]), gpu=gpu, patches=int(patches))

@@ -18,7 +18,7 @@ from typing import Final
 import numpy as np
 
 from fulcrum.core.vision.base import check_patches, draw_two_machines
-from fulcrum.core.vision.fleet import Placement, VisionFleet
+from fulcrum.core.vision.fleet import NoCapacity, Placement, VisionFleet
 
 __all__ = ["NAME", "PowerOfTwo"]
 
@@ -34,9 +34,13 @@ class PowerOfTwo:
     def name(self) -> str:
         return NAME
 
-    def select(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Placement:
+    def select(
+        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
+    ) -> Placement | NoCapacity:
         check_patches(patches)
         drawn = draw_two_machines(fleet, patches, rng)
+        if isinstance(drawn, NoCapacity):
+            return drawn
         if len(drawn) == 1:
             machine, gpu = drawn[0]
         else:

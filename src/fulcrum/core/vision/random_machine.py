@@ -17,7 +17,7 @@ from typing import Final
 import numpy as np
 
 from fulcrum.core.vision.base import check_patches, draw_machine
-from fulcrum.core.vision.fleet import Placement, VisionFleet
+from fulcrum.core.vision.fleet import NoCapacity, Placement, VisionFleet
 
 __all__ = ["NAME", "RandomMachine"]
 
@@ -33,7 +33,12 @@ class RandomMachine:
     def name(self) -> str:
         return NAME
 
-    def select(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Placement:
+    def select(
+        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
+    ) -> Placement | NoCapacity:
         check_patches(patches)
-        machine, gpu = draw_machine(fleet, patches, rng)
+        drawn = draw_machine(fleet, patches, rng)
+        if isinstance(drawn, NoCapacity):
+            return drawn
+        machine, gpu = drawn
         return Placement(machine=machine, gpu=gpu, patches=int(patches))
