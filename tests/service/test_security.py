@@ -31,7 +31,7 @@ from fulcrum.client.tls import channel_credentials, channel_credentials_from_pem
 from fulcrum.config import ConfigError, with_overrides
 from fulcrum.config.security import read_tokens
 from fulcrum.metrics import REGISTRY
-from fulcrum.service import security
+from fulcrum.service import authz
 from fulcrum.service.server import Daemon
 from fulcrum.testing import running_server
 from fulcrum.v1 import (
@@ -128,7 +128,7 @@ ADMIN_TOKEN = "admin-token-0123456789abcdefgh"
 ENTRY_TOKEN = "entry-token-0123456789abcdefgh"
 
 IDENTITIES: dict[str, Any] = {
-    "engine-a": {"role": "engine", "ids": ["engine-a-*", "group-a"]},
+    "engine-a": {"role": "engine", "ids": ["engine-a-*", "group-a"], "kinds": ["prefill_engine"]},
     "entry": {"role": "entrypoint"},
     "ops": {"role": "admin"},
 }
@@ -510,15 +510,15 @@ def test_rule_table_covers_every_method_and_names_real_id_fields() -> None:
         for m in service.methods:
             full = f"/{service.full_name}/{m.name}"
             listed.add(full)
-            assert full in security.METHOD_RULES, f"no rule for {full}"
-            rule = security.METHOD_RULES[full]
+            assert full in authz.METHOD_RULES, f"no rule for {full}"
+            rule = authz.METHOD_RULES[full]
             if rule.id_field is not None:
                 field = m.input_type.fields_by_name.get(rule.id_field)
                 assert field is not None, f"{full}: no field {rule.id_field}"
                 assert field.type == field.TYPE_STRING
-    assert set(security.METHOD_RULES) <= listed, set(security.METHOD_RULES) - listed
-    assert security.rule_for("/grpc.health.v1.Health/Check") is None
-    assert security.rule_for("/fulcrum.v1.Unknown/Drain") == security.Rule(
+    assert set(authz.METHOD_RULES) <= listed, set(authz.METHOD_RULES) - listed
+    assert authz.rule_for("/grpc.health.v1.Health/Check") is None
+    assert authz.rule_for("/fulcrum.v1.Unknown/Drain") == authz.Rule(
         frozenset({"admin"})
     )
 
@@ -536,7 +536,7 @@ def test_rule_table_covers_every_method_and_names_real_id_fields() -> None:
     ],
 )
 def test_identity_binding(role: str, ids: tuple[str, ...], member: str, allowed: bool) -> None:
-    assert security.Identity("n", role, ids, "token").may_act_for(member) is allowed
+    assert authz.Identity("n", role, ids, "token").may_act_for(member) is allowed
 
 
 async def test_malformed_bytes_are_checked_after_authentication(

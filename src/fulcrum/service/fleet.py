@@ -73,9 +73,6 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
     def __init__(self, app: App) -> None:
         self._app = app
         self._fleet = app.fleet
-        fs = app.settings.fleet
-        self._interval = fs.heartbeat_interval_ms
-        self._timeout = fs.heartbeat_timeout_ms
 
     def _gauge(self) -> None:
         for kind in MemberKind:
@@ -96,10 +93,11 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
             incarnation=member.incarnation,
             gpus=member.shape.gpus,
         )
+        fs = self._fleet.settings
         return pb.RegisterResponse(
             incarnation=member.incarnation,
-            heartbeat_interval_ms=self._interval,
-            heartbeat_timeout_ms=self._timeout,
+            heartbeat_interval_ms=fs.heartbeat_interval_ms,
+            heartbeat_timeout_ms=fs.heartbeat_timeout_ms,
         )
 
     async def Heartbeat(
@@ -108,7 +106,7 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
         self._fleet.heartbeat(
             request.member_id, request.incarnation, load_from_pb(request), self._app.clock()
         )
-        return pb.HeartbeatResponse(heartbeat_timeout_ms=self._timeout)
+        return pb.HeartbeatResponse(heartbeat_timeout_ms=self._fleet.settings.heartbeat_timeout_ms)
 
     async def Deregister(
         self, request: pb.DeregisterRequest, context: grpc.aio.ServicerContext
@@ -152,6 +150,8 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
 def register(server: grpc.aio.Server, app: App) -> list[str]:
     servicer = FleetServicer(app)
     pb_grpc.add_FleetServiceServicer_to_server(servicer, server)
-    app.every(app.settings.fleet.sweep_interval_ms / 1000, servicer.sweep, "fleet-sweep")
+    fleet = app.fleet
+    app.reload_hooks.append(lambda new: fleet.apply_settings(new.fleet))
+    app.every(lambda: fleet.settings.sweep_interval_ms / 1000, servicer.sweep, "fleet-sweep")
     app.components["fleet"] = app.fleet
     return [SERVICE]

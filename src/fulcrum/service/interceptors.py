@@ -1,7 +1,9 @@
 """The shell interceptor: one wrapper around every handler.
 
 It binds a request id to the log context, refuses new calls while draining (UNAVAILABLE,
-so that callers retry elsewhere), caps unary calls at ``server.max_call_s``, turns domain
+so that callers retry elsewhere), refuses calls beyond the admission bounds
+(RESOURCE_EXHAUSTED with ``retry-after-ms``, see :mod:`fulcrum.service.admission`), caps
+unary calls at ``server.max_call_s`` (read per call: reloadable), turns domain
 errors into their status codes (never UNKNOWN), closes streams with UNAVAILABLE when the
 daemon drains, and records per-method counts by code and a latency histogram.
 """
@@ -22,6 +24,7 @@ import structlog
 
 from fulcrum.errors import FulcrumError, ResourceExhausted
 from fulcrum.metrics import RPC_DURATION, RPC_IN_FLIGHT, RPC_REQUESTS, STREAM_MESSAGES
+from fulcrum.service.admission import Admission, class_of
 from fulcrum.service.app import App
 from fulcrum.service.errors import RETRY_AFTER_KEY, status_of
 
@@ -48,20 +51,23 @@ def _split(method: str) -> tuple[str, str]:
 class _Call:
     """Book-keeping of one call: labels, start time, final code."""
 
-    __slots__ = ("exempt", "labels", "method", "start")
+    __slots__ = ("admitted", "cls", "exempt", "labels", "method", "start")
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, cls: str) -> None:
         self.method = method
         self.labels = _split(method)
         self.exempt = method.startswith(_EXEMPT)
+        self.cls = cls
+        self.admitted = False
         self.start = time.perf_counter()
 
 
 class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """See the module docstring."""
 
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: App, admission: Admission | None = None) -> None:
         self._app = app
+        self._admission = admission
 
     async def intercept_service(
         self,
@@ -101,6 +107,17 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if self._app.draining.is_set():
                 await self._finish(call, grpc.StatusCode.UNAVAILABLE)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry")
+            if self._admission is not None:
+                retry_ms = self._admission.admit(call.cls)
+                if retry_ms is not None:
+                    await self._finish(call, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"server: busy, {call.cls} calls are being shed; retry after "
+                        f"{retry_ms} ms",
+                        trailing_metadata=((RETRY_AFTER_KEY, str(retry_ms)),),
+                    )
+                call.admitted = True
             self._app.call_started()
             RPC_IN_FLIGHT.inc()
 
@@ -110,6 +127,9 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         RPC_DURATION.labels(service, name).observe(time.perf_counter() - call.start)
 
     def _leave(self, call: _Call) -> None:
+        if call.admitted and self._admission is not None:
+            self._admission.release(call.cls)
+            call.admitted = False
         if not call.exempt:
             RPC_IN_FLIGHT.dec()
             self._app.call_finished()
@@ -139,13 +159,14 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def _unary(
         self, method: str, behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-        max_call_s = self._app.settings.server.max_call_s
+        cls = class_of(method)
+        app = self._app
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            call = _Call(method)
+            call = _Call(method, cls)
             await self._enter(call, context)
             try:
-                async with asyncio.timeout(max_call_s):
+                async with asyncio.timeout(app.settings.server.max_call_s):
                     response = await behavior(request, context)
             except asyncio.CancelledError:
                 await self._finish(call, grpc.StatusCode.CANCELLED)
@@ -167,6 +188,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self, method: str, behavior: Callable[..., Any], *, client_streaming: bool
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
         app = self._app
+        cls = class_of(method)
 
         async def counted(requests: AsyncIterator[Any], labels: tuple[str, str]) -> Any:
             counter = STREAM_MESSAGES.labels(*labels)
@@ -175,7 +197,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 yield item
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
-            call = _Call(method)
+            call = _Call(method, cls)
             await self._enter(call, context)
             if client_streaming:
                 request = counted(request, call.labels)
