@@ -195,6 +195,12 @@ class Outcome:
     method: str
     code: grpc.StatusCode
     details: str
+    trailers: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def retry_after_ms(self) -> int | None:
+        value = dict(self.trailers).get("retry-after-ms")
+        return None if value is None else int(value)
 
 
 async def call_raw(
@@ -228,7 +234,8 @@ async def call_raw(
         else:
             await channel.unary_unary(path, **kw)(payloads[0], timeout=timeout)
     except grpc.aio.AioRpcError as err:
-        return Outcome(path, err.code(), err.details() or "")
+        return Outcome(path, err.code(), err.details() or "",
+                       tuple(err.trailing_metadata() or ()))
     return Outcome(path, grpc.StatusCode.OK, "")
 
 
@@ -354,16 +361,33 @@ async def test_known_malformed_message_is_invalid_argument(client: FulcrumClient
     assert out.code == grpc.StatusCode.INVALID_ARGUMENT, out
 
 
-@pytest.mark.parametrize("size", [1 << 20, 17 << 20])
+@pytest.mark.parametrize("size", [1 << 20, 17 << 20, 33 << 20])
 async def test_oversized_message(daemon: Daemon, client: FulcrumClient, size: int) -> None:
-    """Past server.max_message_bytes the answer is RESOURCE_EXHAUSTED; below, a valid
+    """Past server.max_message_bytes (16 MiB) the answer is RESOURCE_EXHAUSTED: up to twice
+    the bound from the daemon, naming the bound, with a retry-after-ms trailer; beyond
+    twice the bound gRPC's transport refuses the message before any of our code runs
+    (RESOURCE_EXHAUSTED "Received message larger than max", no trailer). Below, a valid
     message is served."""
+    limit = daemon.app.settings.server.max_message_bytes
     register = next(m for m in METHODS if m.name == "Register")
     payload = b"\x0a\x03abc" + b"\x12" + _varint(size) + b"\x00" * size
     out = await call_raw(client.channel, register, [payload], timeout=10.0)
     assert out.code not in BAD_CODES, out
-    if size > daemon.app.settings.server.max_message_bytes:
+    if size > limit:
         assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED, out
+    if limit < size <= 2 * limit:
+        assert "server.max_message_bytes=16777216" in out.details, out
+        assert out.retry_after_ms is not None and out.retry_after_ms > 0, out
+    if size > 2 * limit:
+        assert "larger than max" in out.details, out
+        assert out.retry_after_ms is None
+    # the same bound on a client stream, message by message
+    stream = next(m for m in METHODS if m.name == "PingStream")
+    if limit < size <= 2 * limit:
+        out = await call_raw(client.channel, stream, [b"\x0a\x01x", b"\x0a" + _varint(size)
+                                                     + b"\x00" * size], timeout=10.0)
+        assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED, out
+        assert out.retry_after_ms is not None, out
     await still_alive(client)
 
 

@@ -170,7 +170,7 @@ def build(settings: Settings, app: App | None = None) -> Daemon:
     admission = Admission(s.admission)
     app.components["admission"] = admission
     app.reload_hooks.append(lambda new: admission.apply_settings(new.server.admission))
-    app.reload_hooks.append(lambda new: logs.configure(new.logging.level, new.logging.format))
+    app.reload_hooks.append(_reload_logging(settings))
     interceptors = [*authz.interceptors(settings, app), ShellInterceptor(app, admission)]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     names: list[str] = []
@@ -182,6 +182,19 @@ def build(settings: Settings, app: App | None = None) -> Daemon:
     reflection.enable_server_reflection([*names, health_name, reflection.SERVICE_NAME], server)
     port = transport.add_port(server, settings, app)
     return Daemon(app=app, server=server, health=health, services=names, port=port)
+
+
+def _reload_logging(settings: Settings) -> Callable[[Settings], None]:
+    """A reload hook that reconfigures structlog when ``logging`` changed."""
+    current = [settings.logging]
+
+    def hook(new: Settings) -> None:
+        if new.logging != current[0]:
+            current[0] = new.logging
+            logs.configure(new.logging.level, new.logging.format)
+            log.info("logging_reconfigured", level=new.logging.level, format=new.logging.format)
+
+    return hook
 
 
 class Health(HealthServicer):  # type: ignore[misc]
