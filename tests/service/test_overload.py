@@ -219,3 +219,99 @@ async def test_health_and_ping_answer_under_a_burst() -> None:
             grpc.StatusCode.CANCELLED,
         }, codes
         assert d.app.in_flight == 0
+
+
+# -- admission control --------------------------------------------------------------------
+
+
+def _shed(cls: str, reason: str) -> float:
+    from fulcrum.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value("fulcrum_rpc_shed_total",
+                                     {"class": cls, "reason": reason}) or 0.0
+
+
+async def test_class_concurrency_bound_answers_with_retry_hint() -> None:
+    """Beyond server.admission.max_control concurrent control calls, the next one is
+    answered RESOURCE_EXHAUSTED at once with retry-after-ms; health and placements, other
+    classes, still answer; once the calls end the class admits again."""
+    over = {"server": {"admission": {"max_control": 2, "retry_after_ms": 250}},
+            "metrics": {"enabled": False}}
+    async with running_server(over) as d, FulcrumClient(d.address) as c:
+        await _setup_vision(c)
+        admission = d.app.components["admission"]
+        slow = [asyncio.ensure_future(
+            c.diagnostics.Ping(diagnostics_pb2.PingRequest(delay_ms=60_000), timeout=90))
+            for _ in range(2)]
+        try:
+            for _ in range(1000):  # bounded wait until both are in
+                if admission.in_flight["control"] >= 2:
+                    break
+                await asyncio.sleep(0.002)
+            before = _shed("control", "concurrency")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "control calls are being shed" in (err.value.details() or "")
+            assert int(dict(err.value.trailing_metadata() or ())[RETRY_AFTER_KEY]) == 250
+            assert _shed("control", "concurrency") == before + 1
+            health = await c.health.Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            await _place_images(c, 1)  # the placement class is not full
+        finally:
+            for t in slow:
+                t.cancel()
+            for t in slow:
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await t
+        for _ in range(1000):
+            if admission.in_flight["control"] == 0:
+                break
+            await asyncio.sleep(0.002)
+        assert admission.in_flight == {"control": 0, "placement": 0, "admin": 0}
+        await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
+
+
+async def test_late_loop_sheds_placements_but_not_control_calls() -> None:
+    """While the event loop runs late, new placements are refused with a retry hint (at
+    least twice the lateness) and change nothing; heartbeats, Pull-path calls, releases
+    and health keep being served. A reload can turn shedding off."""
+    from fulcrum.config import with_overrides
+    from fulcrum.service.admission import class_of
+
+    async with running_server({"metrics": {"enabled": False}}) as d, FulcrumClient(
+        d.address
+    ) as c:
+        await _setup_vision(c)
+        reply = await c.fleet.Register(_decode_member(0))
+        admission = d.app.components["admission"]
+        admission.observe_lag(0.5)  # as the ticker would after a 500 ms stall
+        before = _shed("placement", "loop_lag")
+        for call in (_place_images, _place_decode):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(c, 7)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert int(dict(err.value.trailing_metadata() or ())[RETRY_AFTER_KEY]) >= 1000
+        assert _shed("placement", "loop_lag") == before + 2
+        assert d.app.components["vision"] is not None
+        await c.fleet.Heartbeat(fleet_pb2.HeartbeatRequest(
+            member_id="decode-0", incarnation=reply.incarnation))
+        await c.prefill.GetCostModel(prefill_pb2.GetCostModelRequest())
+        await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
+        health = await c.health.Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert class_of("/fulcrum.v1.VisionBalancerService/ReleaseImages") == "control"
+        assert class_of("/fulcrum.v1.PrefillBalancerService/Pull") == "control"
+        assert class_of("/fulcrum.v1.PrefillBalancerService/Submit") == "placement"
+        assert class_of("/fulcrum.v1.FleetService/ListMembers") == "admin"
+        # reload: shedding off -> placements admitted although the loop is still "late"
+        off = with_overrides(d.app.settings, {"server": {"admission": {"enabled": False}}})
+        assert d.reload(off) == "applied"
+        admission.observe_lag(0.5)
+        await _place_images(c, 8)
+        # the lateness decays by half per tick once the loop catches up
+        on = with_overrides(d.app.settings, {"server": {"admission": {"enabled": True}}})
+        assert d.reload(on) == "applied"
+        for _ in range(8):
+            admission.observe_lag(0.0)
+        await _place_images(c, 9)

@@ -226,9 +226,11 @@ def install_signal_handlers(
 async def serve(settings: Settings, reload: Callable[[Daemon], None] | None = None) -> int:
     """Run the daemon until a stop signal; returns the exit status."""
     daemon = build(settings)
+    # Handlers first: "daemon_started" tells operators (and tests) that SIGHUP is safe;
+    # before this, SIGHUP's default action would kill the process.
+    install_signal_handlers(daemon, (lambda: reload(daemon)) if reload else None)
     await daemon.start()
     admission = daemon.app.components["admission"]
     daemon.app.spawn(admission.watch_loop(), "loop-lateness")
-    install_signal_handlers(daemon, (lambda: reload(daemon)) if reload else None)
     await daemon.wait_stopped()
     return 0
