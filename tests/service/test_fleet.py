@@ -206,7 +206,7 @@ def test_reloaded_heartbeat_timeout_applies_to_live_members() -> None:
     fleet = Fleet(FleetSettings())
     t0 = 10**12
     a, _ = fleet.register("a", PrefillEngineShape(dp_ranks=1), t0)
-    b, _ = fleet.register("b", PrefillEngineShape(dp_ranks=1), t0)
+    fleet.register("b", PrefillEngineShape(dp_ranks=1), t0)
     t1 = t0 + 2_000_000_000  # 2 s: live under 5 s
     fleet.heartbeat("a", a.incarnation, None, t1)
     assert fleet.expire(t1) == []
