@@ -62,6 +62,10 @@ IMAGES = 256
 _IMAGES = [vision_pb2.Image(width=1280, height=800, patch_size=16)] * IMAGES
 #: Client deadline (s) of each call of the 10x phase; it also bounds the drain after it.
 DEADLINE_S = 5.0
+#: How the daemon is started (experiments may wrap it).
+DAEMON_CMD: list[str] = ["-m", "fulcrum.cli"]
+#: Extra server.admission settings (experiments).
+ADMISSION_EXTRA: dict[str, Any] = {}
 
 
 async def _vision_pair(c: FulcrumClient, rid: str, timeout: float | None = None) -> None:
@@ -81,11 +85,14 @@ def _free_port() -> int:
 class DaemonProcess:
     """``fulcrum serve`` in a subprocess with a temporary configuration."""
 
-    def __init__(self, tmp: Path, max_placements: int, metrics: bool = False) -> None:
+    def __init__(
+        self, tmp: Path, max_placements: int, metrics: bool = False, admission: bool = True
+    ) -> None:
         self.port = _free_port()
         self.metrics_port = _free_port() if metrics else 0
         self.config: dict[str, Any] = {
-            "server": {"host": "127.0.0.1", "port": self.port, "seed": 1, "grace_period_s": 5},
+            "server": {"host": "127.0.0.1", "port": self.port, "seed": 1, "grace_period_s": 5,
+                       "admission": {"enabled": admission, **ADMISSION_EXTRA}},
             "metrics": {"enabled": metrics, "port": self.metrics_port},
             "logging": {"level": "warning", "format": "json"},
             "fleet": {"heartbeat_timeout_ms": 600_000},
@@ -96,7 +103,7 @@ class DaemonProcess:
         path.write_text(yaml.safe_dump(self.config))
         self.log = (tmp / "daemon.log").open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fulcrum.cli", "serve", "--config", str(path)],
+            [sys.executable, *DAEMON_CMD, "serve", "--config", str(path)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
@@ -251,7 +258,8 @@ async def _open_loop(
             await _vision_pair(c, f"o-{i}", timeout=DEADLINE_S)
             codes["OK"] += 1
         except grpc.aio.AioRpcError as err:
-            codes[err.code().name] += 1
+            hint = dict(err.trailing_metadata() or ()).get("retry-after-ms")
+            codes[err.code().name + ("+retry-after-ms" if hint else "")] += 1
 
     t0 = time.perf_counter()
     sent = 0
@@ -273,13 +281,13 @@ async def _open_loop(
     return offered, codes, shed
 
 
-async def measure(quick: bool) -> dict[str, Any]:
+async def measure(quick: bool, admission: bool = True) -> dict[str, Any]:
     # Long enough for a few hundred health probes per phase (one every 20 ms).
     phase_s = 1.5 if quick else 4.0
     max_placements = 2_000
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"admission": admission}
     with tempfile.TemporaryDirectory() as tmpdir:
-        daemon = DaemonProcess(Path(tmpdir), max_placements)
+        daemon = DaemonProcess(Path(tmpdir), max_placements, admission=admission)
         try:
             await daemon.wait_ready()
             out["rss_start"] = daemon.rss_bytes()
@@ -576,6 +584,18 @@ def run(quick: bool) -> str:
     )
 
 
+def _answered(codes: dict[str, int]) -> float:
+    """Fraction of calls the daemon answered itself: OK, or refused with retry-after-ms."""
+    total = sum(codes.values()) or 1
+    return sum(n for k, n in codes.items() if k == "OK" or k.endswith("+retry-after-ms")) / total
+
+
+def _transport(codes: dict[str, int]) -> float:
+    """Fraction of calls that ended in gRPC's transport without an answer of ours."""
+    total = sum(codes.values()) or 1
+    return sum(n for k, n in codes.items() if k in ("CANCELLED", "DEADLINE_EXCEEDED")) / total
+
+
 def overload_section(r: dict[str, Any], quick: bool) -> str:
     mib = 1024 * 1024
     health_rows = [
@@ -608,6 +628,9 @@ def overload_section(r: dict[str, Any], quick: bool) -> str:
                 ["daemon CPU under 10x", f"{r['cpu_overload']:.0%} of a core"],
                 [f"final codes under 10x ({DEADLINE_S:.0f} s client deadline)", codes],
                 ["shed by the generator (>20,000 in flight)", f"{r['shed']:,}"],
+                ["calls answered by the daemon (OK, or refused with a retry hint) / ended in "
+                 "the transport (CANCELLED, DEADLINE_EXCEEDED)",
+                 f"{_answered(r['codes']):.1%} / {_transport(r['codes']):.1%}"],
                 ["health-check failures under 10x", str(r["probe_failures"] or "none")],
                 ["daemon RSS start / sustainable / peak / end",
                  f"{r['rss_start'] / mib:.0f} / {r['rss_sustained'] / mib:.0f} / "

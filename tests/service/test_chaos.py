@@ -347,7 +347,7 @@ RELOADS: list[dict[str, Any]] = [
     {"decode": {"policy": "least_kv"}, "server": {"admission": {"max_placement": 64}}},
     {"server": {"seed": 99, "max_call_s": 30.0}},
     {"decode": {"policy": "dual"}, "fleet": {"heartbeat_timeout_ms": 500}},
-    {"logging": {"level": "error"}, "server": {"admission": {"shed_lag_ms": 1000.0}}},
+    {"logging": {"level": "error"}, "server": {"admission": {"shed_wait_ms": 1000.0}}},
     {"prefill": {"submit_wait_ms": 1500}, "fleet": {"sweep_interval_ms": 30}},
 ]
 

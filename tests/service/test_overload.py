@@ -315,3 +315,45 @@ async def test_late_loop_sheds_placements_but_not_control_calls() -> None:
         for _ in range(8):
             admission.observe_lag(0.0)
         await _place_images(c, 9)
+
+
+async def test_queued_calls_shed_placements_on_arrival_without_reading_them() -> None:
+    """While calls wait longer than server.admission.shed_wait_ms between arrival and
+    handler, placements are refused on arrival (the request is not even parsed: a
+    malformed one gets the same refusal), control calls go on; a second without any call
+    reaching its handler forgets the wait."""
+    import time
+
+    from fulcrum.config.server import AdmissionSettings
+    from fulcrum.service.admission import STALE_S, Admission
+
+    async with running_server({"metrics": {"enabled": False}}) as d, FulcrumClient(
+        d.address
+    ) as c:
+        await _setup_vision(c)
+        admission = d.app.components["admission"]
+        t = time.perf_counter() + 0.2  # past the window of the calls above
+        admission.observe_wait(0.5, t)
+        admission.observe_wait(0.5, t + 0.2)  # closes the first window: mean 0.5 s
+        assert admission.standing_wait_s == 0.5
+        before = _shed("placement", "queue_wait")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _place_images(c, 1)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert int(dict(err.value.trailing_metadata() or ())[RETRY_AFTER_KEY]) >= 1000
+        raw = c.channel.unary_unary("/fulcrum.v1.VisionBalancerService/PlaceImages",
+                                    request_serializer=lambda b: b,
+                                    response_deserializer=lambda b: b)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await raw(b"\x0a\x02\xc3\x28")  # not parsed: refused as busy, not malformed
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _shed("placement", "queue_wait") == before + 2
+        await c.diagnostics.Ping(diagnostics_pb2.PingRequest())  # control: served
+    # the window statistics alone, with a synthetic clock
+    a = Admission(AdmissionSettings(shed_wait_ms=100))
+    a.observe_wait(0.3, 10.0)
+    a.observe_wait(0.1, 10.05)
+    a.observe_wait(0.0, 10.11)  # closes [10.0, 10.1): mean 0.2 s
+    assert a.on_arrival("placement", 10.12) is not None
+    assert a.on_arrival("control", 10.12) is None
+    assert a.on_arrival("placement", 10.21 + STALE_S + 0.01) is None  # stale: forgotten

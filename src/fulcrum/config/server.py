@@ -32,12 +32,13 @@ class AdmissionSettings(Section):
         1024, ge=1, le=1 << 20, description="concurrent calls of the placement class"
     )
     max_admin: int = Field(64, ge=1, le=1 << 20, description="concurrent calls of the admin class")
-    shed_lag_ms: float = Field(
-        40.0,
+    shed_wait_ms: float = Field(
+        200.0,
         gt=0,
         le=60_000,
-        description="while the event loop runs this late (ms, smoothed), new placement "
-        "calls are refused; control calls keep going",
+        description="while calls wait longer than this between arrival and handler (the "
+        "standing queue, ms), or the event loop runs this late, new placement calls are "
+        "refused on arrival; control calls keep going",
     )
     retry_after_ms: int = Field(
         100, ge=1, le=600_000, description="retry hint sent with a refusal, ms (at least)"

@@ -10,18 +10,31 @@ Every call (health and reflection excepted) belongs to one method class:
   their streams);
 - ``admin``: listings, forced rebalances, group status.
 
-Two bounds, both checked when a call enters the shell (before its handler runs):
+Three signals:
 
-1. a bound on concurrent calls per class (``server.admission.max_<class>``);
-2. the event loop's lateness: a ticker measures how late the loop runs (smoothed; decays by
-   half each tick once the loop catches up). While it is above
-   ``server.admission.shed_lag_ms``, new *placement* calls are refused at once; control
-   and admin calls are not. Refusing costs far less loop time than placing, so the queue
-   in front of the loop drains and health checks, pulls and heartbeats keep their latency.
+1. *queue wait*: the time between a call's arrival (its first interceptor) and the moment
+   its handler starts, which includes receiving its message. Under overload calls pile up
+   there, inside gRPC, before any handler runs: that is where calls used to time out
+   (CANCELLED / DEADLINE_EXCEEDED with no answer of ours). While the mean wait of the
+   last 100 ms window is above
+   ``server.admission.shed_wait_ms``, new *placement* calls are refused *on arrival*,
+   before their message is read (the refusal is sent from a client-streaming handler that
+   never reads the request). A second with no call reaching its handler ends the
+   shedding, so that the wait is measured again;
+2. *loop lateness*: a ticker measures how late the event loop runs (smoothed, decays by
+   half per 10 ms tick once the loop catches up); above the same bound placement calls are
+   refused on arrival too;
+3. a bound on concurrent calls per class (``server.admission.max_<class>``), checked when
+   the handler starts.
+
+Control and admin calls are refused only by their concurrency bound: health checks,
+heartbeats, pulls and releases keep their latency because refused placements cost almost
+no loop time.
 
 A refusal ends RESOURCE_EXHAUSTED with ``retry-after-ms`` (at least
-``server.admission.retry_after_ms``; twice the lateness when the loop is late) and is
-counted in ``fulcrum_rpc_shed_total{class, reason}``. Every setting is reloadable.
+``server.admission.retry_after_ms``, and at least twice the measured wait) and is counted
+in ``fulcrum_rpc_shed_total{class, reason}`` (reason: queue_wait, loop_lag,
+concurrency). Every setting is reloadable.
 """
 
 from __future__ import annotations
@@ -52,6 +65,10 @@ _ADMIN_METHODS: Final = frozenset({
 
 #: Period of the lateness ticker, seconds.
 TICK_S: Final = 0.01
+#: Window of the standing queue wait, seconds.
+WINDOW_S: Final = 0.1
+#: With no call reaching its handler for this long, the measured wait is forgotten.
+STALE_S: Final = 1.0
 
 
 def class_of(method: str) -> str:
@@ -71,6 +88,11 @@ class Admission:
         self.in_flight: dict[str, int] = dict.fromkeys(CLASSES, 0)
         #: Smoothed lateness of the event loop, seconds.
         self.lag_s = 0.0
+        #: Mean queue wait of the last complete window, seconds.
+        self.standing_wait_s = 0.0
+        self._window_sum = 0.0
+        self._window_n = 0
+        self._window_end = 0.0
         self._limits = self._limits_of(settings)
 
     @staticmethod
@@ -82,18 +104,45 @@ class Admission:
         self.settings = settings
         self._limits = self._limits_of(settings)
 
-    def admit(self, cls: str) -> int | None:
-        """Count a call of ``cls`` in, or return the retry hint (ms) of a refusal."""
+    def _hint(self) -> int:
+        late_s = max(self.lag_s, self.standing_wait_s)
+        return max(self.settings.retry_after_ms, int(2000 * late_s))
+
+    def on_arrival(self, cls: str, now_s: float) -> int | None:
+        """A call of ``cls`` arrived (``now_s``: ``time.perf_counter()``): None to let it
+        in, else the retry hint (ms) of its refusal."""
         s = self.settings
-        if s.enabled:
-            reason = None
-            if self.in_flight[cls] >= self._limits[cls]:
-                reason = "concurrency"
-            elif cls == PLACEMENT and self.lag_s * 1000 > s.shed_lag_ms:
-                reason = "loop_lag"
-            if reason is not None:
-                RPC_SHED.labels(cls, reason).inc()
-                return max(s.retry_after_ms, int(2000 * self.lag_s))
+        if not s.enabled or cls != PLACEMENT:
+            return None
+        if now_s > self._window_end + STALE_S:  # no call reached a handler for a while
+            self.standing_wait_s = 0.0
+        reason = None
+        if self.standing_wait_s * 1000 > s.shed_wait_ms:
+            reason = "queue_wait"
+        elif self.lag_s * 1000 > s.shed_wait_ms:
+            reason = "loop_lag"
+        if reason is None:
+            return None
+        RPC_SHED.labels(cls, reason).inc()
+        return self._hint()
+
+    def observe_wait(self, wait_s: float, now_s: float) -> None:
+        """A call's handler starts ``wait_s`` after its arrival."""
+        if now_s >= self._window_end:
+            if self._window_n:
+                self.standing_wait_s = self._window_sum / self._window_n
+            self._window_sum, self._window_n = 0.0, 0
+            self._window_end = now_s + WINDOW_S
+        self._window_sum += wait_s
+        self._window_n += 1
+
+    def admit(self, cls: str) -> int | None:
+        """Count a call of ``cls`` in when its handler starts, or return the retry hint
+        (ms) of a refusal (its class is at its concurrency bound)."""
+        s = self.settings
+        if s.enabled and self.in_flight[cls] >= self._limits[cls]:
+            RPC_SHED.labels(cls, "concurrency").inc()
+            return self._hint()
         self.in_flight[cls] += 1
         return None
 

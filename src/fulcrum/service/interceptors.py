@@ -53,13 +53,15 @@ class _Call:
 
     __slots__ = ("admitted", "cls", "exempt", "labels", "method", "start")
 
-    def __init__(self, method: str, cls: str) -> None:
+    def __init__(self, method: str, cls: str, arrived: float) -> None:
         self.method = method
         self.labels = _split(method)
         self.exempt = method.startswith(_EXEMPT)
         self.cls = cls
         self.admitted = False
-        self.start = time.perf_counter()
+        #: Arrival (first interceptor), ``time.perf_counter()`` seconds: durations include
+        #: the wait for the request message and the event loop.
+        self.start = arrived
 
 
 class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -74,29 +76,63 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
+        arrived = time.perf_counter()
         handler = await continuation(details)
         if handler is None:
             return None
         method: str = details.method
+        if self._admission is not None and not method.startswith(_EXEMPT):
+            cls = class_of(method)
+            retry_ms = self._admission.on_arrival(cls, arrived)
+            if retry_ms is not None:
+                return self._refusal(method, cls, arrived, retry_ms, handler)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary),
+                self._unary(method, handler.unary_unary, arrived),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                self._stream(method, handler.unary_stream, client_streaming=False),
+                self._stream(method, handler.unary_stream, arrived, client_streaming=False),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
-                self._stream(method, handler.stream_stream, client_streaming=True),
+                self._stream(method, handler.stream_stream, arrived, client_streaming=True),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+    def _refusal(
+        self, method: str, cls: str, arrived: float, retry_ms: int, handler: Any
+    ) -> grpc.RpcMethodHandler:
+        """A handler that refuses the call at once, RESOURCE_EXHAUSTED with a retry hint,
+        without reading its request: registered as client-streaming, so that gRPC does not
+        wait for (and parse) the request message before running it."""
+
+        async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            call = _Call(method, cls, arrived)
+            await self._finish(call, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server: busy, {cls} calls are being shed; retry after {retry_ms} ms",
+                trailing_metadata=((RETRY_AFTER_KEY, str(retry_ms)),),
+            )
+
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                refuse,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.stream_unary_rpc_method_handler(
+            refuse,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -108,6 +144,8 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 await self._finish(call, grpc.StatusCode.UNAVAILABLE)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry")
             if self._admission is not None:
+                now = time.perf_counter()
+                self._admission.observe_wait(now - call.start, now)
                 retry_ms = self._admission.admit(call.cls)
                 if retry_ms is not None:
                     await self._finish(call, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -157,13 +195,16 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the server)")
 
     def _unary(
-        self, method: str, behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+        self,
+        method: str,
+        behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+        arrived: float,
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         cls = class_of(method)
         app = self._app
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            call = _Call(method, cls)
+            call = _Call(method, cls, arrived)
             await self._enter(call, context)
             try:
                 async with asyncio.timeout(app.settings.server.max_call_s):
@@ -185,7 +226,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return wrapped
 
     def _stream(
-        self, method: str, behavior: Callable[..., Any], *, client_streaming: bool
+        self, method: str, behavior: Callable[..., Any], arrived: float, *, client_streaming: bool
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
         app = self._app
         cls = class_of(method)
@@ -197,7 +238,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 yield item
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
-            call = _Call(method, cls)
+            call = _Call(method, cls, arrived)
             await self._enter(call, context)
             if client_streaming:
                 request = counted(request, call.labels)
