@@ -64,8 +64,11 @@ _IMAGES = [vision_pb2.Image(width=1280, height=800, patch_size=16)] * IMAGES
 DEADLINE_S = 5.0
 #: How the daemon is started (experiments may wrap it).
 DAEMON_CMD: list[str] = ["-m", "fulcrum.cli"]
-#: Extra server.admission settings (experiments).
+#: Closed-loop calls refused with a retry hint (and retried after it), one counter per run.
+CLOSED_LOOP_SHED = [0]
+#: Extra server.admission and server settings (experiments).
 ADMISSION_EXTRA: dict[str, Any] = {}
+SERVER_EXTRA: dict[str, Any] = {}
 
 
 async def _vision_pair(c: FulcrumClient, rid: str, timeout: float | None = None) -> None:
@@ -92,7 +95,8 @@ class DaemonProcess:
         self.metrics_port = _free_port() if metrics else 0
         self.config: dict[str, Any] = {
             "server": {"host": "127.0.0.1", "port": self.port, "seed": 1, "grace_period_s": 5,
-                       "admission": {"enabled": admission, **ADMISSION_EXTRA}},
+                       "admission": {"enabled": admission, **ADMISSION_EXTRA},
+                       **SERVER_EXTRA},
             "metrics": {"enabled": metrics, "port": self.metrics_port},
             "logging": {"level": "warning", "format": "json"},
             "fleet": {"heartbeat_timeout_ms": 600_000},
@@ -230,11 +234,20 @@ async def _closed_loop(
     counter = itertools.count()
     done = 0
     stop_at = time.perf_counter() + duration_s
+    shed_retries = CLOSED_LOOP_SHED
 
     async def worker() -> None:
         nonlocal done
         while time.perf_counter() < stop_at:
-            await op(next(counter))
+            try:
+                await op(next(counter))
+            except grpc.aio.AioRpcError as err:  # shed: retry after the hint, as clients do
+                hint = dict(err.trailing_metadata() or ()).get("retry-after-ms")
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or hint is None:
+                    raise
+                shed_retries[0] += 1
+                await asyncio.sleep(int(hint) / 1000)
+                continue
             done += 1
 
     t0 = time.perf_counter()
@@ -579,9 +592,12 @@ def _ms(xs: list[float]) -> tuple[str, str, str]:
 
 
 def run(quick: bool) -> str:
-    return overload_section(asyncio.run(measure(quick)), quick) + "\n" + soak_section(
-        asyncio.run(soak(quick)), quick
-    )
+    # the baseline (admission control off) is measured in the same run
+    off = asyncio.run(measure(quick, admission=False))
+    on = asyncio.run(measure(quick, admission=True))
+    on["baseline_codes"] = off["codes"]
+    on["baseline_offered"] = off["offered"]
+    return overload_section(on, quick) + "\n" + soak_section(asyncio.run(soak(quick)), quick)
 
 
 def _answered(codes: dict[str, int]) -> float:
@@ -631,6 +647,12 @@ def overload_section(r: dict[str, Any], quick: bool) -> str:
                 ["calls answered by the daemon (OK, or refused with a retry hint) / ended in "
                  "the transport (CANCELLED, DEADLINE_EXCEEDED)",
                  f"{_answered(r['codes']):.1%} / {_transport(r['codes']):.1%}"],
+                *([["same, admission control off (baseline, same run): codes",
+                    ", ".join(f"{k} {v:,}" for k, v in sorted(r["baseline_codes"].items()))],
+                   ["same, admission control off: answered / transport",
+                    f"{_answered(r['baseline_codes']):.1%} / "
+                    f"{_transport(r['baseline_codes']):.1%}"]]
+                  if "baseline_codes" in r else []),
                 ["health-check failures under 10x", str(r["probe_failures"] or "none")],
                 ["daemon RSS start / sustainable / peak / end",
                  f"{r['rss_start'] / mib:.0f} / {r['rss_sustained'] / mib:.0f} / "

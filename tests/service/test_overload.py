@@ -285,7 +285,7 @@ async def test_late_loop_sheds_placements_but_not_control_calls() -> None:
         await _setup_vision(c)
         reply = await c.fleet.Register(_decode_member(0))
         admission = d.app.components["admission"]
-        admission.observe_lag(0.5)  # as the ticker would after a 500 ms stall
+        admission.observe_lag(1.0)  # as the ticker would after a 1 s stall
         before = _shed("placement", "loop_lag")
         for call in (_place_images, _place_decode):
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -307,7 +307,7 @@ async def test_late_loop_sheds_placements_but_not_control_calls() -> None:
         # reload: shedding off -> placements admitted although the loop is still "late"
         off = with_overrides(d.app.settings, {"server": {"admission": {"enabled": False}}})
         assert d.reload(off) == "applied"
-        admission.observe_lag(0.5)
+        admission.observe_lag(1.0)
         await _place_images(c, 8)
         # the lateness decays by half per tick once the loop catches up
         on = with_overrides(d.app.settings, {"server": {"admission": {"enabled": True}}})
@@ -318,29 +318,27 @@ async def test_late_loop_sheds_placements_but_not_control_calls() -> None:
 
 
 async def test_queued_calls_shed_placements_on_arrival_without_reading_them() -> None:
-    """While calls wait longer than server.admission.shed_wait_ms between arrival and
-    handler, placements are refused on arrival (the request is not even parsed: a
-    malformed one gets the same refusal), control calls go on; a second without any call
-    reaching its handler forgets the wait."""
+    """While a call has waited longer than server.admission.shed_wait_ms between its
+    arrival and its handler, placements are refused on arrival (the request is not even
+    parsed: a malformed one gets the same refusal), control calls go on; once the waiting
+    call's handler starts (or it is forgotten), placements are admitted again."""
     import time
 
     from fulcrum.config.server import AdmissionSettings
-    from fulcrum.service.admission import STALE_S, Admission
+    from fulcrum.service.admission import FORGET_AFTER, Admission
 
     async with running_server({"metrics": {"enabled": False}}) as d, FulcrumClient(
         d.address
     ) as c:
         await _setup_vision(c)
         admission = d.app.components["admission"]
-        t = time.perf_counter() + 0.2  # past the window of the calls above
-        admission.observe_wait(0.5, t)
-        admission.observe_wait(0.5, t + 0.2)  # closes the first window: mean 0.5 s
-        assert admission.standing_wait_s == 0.5
+        # a call that arrived 1 s ago and is still waiting for its handler
+        stuck, _ = admission.arrive("control", time.perf_counter() - 1.0)
         before = _shed("placement", "queue_wait")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await _place_images(c, 1)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert int(dict(err.value.trailing_metadata() or ())[RETRY_AFTER_KEY]) >= 1000
+        assert int(dict(err.value.trailing_metadata() or ())[RETRY_AFTER_KEY]) >= 2000
         raw = c.channel.unary_unary("/fulcrum.v1.VisionBalancerService/PlaceImages",
                                     request_serializer=lambda b: b,
                                     response_deserializer=lambda b: b)
@@ -349,11 +347,14 @@ async def test_queued_calls_shed_placements_on_arrival_without_reading_them() ->
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert _shed("placement", "queue_wait") == before + 2
         await c.diagnostics.Ping(diagnostics_pb2.PingRequest())  # control: served
-    # the window statistics alone, with a synthetic clock
+        admission.started(stuck)
+        await _place_images(c, 2)
+        assert not admission.waiting  # every admitted call reached its handler
+    # forgetting, with a synthetic clock
     a = Admission(AdmissionSettings(shed_wait_ms=100))
-    a.observe_wait(0.3, 10.0)
-    a.observe_wait(0.1, 10.05)
-    a.observe_wait(0.0, 10.11)  # closes [10.0, 10.1): mean 0.2 s
-    assert a.on_arrival("placement", 10.12) is not None
-    assert a.on_arrival("control", 10.12) is None
-    assert a.on_arrival("placement", 10.21 + STALE_S + 0.01) is None  # stale: forgotten
+    a.arrive("control", 10.0)
+    assert a.arrive("placement", 10.05)[1] is None
+    assert a.arrive("placement", 10.2)[1] is not None  # waited 200 ms > 100 ms
+    assert a.arrive("control", 10.2)[1] is None  # control is never refused for it
+    assert a.arrive("placement", 10.0 + FORGET_AFTER * 0.1 + 0.01)[1] is not None  # 10.05
+    assert a.arrive("placement", 10.2 + FORGET_AFTER * 0.1 + 0.01)[1] is None  # forgotten

@@ -33,12 +33,12 @@ class AdmissionSettings(Section):
     )
     max_admin: int = Field(64, ge=1, le=1 << 20, description="concurrent calls of the admin class")
     shed_wait_ms: float = Field(
-        200.0,
+        500.0,
         gt=0,
         le=60_000,
-        description="while calls wait longer than this between arrival and handler (the "
-        "standing queue, ms), or the event loop runs this late, new placement calls are "
-        "refused on arrival; control calls keep going",
+        description="while a call has waited longer than this between its arrival and its "
+        "handler (ms), or the event loop runs this late, new placement calls are refused on "
+        "arrival; control calls keep going",
     )
     retry_after_ms: int = Field(
         100, ge=1, le=600_000, description="retry hint sent with a refusal, ms (at least)"

@@ -12,15 +12,15 @@ Every call (health and reflection excepted) belongs to one method class:
 
 Three signals:
 
-1. *queue wait*: the time between a call's arrival (its first interceptor) and the moment
-   its handler starts, which includes receiving its message. Under overload calls pile up
-   there, inside gRPC, before any handler runs: that is where calls used to time out
-   (CANCELLED / DEADLINE_EXCEEDED with no answer of ours). While the mean wait of the
-   last 100 ms window is above
-   ``server.admission.shed_wait_ms``, new *placement* calls are refused *on arrival*,
-   before their message is read (the refusal is sent from a client-streaming handler that
-   never reads the request). A second with no call reaching its handler ends the
-   shedding, so that the wait is measured again;
+1. *queue wait*: calls that arrived (their first interceptor ran) but whose handler has
+   not started, because gRPC is still receiving their message or the loop has not got to
+   them. Under overload calls pile up there, before any handler runs: that is where they
+   used to time out (CANCELLED / DEADLINE_EXCEEDED with no answer of ours). While the
+   oldest such call has waited longer than ``server.admission.shed_wait_ms``, new
+   *placement* calls are refused *on arrival*, before their message is read (the refusal
+   is sent from a client-streaming handler that never reads the request). A call that
+   never reaches its handler (its caller gave up) stops counting after four times that
+   bound;
 2. *loop lateness*: a ticker measures how late the event loop runs (smoothed, decays by
    half per 10 ms tick once the loop catches up); above the same bound placement calls are
    refused on arrival too;
@@ -40,6 +40,8 @@ concurrency). Every setting is reloadable.
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections import OrderedDict
 from typing import Final
 
 from fulcrum.config.server import AdmissionSettings
@@ -65,10 +67,9 @@ _ADMIN_METHODS: Final = frozenset({
 
 #: Period of the lateness ticker, seconds.
 TICK_S: Final = 0.01
-#: Window of the standing queue wait, seconds.
-WINDOW_S: Final = 0.1
-#: With no call reaching its handler for this long, the measured wait is forgotten.
-STALE_S: Final = 1.0
+#: A waiting call stops counting after this many times ``shed_wait_ms`` (its caller gave
+#: up before its handler ran).
+FORGET_AFTER: Final = 4
 
 
 def class_of(method: str) -> str:
@@ -88,11 +89,9 @@ class Admission:
         self.in_flight: dict[str, int] = dict.fromkeys(CLASSES, 0)
         #: Smoothed lateness of the event loop, seconds.
         self.lag_s = 0.0
-        #: Mean queue wait of the last complete window, seconds.
-        self.standing_wait_s = 0.0
-        self._window_sum = 0.0
-        self._window_n = 0
-        self._window_end = 0.0
+        #: Calls that arrived and whose handler has not started: token -> arrival (s).
+        self.waiting: OrderedDict[int, float] = OrderedDict()
+        self._tokens = itertools.count(1)
         self._limits = self._limits_of(settings)
 
     @staticmethod
@@ -104,37 +103,43 @@ class Admission:
         self.settings = settings
         self._limits = self._limits_of(settings)
 
-    def _hint(self) -> int:
-        late_s = max(self.lag_s, self.standing_wait_s)
+    def oldest_wait_s(self, now_s: float) -> float:
+        """How long the oldest call still waiting for its handler has waited, seconds
+        (calls older than FORGET_AFTER x shed_wait_ms are forgotten)."""
+        forget = FORGET_AFTER * self.settings.shed_wait_ms / 1000
+        waiting = self.waiting
+        while waiting:
+            token, arrived = next(iter(waiting.items()))
+            if now_s - arrived <= forget:
+                return now_s - arrived
+            del waiting[token]
+        return 0.0
+
+    def _hint(self, late_s: float) -> int:
         return max(self.settings.retry_after_ms, int(2000 * late_s))
 
-    def on_arrival(self, cls: str, now_s: float) -> int | None:
-        """A call of ``cls`` arrived (``now_s``: ``time.perf_counter()``): None to let it
-        in, else the retry hint (ms) of its refusal."""
+    def arrive(self, cls: str, now_s: float) -> tuple[int, int | None]:
+        """A call of ``cls`` arrived (``now_s``: ``time.perf_counter()``). Returns its
+        token (pass it to :meth:`started`) and None, or 0 and the retry hint (ms) of its
+        refusal."""
         s = self.settings
-        if not s.enabled or cls != PLACEMENT:
-            return None
-        if now_s > self._window_end + STALE_S:  # no call reached a handler for a while
-            self.standing_wait_s = 0.0
-        reason = None
-        if self.standing_wait_s * 1000 > s.shed_wait_ms:
-            reason = "queue_wait"
-        elif self.lag_s * 1000 > s.shed_wait_ms:
-            reason = "loop_lag"
-        if reason is None:
-            return None
-        RPC_SHED.labels(cls, reason).inc()
-        return self._hint()
+        if s.enabled and cls == PLACEMENT:
+            reason = None
+            late_s = self.oldest_wait_s(now_s)
+            if late_s * 1000 > s.shed_wait_ms:
+                reason = "queue_wait"
+            elif self.lag_s * 1000 > s.shed_wait_ms:
+                reason, late_s = "loop_lag", self.lag_s
+            if reason is not None:
+                RPC_SHED.labels(cls, reason).inc()
+                return 0, self._hint(late_s)
+        token = next(self._tokens)
+        self.waiting[token] = now_s
+        return token, None
 
-    def observe_wait(self, wait_s: float, now_s: float) -> None:
-        """A call's handler starts ``wait_s`` after its arrival."""
-        if now_s >= self._window_end:
-            if self._window_n:
-                self.standing_wait_s = self._window_sum / self._window_n
-            self._window_sum, self._window_n = 0.0, 0
-            self._window_end = now_s + WINDOW_S
-        self._window_sum += wait_s
-        self._window_n += 1
+    def started(self, token: int) -> None:
+        """The handler of the call with ``token`` starts."""
+        self.waiting.pop(token, None)
 
     def admit(self, cls: str) -> int | None:
         """Count a call of ``cls`` in when its handler starts, or return the retry hint
@@ -142,7 +147,7 @@ class Admission:
         s = self.settings
         if s.enabled and self.in_flight[cls] >= self._limits[cls]:
             RPC_SHED.labels(cls, "concurrency").inc()
-            return self._hint()
+            return self._hint(self.lag_s)
         self.in_flight[cls] += 1
         return None
 

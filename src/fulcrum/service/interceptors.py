@@ -51,9 +51,11 @@ def _split(method: str) -> tuple[str, str]:
 class _Call:
     """Book-keeping of one call: labels, start time, final code."""
 
-    __slots__ = ("admitted", "cls", "exempt", "labels", "method", "start")
+    __slots__ = ("admitted", "cls", "exempt", "labels", "method", "start", "token")
 
-    def __init__(self, method: str, cls: str, arrived: float) -> None:
+    def __init__(self, method: str, cls: str, arrived: float, token: int = 0) -> None:
+        #: Admission token (0 = none).
+        self.token = token
         self.method = method
         self.labels = _split(method)
         self.exempt = method.startswith(_EXEMPT)
@@ -81,26 +83,31 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return None
         method: str = details.method
+        token = 0
         if self._admission is not None and not method.startswith(_EXEMPT):
             cls = class_of(method)
-            retry_ms = self._admission.on_arrival(cls, arrived)
+            token, retry_ms = self._admission.arrive(cls, arrived)
             if retry_ms is not None:
                 return self._refusal(method, cls, arrived, retry_ms, handler)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary, arrived),
+                self._unary(method, handler.unary_unary, arrived, token),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                self._stream(method, handler.unary_stream, arrived, client_streaming=False),
+                self._stream(
+                    method, handler.unary_stream, arrived, token, client_streaming=False
+                ),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
-                self._stream(method, handler.stream_stream, arrived, client_streaming=True),
+                self._stream(
+                    method, handler.stream_stream, arrived, token, client_streaming=True
+                ),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -144,8 +151,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 await self._finish(call, grpc.StatusCode.UNAVAILABLE)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry")
             if self._admission is not None:
-                now = time.perf_counter()
-                self._admission.observe_wait(now - call.start, now)
+                self._admission.started(call.token)
                 retry_ms = self._admission.admit(call.cls)
                 if retry_ms is not None:
                     await self._finish(call, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -199,12 +205,13 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method: str,
         behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
         arrived: float,
+        token: int,
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         cls = class_of(method)
         app = self._app
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            call = _Call(method, cls, arrived)
+            call = _Call(method, cls, arrived, token)
             await self._enter(call, context)
             try:
                 async with asyncio.timeout(app.settings.server.max_call_s):
@@ -226,7 +233,13 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return wrapped
 
     def _stream(
-        self, method: str, behavior: Callable[..., Any], arrived: float, *, client_streaming: bool
+        self,
+        method: str,
+        behavior: Callable[..., Any],
+        arrived: float,
+        token: int,
+        *,
+        client_streaming: bool,
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
         app = self._app
         cls = class_of(method)
@@ -238,7 +251,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 yield item
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
-            call = _Call(method, cls, arrived)
+            call = _Call(method, cls, arrived, token)
             await self._enter(call, context)
             if client_streaming:
                 request = counted(request, call.labels)
