@@ -364,7 +364,16 @@ async def measure(quick: bool, admission: bool = True) -> dict[str, Any]:
                 for k in clients:
                     await k.close()
                 # the table is empty again: every placement was released or refused
-                await _vision_pair(c, "final")
+                # (calls left waiting by the 10x phase may still shed it: retry after the hint)
+                for attempt in range(20):
+                    try:
+                        await _vision_pair(c, f"final-{attempt}")
+                        break
+                    except grpc.aio.AioRpcError as err:
+                        hint = dict(err.trailing_metadata() or ()).get("retry-after-ms")
+                        if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or hint is None:
+                            raise
+                        await asyncio.sleep(int(hint) / 1000)
             out["rss_end"] = daemon.rss_bytes()
         finally:
             daemon.stop()

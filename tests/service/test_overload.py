@@ -358,3 +358,23 @@ async def test_queued_calls_shed_placements_on_arrival_without_reading_them() ->
     assert a.arrive("control", 10.2)[1] is None  # control is never refused for it
     assert a.arrive("placement", 10.0 + FORGET_AFTER * 0.1 + 0.01)[1] is not None  # 10.05
     assert a.arrive("placement", 10.2 + FORGET_AFTER * 0.1 + 0.01)[1] is None  # forgotten
+
+
+async def test_refused_and_malformed_calls_stop_waiting() -> None:
+    """A call the input guard refuses (malformed bytes) or that fails in its handler is
+    no longer counted as waiting: it cannot make the daemon shed placements."""
+    async with running_server({"metrics": {"enabled": False}}) as d, FulcrumClient(
+        d.address
+    ) as c:
+        admission = d.app.components["admission"]
+        raw = c.channel.unary_unary("/fulcrum.v1.FleetService/Register",
+                                    request_serializer=lambda b: b,
+                                    response_deserializer=lambda b: b)
+        for _ in range(3):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await raw(b"\x0a\x02\xc3\x28")
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError):
+            await c.fleet.Heartbeat(fleet_pb2.HeartbeatRequest(member_id="nobody"))
+        assert not admission.waiting
+        assert admission.in_flight == {"control": 0, "placement": 0, "admin": 0}

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import OrderedDict
+from contextvars import ContextVar
 from typing import Final
 
 from fulcrum.config.server import AdmissionSettings
@@ -165,3 +166,24 @@ class Admission:
             t0 = loop.time()
             await asyncio.sleep(TICK_S)
             self.observe_lag(max(0.0, loop.time() - t0 - TICK_S))
+
+
+#: The admission token of the call the current task serves (set on arrival; the first
+#: wrapper that runs when the handler starts, whichever interceptor it belongs to, clears
+#: it: a call refused by authorisation or the input guard also stops waiting).
+_CURRENT: ContextVar[tuple[Admission, int] | None] = ContextVar(
+    "fulcrum_admission_token", default=None
+)
+
+
+def bind(admission: Admission, token: int) -> None:
+    """Remember the arriving call's token in the task's context."""
+    _CURRENT.set((admission, token))
+
+
+def handler_started() -> None:
+    """The handler of the current task's call starts (idempotent)."""
+    entry = _CURRENT.get()
+    if entry is not None:
+        _CURRENT.set(None)
+        entry[0].started(entry[1])

@@ -56,6 +56,7 @@ from fulcrum.metrics.security import (
     AUTH_IDENTITIES,
     MALFORMED,
 )
+from fulcrum.service.admission import handler_started
 from fulcrum.service.app import App
 from fulcrum.service.errors import RETRY_AFTER_KEY
 
@@ -488,6 +489,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            handler_started()
             await self._pre(method, rule, request, context)
             return await behavior(request, context)
 
@@ -500,6 +502,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
+            handler_started()
             await self._pre(method, rule, request, context)
             await _run(behavior(request, context), context)
 
@@ -536,6 +539,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 yield item
 
         async def wrapped(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            handler_started()
             ident: Identity | None = None
             if rule is not None and auth.enabled:
                 try:

@@ -24,7 +24,7 @@ import structlog
 
 from fulcrum.errors import FulcrumError, ResourceExhausted
 from fulcrum.metrics import RPC_DURATION, RPC_IN_FLIGHT, RPC_REQUESTS, STREAM_MESSAGES
-from fulcrum.service.admission import Admission, class_of
+from fulcrum.service.admission import Admission, bind, class_of, handler_started
 from fulcrum.service.app import App
 from fulcrum.service.errors import RETRY_AFTER_KEY, status_of
 
@@ -89,6 +89,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             token, retry_ms = self._admission.arrive(cls, arrived)
             if retry_ms is not None:
                 return self._refusal(method, cls, arrived, retry_ms, handler)
+            bind(self._admission, token)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary, arrived, token),
@@ -147,6 +148,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=_request_id(context))
         if not call.exempt:
+            handler_started()
             if self._app.draining.is_set():
                 await self._finish(call, grpc.StatusCode.UNAVAILABLE)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry")
