@@ -294,3 +294,18 @@ async def test_prefill_heartbeat_with_load_names_the_pull(client: FulcrumClient)
         details = err.value.details() or ""
         assert details.startswith("load: must be empty for a prefill engine"), details
         assert "decode instance" not in details
+
+
+def test_lookups_name_the_callers_field_and_kind() -> None:
+    from fulcrum.config.server import FleetSettings
+    from fulcrum.core.types import DecodeInstanceShape, MemberKind
+    from fulcrum.errors import NotFound
+    from fulcrum.state.fleet import Fleet
+
+    fleet = Fleet(FleetSettings())
+    fleet.register("dec", DecodeInstanceShape((8,), (1000,)), 0)
+    with pytest.raises(NotFound, match="^engine_id: 'nobody' is not registered"):
+        fleet.get_live("nobody", None, 1, field="engine_id")
+    with pytest.raises(NotFound, match="^engine_id: 'dec' is not a registered prefill_engine"):
+        fleet.get_live("dec", None, 1, kind=MemberKind.PREFILL_ENGINE, field="engine_id")
+    assert fleet.get_live("dec", None, 1, kind=MemberKind.DECODE_INSTANCE).member_id == "dec"

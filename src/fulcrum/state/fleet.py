@@ -201,9 +201,18 @@ class Fleet:
             )
         return entry
 
-    def get_live(self, member_id: str, incarnation: int | None, now_ns: int) -> Member:
-        """The live member, or NotFound/FailedPrecondition. ``incarnation=None``: any."""
-        return self._entry(member_id, incarnation, now_ns).member
+    def get_live(
+        self,
+        member_id: str,
+        incarnation: int | None,
+        now_ns: int,
+        kind: MemberKind | None = None,
+        field: str = "member_id",
+    ) -> Member:
+        """The live member, or NotFound/FailedPrecondition. ``incarnation=None``: any.
+        With ``kind``, a member of another kind is NotFound; messages name ``field`` (e.g.
+        ``engine_id``)."""
+        return self._entry(member_id, incarnation, now_ns, kind, field).member
 
     def heartbeat(
         self,
