@@ -304,8 +304,8 @@ def test_lookups_name_the_callers_field_and_kind() -> None:
 
     fleet = Fleet(FleetSettings())
     fleet.register("dec", DecodeInstanceShape((8,), (1000,)), 0)
-    with pytest.raises(NotFound, match="^engine_id: 'nobody' is not registered"):
+    with pytest.raises(NotFound, match=r"^engine_id: .nobody. is not registered"):
         fleet.get_live("nobody", None, 1, field="engine_id")
-    with pytest.raises(NotFound, match="^engine_id: 'dec' is not a registered prefill_engine"):
+    with pytest.raises(NotFound, match=r"^engine_id: .dec. is not a registered prefill_engine"):
         fleet.get_live("dec", None, 1, kind=MemberKind.PREFILL_ENGINE, field="engine_id")
     assert fleet.get_live("dec", None, 1, kind=MemberKind.DECODE_INSTANCE).member_id == "dec"
