@@ -378,3 +378,40 @@ async def test_refused_and_malformed_calls_stop_waiting() -> None:
             await c.fleet.Heartbeat(fleet_pb2.HeartbeatRequest(member_id="nobody"))
         assert not admission.waiting
         assert admission.in_flight == {"control": 0, "placement": 0, "admin": 0}
+
+
+async def test_calls_abandoned_before_their_handler_stop_waiting() -> None:
+    """A call whose caller gives up before its handler runs (gRPC cancels the call's task
+    while it waits for the message) is no longer counted as waiting: it cannot make the
+    daemon shed placements. (Through the shell interceptor, with the task cancelled at the
+    point where gRPC would be receiving the request.)"""
+    from types import SimpleNamespace
+
+    from fulcrum.config.server import AdmissionSettings
+    from fulcrum.service.admission import Admission
+    from fulcrum.service.app import App
+    from fulcrum.service.interceptors import ShellInterceptor
+    from fulcrum.testing import test_settings
+
+    admission = Admission(AdmissionSettings())
+    shell = ShellInterceptor(App.create(test_settings()), admission)
+
+    async def continuation(details: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+
+    details = SimpleNamespace(method="/fulcrum.v1.VisionBalancerService/PlaceImages",
+                              invocation_metadata=())
+    parked = asyncio.Event()
+
+    async def rpc() -> None:
+        await shell.intercept_service(continuation, details)
+        parked.set()
+        await asyncio.Event().wait()  # receiving the request message, forever
+
+    task = asyncio.ensure_future(rpc())
+    await parked.wait()
+    assert len(admission.waiting) == 1
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert not admission.waiting

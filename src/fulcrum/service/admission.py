@@ -18,9 +18,9 @@ Three signals:
    used to time out (CANCELLED / DEADLINE_EXCEEDED with no answer of ours). While the
    oldest such call has waited longer than ``server.admission.shed_wait_ms``, new
    *placement* calls are refused *on arrival*, before their message is read (the refusal
-   is sent from a client-streaming handler that never reads the request). A call that
-   never reaches its handler (its caller gave up) stops counting after four times that
-   bound;
+   is sent from a client-streaming handler that never reads the request). A call whose
+   caller gives up before its handler runs stops counting when gRPC ends its task (and in
+   any case after four times that bound);
 2. *loop lateness*: a ticker measures how late the event loop runs (smoothed, decays by
    half per 10 ms tick once the loop catches up); above the same bound placement calls are
    refused on arrival too;

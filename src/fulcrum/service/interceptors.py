@@ -90,6 +90,12 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if retry_ms is not None:
                 return self._refusal(method, cls, arrived, retry_ms, handler)
             bind(self._admission, token)
+            # the call's task ends however the call ends (a caller that gives up before
+            # the handler runs cancels it): it then stops waiting in any case
+            task = asyncio.current_task()
+            if task is not None:
+                admission = self._admission
+                task.add_done_callback(lambda _t: admission.started(token))
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary, arrived, token),
