@@ -285,6 +285,7 @@ async def test_late_loop_sheds_placements_but_not_control_calls() -> None:
         await _setup_vision(c)
         reply = await c.fleet.Register(_decode_member(0))
         admission = d.app.components["admission"]
+        admission.load_shedding = True  # as when the ticker runs (fulcrum serve)
         admission.observe_lag(1.0)  # as the ticker would after a 1 s stall
         before = _shed("placement", "loop_lag")
         for call in (_place_images, _place_decode):
@@ -332,6 +333,7 @@ async def test_queued_calls_shed_placements_on_arrival_without_reading_them() ->
     ) as c:
         await _setup_vision(c)
         admission = d.app.components["admission"]
+        admission.load_shedding = True  # as when the ticker runs (fulcrum serve)
         # a call that arrived 1 s ago and is still waiting for its handler
         stuck, _ = admission.arrive("control", time.perf_counter() - 1.0)
         before = _shed("placement", "queue_wait")
@@ -352,6 +354,7 @@ async def test_queued_calls_shed_placements_on_arrival_without_reading_them() ->
         assert not admission.waiting  # every admitted call reached its handler
     # forgetting, with a synthetic clock
     a = Admission(AdmissionSettings(shed_wait_ms=100))
+    a.load_shedding = True
     a.arrive("control", 10.0)
     assert a.arrive("placement", 10.05)[1] is None
     assert a.arrive("placement", 10.2)[1] is not None  # waited 200 ms > 100 ms

@@ -27,6 +27,10 @@ Three signals:
 3. a bound on concurrent calls per class (``server.admission.max_<class>``), checked when
    the handler starts.
 
+Signals 1 and 2 act while the lateness ticker runs (``fulcrum serve`` starts it with the
+daemon; in-process daemons built by tests shed by concurrency only unless the test sets
+``load_shedding``).
+
 Control and admin calls are refused only by their concurrency bound: health checks,
 heartbeats, pulls and releases keep their latency because refused placements cost almost
 no loop time.
@@ -90,6 +94,10 @@ class Admission:
         self.in_flight: dict[str, int] = dict.fromkeys(CLASSES, 0)
         #: Smoothed lateness of the event loop, seconds.
         self.lag_s = 0.0
+        #: Shed by load (queue wait, loop lateness): on while :meth:`watch_loop` runs
+        #: (``fulcrum serve`` starts it; in-process test daemons shed by concurrency only
+        #: unless a test turns it on).
+        self.load_shedding = False
         #: Calls that arrived and whose handler has not started: token -> arrival (s).
         self.waiting: OrderedDict[int, float] = OrderedDict()
         self._tokens = itertools.count(1)
@@ -124,7 +132,7 @@ class Admission:
         token (pass it to :meth:`started`) and None, or 0 and the retry hint (ms) of its
         refusal."""
         s = self.settings
-        if s.enabled and cls == PLACEMENT:
+        if s.enabled and cls == PLACEMENT and self.load_shedding:
             reason = None
             late_s = self.oldest_wait_s(now_s)
             if late_s * 1000 > s.shed_wait_ms:
@@ -162,6 +170,7 @@ class Admission:
     async def watch_loop(self) -> None:
         """Measure the loop's lateness forever (spawned by the server)."""
         loop = asyncio.get_running_loop()
+        self.load_shedding = True
         while True:
             t0 = loop.time()
             await asyncio.sleep(TICK_S)
