@@ -418,3 +418,32 @@ async def test_calls_abandoned_before_their_handler_stop_waiting() -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert not admission.waiting
+
+
+async def test_calls_abandoned_in_the_queue_shed_placements() -> None:
+    """When callers give up on more than 10% of the calls before their handlers run (the
+    signature of a queue inside gRPC in front of the handlers), placements are refused on
+    arrival, with a retry hint, for the next window; control calls are not."""
+    import time
+
+    from fulcrum.config.server import AdmissionSettings
+    from fulcrum.service.admission import ABANDONED_SHARE, WINDOW_S, Admission
+
+    a = Admission(AdmissionSettings())
+    a.load_shedding = True
+    tokens = [a.arrive("control", time.perf_counter())[0] for _ in range(10)]
+    for t in tokens[:8]:
+        a.started(t)
+    for t in tokens[8:]:
+        a.ended(t)  # 2 of 10 abandoned
+    for t in tokens:
+        a.ended(t)  # a task that ends after its handler started is not abandoned
+    deadline = time.perf_counter() + WINDOW_S
+    while time.perf_counter() < deadline:  # bounded: let the window close
+        await asyncio.sleep(0.01)
+    b, _ = a.arrive("control", time.perf_counter())
+    a.started(b)  # closes the window: 20% abandoned
+    assert a.abandoned_share == 0.2 > ABANDONED_SHARE
+    token, hint = a.arrive("placement", time.perf_counter())
+    assert token == 0 and hint is not None and hint >= 100
+    assert a.arrive("control", time.perf_counter())[1] is None

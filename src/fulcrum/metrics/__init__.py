@@ -92,7 +92,8 @@ CONFIG_RESTART_REQUIRED = Gauge(
 RPC_SHED = Counter(
     "fulcrum_rpc_shed",
     "Calls refused by admission control (RESOURCE_EXHAUSTED with retry-after-ms), by "
-    "method class (control, placement, admin) and reason (concurrency, loop_lag).",
+    "method class (control, placement, admin) and reason (queue_wait, abandoned, loop_lag, "
+    "concurrency).",
     ["class", "reason"],
     registry=REGISTRY,
 )

@@ -10,7 +10,7 @@ Every call (health and reflection excepted) belongs to one method class:
   their streams);
 - ``admin``: listings, forced rebalances, group status.
 
-Three signals:
+Four signals:
 
 1. *queue wait*: calls that arrived (their first interceptor ran) but whose handler has
    not started, because gRPC is still receiving their message or the loop has not got to
@@ -21,13 +21,18 @@ Three signals:
    is sent from a client-streaming handler that never reads the request). A call whose
    caller gives up before its handler runs stops counting when gRPC ends its task (and in
    any case after four times that bound);
-2. *loop lateness*: a ticker measures how late the event loop runs (smoothed, decays by
+2. *abandoned calls*: calls can also queue inside gRPC before any Python code sees them
+   (measured: beyond capacity calls reach the first interceptor with most of their
+   deadline spent) and their callers give up there. When more than 10% of the calls that
+   left the queue in the last 100 ms window were abandoned by their callers before their
+   handler ran, new placement calls are refused on arrival for the next window;
+3. *loop lateness*: a ticker measures how late the event loop runs (smoothed, decays by
    half per 10 ms tick once the loop catches up); above the same bound placement calls are
    refused on arrival too;
-3. a bound on concurrent calls per class (``server.admission.max_<class>``), checked when
+4. a bound on concurrent calls per class (``server.admission.max_<class>``), checked when
    the handler starts.
 
-Signals 1 and 2 act while the lateness ticker runs (``fulcrum serve`` starts it with the
+Signals 1 to 3 act while the lateness ticker runs (``fulcrum serve`` starts it with the
 daemon; in-process daemons built by tests shed by concurrency only unless the test sets
 ``load_shedding``).
 
@@ -37,7 +42,7 @@ no loop time.
 
 A refusal ends RESOURCE_EXHAUSTED with ``retry-after-ms`` (at least
 ``server.admission.retry_after_ms``, and at least twice the measured wait) and is counted
-in ``fulcrum_rpc_shed_total{class, reason}`` (reason: queue_wait, loop_lag,
+in ``fulcrum_rpc_shed_total{class, reason}`` (reason: queue_wait, abandoned, loop_lag,
 concurrency). Every setting is reloadable.
 """
 
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import OrderedDict
 from contextvars import ContextVar
 from typing import Final
@@ -72,6 +78,11 @@ _ADMIN_METHODS: Final = frozenset({
 
 #: Period of the lateness ticker, seconds.
 TICK_S: Final = 0.01
+#: Window of the share of abandoned calls, seconds.
+WINDOW_S: Final = 0.1
+#: Above this share of calls abandoned before their handler (last window), placements are
+#: shed: callers time out in gRPC's queue in front of the handlers.
+ABANDONED_SHARE: Final = 0.1
 #: A waiting call stops counting after this many times ``shed_wait_ms`` (its caller gave
 #: up before its handler ran).
 FORGET_AFTER: Final = 4
@@ -98,6 +109,12 @@ class Admission:
         #: (``fulcrum serve`` starts it; in-process test daemons shed by concurrency only
         #: unless a test turns it on).
         self.load_shedding = False
+        #: Share of calls abandoned by their callers before their handler started, in the
+        #: last complete window.
+        self.abandoned_share = 0.0
+        self._window_started = 0
+        self._window_abandoned = 0
+        self._window_end = 0.0
         #: Calls that arrived and whose handler has not started: token -> arrival (s).
         self.waiting: OrderedDict[int, float] = OrderedDict()
         self._tokens = itertools.count(1)
@@ -137,6 +154,8 @@ class Admission:
             late_s = self.oldest_wait_s(now_s)
             if late_s * 1000 > s.shed_wait_ms:
                 reason = "queue_wait"
+            elif self.abandoned_share > ABANDONED_SHARE and now_s < self._window_end + WINDOW_S:
+                reason = "abandoned"
             elif self.lag_s * 1000 > s.shed_wait_ms:
                 reason, late_s = "loop_lag", self.lag_s
             if reason is not None:
@@ -148,7 +167,26 @@ class Admission:
 
     def started(self, token: int) -> None:
         """The handler of the call with ``token`` starts."""
-        self.waiting.pop(token, None)
+        if self.waiting.pop(token, None) is not None:
+            self._count(abandoned=False)
+
+    def ended(self, token: int) -> None:
+        """The task of the call with ``token`` ended (if its handler never started, its
+        caller gave up while it waited: counted as abandoned)."""
+        if self.waiting.pop(token, None) is not None:
+            self._count(abandoned=True)
+
+    def _count(self, *, abandoned: bool) -> None:
+        now = time.perf_counter()
+        if now >= self._window_end:
+            n = self._window_started + self._window_abandoned
+            self.abandoned_share = self._window_abandoned / n if n else 0.0
+            self._window_started = self._window_abandoned = 0
+            self._window_end = now + WINDOW_S
+        if abandoned:
+            self._window_abandoned += 1
+        else:
+            self._window_started += 1
 
     def admit(self, cls: str) -> int | None:
         """Count a call of ``cls`` in when its handler starts, or return the retry hint

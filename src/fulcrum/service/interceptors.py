@@ -95,7 +95,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             task = asyncio.current_task()
             if task is not None:
                 admission = self._admission
-                task.add_done_callback(lambda _t: admission.started(token))
+                task.add_done_callback(lambda _t: admission.ended(token))
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary, arrived, token),
