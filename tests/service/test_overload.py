@@ -431,11 +431,11 @@ async def test_calls_abandoned_in_the_queue_shed_placements() -> None:
 
     a = Admission(AdmissionSettings())
     a.load_shedding = True
-    tokens = [a.arrive("control", time.perf_counter())[0] for _ in range(10)]
-    for t in tokens[:8]:
+    tokens = [a.arrive("control", time.perf_counter())[0] for _ in range(40)]
+    for t in tokens[:32]:
         a.started(t)
-    for t in tokens[8:]:
-        a.ended(t)  # 2 of 10 abandoned
+    for t in tokens[32:]:
+        a.ended(t)  # 8 of 40 abandoned
     for t in tokens:
         a.ended(t)  # a task that ends after its handler started is not abandoned
     deadline = time.perf_counter() + WINDOW_S
@@ -447,3 +447,14 @@ async def test_calls_abandoned_in_the_queue_shed_placements() -> None:
     token, hint = a.arrive("placement", time.perf_counter())
     assert token == 0 and hint is not None and hint >= 100
     assert a.arrive("control", time.perf_counter())[1] is None
+    # a few cancels among few calls are not a queue
+    few = Admission(AdmissionSettings())
+    few.load_shedding = True
+    toks = [few.arrive("control", time.perf_counter())[0] for _ in range(4)]
+    few.ended(toks[0])
+    few.ended(toks[1])
+    few._window_end = 0.0  # close the window now
+    c, _ = few.arrive("control", time.perf_counter())
+    few.started(c)
+    assert few.abandoned_share == 0.0
+    assert few.arrive("placement", time.perf_counter())[1] is None

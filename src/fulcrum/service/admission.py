@@ -24,8 +24,9 @@ Four signals:
 2. *abandoned calls*: calls can also queue inside gRPC before any Python code sees them
    (measured: beyond capacity calls reach the first interceptor with most of their
    deadline spent) and their callers give up there. When more than 10% of the calls that
-   left the queue in the last 100 ms window were abandoned by their callers before their
-   handler ran, new placement calls are refused on arrival for the next window;
+   left the queue in the last 100 ms window (and at least 8) were abandoned by their
+   callers before their handler ran, new placement calls are refused on arrival for the
+   next window;
 3. *loop lateness*: a ticker measures how late the event loop runs (smoothed, decays by
    half per 10 ms tick once the loop catches up); above the same bound placement calls are
    refused on arrival too;
@@ -83,6 +84,8 @@ WINDOW_S: Final = 0.1
 #: Above this share of calls abandoned before their handler (last window), placements are
 #: shed: callers time out in gRPC's queue in front of the handlers.
 ABANDONED_SHARE: Final = 0.1
+#: ... and at least this many calls were abandoned in it (no shedding on a few cancels).
+ABANDONED_MIN: Final = 8
 #: A waiting call stops counting after this many times ``shed_wait_ms`` (its caller gave
 #: up before its handler ran).
 FORGET_AFTER: Final = 4
@@ -180,7 +183,8 @@ class Admission:
         now = time.perf_counter()
         if now >= self._window_end:
             n = self._window_started + self._window_abandoned
-            self.abandoned_share = self._window_abandoned / n if n else 0.0
+            enough = self._window_abandoned >= ABANDONED_MIN
+            self.abandoned_share = self._window_abandoned / n if enough else 0.0
             self._window_started = self._window_abandoned = 0
             self._window_end = now + WINDOW_S
         if abandoned:
