@@ -62,6 +62,15 @@ IMAGES = 256
 _IMAGES = [vision_pb2.Image(width=1280, height=800, patch_size=16)] * IMAGES
 #: Client deadline (s) of each call of the 10x phase; it also bounds the drain after it.
 DEADLINE_S = 5.0
+#: How the daemon is started (experiments may wrap it).
+DAEMON_CMD: list[str] = ["-m", "fulcrum.cli"]
+#: Generator processes of the 10x phase (1 = in this process, over 4 connections).
+GENERATOR_PROCS = 1
+#: Closed-loop calls refused with a retry hint (and retried after it), one counter per run.
+CLOSED_LOOP_SHED = [0]
+#: Extra server.admission and server settings (experiments).
+ADMISSION_EXTRA: dict[str, Any] = {}
+SERVER_EXTRA: dict[str, Any] = {}
 
 
 async def _vision_pair(c: FulcrumClient, rid: str, timeout: float | None = None) -> None:
@@ -81,11 +90,15 @@ def _free_port() -> int:
 class DaemonProcess:
     """``fulcrum serve`` in a subprocess with a temporary configuration."""
 
-    def __init__(self, tmp: Path, max_placements: int, metrics: bool = False) -> None:
+    def __init__(
+        self, tmp: Path, max_placements: int, metrics: bool = False, admission: bool = True
+    ) -> None:
         self.port = _free_port()
         self.metrics_port = _free_port() if metrics else 0
         self.config: dict[str, Any] = {
-            "server": {"host": "127.0.0.1", "port": self.port, "seed": 1, "grace_period_s": 5},
+            "server": {"host": "127.0.0.1", "port": self.port, "seed": 1, "grace_period_s": 5,
+                       "admission": {"enabled": admission, **ADMISSION_EXTRA},
+                       **SERVER_EXTRA},
             "metrics": {"enabled": metrics, "port": self.metrics_port},
             "logging": {"level": "warning", "format": "json"},
             "fleet": {"heartbeat_timeout_ms": 600_000},
@@ -96,7 +109,7 @@ class DaemonProcess:
         path.write_text(yaml.safe_dump(self.config))
         self.log = (tmp / "daemon.log").open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fulcrum.cli", "serve", "--config", str(path)],
+            [sys.executable, *DAEMON_CMD, "serve", "--config", str(path)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
@@ -223,11 +236,20 @@ async def _closed_loop(
     counter = itertools.count()
     done = 0
     stop_at = time.perf_counter() + duration_s
+    shed_retries = CLOSED_LOOP_SHED
 
     async def worker() -> None:
         nonlocal done
         while time.perf_counter() < stop_at:
-            await op(next(counter))
+            try:
+                await op(next(counter))
+            except grpc.aio.AioRpcError as err:  # shed: retry after the hint, as clients do
+                hint = dict(err.trailing_metadata() or ()).get("retry-after-ms")
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or hint is None:
+                    raise
+                shed_retries[0] += 1
+                await asyncio.sleep(int(hint) / 1000)
+                continue
             done += 1
 
     t0 = time.perf_counter()
@@ -251,7 +273,8 @@ async def _open_loop(
             await _vision_pair(c, f"o-{i}", timeout=DEADLINE_S)
             codes["OK"] += 1
         except grpc.aio.AioRpcError as err:
-            codes[err.code().name] += 1
+            hint = dict(err.trailing_metadata() or ()).get("retry-after-ms")
+            codes[err.code().name + ("+retry-after-ms" if hint else "")] += 1
 
     t0 = time.perf_counter()
     sent = 0
@@ -273,13 +296,73 @@ async def _open_loop(
     return offered, codes, shed
 
 
-async def measure(quick: bool) -> dict[str, Any]:
+_GENERATOR = r"""
+import asyncio, collections, itertools, json, sys, time
+import grpc
+sys.path.insert(0, sys.argv[5])
+from benchmarks.bench_overload import _vision_pair, DEADLINE_S, LOCAL
+from fulcrum.client import FulcrumClient
+
+async def main(address, rate, duration_s, tag):
+    clients = [FulcrumClient(address, timeout_s=10.0, options=[*LOCAL, ("fulcrum.conn", k)])
+               for k in range(2)]
+    codes = collections.Counter()
+    outstanding = set()
+    sent = 0
+
+    async def one(c, i):
+        try:
+            await _vision_pair(c, f"{tag}-{i}", timeout=DEADLINE_S)
+            codes["OK"] += 1
+        except grpc.aio.AioRpcError as err:
+            hint = dict(err.trailing_metadata() or ()).get("retry-after-ms")
+            codes[err.code().name + ("+retry-after-ms" if hint else "")] += 1
+
+    t0 = time.perf_counter()
+    while (now := time.perf_counter() - t0) < duration_s:
+        for _ in range(max(0, int(now * rate) - sent)):
+            sent += 1
+            task = asyncio.ensure_future(one(clients[sent % 2], sent))
+            outstanding.add(task)
+            task.add_done_callback(outstanding.discard)
+        await asyncio.sleep(0.002)
+    offered = sent / (time.perf_counter() - t0)
+    await asyncio.gather(*outstanding, return_exceptions=True)
+    print(json.dumps({"offered": offered, "codes": codes}))
+
+asyncio.run(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]))
+"""
+
+
+async def _open_loop_procs(
+    address: str, rate: float, duration_s: float, procs: int
+) -> tuple[float, collections.Counter[str], int]:
+    """:func:`_open_loop` from ``procs`` generator processes (``rate / procs`` each), so
+    that the generator is not the bottleneck; same return values."""
+    children = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _GENERATOR, address, str(rate / procs), str(duration_s),
+            f"p{k}", str(ROOT), stdout=asyncio.subprocess.PIPE,
+        )
+        for k in range(procs)
+    ]
+    codes: collections.Counter[str] = collections.Counter()
+    offered = 0.0
+    for child in children:
+        out, _ = await child.communicate()
+        result = json.loads(out.decode())
+        offered += float(result["offered"])
+        codes.update(result["codes"])
+    return offered, codes, 0
+
+
+async def measure(quick: bool, admission: bool = True) -> dict[str, Any]:
     # Long enough for a few hundred health probes per phase (one every 20 ms).
     phase_s = 1.5 if quick else 4.0
     max_placements = 2_000
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"admission": admission}
     with tempfile.TemporaryDirectory() as tmpdir:
-        daemon = DaemonProcess(Path(tmpdir), max_placements)
+        daemon = DaemonProcess(Path(tmpdir), max_placements, admission=admission)
         try:
             await daemon.wait_ready()
             out["rss_start"] = daemon.rss_bytes()
@@ -331,7 +414,11 @@ async def measure(quick: bool) -> dict[str, Any]:
                 await probe.start()
                 cpu0, t0 = daemon.cpu_seconds(), time.perf_counter()
                 target = 10 * out["capacity"]
-                offered, codes, shed = await _open_loop(target, phase_s, clients, 20_000)
+                if GENERATOR_PROCS > 1:
+                    offered, codes, shed = await _open_loop_procs(
+                        daemon.address, target, phase_s, GENERATOR_PROCS)
+                else:
+                    offered, codes, shed = await _open_loop(target, phase_s, clients, 20_000)
                 out["overload"] = await probe.stop()
                 out["probe_failures"] = dict(probe.failures)
                 out["cpu_overload"] = (daemon.cpu_seconds() - cpu0) / (time.perf_counter() - t0)
@@ -343,7 +430,16 @@ async def measure(quick: bool) -> dict[str, Any]:
                 for k in clients:
                     await k.close()
                 # the table is empty again: every placement was released or refused
-                await _vision_pair(c, "final")
+                # (calls left waiting by the 10x phase may still shed it: retry after the hint)
+                for attempt in range(20):
+                    try:
+                        await _vision_pair(c, f"final-{attempt}")
+                        break
+                    except grpc.aio.AioRpcError as err:
+                        hint = dict(err.trailing_metadata() or ()).get("retry-after-ms")
+                        if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or hint is None:
+                            raise
+                        await asyncio.sleep(int(hint) / 1000)
             out["rss_end"] = daemon.rss_bytes()
         finally:
             daemon.stop()
@@ -555,6 +651,9 @@ def soak_section(r: dict[str, Any], quick: bool) -> str:
                                                           "report_")) and not k.endswith(
         ("_ok", "_placed", "_released"))}
     cmd = "python benchmarks/run.py --only overload" + (" --quick" if quick else "")
+    if GENERATOR_PROCS > 1:
+        cmd = f"python benchmarks/bench_overload.py --procs {GENERATOR_PROCS}" + (
+            " --quick" if quick else "")
     return "\n".join([
         "### Soak: churn, placements, reports and reloads together",
         "",
@@ -571,9 +670,24 @@ def _ms(xs: list[float]) -> tuple[str, str, str]:
 
 
 def run(quick: bool) -> str:
-    return overload_section(asyncio.run(measure(quick)), quick) + "\n" + soak_section(
-        asyncio.run(soak(quick)), quick
-    )
+    # the baseline (admission control off) is measured in the same run
+    off = asyncio.run(measure(quick, admission=False))
+    on = asyncio.run(measure(quick, admission=True))
+    on["baseline_codes"] = off["codes"]
+    on["baseline_offered"] = off["offered"]
+    return overload_section(on, quick) + "\n" + soak_section(asyncio.run(soak(quick)), quick)
+
+
+def _answered(codes: dict[str, int]) -> float:
+    """Fraction of calls the daemon answered itself: OK, or refused with retry-after-ms."""
+    total = sum(codes.values()) or 1
+    return sum(n for k, n in codes.items() if k == "OK" or k.endswith("+retry-after-ms")) / total
+
+
+def _transport(codes: dict[str, int]) -> float:
+    """Fraction of calls that ended in gRPC's transport without an answer of ours."""
+    total = sum(codes.values()) or 1
+    return sum(n for k, n in codes.items() if k in ("CANCELLED", "DEADLINE_EXCEEDED")) / total
 
 
 def overload_section(r: dict[str, Any], quick: bool) -> str:
@@ -585,6 +699,9 @@ def overload_section(r: dict[str, Any], quick: bool) -> str:
     ]
     codes = ", ".join(f"{k} {v:,}" for k, v in sorted(r["codes"].items()))
     cmd = "python benchmarks/run.py --only overload" + (" --quick" if quick else "")
+    if GENERATOR_PROCS > 1:
+        cmd = f"python benchmarks/bench_overload.py --procs {GENERATOR_PROCS}" + (
+            " --quick" if quick else "")
     return "\n".join([
         "### Overload: health and memory at ten times the sustainable load",
         "",
@@ -602,12 +719,22 @@ def overload_section(r: dict[str, Any], quick: bool) -> str:
                 ["pair / Ping ratio", f"{r['pair_rate'] / r['ping_rate']:.2f}"],
                 ["daemon CPU at sustainable load", f"{r['cpu_sustained']:.0%} of a core"],
                 ["daemon capacity (1 core / CPU per pair)", f"{r['capacity']:,.0f} pairs/s"],
-                ["10x capacity target / offered (open loop, 4 connections)",
+                [f"10x capacity target / offered (open loop, "
+                 f"{'4 connections' if GENERATOR_PROCS == 1 else f'{GENERATOR_PROCS} processes'})",
                  f"{r['target']:,.0f} / {r['offered']:,.0f} pairs/s "
                  f"({r['offered'] / r['capacity']:.1f}x the daemon's capacity)"],
                 ["daemon CPU under 10x", f"{r['cpu_overload']:.0%} of a core"],
                 [f"final codes under 10x ({DEADLINE_S:.0f} s client deadline)", codes],
                 ["shed by the generator (>20,000 in flight)", f"{r['shed']:,}"],
+                ["calls answered by the daemon (OK, or refused with a retry hint) / ended in "
+                 "the transport (CANCELLED, DEADLINE_EXCEEDED)",
+                 f"{_answered(r['codes']):.1%} / {_transport(r['codes']):.1%}"],
+                *([["same, admission control off (baseline, same run): codes",
+                    ", ".join(f"{k} {v:,}" for k, v in sorted(r["baseline_codes"].items()))],
+                   ["same, admission control off: answered / transport",
+                    f"{_answered(r['baseline_codes']):.1%} / "
+                    f"{_transport(r['baseline_codes']):.1%}"]]
+                  if "baseline_codes" in r else []),
                 ["health-check failures under 10x", str(r["probe_failures"] or "none")],
                 ["daemon RSS start / sustainable / peak / end",
                  f"{r['rss_start'] / mib:.0f} / {r['rss_sustained'] / mib:.0f} / "
@@ -621,4 +748,6 @@ def overload_section(r: dict[str, Any], quick: bool) -> str:
 
 
 if __name__ == "__main__":
+    if "--procs" in sys.argv:  # the 10x phase from several generator processes
+        GENERATOR_PROCS = int(sys.argv[sys.argv.index("--procs") + 1])
     print(run("--quick" in sys.argv))

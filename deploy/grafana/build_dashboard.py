@@ -96,6 +96,13 @@ def build() -> dict[str, Any]:
                               "{{kind}} {{event}}")], unit="ops", width=8)
     b.panel("Calls in flight / draining", [(f"fulcrum_rpc_in_flight{{{SEL}}}", "in flight"),
                                            (f"fulcrum_draining{{{SEL}}}", "draining")], width=8)
+    b.panel("Calls shed (RESOURCE_EXHAUSTED + retry-after-ms) by class and reason", [(
+        f"sum by (class, reason) (rate(fulcrum_rpc_shed_total{{{SEL}}}[$__rate_interval]))",
+        "{{class}} {{reason}}")], unit="reqps", width=8)
+    b.panel("Config reloads by outcome / restart required", [
+        (f"sum by (outcome) (increase(fulcrum_config_reloads_total{{{SEL}}}[$__rate_interval]))",
+         "{{outcome}}"),
+        (f"fulcrum_config_restart_required{{{SEL}}}", "restart required")], width=8)
 
     b.row("Prefill balancer")
     b.panel("Queue depth by tier", [(f"sum by (tier) (fulcrum_prefill_queue_depth{{{SEL}}})", "{{tier}}")])

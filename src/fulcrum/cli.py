@@ -36,17 +36,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log = structlog.get_logger("fulcrum.cli")
 
     def reload(daemon: Daemon) -> None:
+        """SIGHUP: read the file again; Daemon.reload applies it (restart-only keys keep
+        their running values and are reported by name)."""
         try:
             new = load_settings(args.config)
         except ConfigError as err:
             CONFIG_RELOADS.labels("refused").inc()
-            log.error("config_reload_refused", problems=err.problems)
+            log.error("config_reload_refused", path=args.config, problems=err.problems)
             return
-        daemon.app.settings = new
-        for hook in daemon.app.reload_hooks:
-            hook(new)
-        CONFIG_RELOADS.labels("applied").inc()
-        log.info("config_reloaded", path=args.config)
+        daemon.reload(new)
 
     try:
         import uvloop

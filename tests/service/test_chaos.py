@@ -336,3 +336,86 @@ def _codes(ledger: Ledger) -> dict[str, int]:
     for o in ledger.outcomes.values():
         out[o[0][0]] = out.get(o[0][0], 0) + 1
     return out
+
+
+# -- reloads during load ------------------------------------------------------------------
+
+#: What the reloader cycles through (nested overrides of the chaos settings). Each changes
+#: reloadable keys of several sections; the seed change is restart-only.
+RELOADS: list[dict[str, Any]] = [
+    {"prefill": {"submit_wait_ms": 800}, "fleet": {"heartbeat_timeout_ms": 600}},
+    {"decode": {"policy": "least_kv"}, "server": {"admission": {"max_placement": 64}}},
+    {"server": {"seed": 99, "max_call_s": 30.0}},
+    {"decode": {"policy": "dual"}, "fleet": {"heartbeat_timeout_ms": 500}},
+    {"logging": {"level": "error"}, "server": {"admission": {"shed_wait_ms": 1000.0}}},
+    {"prefill": {"submit_wait_ms": 1500}, "fleet": {"sweep_interval_ms": 30}},
+]
+
+
+async def test_reloads_during_load() -> None:
+    """Reloads of many keys while engines pull, the entrypoint submits and places, and
+    members heartbeat: every reload ends applied or restart_required (never failed), each
+    reloadable key is in effect afterwards and restart-only ones are not, no call ends
+    INTERNAL/UNKNOWN, every submit ends exactly once, and the accounting returns to zero."""
+    from fulcrum.config import with_overrides
+
+    ledger = Ledger()
+    daemon = await start_daemon(0, ledger)
+    base = daemon.app.settings
+    address = daemon.address
+    names = [f"engine-{i}" for i in range(ENGINES)] + ["decode-0", "decode-1"]
+    engines = {n: Engine(address, n, ledger) for n in names}
+    for e in engines.values():
+        await e.start()
+    entry = FulcrumClient(address, timeout_s=5.0, options=FAST_RECONNECT)
+    stop = asyncio.Event()
+    ids = itertools.count()
+    held: dict[str, str] = {}
+    workers = [asyncio.ensure_future(submitter(entry, ids, ledger, stop)) for _ in range(4)]
+    workers += [asyncio.ensure_future(decode_worker(entry, ids, ledger, stop, held))
+                for _ in range(2)]
+    outcomes: list[str] = []
+    settings = base
+    try:
+        for i in range(2 * len(RELOADS)):
+            target = ledger.finished + 10
+            await wait_for(lambda t=target: ledger.finished >= t, "submits to progress")
+            settings = with_overrides(settings, RELOADS[i % len(RELOADS)])
+            outcomes.append(daemon.reload(settings))
+        target = ledger.finished + 10
+        await wait_for(lambda: ledger.finished >= target, "submits after the reloads")
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*workers), timeout=15)
+        for rid in list(held):
+            await release(entry, rid, held, ledger)
+        decode = daemon.app.components["decode"]
+        await wait_for(lambda: decode.held == 0, "decode placements released")
+        assert all(c == 0 and k == 0 for _, _, c, k in decode.gpu_loads())
+    finally:
+        stop.set()
+        for w in workers:
+            w.cancel()
+        for e in engines.values():
+            await e.stop()
+        await entry.close()
+    try:
+        assert set(outcomes) <= {"applied", "restart_required"}, outcomes
+        assert "restart_required" in outcomes and "applied" in outcomes
+        s = daemon.app.settings
+        assert s.server.seed == base.server.seed  # restart-only: kept
+        assert s.prefill.submit_wait_ms == settings.prefill.submit_wait_ms
+        assert daemon.app.fleet.settings == settings.fleet
+        assert daemon.app.components["admission"].settings == settings.server.admission
+        bad = {"INTERNAL", "UNKNOWN"}
+        codes = set(_codes(ledger)) | set(ledger.decode_codes) | set(ledger.release_codes)
+        assert not bad & codes, codes
+        assert ledger.finished == ledger.submitted
+        assert all(len(o) == 1 for o in ledger.outcomes.values())
+        doubles = {r: e for r, e in ledger.received.items() if len(e) > 1}
+        assert not doubles
+        state = daemon.app.components["prefill"]
+        await wait_for(lambda: sum(state.queue_depths()) == 0, "queues empty")
+        assert sum(state.queued_ns()) == 0
+        await wait_for(lambda: daemon.app.fleet.count() == 0, "fleet empty")
+    finally:
+        await daemon.drain_and_stop()

@@ -11,6 +11,7 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -237,3 +238,44 @@ async def test_sighup_reloads_policy_and_refuses_a_bad_file(tmp_path: Path) -> N
     assert "config_reloaded" in events and "config_reload_refused" in events
     refusal = next(e for e in lines if e.get("event") == "config_reload_refused")
     assert "decode.policy" in str(refusal["problems"])
+
+
+async def test_sighup_reports_restart_only_keys_and_applies_the_rest(tmp_path: Path) -> None:
+    """A SIGHUP that changes a restart-only key (server.max_concurrent_streams) and a
+    reloadable one (fleet.heartbeat_timeout_ms) applies the second, keeps the first, names
+    it in the log and counts outcome="restart_required"."""
+    from fulcrum.v1 import fleet_pb2
+
+    data: dict[str, Any] = {
+        "server": {"port": 0, "grace_period_s": 5},
+        "metrics": {"port": 0},
+        "logging": {"format": "json"},
+        "fleet": {"heartbeat_timeout_ms": 5000},
+    }
+    cfg = write_config(tmp_path, data)
+    proc = Proc(cfg)
+    try:
+        async with FulcrumClient(proc.address) as client:
+            data["server"]["max_concurrent_streams"] = 16
+            data["fleet"]["heartbeat_timeout_ms"] = 1234
+            cfg.write_text(yaml.safe_dump(data))
+            proc.p.send_signal(signal.SIGHUP)
+            outcome = {"outcome": "restart_required"}
+            assert await wait_metric(
+                proc.metrics_port, "fulcrum_config_reloads_total", outcome, 1
+            ) == 1
+            assert metric_value(proc.metrics_port, "fulcrum_config_restart_required", {}) == 1
+            reply = await client.fleet.Register(fleet_pb2.RegisterRequest(
+                member_id="pf-0", prefill_engine=fleet_pb2.PrefillEngineShape(dp_ranks=1)))
+            assert reply.heartbeat_timeout_ms == 1234
+        proc.p.send_signal(signal.SIGTERM)
+        lines = proc.rest(timeout=10)
+    finally:
+        if proc.p.poll() is None:
+            proc.p.kill()
+            proc.p.wait()
+    assert proc.p.returncode == 0
+    warn = next(e for e in lines if e.get("event") == "config_restart_required")
+    assert warn["keys"] == ["server.max_concurrent_streams"]
+    done = next(e for e in lines if e.get("event") == "config_reloaded")
+    assert done["outcome"] == "restart_required"

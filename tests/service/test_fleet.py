@@ -190,3 +190,122 @@ async def test_member_table_bound_gives_resource_exhausted_with_retry_hint() -> 
         assert int(trailing["retry-after-ms"]) > 0
         # re-registering an existing member is still allowed at the bound
         await client.fleet.Register(decode_instance("a"))
+
+
+# -- reload, kinds and messages -------------------------------------------------------
+
+
+def test_reloaded_heartbeat_timeout_applies_to_live_members() -> None:
+    """fleet.heartbeat_timeout_ms applies at once: a member that was live under the old
+    5 s timeout lapses under the reloaded 1 s one (at access and at the sweep)."""
+    from fulcrum.config.server import FleetSettings
+    from fulcrum.core.types import PrefillEngineShape
+    from fulcrum.errors import NotFound
+    from fulcrum.state.fleet import Fleet
+
+    fleet = Fleet(FleetSettings())
+    t0 = 10**12
+    a, _ = fleet.register("a", PrefillEngineShape(dp_ranks=1), t0)
+    fleet.register("b", PrefillEngineShape(dp_ranks=1), t0)
+    t1 = t0 + 2_000_000_000  # 2 s: live under 5 s
+    fleet.heartbeat("a", a.incarnation, None, t1)
+    assert fleet.expire(t1) == []
+    fleet.apply_settings(FleetSettings(heartbeat_timeout_ms=1000))
+    t2 = t1 + 1_500_000_000
+    with pytest.raises(NotFound, match="lapsed"):
+        fleet.heartbeat("a", a.incarnation, None, t2)
+    assert [m.member_id for m in fleet.expire(t2)] == ["b"]
+    # a lower max_members refuses new members, evicts none
+    fleet.register("c", PrefillEngineShape(dp_ranks=1), t2)
+    fleet.register("d", PrefillEngineShape(dp_ranks=1), t2)
+    fleet.apply_settings(FleetSettings(max_members=1))
+    assert fleet.count() == 2
+    from fulcrum.errors import ResourceExhausted
+
+    with pytest.raises(ResourceExhausted):
+        fleet.register("e", PrefillEngineShape(dp_ranks=1), t2)
+
+
+def test_heartbeat_for_another_kind_is_refused_and_not_counted() -> None:
+    """A call that stands for a heartbeat of one kind (a prefill Pull) does not refresh a
+    member of another kind (a decode instance's id)."""
+    from fulcrum.config.server import FleetSettings
+    from fulcrum.core.types import DecodeInstanceShape, MemberKind
+    from fulcrum.errors import NotFound
+    from fulcrum.state.fleet import Fleet
+
+    fleet = Fleet(FleetSettings())
+    t0 = 10**12
+    dec, _ = fleet.register("dec", DecodeInstanceShape((8,), (1000,)), t0)
+    t1 = t0 + 4_000_000_000
+    with pytest.raises(NotFound, match="engine_id: 'dec' is not a registered prefill_engine"):
+        fleet.heartbeat("dec", dec.incarnation, None, t1, kind=MemberKind.PREFILL_ENGINE,
+                        field="engine_id")
+    # not refreshed: it lapses 5 s after its registration, not after the refused call
+    assert [m.member_id for m in fleet.expire(t0 + 5_000_000_001)] == ["dec"]
+
+
+@pytest.mark.xfail(strict=False, reason="prefill Pull passes kind=PREFILL_ENGINE to "
+                   "Fleet.heartbeat: owned by prefill (state/prefill.py)")
+async def test_refused_pull_is_not_a_heartbeat(daemon: Daemon) -> None:
+    from fulcrum.v1 import prefill_pb2
+
+    clock = FakeClock()
+    daemon.app.clock = clock
+    daemon.app.components["prefill"]._clock = clock  # the prefill state's own clock
+    async with FulcrumClient(daemon.address) as client:
+        reply = await client.fleet.Register(decode_instance("dec-p"))
+        clock.now += 4_000_000_000
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.prefill.Pull(
+                prefill_pb2.PullRequest(engine_id="dec-p", incarnation=reply.incarnation),
+                timeout=5,
+            )
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        clock.now += 1_000_000_001  # 5 s after registration, 1 s after the refused pull
+        assert [m.member_id for m in daemon.app.fleet.expire(clock.now)] == ["dec-p"]
+
+
+async def test_largest_kv_tokens_is_accepted_and_range_is_named(client: FulcrumClient) -> None:
+    """max_kv_tokens = 2^64-1 is in range (it was refused as "must be > 0")."""
+    top = (1 << 64) - 1
+    await client.fleet.Register(pb.RegisterRequest(
+        member_id="dec-big",
+        decode_instance=pb.DecodeInstanceShape(
+            gpus=[pb.DecodeGpuCapacity(max_concurrency=1, max_kv_tokens=top)])))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.fleet.Register(pb.RegisterRequest(
+            member_id="dec-zero",
+            decode_instance=pb.DecodeInstanceShape(
+                gpus=[pb.DecodeGpuCapacity(max_concurrency=1, max_kv_tokens=0)])))
+    assert err.value.details() == (
+        "decode_instance.gpus[0].max_kv_tokens: must be in [1, 2^64-1]")
+
+
+async def test_prefill_heartbeat_with_load_names_the_pull(client: FulcrumClient) -> None:
+    reply = await client.fleet.Register(pb.RegisterRequest(
+        member_id="pf-load", prefill_engine=pb.PrefillEngineShape(dp_ranks=2)))
+    for load in ({"decode_instance": pb.DecodeInstanceLoad(gpus=[pb.DecodeGpuLoad()] * 2)},
+                 {"vision_machine": pb.VisionMachineLoad(patches_in_flight=[0, 0])}):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.fleet.Heartbeat(pb.HeartbeatRequest(
+                member_id="pf-load", incarnation=reply.incarnation, **load))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details() or ""
+        assert details.startswith("load: must be empty for a prefill engine"), details
+        assert "decode instance" not in details
+
+
+def test_lookups_name_the_callers_field_and_kind() -> None:
+    from fulcrum.config.server import FleetSettings
+    from fulcrum.core.types import DecodeInstanceShape, MemberKind
+    from fulcrum.errors import NotFound
+    from fulcrum.state.fleet import Fleet
+
+    fleet = Fleet(FleetSettings())
+    fleet.register("dec", DecodeInstanceShape((8,), (1000,)), 0)
+    with pytest.raises(NotFound, match=r"^engine_id: .nobody. is not registered"):
+        fleet.get_live("nobody", None, 1, field="engine_id")
+    with pytest.raises(NotFound, match=r"^engine_id: .dec. is not a registered prefill_engine"):
+        fleet.get_live("dec", None, 1, kind=MemberKind.PREFILL_ENGINE, field="engine_id")
+    assert fleet.get_live("dec", None, 1, kind=MemberKind.DECODE_INSTANCE).member_id == "dec"

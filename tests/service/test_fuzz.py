@@ -29,7 +29,7 @@ from fulcrum.client import FulcrumClient
 from fulcrum.metrics import REGISTRY
 from fulcrum.service.server import Daemon
 from fulcrum.testing import running_server
-from fulcrum.v1 import diagnostics_pb2, expert_pb2, fleet_pb2
+from fulcrum.v1 import diagnostics_pb2, expert_pb2, fleet_pb2, prefill_pb2, vision_pb2
 
 BAD_CODES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 #: Ids that exist in the daemon before fuzzing (see :func:`seed_state`), so that random
@@ -195,6 +195,12 @@ class Outcome:
     method: str
     code: grpc.StatusCode
     details: str
+    trailers: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def retry_after_ms(self) -> int | None:
+        value = dict(self.trailers).get("retry-after-ms")
+        return None if value is None else int(value)
 
 
 async def call_raw(
@@ -228,7 +234,8 @@ async def call_raw(
         else:
             await channel.unary_unary(path, **kw)(payloads[0], timeout=timeout)
     except grpc.aio.AioRpcError as err:
-        return Outcome(path, err.code(), err.details() or "")
+        return Outcome(path, err.code(), err.details() or "",
+                       tuple(err.trailing_metadata() or ()))
     return Outcome(path, grpc.StatusCode.OK, "")
 
 
@@ -354,16 +361,33 @@ async def test_known_malformed_message_is_invalid_argument(client: FulcrumClient
     assert out.code == grpc.StatusCode.INVALID_ARGUMENT, out
 
 
-@pytest.mark.parametrize("size", [1 << 20, 17 << 20])
+@pytest.mark.parametrize("size", [1 << 20, 17 << 20, 33 << 20])
 async def test_oversized_message(daemon: Daemon, client: FulcrumClient, size: int) -> None:
-    """Past server.max_message_bytes the answer is RESOURCE_EXHAUSTED; below, a valid
+    """Past server.max_message_bytes (16 MiB) the answer is RESOURCE_EXHAUSTED: up to twice
+    the bound from the daemon, naming the bound, with a retry-after-ms trailer; beyond
+    twice the bound gRPC's transport refuses the message before any of our code runs
+    (RESOURCE_EXHAUSTED "Received message larger than max", no trailer). Below, a valid
     message is served."""
+    limit = daemon.app.settings.server.max_message_bytes
     register = next(m for m in METHODS if m.name == "Register")
     payload = b"\x0a\x03abc" + b"\x12" + _varint(size) + b"\x00" * size
     out = await call_raw(client.channel, register, [payload], timeout=10.0)
     assert out.code not in BAD_CODES, out
-    if size > daemon.app.settings.server.max_message_bytes:
+    if size > limit:
         assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED, out
+    if limit < size <= 2 * limit:
+        assert "server.max_message_bytes=16777216" in out.details, out
+        assert out.retry_after_ms is not None and out.retry_after_ms > 0, out
+    if size > 2 * limit:
+        assert "larger than max" in out.details, out
+        assert out.retry_after_ms is None
+    # the same bound on a client stream, message by message
+    stream = next(m for m in METHODS if m.name == "PingStream")
+    if limit < size <= 2 * limit:
+        out = await call_raw(client.channel, stream, [b"\x0a\x01x", b"\x0a" + _varint(size)
+                                                     + b"\x00" * size], timeout=10.0)
+        assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED, out
+        assert out.retry_after_ms is not None, out
     await still_alive(client)
 
 
@@ -375,3 +399,135 @@ def _varint(n: int) -> bytes:
         out.append(b | (0x80 if n else 0))
         if not n:
             return bytes(out)
+
+
+# -- every RPC's repeated fields at and beyond their bounds -------------------------------
+
+U32 = (1 << 32) - 1
+
+
+def _register_decode(n: int) -> fleet_pb2.RegisterRequest:
+    return fleet_pb2.RegisterRequest(member_id="decode-x", decode_instance=fleet_pb2.
+                                     DecodeInstanceShape(gpus=[fleet_pb2.DecodeGpuCapacity(
+                                         max_concurrency=1, max_kv_tokens=1)] * n))
+
+
+def _heartbeat_decode(n: int) -> fleet_pb2.HeartbeatRequest:
+    return fleet_pb2.HeartbeatRequest(member_id="decode-0", incarnation=1,
+                                      decode_instance=fleet_pb2.DecodeInstanceLoad(
+                                          gpus=[fleet_pb2.DecodeGpuLoad()] * n))
+
+
+def _heartbeat_vision(n: int) -> fleet_pb2.HeartbeatRequest:
+    return fleet_pb2.HeartbeatRequest(member_id="ve-0", incarnation=1,
+                                      vision_machine=fleet_pb2.VisionMachineLoad(
+                                          patches_in_flight=[0] * n))
+
+
+def _pull(n: int) -> prefill_pb2.PullRequest:
+    return prefill_pb2.PullRequest(engine_id="engine-0", rank_loads_ns=[0] * n)
+
+
+def _report(n: int) -> prefill_pb2.ReportStepTimesRequest:
+    return prefill_pb2.ReportStepTimesRequest(
+        engine_id="engine-0", samples=[prefill_pb2.StepSample(q=1, c=0, measured_ns=1)] * n)
+
+
+def _images(n: int) -> vision_pb2.PlaceImagesRequest:
+    return vision_pb2.PlaceImagesRequest(
+        request_id="r-bound", images=[vision_pb2.Image(width=16, height=16, patch_size=16)] * n)
+
+
+def _register_group(shape: list[int]) -> expert_pb2.RegisterGroupRequest:
+    return expert_pb2.RegisterGroupRequest(
+        group_id="g-bound", role=expert_pb2.GROUP_ROLE_DECODE, ep_size=4, num_layers=2,
+        num_experts=8, expert_bytes=1024,
+        initial_map=expert_pb2.Tensor(dtype="int64", shape=shape, data=b""))
+
+
+def _report_load(shape: list[int]) -> expert_pb2.ReportLoadRequest:
+    return expert_pb2.ReportLoadRequest(
+        group_id="g", step_begin=0, step_end=1,
+        load=expert_pb2.Tensor(dtype="int64", shape=shape, data=b""))
+
+
+def _report_values(n: int) -> expert_pb2.ReportLoadRequest:
+    return expert_pb2.ReportLoadRequest(group_id="g", step_begin=0, step_end=1,
+                                        load_values=[1] * n)
+
+
+_EPLB = pytest.mark.xfail(strict=False, reason="Tensor shape bounds (dimensions, element "
+                          "count before reshape): owned by eplb (service/eplb.py)")
+
+#: (case, method name, request, field named in the answer, bound named in the answer
+#: ("" when the bound is not a number of this daemon's settings))
+BOUND_CASES = [
+    pytest.param("Register", _register_decode(1025), "decode_instance.gpus", "1024",
+                 id="Register.decode_instance.gpus=1025"),
+    pytest.param("Register", _register_decode(200_000), "decode_instance.gpus", "1024",
+                 id="Register.decode_instance.gpus=200000"),
+    pytest.param("Heartbeat", _heartbeat_decode(1025), "decode_instance.gpus", "1024",
+                 id="Heartbeat.decode_instance.gpus=1025"),
+    pytest.param("Heartbeat", _heartbeat_vision(1_000_000), "vision_machine.patches_in_flight",
+                 "1024", id="Heartbeat.vision_machine.patches_in_flight=1e6"),
+    pytest.param("Pull", _pull(1_000_000), "rank_loads_ns", "", id="Pull.rank_loads_ns=1e6"),
+    pytest.param("ReportStepTimes", _report(4097), "samples", "4096",
+                 id="ReportStepTimes.samples=4097"),
+    pytest.param("PlaceImages", _images(65), "images", "64", id="PlaceImages.images=65"),
+    pytest.param("PlaceImages", _images(200_000), "images", "64",
+                 id="PlaceImages.images=200000"),
+    pytest.param("RegisterGroup", _register_group([1] * 65), "initial_map.shape", "",
+                 marks=_EPLB, id="RegisterGroup.initial_map.shape=65dims"),
+    pytest.param("RegisterGroup", _register_group([0, U32, U32, U32]), "initial_map", "",
+                 marks=_EPLB, id="RegisterGroup.initial_map.shape=huge"),
+    pytest.param("ReportLoad", _report_load([1] * 65), "load.shape", "",
+                 marks=_EPLB, id="ReportLoad.load.shape=65dims"),
+    pytest.param("ReportLoad", _report_load([0, U32, U32, U32]), "load", "",
+                 marks=_EPLB, id="ReportLoad.load.shape=huge"),
+    pytest.param("ReportLoad", _report_values(1_000_000), "load_values", "",
+                 id="ReportLoad.load_values=1e6"),
+]
+
+
+@pytest.mark.parametrize(("method", "request_", "field", "bound"), BOUND_CASES)
+async def test_repeated_fields_beyond_their_bounds(
+    client: FulcrumClient, method: str, request_: Message, field: str, bound: str
+) -> None:
+    """A repeated field past its bound gets INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming
+    the field (and the bound when it is a setting), never INTERNAL; the daemon lives on."""
+    await seed_state(client)
+    m = next(x for x in METHODS if x.name == method)
+    before = server_bad_codes()
+    out = await call_raw(client.channel, m, [request_.SerializeToString()], timeout=10.0)
+    assert out.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), out
+    assert field in out.details, out
+    assert bound in out.details, out
+    assert server_bad_codes() == before
+    await still_alive(client)
+
+
+async def test_repeated_fields_at_their_bounds_are_served(client: FulcrumClient) -> None:
+    """At the bound itself nothing is refused for its length."""
+    await client.fleet.Register(_register_decode(1024))
+    await seed_state(client)
+    await client.prefill.ReportStepTimes(_report(4096))
+    await client.vision.PlaceImages(_images(64))
+    await still_alive(client)
+
+
+async def test_stream_repeated_field_beyond_its_bound(client: FulcrumClient) -> None:
+    """PlaceImagesStream answers a placement with too many images in-band (the unary
+    call's code and message), and the stream goes on."""
+    await seed_state(client)
+
+    async def requests() -> AsyncIterator[vision_pb2.PlaceImagesStreamRequest]:
+        yield vision_pb2.PlaceImagesStreamRequest(sequence=1, place=_images(65))
+        yield vision_pb2.PlaceImagesStreamRequest(sequence=2, place=_images(1))
+
+    replies = [r async for r in client.vision.PlaceImagesStream(requests(), timeout=10)]
+    by_seq = {r.sequence: r for r in replies}
+    assert by_seq[1].code in (grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                              grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]), by_seq[1]
+    assert "images" in by_seq[1].message and "64" in by_seq[1].message, by_seq[1]
+    assert by_seq[2].code == 0, by_seq[2]
+    await still_alive(client)

@@ -219,3 +219,242 @@ async def test_health_and_ping_answer_under_a_burst() -> None:
             grpc.StatusCode.CANCELLED,
         }, codes
         assert d.app.in_flight == 0
+
+
+# -- admission control --------------------------------------------------------------------
+
+
+def _shed(cls: str, reason: str) -> float:
+    from fulcrum.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value("fulcrum_rpc_shed_total",
+                                     {"class": cls, "reason": reason}) or 0.0
+
+
+async def test_class_concurrency_bound_answers_with_retry_hint() -> None:
+    """Beyond server.admission.max_control concurrent control calls, the next one is
+    answered RESOURCE_EXHAUSTED at once with retry-after-ms; health and placements, other
+    classes, still answer; once the calls end the class admits again."""
+    over = {"server": {"admission": {"max_control": 2, "retry_after_ms": 250}},
+            "metrics": {"enabled": False}}
+    async with running_server(over) as d, FulcrumClient(d.address) as c:
+        await _setup_vision(c)
+        admission = d.app.components["admission"]
+        slow = [asyncio.ensure_future(
+            c.diagnostics.Ping(diagnostics_pb2.PingRequest(delay_ms=60_000), timeout=90))
+            for _ in range(2)]
+        try:
+            for _ in range(1000):  # bounded wait until both are in
+                if admission.in_flight["control"] >= 2:
+                    break
+                await asyncio.sleep(0.002)
+            before = _shed("control", "concurrency")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "control calls are being shed" in (err.value.details() or "")
+            assert int(dict(err.value.trailing_metadata() or ())[RETRY_AFTER_KEY]) == 250
+            assert _shed("control", "concurrency") == before + 1
+            health = await c.health.Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            await _place_images(c, 1)  # the placement class is not full
+        finally:
+            for t in slow:
+                t.cancel()
+            for t in slow:
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await t
+        for _ in range(1000):
+            if admission.in_flight["control"] == 0:
+                break
+            await asyncio.sleep(0.002)
+        assert admission.in_flight == {"control": 0, "placement": 0, "admin": 0}
+        await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
+
+
+async def test_late_loop_sheds_placements_but_not_control_calls() -> None:
+    """While the event loop runs late, new placements are refused with a retry hint (at
+    least twice the lateness) and change nothing; heartbeats, Pull-path calls, releases
+    and health keep being served. A reload can turn shedding off."""
+    from fulcrum.config import with_overrides
+    from fulcrum.service.admission import class_of
+
+    async with running_server({"metrics": {"enabled": False}}) as d, FulcrumClient(
+        d.address
+    ) as c:
+        await _setup_vision(c)
+        reply = await c.fleet.Register(_decode_member(0))
+        admission = d.app.components["admission"]
+        admission.load_shedding = True  # as when the ticker runs (fulcrum serve)
+        admission.observe_lag(1.0)  # as the ticker would after a 1 s stall
+        before = _shed("placement", "loop_lag")
+        for call in (_place_images, _place_decode):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(c, 7)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert int(dict(err.value.trailing_metadata() or ())[RETRY_AFTER_KEY]) >= 1000
+        assert _shed("placement", "loop_lag") == before + 2
+        assert d.app.components["vision"] is not None
+        await c.fleet.Heartbeat(fleet_pb2.HeartbeatRequest(
+            member_id="decode-0", incarnation=reply.incarnation))
+        await c.prefill.GetCostModel(prefill_pb2.GetCostModelRequest())
+        await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
+        health = await c.health.Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert class_of("/fulcrum.v1.VisionBalancerService/ReleaseImages") == "control"
+        assert class_of("/fulcrum.v1.PrefillBalancerService/Pull") == "control"
+        assert class_of("/fulcrum.v1.PrefillBalancerService/Submit") == "placement"
+        assert class_of("/fulcrum.v1.FleetService/ListMembers") == "admin"
+        # reload: shedding off -> placements admitted although the loop is still "late"
+        off = with_overrides(d.app.settings, {"server": {"admission": {"enabled": False}}})
+        assert d.reload(off) == "applied"
+        admission.observe_lag(1.0)
+        await _place_images(c, 8)
+        # the lateness decays by half per tick once the loop catches up
+        on = with_overrides(d.app.settings, {"server": {"admission": {"enabled": True}}})
+        assert d.reload(on) == "applied"
+        for _ in range(8):
+            admission.observe_lag(0.0)
+        await _place_images(c, 9)
+
+
+async def test_queued_calls_shed_placements_on_arrival_without_reading_them() -> None:
+    """While a call has waited longer than server.admission.shed_wait_ms between its
+    arrival and its handler, placements are refused on arrival (the request is not even
+    parsed: a malformed one gets the same refusal), control calls go on; once the waiting
+    call's handler starts (or it is forgotten), placements are admitted again."""
+    import time
+
+    from fulcrum.config.server import AdmissionSettings
+    from fulcrum.service.admission import FORGET_AFTER, Admission
+
+    async with running_server({"metrics": {"enabled": False}}) as d, FulcrumClient(
+        d.address
+    ) as c:
+        await _setup_vision(c)
+        admission = d.app.components["admission"]
+        admission.load_shedding = True  # as when the ticker runs (fulcrum serve)
+        # a call that arrived 1 s ago and is still waiting for its handler
+        stuck, _ = admission.arrive("control", time.perf_counter() - 1.0)
+        before = _shed("placement", "queue_wait")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _place_images(c, 1)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert int(dict(err.value.trailing_metadata() or ())[RETRY_AFTER_KEY]) >= 2000
+        raw = c.channel.unary_unary("/fulcrum.v1.VisionBalancerService/PlaceImages",
+                                    request_serializer=lambda b: b,
+                                    response_deserializer=lambda b: b)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await raw(b"\x0a\x02\xc3\x28")  # not parsed: refused as busy, not malformed
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _shed("placement", "queue_wait") == before + 2
+        await c.diagnostics.Ping(diagnostics_pb2.PingRequest())  # control: served
+        admission.started(stuck)
+        await _place_images(c, 2)
+        assert not admission.waiting  # every admitted call reached its handler
+    # forgetting, with a synthetic clock
+    a = Admission(AdmissionSettings(shed_wait_ms=100))
+    a.load_shedding = True
+    a.arrive("control", 10.0)
+    assert a.arrive("placement", 10.05)[1] is None
+    assert a.arrive("placement", 10.2)[1] is not None  # waited 200 ms > 100 ms
+    assert a.arrive("control", 10.2)[1] is None  # control is never refused for it
+    assert a.arrive("placement", 10.0 + FORGET_AFTER * 0.1 + 0.01)[1] is not None  # 10.05
+    assert a.arrive("placement", 10.2 + FORGET_AFTER * 0.1 + 0.01)[1] is None  # forgotten
+
+
+async def test_refused_and_malformed_calls_stop_waiting() -> None:
+    """A call the input guard refuses (malformed bytes) or that fails in its handler is
+    no longer counted as waiting: it cannot make the daemon shed placements."""
+    async with running_server({"metrics": {"enabled": False}}) as d, FulcrumClient(
+        d.address
+    ) as c:
+        admission = d.app.components["admission"]
+        raw = c.channel.unary_unary("/fulcrum.v1.FleetService/Register",
+                                    request_serializer=lambda b: b,
+                                    response_deserializer=lambda b: b)
+        for _ in range(3):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await raw(b"\x0a\x02\xc3\x28")
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError):
+            await c.fleet.Heartbeat(fleet_pb2.HeartbeatRequest(member_id="nobody"))
+        assert not admission.waiting
+        assert admission.in_flight == {"control": 0, "placement": 0, "admin": 0}
+
+
+async def test_calls_abandoned_before_their_handler_stop_waiting() -> None:
+    """A call whose caller gives up before its handler runs (gRPC cancels the call's task
+    while it waits for the message) is no longer counted as waiting: it cannot make the
+    daemon shed placements. (Through the shell interceptor, with the task cancelled at the
+    point where gRPC would be receiving the request.)"""
+    from types import SimpleNamespace
+
+    from fulcrum.config.server import AdmissionSettings
+    from fulcrum.service.admission import Admission
+    from fulcrum.service.app import App
+    from fulcrum.service.interceptors import ShellInterceptor
+    from fulcrum.testing import test_settings
+
+    admission = Admission(AdmissionSettings())
+    shell = ShellInterceptor(App.create(test_settings()), admission)
+
+    async def continuation(details: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+
+    details = SimpleNamespace(method="/fulcrum.v1.VisionBalancerService/PlaceImages",
+                              invocation_metadata=())
+    parked = asyncio.Event()
+
+    async def rpc() -> None:
+        await shell.intercept_service(continuation, details)
+        parked.set()
+        await asyncio.Event().wait()  # receiving the request message, forever
+
+    task = asyncio.ensure_future(rpc())
+    await parked.wait()
+    assert len(admission.waiting) == 1
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert not admission.waiting
+
+
+async def test_calls_abandoned_in_the_queue_shed_placements() -> None:
+    """When callers give up on more than 10% of the calls before their handlers run (the
+    signature of a queue inside gRPC in front of the handlers), placements are refused on
+    arrival, with a retry hint, for the next window; control calls are not."""
+    import time
+
+    from fulcrum.config.server import AdmissionSettings
+    from fulcrum.service.admission import ABANDONED_SHARE, WINDOW_S, Admission
+
+    a = Admission(AdmissionSettings())
+    a.load_shedding = True
+    tokens = [a.arrive("control", time.perf_counter())[0] for _ in range(40)]
+    for t in tokens[:32]:
+        a.started(t)
+    for t in tokens[32:]:
+        a.ended(t)  # 8 of 40 abandoned
+    for t in tokens:
+        a.ended(t)  # a task that ends after its handler started is not abandoned
+    deadline = time.perf_counter() + WINDOW_S
+    while time.perf_counter() < deadline:  # bounded: let the window close
+        await asyncio.sleep(0.01)
+    b, _ = a.arrive("control", time.perf_counter())
+    a.started(b)  # closes the window: 20% abandoned
+    assert a.abandoned_share == 0.2 > ABANDONED_SHARE
+    token, hint = a.arrive("placement", time.perf_counter())
+    assert token == 0 and hint is not None and hint >= 100
+    assert a.arrive("control", time.perf_counter())[1] is None
+    # a few cancels among few calls are not a queue
+    few = Admission(AdmissionSettings())
+    few.load_shedding = True
+    toks = [few.arrive("control", time.perf_counter())[0] for _ in range(4)]
+    few.ended(toks[0])
+    few.ended(toks[1])
+    few._window_end = 0.0  # close the window now
+    c, _ = few.arrive("control", time.perf_counter())
+    few.started(c)
+    assert few.abandoned_share == 0.0
+    assert few.arrive("placement", time.perf_counter())[1] is None

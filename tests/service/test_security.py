@@ -31,7 +31,7 @@ from fulcrum.client.tls import channel_credentials, channel_credentials_from_pem
 from fulcrum.config import ConfigError, with_overrides
 from fulcrum.config.security import read_tokens
 from fulcrum.metrics import REGISTRY
-from fulcrum.service import security
+from fulcrum.service import authz
 from fulcrum.service.server import Daemon
 from fulcrum.testing import running_server
 from fulcrum.v1 import (
@@ -128,7 +128,7 @@ ADMIN_TOKEN = "admin-token-0123456789abcdefgh"
 ENTRY_TOKEN = "entry-token-0123456789abcdefgh"
 
 IDENTITIES: dict[str, Any] = {
-    "engine-a": {"role": "engine", "ids": ["engine-a-*", "group-a"]},
+    "engine-a": {"role": "engine", "ids": ["engine-a-*", "group-a"], "kinds": ["prefill_engine"]},
     "entry": {"role": "entrypoint"},
     "ops": {"role": "admin"},
 }
@@ -510,15 +510,15 @@ def test_rule_table_covers_every_method_and_names_real_id_fields() -> None:
         for m in service.methods:
             full = f"/{service.full_name}/{m.name}"
             listed.add(full)
-            assert full in security.METHOD_RULES, f"no rule for {full}"
-            rule = security.METHOD_RULES[full]
+            assert full in authz.METHOD_RULES, f"no rule for {full}"
+            rule = authz.METHOD_RULES[full]
             if rule.id_field is not None:
                 field = m.input_type.fields_by_name.get(rule.id_field)
                 assert field is not None, f"{full}: no field {rule.id_field}"
                 assert field.type == field.TYPE_STRING
-    assert set(security.METHOD_RULES) <= listed, set(security.METHOD_RULES) - listed
-    assert security.rule_for("/grpc.health.v1.Health/Check") is None
-    assert security.rule_for("/fulcrum.v1.Unknown/Drain") == security.Rule(
+    assert set(authz.METHOD_RULES) <= listed, set(authz.METHOD_RULES) - listed
+    assert authz.rule_for("/grpc.health.v1.Health/Check") is None
+    assert authz.rule_for("/fulcrum.v1.Unknown/Drain") == authz.Rule(
         frozenset({"admin"})
     )
 
@@ -536,7 +536,7 @@ def test_rule_table_covers_every_method_and_names_real_id_fields() -> None:
     ],
 )
 def test_identity_binding(role: str, ids: tuple[str, ...], member: str, allowed: bool) -> None:
-    assert security.Identity("n", role, ids, "token").may_act_for(member) is allowed
+    assert authz.Identity("n", role, ids, "token").may_act_for(member) is allowed
 
 
 async def test_malformed_bytes_are_checked_after_authentication(
@@ -556,3 +556,179 @@ async def test_malformed_bytes_are_checked_after_authentication(
                 path, request_serializer=ident, response_deserializer=ident
             )
             assert await code_of(call(garbage)) == expected
+
+
+# -- identities bound to member kinds ---------------------------------------------------
+
+
+def decode_register(member_id: str) -> fleet_pb2.RegisterRequest:
+    return fleet_pb2.RegisterRequest(
+        member_id=member_id,
+        decode_instance=fleet_pb2.DecodeInstanceShape(
+            gpus=[fleet_pb2.DecodeGpuCapacity(max_concurrency=8, max_kv_tokens=1000)] * 64
+        ),
+    )
+
+
+def vision_register(member_id: str) -> fleet_pb2.RegisterRequest:
+    return fleet_pb2.RegisterRequest(
+        member_id=member_id, vision_machine=fleet_pb2.VisionMachineShape(gpus=8)
+    )
+
+
+async def test_engine_credential_cannot_register_another_member_kind(
+    token_daemon: Daemon, pki: Pki
+) -> None:
+    """engine-a may register prefill engines under its ids, not a 64-GPU decode instance
+    nor a VE machine under the same ids; the refusal changes nothing."""
+    before = denials("PERMISSION_DENIED", "kind", "FleetService/Register")
+    async with token_client(token_daemon, pki, ENGINE_TOKEN) as engine:
+        for request in (decode_register("engine-a-7"), vision_register("engine-a-8")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await engine.fleet.Register(request)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "shape: identity engine-a may not register a" in str(err.value.details())
+            assert "prefill_engine" in str(err.value.details())
+        await engine.fleet.Register(register("engine-a-9"))
+        # no shape at all: the service's INVALID_ARGUMENT, not a denial
+        assert await code_of(
+            engine.fleet.Register(fleet_pb2.RegisterRequest(member_id="engine-a-6"))
+        ) == grpc.StatusCode.INVALID_ARGUMENT
+    assert denials("PERMISSION_DENIED", "kind", "FleetService/Register") == before + 2
+    ids = {m.member_id for m, _ in token_daemon.app.fleet.members(None)}
+    assert "engine-a-7" not in ids and "engine-a-8" not in ids and "engine-a-9" in ids
+    async with token_client(token_daemon, pki, ADMIN_TOKEN) as admin:  # admin: any kind
+        await admin.fleet.Register(decode_register("dec-admin"))
+
+
+@pytest.mark.parametrize(
+    ("role", "kinds", "kind", "allowed"),
+    [
+        ("engine", ("prefill_engine",), "prefill_engine", True),
+        ("engine", ("prefill_engine",), "decode_instance", False),
+        ("engine", ("prefill_engine",), "vision_machine", False),
+        ("engine", ("decode_instance", "vision_machine"), "vision_machine", True),
+        ("engine", (), "prefill_engine", False),
+        ("entrypoint", ("decode_instance",), "decode_instance", True),
+        ("admin", (), "decode_instance", True),
+    ],
+)
+def test_identity_kind_binding(
+    role: str, kinds: tuple[str, ...], kind: str, allowed: bool
+) -> None:
+    ident = authz.Identity("n", role, ("*",), "token", frozenset(kinds))
+    assert ident.may_register(kind) is allowed
+    rule = authz.METHOD_RULES["/fulcrum.v1.FleetService/Register"]
+    request = {
+        "prefill_engine": register("m"),
+        "decode_instance": decode_register("m"),
+        "vision_machine": vision_register("m"),
+    }[kind]
+    if allowed or role != "engine":
+        authz.Authorizer.authorize_id(ident, rule, request)
+    else:
+        with pytest.raises(authz.Denied) as err:
+            authz.Authorizer.authorize_id(ident, rule, request)
+        assert err.value.reason == "kind"
+
+
+def test_register_rule_names_the_shape_oneof() -> None:
+    """The kind check reads Register's ``shape`` oneof, whose field names are the kinds."""
+    rule = authz.METHOD_RULES["/fulcrum.v1.FleetService/Register"]
+    assert rule.kind_oneof == "shape"
+    oneof = fleet_pb2.RegisterRequest.DESCRIPTOR.oneofs_by_name["shape"]
+    assert {f.name for f in oneof.fields} == {"prefill_engine", "decode_instance",
+                                                "vision_machine"}
+
+
+def test_unknown_kind_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as err:
+        testing.test_settings(
+            {"security": {"auth": {"identities": {"x": {"role": "engine", "kinds": ["gpu"]}}}}}
+        )
+    assert "security.auth.identities.x.kinds.0" in str(err.value)
+
+
+# -- certificate rotation and the expiry gauge ------------------------------------------
+
+
+def tls_client(d: Daemon, ca: bytes) -> FulcrumClient:
+    # a connection of its own (no subchannel sharing), retries off: a failed handshake
+    # surfaces at once
+    return FulcrumClient(
+        d.address,
+        credentials=channel_credentials_from_pem(ca, None, None),
+        timeout_s=5.0,
+        options=[("grpc.enable_retries", 0), ("grpc.use_local_subchannel_pool", 1)],
+    )
+
+
+async def test_reload_rotates_the_server_certificate(tmp_path: Path) -> None:
+    """A reload with a new certificate (another CA's) serves it to new connections without
+    a restart; clients trusting only the old CA then fail the handshake. The expiry gauge
+    follows the served certificate."""
+    old_ca, old_key, old_ca_cert = make_ca("old-ca")
+    new_ca, new_key, new_ca_cert = make_ca("new-ca")
+    old_leaf = make_leaf(old_key, old_ca_cert, "fulcrum-server", server=True)
+    new_leaf = make_leaf(new_key, new_ca_cert, "fulcrum-server", server=True)
+    (tmp_path / "server.crt").write_bytes(old_leaf.cert)
+    (tmp_path / "server.key").write_bytes(old_leaf.key)
+    over = {
+        "metrics": {"enabled": False},
+        "security": {"plaintext": False, "tls": {"cert_file": str(tmp_path / "server.crt"),
+                                                  "key_file": str(tmp_path / "server.key")}},
+    }
+    async with running_server(over) as d:
+        expiry = x509.load_pem_x509_certificate(old_leaf.cert).not_valid_after_utc.timestamp()
+        assert REGISTRY.get_sample_value(
+            "fulcrum_tls_certificate_expiry_timestamp_seconds") == expiry
+        async with tls_client(d, old_ca.cert) as c:
+            await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
+        async with tls_client(d, new_ca.cert) as c:
+            assert await code_of(c.diagnostics.Ping(diagnostics_pb2.PingRequest(), timeout=2)) \
+                == grpc.StatusCode.UNAVAILABLE
+
+        # a key that does not match the certificate is refused: the old pair stays
+        (tmp_path / "server.crt").write_bytes(new_leaf.cert)
+        with structlog.testing.capture_logs() as logs:
+            assert d.reload(with_overrides(d.app.settings, {})) == "applied"
+        assert any(e["event"] == "tls_reload_refused" for e in logs)
+        async with tls_client(d, old_ca.cert) as c:
+            await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
+
+        (tmp_path / "new.key").write_bytes(new_leaf.key)
+        rotated = with_overrides(
+            d.app.settings, {"security": {"tls": {"key_file": str(tmp_path / "new.key")}}}
+        )
+        assert d.reload(rotated) == "applied"
+        assert d.app.components["tls"].rotations == 1
+        async with tls_client(d, new_ca.cert) as c:
+            await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
+        async with tls_client(d, old_ca.cert) as c:
+            assert await code_of(c.diagnostics.Ping(diagnostics_pb2.PingRequest(), timeout=2)) \
+                == grpc.StatusCode.UNAVAILABLE
+        expiry = x509.load_pem_x509_certificate(new_leaf.cert).not_valid_after_utc.timestamp()
+        assert REGISTRY.get_sample_value(
+            "fulcrum_tls_certificate_expiry_timestamp_seconds") == expiry
+
+
+async def test_plaintext_daemon_exports_no_certificate_expiry(daemon: Daemon) -> None:
+    """The gauge is absent (not 0) on a plaintext daemon, so the expiry alert cannot fire."""
+    assert daemon.app.settings.security.plaintext
+    assert REGISTRY.get_sample_value(
+        "fulcrum_tls_certificate_expiry_timestamp_seconds") is None
+    names = {f.name for f in REGISTRY.collect()}
+    assert "fulcrum_tls_certificate_expiry_timestamp_seconds" not in names
+
+
+async def test_reload_with_restart_only_tls_keys_keeps_them(pki: Pki) -> None:
+    async with running_server(token_overrides(pki)) as d:
+        changed = with_overrides(
+            d.app.settings,
+            {"security": {"tls": {"client_ca_file": str(pki.dir / "ca.crt")}}},
+        )
+        with structlog.testing.capture_logs() as logs:
+            assert d.reload(changed) == "restart_required"
+        assert d.app.settings.security.tls.client_ca_file == ""
+        warn = next(e for e in logs if e["event"] == "config_restart_required")
+        assert warn["keys"] == ["security.tls.client_ca_file"]

@@ -139,3 +139,106 @@ async def test_drain_closes_open_streams_with_unavailable(
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await call.read()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_health_list_names_every_service(daemon: Daemon, client: FulcrumClient) -> None:
+    """grpc.health.v1.Health/List answers (it was INTERNAL with a traceback)."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(client.channel)
+    reply = await stub.List(health_pb2.HealthListRequest())
+    assert set(reply.statuses) == FULCRUM_SERVICES | {""}
+    assert all(s.status == health_pb2.HealthCheckResponse.SERVING
+               for s in reply.statuses.values())
+
+
+# -- reload -----------------------------------------------------------------------------
+
+
+def reloads(outcome: str) -> float:
+    from fulcrum.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value("fulcrum_config_reloads_total", {"outcome": outcome}) or 0.0
+
+
+async def test_reload_keeps_restart_only_keys_and_reports_them(daemon: Daemon) -> None:
+    import structlog
+
+    from fulcrum.config import with_overrides
+
+    before = reloads("restart_required")
+    new = with_overrides(daemon.app.settings, {
+        "server": {"port": daemon.port + 1, "max_call_s": 7.0, "seed": 99},
+        "fleet": {"heartbeat_timeout_ms": 700, "heartbeat_interval_ms": 100},
+    })
+    with structlog.testing.capture_logs() as logs:
+        assert daemon.reload(new) == "restart_required"
+    s = daemon.app.settings
+    assert s.server.port == 0 and s.server.seed == 1234  # kept: restart-only
+    assert s.server.max_call_s == 7.0 and s.fleet.heartbeat_timeout_ms == 700  # applied
+    assert daemon.app.fleet.settings.heartbeat_timeout_ms == 700
+    warn = next(e for e in logs if e["event"] == "config_restart_required")
+    assert warn["keys"] == ["server.port", "server.seed"]
+    assert reloads("restart_required") == before + 1
+    from fulcrum.metrics import REGISTRY
+
+    assert REGISTRY.get_sample_value("fulcrum_config_restart_required") == 1
+    # the same file again, minus the restart-only changes: applied, nothing to restart
+    before = reloads("applied")
+    assert daemon.reload(with_overrides(s, {})) == "applied"
+    assert reloads("applied") == before + 1
+    assert REGISTRY.get_sample_value("fulcrum_config_restart_required") == 0
+
+
+async def test_reloaded_fleet_timing_reaches_members(daemon: Daemon, client: FulcrumClient) -> None:
+    from fulcrum.config import with_overrides
+    from fulcrum.v1 import fleet_pb2
+
+    new = with_overrides(daemon.app.settings, {
+        "fleet": {"heartbeat_timeout_ms": 800, "heartbeat_interval_ms": 200}})
+    assert daemon.reload(new) == "applied"
+    reply = await client.fleet.Register(fleet_pb2.RegisterRequest(
+        member_id="pf-1", prefill_engine=fleet_pb2.PrefillEngineShape(dp_ranks=1)))
+    assert (reply.heartbeat_interval_ms, reply.heartbeat_timeout_ms) == (200, 800)
+    beat = await client.fleet.Heartbeat(
+        fleet_pb2.HeartbeatRequest(member_id="pf-1", incarnation=reply.incarnation))
+    assert beat.heartbeat_timeout_ms == 800
+
+
+async def test_reloaded_max_call_s_caps_calls(daemon: Daemon, client: FulcrumClient) -> None:
+    from fulcrum.config import with_overrides
+
+    assert daemon.reload(
+        with_overrides(daemon.app.settings, {"server": {"max_call_s": 0.05}})) == "applied"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.diagnostics.Ping(diagnostics_pb2.PingRequest(delay_ms=5_000))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "max_call_s=0.05" in (err.value.details() or "")
+
+
+async def test_reload_refused_when_restart_only_values_make_it_invalid(daemon: Daemon) -> None:
+    """plaintext stays true (restart-only); TLS files with plaintext are refused whole."""
+    from fulcrum.config import Settings
+
+    data = daemon.app.settings.model_dump()
+    data["security"]["plaintext"] = False
+    data["security"]["tls"] = {"cert_file": __file__, "key_file": __file__,
+                               "client_ca_file": ""}
+    new = Settings.model_validate(data)
+    before = reloads("refused")
+    assert daemon.reload(new) == "refused"
+    assert reloads("refused") == before + 1
+    assert daemon.app.settings.security.plaintext
+
+
+def test_restart_only_keys_are_marked_in_the_models() -> None:
+    from fulcrum.config import restart_only_keys
+
+    keys = restart_only_keys()
+    for key in ("server.host", "server.port", "server.max_message_bytes",
+                "server.max_concurrent_streams", "server.seed", "metrics.port",
+                "security.plaintext", "security.tls.client_ca_file"):
+        assert key in keys
+    for key in ("fleet.heartbeat_timeout_ms", "server.max_call_s", "server.grace_period_s",
+                "security.tls.cert_file", "security.auth.enabled", "logging.level"):
+        assert key not in keys

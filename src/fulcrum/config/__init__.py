@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from fulcrum.config.base import Section
 from fulcrum.config.decode import DecodeSettings
@@ -22,7 +22,14 @@ from fulcrum.config.security import SecuritySettings
 from fulcrum.config.server import FleetSettings, LoggingSettings, MetricsSettings, ServerSettings
 from fulcrum.config.vision import VisionSettings
 
-__all__ = ["ConfigError", "Settings", "load_settings", "parse_settings"]
+__all__ = [
+    "ConfigError",
+    "Settings",
+    "effective_reload",
+    "load_settings",
+    "parse_settings",
+    "restart_only_keys",
+]
 
 
 class Settings(Section):
@@ -98,3 +105,63 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+# -- reload: reloadable and restart-only keys ------------------------------------------------
+
+
+def is_restart_only(info: Any) -> bool:
+    """True if a field (``FieldInfo``) is marked ``json_schema_extra={"restart_only": True}``."""
+    extra = info.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("restart_only"))
+
+
+def _section_type(info: Any) -> type[BaseModel] | None:
+    ann = info.annotation
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    return None
+
+
+def restart_only_keys(model: type[BaseModel] = Settings, prefix: str = "") -> list[str]:
+    """Dotted paths of every restart-only key (e.g. ``server.port``), in field order."""
+    out: list[str] = []
+    for name, info in model.model_fields.items():
+        sub = _section_type(info)
+        if sub is not None:
+            out.extend(restart_only_keys(sub, f"{prefix}{name}."))
+        elif is_restart_only(info):
+            out.append(prefix + name)
+    return out
+
+
+def _get(data: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        data = data[part]
+    return data
+
+
+def _set(data: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        data = data[part]
+    data[last] = value
+
+
+def effective_reload(old: Settings, new: Settings) -> tuple[Settings, list[str]]:
+    """The settings a reload runs with: ``new``, except that every restart-only key keeps
+    its value from ``old``. Returns them and the restart-only keys whose value ``new``
+    changed (sorted dotted paths; empty when a restart is not needed)."""
+    old_d, new_d = old.model_dump(), new.model_dump()
+    changed = [k for k in restart_only_keys() if _get(old_d, k) != _get(new_d, k)]
+    if not changed:
+        return new, []
+    for key in changed:
+        _set(new_d, key, _get(old_d, key))
+    try:
+        effective = Settings.model_validate(new_d)
+    except ValidationError as err:
+        problems = [f"{p} (with the restart-only keys {changed} at their running values)"
+                    for p in _format(err)]
+        raise ConfigError(problems) from None
+    return effective, sorted(changed)

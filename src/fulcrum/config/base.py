@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any, Final
+
 from pydantic import BaseModel, ConfigDict
+
+#: ``json_schema_extra`` of a key that a reload (SIGHUP) cannot change: the daemon keeps
+#: the value it started with, logs the key by name and counts the reload as
+#: ``restart_required``. Every other key is reloadable.
+RESTART_ONLY: Final[dict[str, Any]] = {"restart_only": True}
 
 
 class Section(BaseModel):

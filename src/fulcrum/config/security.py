@@ -16,8 +16,17 @@ A production configuration::
         tokens_file: /etc/fulcrum/tokens            # "<identity> <token>" per line
         identities:
           entrypoint-1: {role: entrypoint}
-          node-17: {role: engine, ids: ["node-17-*"]}   # glob patterns over ids
+          node-17: {role: engine, ids: ["node-17-*"], kinds: [prefill_engine]}
           ops: {role: admin}
+
+An engine identity acts only for ids matching its ``ids`` globs and registers only members
+of the ``kinds`` it lists (``prefill_engine``, ``decode_instance``, ``vision_machine``;
+none by default: an engine identity must say what it is).
+
+Reload: every key applies on SIGHUP (identities and tokens are swapped, the server
+certificate and key are re-read and served to new connections) except ``plaintext`` and
+``tls.client_ca_file`` (the path; the CA bundle's content at that path is re-read), which
+need a restart.
 
 An identity's name is matched against the client certificate's SAN entries, then its
 subject CN, or is the name its bearer token maps to in ``tokens_file``.
@@ -30,9 +39,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from fulcrum.config.base import Section
+from fulcrum.config.base import RESTART_ONLY, Section
 
 Role = Literal["entrypoint", "engine", "admin"]
+#: Member kinds an engine identity may register (values of ``core.types.MemberKind``).
+Kind = Literal["prefill_engine", "decode_instance", "vision_machine"]
 
 #: Shortest accepted bearer token, characters.
 MIN_TOKEN_CHARS = 16
@@ -46,7 +57,9 @@ class TlsSettings(Section):
     client_ca_file: str = Field(
         "",
         description="PEM CA bundle; when set, every client must present a certificate it "
-        "signs (mutual TLS), else the TLS handshake fails",
+        "signs (mutual TLS), else the TLS handshake fails (the file's content is re-read "
+        "on reload; the path itself needs a restart)",
+        json_schema_extra=RESTART_ONLY,
     )
 
 
@@ -60,6 +73,12 @@ class IdentitySettings(Section):
         max_length=4096,
         description="ids (fnmatch globs, e.g. 'node-17-*') an engine may pull, report and "
         "heartbeat for; ignored for other roles",
+    )
+    kinds: list[Kind] = Field(
+        default_factory=list,
+        max_length=3,
+        description="member kinds an engine may register (prefill_engine, decode_instance, "
+        "vision_machine); ignored for other roles",
     )
 
 
@@ -82,7 +101,9 @@ class AuthSettings(Section):
 class SecuritySettings(Section):
     """TLS and caller identities."""
 
-    plaintext: bool = Field(True, description="serve without TLS (a warning is logged)")
+    plaintext: bool = Field(
+        True, description="serve without TLS (a warning is logged)", json_schema_extra=RESTART_ONLY
+    )
     tls: TlsSettings = Field(default_factory=TlsSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
 

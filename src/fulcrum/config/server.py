@@ -1,4 +1,9 @@
-"""Settings of the daemon itself: listening addresses, limits, drain, logs, fleet."""
+"""Settings of the daemon itself: listening addresses, limits, drain, logs, fleet.
+
+Keys are reloadable (SIGHUP) unless marked ``restart_only`` (see :data:`RESTART_ONLY`):
+listening addresses, the gRPC transport's options and the random seed are fixed when the
+daemon starts.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,51 @@ from typing import Literal
 
 from pydantic import Field
 
-from fulcrum.config.base import Section
+from fulcrum.config.base import RESTART_ONLY, Section
+
+
+class AdmissionSettings(Section):
+    """Admission control: calls beyond a bound are answered at once, RESOURCE_EXHAUSTED
+    with a ``retry-after-ms`` trailer, before gRPC's transport would time them out.
+
+    Method classes: ``control`` (fleet Register/Heartbeat/Deregister, prefill Pull,
+    ReportStepTimes and GetCostModel, EPLB group calls, releases, Ping), ``placement``
+    (prefill Submit, PlaceDecode, PlaceImages and their streams) and ``admin``
+    (ListMembers, Rebalance, GetGroupStatus). Health checks and reflection are never
+    refused."""
+
+    enabled: bool = Field(True, description="refuse calls beyond the bounds below")
+    max_control: int = Field(
+        4096, ge=1, le=1 << 20, description="concurrent calls of the control class"
+    )
+    max_placement: int = Field(
+        1024, ge=1, le=1 << 20, description="concurrent calls of the placement class"
+    )
+    max_admin: int = Field(64, ge=1, le=1 << 20, description="concurrent calls of the admin class")
+    shed_wait_ms: float = Field(
+        500.0,
+        gt=0,
+        le=60_000,
+        description="while a call has waited longer than this between its arrival and its "
+        "handler (ms), or the event loop runs this late, new placement calls are refused on "
+        "arrival; control calls keep going",
+    )
+    retry_after_ms: int = Field(
+        100, ge=1, le=600_000, description="retry hint sent with a refusal, ms (at least)"
+    )
 
 
 class ServerSettings(Section):
     """The gRPC server."""
 
-    host: str = Field("127.0.0.1", min_length=1, description="gRPC listen address")
-    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = any free port)")
+    host: str = Field(
+        "127.0.0.1", min_length=1, description="gRPC listen address",
+        json_schema_extra=RESTART_ONLY,
+    )
+    port: int = Field(
+        50051, ge=0, le=65535, description="gRPC port (0 = any free port)",
+        json_schema_extra=RESTART_ONLY,
+    )
     grace_period_s: float = Field(
         10.0, gt=0, le=600, description="drain: time calls in flight get to finish, seconds"
     )
@@ -25,25 +67,40 @@ class ServerSettings(Section):
         "UNAVAILABLE (so clients retry elsewhere) this long before closing, seconds",
     )
     max_message_bytes: int = Field(
-        16 * 1024 * 1024, ge=1024, le=1 << 30, description="largest message, bytes"
+        16 * 1024 * 1024,
+        ge=1024,
+        le=1 << 30,
+        description="largest message, bytes: a larger request is answered RESOURCE_EXHAUSTED "
+        "with a retry-after-ms trailer, up to twice this size (beyond that gRPC itself "
+        "refuses it, RESOURCE_EXHAUSTED without the trailer)",
+        json_schema_extra=RESTART_ONLY,
     )
     max_concurrent_streams: int = Field(
-        1024, ge=1, le=1 << 20, description="concurrent HTTP/2 streams per connection"
+        1024, ge=1, le=1 << 20, description="concurrent HTTP/2 streams per connection",
+        json_schema_extra=RESTART_ONLY,
     )
     max_call_s: float = Field(
         60.0, gt=0, le=3600, description="longest any unary call may run, seconds"
     )
     seed: int | None = Field(
-        None, ge=0, description="seed of the random source (null = from the OS)"
+        None, ge=0, description="seed of the random source (null = from the OS)",
+        json_schema_extra=RESTART_ONLY,
     )
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
 
 
 class MetricsSettings(Section):
     """The Prometheus metrics HTTP endpoint."""
 
-    enabled: bool = Field(True, description="serve /metrics")
-    host: str = Field("127.0.0.1", min_length=1, description="metrics listen address")
-    port: int = Field(9464, ge=0, le=65535, description="metrics port (0 = any free port)")
+    enabled: bool = Field(True, description="serve /metrics", json_schema_extra=RESTART_ONLY)
+    host: str = Field(
+        "127.0.0.1", min_length=1, description="metrics listen address",
+        json_schema_extra=RESTART_ONLY,
+    )
+    port: int = Field(
+        9464, ge=0, le=65535, description="metrics port (0 = any free port)",
+        json_schema_extra=RESTART_ONLY,
+    )
 
 
 class LoggingSettings(Section):

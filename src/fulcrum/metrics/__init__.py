@@ -76,7 +76,24 @@ FLEET_EVENTS = Counter(
 )
 CONFIG_RELOADS = Counter(
     "fulcrum_config_reloads",
-    "Configuration reloads (SIGHUP), by outcome (applied, refused).",
+    "Configuration reloads (SIGHUP), by outcome: applied (every key of the file is in "
+    "effect), restart_required (reloadable keys applied; restart-only keys changed in the "
+    "file kept their running values), refused (invalid file: nothing changed), failed (a "
+    "reload hook raised; see the log).",
     ["outcome"],
+    registry=REGISTRY,
+)
+CONFIG_RESTART_REQUIRED = Gauge(
+    "fulcrum_config_restart_required",
+    "1 while the configuration file changes restart-only keys that the running daemon "
+    "still holds at their old values (see the log event config_restart_required), else 0.",
+    registry=REGISTRY,
+)
+RPC_SHED = Counter(
+    "fulcrum_rpc_shed",
+    "Calls refused by admission control (RESOURCE_EXHAUSTED with retry-after-ms), by "
+    "method class (control, placement, admin) and reason (queue_wait, abandoned, loop_lag, "
+    "concurrency).",
+    ["class", "reason"],
     registry=REGISTRY,
 )

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from fulcrum.metrics import REGISTRY
 
@@ -35,10 +39,42 @@ AUTH_ENABLED = Gauge(
     "1 when callers are authenticated and authorised by role, else 0.",
     registry=REGISTRY,
 )
-CERT_EXPIRY = Gauge(
+
+
+class _OptionalGauge(Collector):
+    """A gauge without labels that is absent until set (and again after :meth:`clear`).
+    The value is one float swapped by reference: the scrape thread only reads it."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self._name = name
+        self._doc = documentation
+        self._value: float | None = None
+        REGISTRY.register(self)
+
+    def set(self, value: float) -> None:
+        self._value = float(value)
+
+    def clear(self) -> None:
+        self._value = None
+
+    def get(self) -> float | None:
+        return self._value
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self._name, self._doc)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        value = self._value
+        if value is not None:
+            family = GaugeMetricFamily(self._name, self._doc)
+            family.add_metric([], value)
+            yield family
+
+
+CERT_EXPIRY = _OptionalGauge(
     "fulcrum_tls_certificate_expiry_timestamp_seconds",
-    "notAfter of the server certificate, Unix seconds (absent when it cannot be read).",
-    registry=REGISTRY,
+    "notAfter of the served TLS certificate, Unix seconds (absent on a plaintext daemon "
+    "or when the certificate cannot be parsed).",
 )
 AUTH_IDENTITIES = Gauge(
     "fulcrum_auth_identities",

@@ -33,7 +33,8 @@ class App:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _in_flight: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
-    #: Called with the new settings on a configuration reload (SIGHUP).
+    #: Called with the effective settings on a configuration reload (SIGHUP): the file's
+    #: settings with every restart-only key at its running value (see server.Daemon.reload).
     reload_hooks: list[Callable[[Settings], None]] = field(default_factory=list)
     #: Called once when the daemon starts to drain (before in-flight calls finish).
     drain_hooks: list[Callable[[], None]] = field(default_factory=list)
@@ -75,12 +76,16 @@ class App:
         task.add_done_callback(_report_crash)
         self._tasks.append(task)
 
-    def every(self, interval_s: float, fn: Callable[[int], None], name: str) -> None:
-        """Call ``fn(now_ns)`` every ``interval_s`` seconds until the daemon stops."""
+    def every(
+        self, interval_s: float | Callable[[], float], fn: Callable[[int], None], name: str
+    ) -> None:
+        """Call ``fn(now_ns)`` every ``interval_s`` seconds until the daemon stops.
+        ``interval_s`` may be a function, read before each wait (a reloadable period)."""
+        period = interval_s if callable(interval_s) else (lambda: interval_s)
 
         async def loop() -> None:
             while True:
-                await asyncio.sleep(interval_s)
+                await asyncio.sleep(period())
                 try:
                     fn(self.clock())
                 except Exception:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import grpc
 
 from fulcrum.errors import FulcrumError, InvalidArgument
+from fulcrum.units import MAX_U64
+
+__all__ = ["CODES", "MAX_U64", "RETRY_AFTER_KEY", "require_id", "require_range", "status_of"]
 
 CODES: dict[str, grpc.StatusCode] = {
     code.name: code for code in grpc.StatusCode
@@ -12,8 +15,6 @@ CODES: dict[str, grpc.StatusCode] = {
 
 #: Trailing-metadata key carrying a retry hint (milliseconds) with RESOURCE_EXHAUSTED.
 RETRY_AFTER_KEY = "retry-after-ms"
-
-MAX_U64 = (1 << 64) - 1
 
 
 def status_of(err: FulcrumError) -> grpc.StatusCode:

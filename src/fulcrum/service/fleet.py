@@ -36,14 +36,25 @@ KIND_TO_PB = {
 PB_TO_KIND = {v: k for k, v in KIND_TO_PB.items()}
 
 
-def shape_from_pb(request: pb.RegisterRequest) -> MemberShape:
-    """The member shape of a RegisterRequest (INVALID_ARGUMENT when none is set)."""
+def _bound(field: str, length: int, max_gpus: int) -> None:
+    """Refuse a repeated field longer than ``fleet.max_gpus_per_member`` before any of it
+    is converted (a huge list must not stall the event loop)."""
+    if length > max_gpus:
+        raise InvalidArgument(
+            field, f"must have at most {max_gpus} entries (fleet.max_gpus_per_member)"
+        )
+
+
+def shape_from_pb(request: pb.RegisterRequest, max_gpus: int) -> MemberShape:
+    """The member shape of a RegisterRequest (INVALID_ARGUMENT when none is set or a list
+    is longer than ``max_gpus``)."""
     which = request.WhichOneof("shape")
     if which == "prefill_engine":
         p = request.prefill_engine
         return PrefillEngineShape(dp_ranks=p.dp_ranks, step_quota_ns=p.step_quota_ns)
     if which == "decode_instance":
         gpus = request.decode_instance.gpus
+        _bound("decode_instance.gpus", len(gpus), max_gpus)
         return DecodeInstanceShape(
             max_concurrency=tuple(g.max_concurrency for g in gpus),
             max_kv_tokens=tuple(g.max_kv_tokens for g in gpus),
@@ -54,17 +65,21 @@ def shape_from_pb(request: pb.RegisterRequest) -> MemberShape:
     raise InvalidArgument("shape", "one of prefill_engine, decode_instance, vision_machine")
 
 
-def load_from_pb(request: pb.HeartbeatRequest) -> MemberLoad | None:
-    """The observed load of a heartbeat, if any."""
+def load_from_pb(request: pb.HeartbeatRequest, max_gpus: int) -> MemberLoad | None:
+    """The observed load of a heartbeat, if any (lists longer than ``max_gpus`` are
+    refused before conversion)."""
     which = request.WhichOneof("load")
     if which == "decode_instance":
         gpus = request.decode_instance.gpus
+        _bound("decode_instance.gpus", len(gpus), max_gpus)
         return DecodeInstanceLoad(
             concurrency=tuple(g.concurrency for g in gpus),
             kv_tokens=tuple(g.kv_tokens for g in gpus),
         )
     if which == "vision_machine":
-        return VisionMachineLoad(tuple(request.vision_machine.patches_in_flight))
+        patches = request.vision_machine.patches_in_flight
+        _bound("vision_machine.patches_in_flight", len(patches), max_gpus)
+        return VisionMachineLoad(tuple(patches))
     return None
 
 
@@ -74,9 +89,6 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
     def __init__(self, app: App) -> None:
         self._app = app
         self._fleet = app.fleet
-        fs = app.settings.fleet
-        self._interval = fs.heartbeat_interval_ms
-        self._timeout = fs.heartbeat_timeout_ms
         self._addresses: AddressBook = app.components["serving_addresses"]
 
     def _gauge(self) -> None:
@@ -86,11 +98,10 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
     async def Register(
         self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterResponse:
-        shape = shape_from_pb(request)
-        addresses = None  # the gateway's serving addresses, validated before admission
-        gpus = request.decode_instance.gpus
-        if len(gpus) <= self._fleet.settings.max_gpus_per_member:
-            addresses = validate_addresses([g.serving_address for g in gpus])
+        shape = shape_from_pb(request, self._fleet.settings.max_gpus_per_member)
+        # the gateway's serving addresses, validated before admission (shape_from_pb
+        # has already bounded the GPU count)
+        addresses = validate_addresses([g.serving_address for g in request.decode_instance.gpus])
         member, replaced = self._fleet.register(request.member_id, shape, self._app.clock())
         self._addresses.record(member, addresses)
         event = "rejoined" if replaced else "joined"
@@ -103,19 +114,19 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
             incarnation=member.incarnation,
             gpus=member.shape.gpus,
         )
+        fs = self._fleet.settings
         return pb.RegisterResponse(
             incarnation=member.incarnation,
-            heartbeat_interval_ms=self._interval,
-            heartbeat_timeout_ms=self._timeout,
+            heartbeat_interval_ms=fs.heartbeat_interval_ms,
+            heartbeat_timeout_ms=fs.heartbeat_timeout_ms,
         )
 
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
-        self._fleet.heartbeat(
-            request.member_id, request.incarnation, load_from_pb(request), self._app.clock()
-        )
-        return pb.HeartbeatResponse(heartbeat_timeout_ms=self._timeout)
+        load = load_from_pb(request, self._fleet.settings.max_gpus_per_member)
+        self._fleet.heartbeat(request.member_id, request.incarnation, load, self._app.clock())
+        return pb.HeartbeatResponse(heartbeat_timeout_ms=self._fleet.settings.heartbeat_timeout_ms)
 
     async def Deregister(
         self, request: pb.DeregisterRequest, context: grpc.aio.ServicerContext
@@ -162,6 +173,8 @@ def register(server: grpc.aio.Server, app: App) -> list[str]:
     app.fleet.add_listener(MemberKind.DECODE_INSTANCE, book)
     servicer = FleetServicer(app)
     pb_grpc.add_FleetServiceServicer_to_server(servicer, server)
-    app.every(app.settings.fleet.sweep_interval_ms / 1000, servicer.sweep, "fleet-sweep")
+    fleet = app.fleet
+    app.reload_hooks.append(lambda new: fleet.apply_settings(new.fleet))
+    app.every(lambda: fleet.settings.sweep_interval_ms / 1000, servicer.sweep, "fleet-sweep")
     app.components["fleet"] = app.fleet
     return [SERVICE]

@@ -1,7 +1,9 @@
 """The shell interceptor: one wrapper around every handler.
 
 It binds a request id to the log context, refuses new calls while draining (UNAVAILABLE,
-so that callers retry elsewhere), caps unary calls at ``server.max_call_s``, turns domain
+so that callers retry elsewhere), refuses calls beyond the admission bounds
+(RESOURCE_EXHAUSTED with ``retry-after-ms``, see :mod:`fulcrum.service.admission`), caps
+unary calls at ``server.max_call_s`` (read per call: reloadable), turns domain
 errors into their status codes (never UNKNOWN), closes streams with UNAVAILABLE when the
 daemon drains, and records per-method counts by code and a latency histogram.
 """
@@ -22,6 +24,7 @@ import structlog
 
 from fulcrum.errors import FulcrumError, ResourceExhausted
 from fulcrum.metrics import RPC_DURATION, RPC_IN_FLIGHT, RPC_REQUESTS, STREAM_MESSAGES
+from fulcrum.service.admission import Admission, bind, class_of, handler_started
 from fulcrum.service.app import App
 from fulcrum.service.errors import RETRY_AFTER_KEY, status_of
 
@@ -48,49 +51,102 @@ def _split(method: str) -> tuple[str, str]:
 class _Call:
     """Book-keeping of one call: labels, start time, final code."""
 
-    __slots__ = ("exempt", "labels", "method", "start")
+    __slots__ = ("admitted", "cls", "exempt", "labels", "method", "start", "token")
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, cls: str, arrived: float, token: int = 0) -> None:
+        #: Admission token (0 = none).
+        self.token = token
         self.method = method
         self.labels = _split(method)
         self.exempt = method.startswith(_EXEMPT)
-        self.start = time.perf_counter()
+        self.cls = cls
+        self.admitted = False
+        #: Arrival (first interceptor), ``time.perf_counter()`` seconds: durations include
+        #: the wait for the request message and the event loop.
+        self.start = arrived
 
 
 class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """See the module docstring."""
 
-    def __init__(self, app: App) -> None:
+    def __init__(self, app: App, admission: Admission | None = None) -> None:
         self._app = app
+        self._admission = admission
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
+        arrived = time.perf_counter()
         handler = await continuation(details)
         if handler is None:
             return None
         method: str = details.method
+        token = 0
+        if self._admission is not None and not method.startswith(_EXEMPT):
+            cls = class_of(method)
+            token, retry_ms = self._admission.arrive(cls, arrived)
+            if retry_ms is not None:
+                return self._refusal(method, cls, arrived, retry_ms, handler)
+            bind(self._admission, token)
+            # the call's task ends however the call ends (a caller that gives up before
+            # the handler runs cancels it): it then stops waiting in any case
+            task = asyncio.current_task()
+            if task is not None:
+                admission = self._admission
+                task.add_done_callback(lambda _t: admission.ended(token))
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary),
+                self._unary(method, handler.unary_unary, arrived, token),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                self._stream(method, handler.unary_stream, client_streaming=False),
+                self._stream(
+                    method, handler.unary_stream, arrived, token, client_streaming=False
+                ),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
-                self._stream(method, handler.stream_stream, client_streaming=True),
+                self._stream(
+                    method, handler.stream_stream, arrived, token, client_streaming=True
+                ),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+    def _refusal(
+        self, method: str, cls: str, arrived: float, retry_ms: int, handler: Any
+    ) -> grpc.RpcMethodHandler:
+        """A handler that refuses the call at once, RESOURCE_EXHAUSTED with a retry hint,
+        without reading its request: registered as client-streaming, so that gRPC does not
+        wait for (and parse) the request message before running it."""
+
+        async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            call = _Call(method, cls, arrived)
+            await self._finish(call, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server: busy, {cls} calls are being shed; retry after {retry_ms} ms",
+                trailing_metadata=((RETRY_AFTER_KEY, str(retry_ms)),),
+            )
+
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                refuse,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.stream_unary_rpc_method_handler(
+            refuse,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -98,9 +154,22 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=_request_id(context))
         if not call.exempt:
+            handler_started()
             if self._app.draining.is_set():
                 await self._finish(call, grpc.StatusCode.UNAVAILABLE)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry")
+            if self._admission is not None:
+                self._admission.started(call.token)
+                retry_ms = self._admission.admit(call.cls)
+                if retry_ms is not None:
+                    await self._finish(call, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"server: busy, {call.cls} calls are being shed; retry after "
+                        f"{retry_ms} ms",
+                        trailing_metadata=((RETRY_AFTER_KEY, str(retry_ms)),),
+                    )
+                call.admitted = True
             self._app.call_started()
             RPC_IN_FLIGHT.inc()
 
@@ -110,6 +179,9 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         RPC_DURATION.labels(service, name).observe(time.perf_counter() - call.start)
 
     def _leave(self, call: _Call) -> None:
+        if call.admitted and self._admission is not None:
+            self._admission.release(call.cls)
+            call.admitted = False
         if not call.exempt:
             RPC_IN_FLIGHT.dec()
             self._app.call_finished()
@@ -137,15 +209,20 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         await context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the server)")
 
     def _unary(
-        self, method: str, behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+        self,
+        method: str,
+        behavior: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
+        arrived: float,
+        token: int,
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-        max_call_s = self._app.settings.server.max_call_s
+        cls = class_of(method)
+        app = self._app
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            call = _Call(method)
+            call = _Call(method, cls, arrived, token)
             await self._enter(call, context)
             try:
-                async with asyncio.timeout(max_call_s):
+                async with asyncio.timeout(app.settings.server.max_call_s):
                     response = await behavior(request, context)
             except asyncio.CancelledError:
                 await self._finish(call, grpc.StatusCode.CANCELLED)
@@ -164,9 +241,16 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return wrapped
 
     def _stream(
-        self, method: str, behavior: Callable[..., Any], *, client_streaming: bool
+        self,
+        method: str,
+        behavior: Callable[..., Any],
+        arrived: float,
+        token: int,
+        *,
+        client_streaming: bool,
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
         app = self._app
+        cls = class_of(method)
 
         async def counted(requests: AsyncIterator[Any], labels: tuple[str, str]) -> Any:
             counter = STREAM_MESSAGES.labels(*labels)
@@ -175,7 +259,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 yield item
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
-            call = _Call(method)
+            call = _Call(method, cls, arrived, token)
             await self._enter(call, context)
             if client_streaming:
                 request = counted(request, call.labels)

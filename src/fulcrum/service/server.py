@@ -1,6 +1,14 @@
 """Server lifecycle: build the grpc.aio server with every service, health checking and
 reflection; serve metrics; drain on SIGTERM/SIGINT; reload on SIGHUP.
 
+Reload (:meth:`Daemon.reload`): the new settings run with every restart-only key (marked
+``json_schema_extra={"restart_only": True}`` in the settings models) at its running
+value; the restart-only keys the file changed are logged by name (event
+``config_restart_required``) and the reload is counted as
+``fulcrum_config_reloads_total{outcome="restart_required"}`` (``applied`` when nothing
+needs a restart). Then every hook in ``app.reload_hooks`` is called with the effective
+settings, in registration order.
+
 Drain, in order: health turns NOT_SERVING for every service, new calls are refused with
 UNAVAILABLE (health checks still answer), streams are closed with UNAVAILABLE, calls in
 flight get up to ``server.grace_period_s`` to finish, then the server stops.
@@ -22,12 +30,30 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from fulcrum import __version__
-from fulcrum.config import Settings
-from fulcrum.metrics import BUILD_INFO, DRAINING, REGISTRY
-from fulcrum.service import decode, diagnostics, eplb, fleet, looplag, prefill, security, vision
+from fulcrum import __version__, logs
+from fulcrum.config import ConfigError, Settings, effective_reload
+from fulcrum.metrics import (
+    BUILD_INFO,
+    CONFIG_RELOADS,
+    CONFIG_RESTART_REQUIRED,
+    DRAINING,
+    REGISTRY,
+)
+from fulcrum.service import (
+    authz,
+    decode,
+    diagnostics,
+    eplb,
+    fleet,
+    looplag,
+    prefill,
+    transport,
+    vision,
+)
+from fulcrum.service.admission import Admission
 from fulcrum.service.app import App
 from fulcrum.service.interceptors import ShellInterceptor
+from fulcrum.v1 import descriptors
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +78,38 @@ class Daemon:
     @property
     def address(self) -> str:
         return f"{self.app.settings.server.host}:{self.port}"
+
+    def reload(self, new: Settings) -> str:
+        """Apply reloaded settings (see the module docstring); returns the outcome
+        (``applied``, ``restart_required``, ``refused`` or ``failed``), also counted in
+        ``fulcrum_config_reloads_total``. Runs on the event loop."""
+        app = self.app
+        try:
+            effective, restart = effective_reload(app.settings, new)
+        except ConfigError as err:
+            CONFIG_RELOADS.labels("refused").inc()
+            log.error("config_reload_refused", problems=err.problems)
+            return "refused"
+        app.settings = effective
+        failed = []
+        for hook in app.reload_hooks:
+            try:
+                hook(effective)
+            except Exception:
+                log.exception("reload_hook_failed", hook=getattr(hook, "__qualname__", "?"))
+                failed.append(getattr(hook, "__qualname__", "?"))
+        CONFIG_RESTART_REQUIRED.set(1 if restart else 0)
+        if failed:
+            outcome = "failed"
+        elif restart:
+            outcome = "restart_required"
+            log.warning("config_restart_required", keys=restart,
+                        hint="these keys keep their running values until a restart")
+        else:
+            outcome = "applied"
+        CONFIG_RELOADS.labels(outcome).inc()
+        log.info("config_reloaded", outcome=outcome, restart_required=restart)
+        return outcome
 
     async def start(self) -> None:
         await self.server.start()
@@ -119,25 +177,61 @@ def build(settings: Settings, app: App | None = None) -> Daemon:
     s = settings.server
     options = [
         ("grpc.max_send_message_length", s.max_message_bytes),
-        ("grpc.max_receive_message_length", s.max_message_bytes),
+        # Twice the bound: a message up to that size reaches the guard interceptor, which
+        # answers RESOURCE_EXHAUSTED with a retry-after-ms trailer (see service.authz).
+        ("grpc.max_receive_message_length", min(2 * s.max_message_bytes, (1 << 31) - 1)),
         ("grpc.max_concurrent_streams", s.max_concurrent_streams),
         ("grpc.so_reuseport", 0),
     ]
-    interceptors = [*security.interceptors(settings, app), ShellInterceptor(app)]
+    admission = Admission(s.admission)
+    app.components["admission"] = admission
+    app.reload_hooks.append(lambda new: admission.apply_settings(new.server.admission))
+    app.reload_hooks.append(_reload_logging(settings))
+    interceptors = [*authz.interceptors(settings, app), ShellInterceptor(app, admission)]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     names: list[str] = []
     for module in SERVICE_MODULES:
         names.extend(module.register(server, app))
     looplag.start(app)  # fulcrum_event_loop_lag_seconds
-    health = HealthServicer()
+    health = Health()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection([*names, health_name, reflection.SERVICE_NAME], server)
-    port = security.add_port(server, settings)
+    reflection.enable_server_reflection(
+        [*names, health_name, reflection.SERVICE_NAME], server, pool=descriptors.commented_pool()
+    )
+    port = transport.add_port(server, settings, app)
     from fulcrum.gateway import server as gateway_server
 
     gw = gateway_server.build(app)
     return Daemon(app=app, server=server, health=health, services=names, port=port, gateway=gw)
+
+
+def _reload_logging(settings: Settings) -> Callable[[Settings], None]:
+    """A reload hook that reconfigures structlog when ``logging`` changed."""
+    current = [settings.logging]
+
+    def hook(new: Settings) -> None:
+        if new.logging != current[0]:
+            current[0] = new.logging
+            logs.configure(new.logging.level, new.logging.format)
+            log.info("logging_reconfigured", level=new.logging.level, format=new.logging.format)
+
+    return hook
+
+
+class Health(HealthServicer):  # type: ignore[misc]
+    """grpc.health.v1.Health with ``List`` (grpcio-health-checking's asyncio servicer
+    leaves it unimplemented): every registered service and its status."""
+
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(
+            statuses={
+                name: health_pb2.HealthCheckResponse(status=status)
+                for name, status in sorted(self._server_status.items())
+            }
+        )
 
 
 def install_signal_handlers(
@@ -154,7 +248,11 @@ def install_signal_handlers(
 async def serve(settings: Settings, reload: Callable[[Daemon], None] | None = None) -> int:
     """Run the daemon until a stop signal; returns the exit status."""
     daemon = build(settings)
-    await daemon.start()
+    # Handlers first: "daemon_started" tells operators (and tests) that SIGHUP is safe;
+    # before this, SIGHUP's default action would kill the process.
     install_signal_handlers(daemon, (lambda: reload(daemon)) if reload else None)
+    await daemon.start()
+    admission = daemon.app.components["admission"]
+    daemon.app.spawn(admission.watch_loop(), "loop-lateness")
     await daemon.wait_stopped()
     return 0

@@ -3,6 +3,12 @@
 Balancers subscribe per member kind with a :class:`FleetListener`; the table calls them on
 join, on each heartbeat's load and on leave (deregistered, lapsed, or replaced by a new
 incarnation). Validation happens before any change, so a refused call changes nothing.
+
+Reload: :meth:`Fleet.apply_settings` takes every key of the ``fleet`` section at once
+(heartbeat interval and timeout, member bounds; the sweep period is read by the sweeper at
+each round). A shorter timeout lets members lapse at the next sweep; a lower
+``max_members`` refuses new members until enough leave (none is evicted); a lower
+``max_gpus_per_member`` applies to registrations from then on.
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ from fulcrum.errors import (
     NotFound,
     ResourceExhausted,
 )
+from fulcrum.units import MAX_U64, NS_PER_MS
 
 ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_MAX_U64 = (1 << 63) - 1
+#: Largest per-GPU concurrency a decode instance may declare.
+MAX_DECODE_CONCURRENCY = 1_000_000
 
 #: Why a member left: planned, missed heartbeats, or replaced by a new incarnation.
 LEAVE_REASONS = ("deregistered", "lapsed", "replaced")
@@ -65,27 +73,40 @@ def validate_shape(shape: MemberShape, max_gpus: int) -> None:
     if isinstance(shape, PrefillEngineShape):
         if not 1 <= shape.dp_ranks <= max_gpus:
             raise InvalidArgument("prefill_engine.dp_ranks", f"must be in [1, {max_gpus}]")
-        if not 0 <= shape.step_quota_ns <= _MAX_U64:
-            raise InvalidArgument("prefill_engine.step_quota_ns", "out of range")
+        if not 0 <= shape.step_quota_ns <= MAX_U64:
+            raise InvalidArgument(
+                "prefill_engine.step_quota_ns", "must be in [0, 2^64-1] (0 = the default)"
+            )
     elif isinstance(shape, DecodeInstanceShape):
         if not 1 <= len(shape.max_concurrency) <= max_gpus:
             raise InvalidArgument("decode_instance.gpus", f"must have 1 to {max_gpus} entries")
         for i, (c, kv) in enumerate(zip(shape.max_concurrency, shape.max_kv_tokens, strict=True)):
-            if not 1 <= c <= 1_000_000:
+            if not 1 <= c <= MAX_DECODE_CONCURRENCY:
                 raise InvalidArgument(
-                    f"decode_instance.gpus[{i}].max_concurrency", "must be in [1, 1000000]"
+                    f"decode_instance.gpus[{i}].max_concurrency",
+                    f"must be in [1, {MAX_DECODE_CONCURRENCY}]",
                 )
-            if not 1 <= kv <= _MAX_U64:
-                raise InvalidArgument(f"decode_instance.gpus[{i}].max_kv_tokens", "must be > 0")
+            if not 1 <= kv <= MAX_U64:
+                raise InvalidArgument(
+                    f"decode_instance.gpus[{i}].max_kv_tokens", "must be in [1, 2^64-1]"
+                )
     else:
         if not 1 <= shape.gpus <= max_gpus:
             raise InvalidArgument("vision_machine.gpus", f"must be in [1, {max_gpus}]")
-        if not 0 <= shape.max_patches_in_flight <= _MAX_U64:
-            raise InvalidArgument("vision_machine.max_patches_in_flight", "out of range")
+        if not 0 <= shape.max_patches_in_flight <= MAX_U64:
+            raise InvalidArgument(
+                "vision_machine.max_patches_in_flight", "must be in [0, 2^64-1] (0 = unlimited)"
+            )
 
 
 def _validate_load_shape(member: Member, load: MemberLoad) -> None:
     gpus = member.shape.gpus
+    if member.kind is MemberKind.PREFILL_ENGINE:
+        raise InvalidArgument(
+            "load",
+            "must be empty for a prefill engine (prefill engines report their load in Pull's "
+            "rank_loads_ns)",
+        )
     if isinstance(load, DecodeInstanceLoad):
         if member.kind is not MemberKind.DECODE_INSTANCE:
             raise InvalidArgument("load", f"decode_instance load for a {member.kind.value}")
@@ -110,7 +131,7 @@ class Fleet:
 
     def __init__(self, settings: FleetSettings, incarnation_base: int = 0) -> None:
         self._settings = settings
-        self._timeout_ns = settings.heartbeat_timeout_ms * 1_000_000
+        self._timeout_ns = settings.heartbeat_timeout_ms * NS_PER_MS
         self._members: dict[str, _Entry] = {}
         self._listeners: dict[MemberKind, list[FleetListener]] = {k: [] for k in MemberKind}
         self._next_incarnation = incarnation_base + 1
@@ -118,6 +139,11 @@ class Fleet:
     @property
     def settings(self) -> FleetSettings:
         return self._settings
+
+    def apply_settings(self, settings: FleetSettings) -> None:
+        """Take a reloaded ``fleet`` section (see the module docstring)."""
+        self._settings = settings
+        self._timeout_ns = settings.heartbeat_timeout_ms * NS_PER_MS
 
     def add_listener(self, kind: MemberKind, listener: FleetListener) -> None:
         """Follow the members of ``kind``."""
@@ -152,29 +178,55 @@ class Fleet:
             listener.on_join(member, now_ns)
         return member, old is not None
 
-    def _entry(self, member_id: str, incarnation: int | None, now_ns: int) -> _Entry:
+    def _entry(
+        self,
+        member_id: str,
+        incarnation: int | None,
+        now_ns: int,
+        kind: MemberKind | None = None,
+        field: str = "member_id",
+    ) -> _Entry:
         entry = self._members.get(member_id)
         if entry is None:
-            raise NotFound(f"member_id: {member_id!r} is not registered (register again)")
+            raise NotFound(f"{field}: {member_id!r} is not registered (register again)")
+        if kind is not None and entry.member.kind is not kind:
+            raise NotFound(f"{field}: {member_id!r} is not a registered {kind.value}")
         if now_ns - entry.last_seen_ns > self._timeout_ns:
             self._leave(entry.member, "lapsed", now_ns)
             del self._members[member_id]
-            raise NotFound(f"member_id: {member_id!r} lapsed (register again)")
+            raise NotFound(f"{field}: {member_id!r} lapsed (register again)")
         if incarnation is not None and incarnation != entry.member.incarnation:
             raise FailedPrecondition(
                 f"incarnation: {incarnation} is not the current one of {member_id!r}"
             )
         return entry
 
-    def get_live(self, member_id: str, incarnation: int | None, now_ns: int) -> Member:
-        """The live member, or NotFound/FailedPrecondition. ``incarnation=None``: any."""
-        return self._entry(member_id, incarnation, now_ns).member
+    def get_live(
+        self,
+        member_id: str,
+        incarnation: int | None,
+        now_ns: int,
+        kind: MemberKind | None = None,
+        field: str = "member_id",
+    ) -> Member:
+        """The live member, or NotFound/FailedPrecondition. ``incarnation=None``: any.
+        With ``kind``, a member of another kind is NotFound; messages name ``field`` (e.g.
+        ``engine_id``)."""
+        return self._entry(member_id, incarnation, now_ns, kind, field).member
 
     def heartbeat(
-        self, member_id: str, incarnation: int, load: MemberLoad | None, now_ns: int
+        self,
+        member_id: str,
+        incarnation: int,
+        load: MemberLoad | None,
+        now_ns: int,
+        kind: MemberKind | None = None,
+        field: str = "member_id",
     ) -> Member:
-        """Refresh a member and hand its load to the listeners."""
-        entry = self._entry(member_id, incarnation, now_ns)
+        """Refresh a member and hand its load to the listeners. With ``kind``, a member of
+        another kind is refused (NotFound naming ``field``) and NOT refreshed: a call that
+        stands for a heartbeat (a prefill Pull) counts only for the kind it serves."""
+        entry = self._entry(member_id, incarnation, now_ns, kind, field)
         member = entry.member
         if load is not None:
             _validate_load_shape(member, load)

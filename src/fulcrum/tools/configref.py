@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from fulcrum.config import Settings
+from fulcrum.config import Settings, is_restart_only
 
 BEGIN = "<!-- config-reference:begin -->"
 END = "<!-- config-reference:end -->"
@@ -47,20 +47,29 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
             rows.extend(_rows(type(value), key + "."))
             continue
         desc = (info.description or "").replace("|", "\\|")
-        rows.append(f"| `{key}` | {_default(value)} | {_bounds(info)} | {desc} |")
+        cls = "restart-only" if is_restart_only(info) else "reloadable"
+        rows.append(f"| `{key}` | {_default(value)} | {_bounds(info)} | {cls} | {desc} |")
     return rows
 
 
 def render() -> str:
     """The reference as markdown tables, one per top-level section."""
-    out = [BEGIN, ""]
+    out = [
+        BEGIN,
+        "",
+        "Class: *reloadable* keys take effect on `SIGHUP` (`kill -HUP <pid>`); *restart-only* "
+        "keys keep their running value until a restart (the reload logs them by name, event "
+        "`config_restart_required`, and counts "
+        "`fulcrum_config_reloads_total{outcome=\"restart_required\"}`).",
+        "",
+    ]
     for name, info in Settings.model_fields.items():
         section = info.default_factory() if info.default_factory else None  # type: ignore[call-arg]
         if not isinstance(section, BaseModel):
             continue
         doc = (type(section).__doc__ or "").strip().splitlines()[0]
-        out += [f"#### `{name}` — {doc}", "", "| key | default | bounds | meaning |",
-                "|---|---|---|---|", *_rows(type(section), f"{name}."), ""]
+        out += [f"#### `{name}` — {doc}", "", "| key | default | bounds | class | meaning |",
+                "|---|---|---|---|---|", *_rows(type(section), f"{name}."), ""]
     out.append(END)
     return "\n".join(out)
 

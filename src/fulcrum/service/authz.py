@@ -1,11 +1,5 @@
-"""Transport security (plaintext, TLS, mutual TLS) and caller authorisation by role.
-
-Transport (``add_port``): ``security.plaintext: true`` (the default) binds an insecure
-port and logs a warning; otherwise the port serves TLS with ``security.tls.cert_file`` /
-``key_file``, and when ``tls.client_ca_file`` is set every client must present a
-certificate signed by that CA (mutual TLS). A client without a certificate, or with one
-from another CA, fails the TLS handshake: its call ends UNAVAILABLE on the client side and
-never reaches a handler.
+"""Caller authorisation: identities, roles, bound ids and member kinds; the input guard.
+(Transport security, TLS and mutual TLS, is :mod:`fulcrum.service.transport`.)
 
 Authorisation (``interceptors``, when ``security.auth.enabled``): a caller's identity is
 the name of its bearer token (``authorization: Bearer <token>`` metadata, tokens from
@@ -15,7 +9,9 @@ certificate that names a configured identity. Each identity has a role:
 - ``entrypoint`` places requests (prefill Submit, decode and VE placement);
 - ``engine`` registers, heartbeats, pulls and reports, but only for the ids bound to its
   identity (``auth.identities.<name>.ids``, fnmatch globs): the acting id is the request
-  field named in :data:`METHOD_RULES`;
+  field named in :data:`METHOD_RULES`; and it registers fleet members only of the kinds
+  bound to it (``auth.identities.<name>.kinds``): an engine credential of prefill engines
+  cannot register a decode instance;
 - ``admin`` may call everything (list members, force a rebalance, internals).
 
 Health checking and reflection stay open. A method missing from :data:`METHOD_RULES`
@@ -27,7 +23,13 @@ instances, VE machines) use the ``engine`` role.
 
 Input guard (always on): request bytes that do not parse as the method's message are
 answered INVALID_ARGUMENT (gRPC itself would answer UNKNOWN), after authentication, and
-counted in ``fulcrum_rpc_malformed_requests_total``.
+counted in ``fulcrum_rpc_malformed_requests_total``. A request message larger than
+``server.max_message_bytes`` is answered RESOURCE_EXHAUSTED naming the bound, with a
+``retry-after-ms`` trailer, without being parsed (gRPC's own receive limit is set to twice
+the bound, so that such messages reach this guard; beyond twice the bound gRPC refuses
+them itself: RESOURCE_EXHAUSTED "Received message larger than max", no trailer).
+
+Reload: identities, tokens and ``auth.enabled`` are swapped on SIGHUP by reference.
 """
 
 from __future__ import annotations
@@ -45,19 +47,18 @@ import structlog
 
 from fulcrum.config import Settings
 from fulcrum.config.security import SecuritySettings, read_tokens
-from fulcrum.errors import InvalidArgument, PermissionDenied
+from fulcrum.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from fulcrum.metrics import RPC_REQUESTS
 from fulcrum.metrics.security import (
     AUTH_ALLOWED,
     AUTH_DENIALS,
     AUTH_ENABLED,
     AUTH_IDENTITIES,
-    CERT_EXPIRY,
     MALFORMED,
-    MTLS_ENABLED,
-    TLS_ENABLED,
 )
+from fulcrum.service.admission import handler_started
 from fulcrum.service.app import App
+from fulcrum.service.errors import RETRY_AFTER_KEY
 
 log = structlog.get_logger(__name__)
 
@@ -77,10 +78,12 @@ class Rule:
 
     roles: frozenset[str]
     id_field: str | None = None
+    #: The request's oneof whose set field names the member kind acted on (Register).
+    kind_oneof: str | None = None
 
 
-def _rule(*roles: str, id_field: str | None = None) -> Rule:
-    return Rule(frozenset((*roles, ADMIN)), id_field)
+def _rule(*roles: str, id_field: str | None = None, kind_oneof: str | None = None) -> Rule:
+    return Rule(frozenset((*roles, ADMIN)), id_field, kind_oneof)
 
 
 _ANY = _rule(ENTRYPOINT, ENGINE)
@@ -93,7 +96,9 @@ METHOD_RULES: Final[dict[str, Rule]] = {
     "/fulcrum.v1.DiagnosticsService/Ping": _ANY,
     "/fulcrum.v1.DiagnosticsService/PingStream": _ANY,
     # fleet: members act for themselves; listing is admin's
-    "/fulcrum.v1.FleetService/Register": _rule(ENGINE, id_field="member_id"),
+    "/fulcrum.v1.FleetService/Register": _rule(
+        ENGINE, id_field="member_id", kind_oneof="shape"
+    ),
     "/fulcrum.v1.FleetService/Heartbeat": _rule(ENGINE, id_field="member_id"),
     "/fulcrum.v1.FleetService/Deregister": _rule(ENGINE, id_field="member_id"),
     "/fulcrum.v1.FleetService/ListMembers": _ADMIN_ONLY,
@@ -137,12 +142,19 @@ class Identity:
     role: str
     ids: tuple[str, ...]
     source: str
+    #: Member kinds it may register (``prefill_engine``, ``decode_instance``,
+    #: ``vision_machine``).
+    kinds: frozenset[str] = frozenset()
 
     def may_act_for(self, member_id: str) -> bool:
         """True if this identity may act for ``member_id`` (admin: any id)."""
         if self.role == ADMIN:
             return True
         return any(fnmatchcase(member_id, pattern) for pattern in self.ids)
+
+    def may_register(self, kind: str) -> bool:
+        """True if this identity may register a member of ``kind`` (admin: any kind)."""
+        return self.role == ADMIN or kind in self.kinds
 
 
 class Denied(Exception):
@@ -167,7 +179,7 @@ class Authorizer:
 
     def __init__(self, settings: SecuritySettings) -> None:
         self.enabled = False
-        self._identities: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._identities: dict[str, tuple[str, tuple[str, ...], frozenset[str]]] = {}
         self._tokens: dict[bytes, str] = {}
         self.apply(settings)
 
@@ -178,21 +190,22 @@ class Authorizer:
         if auth.enabled and auth.tokens_file:
             tokens = {_digest(t): name for t, name in read_tokens(auth.tokens_file).items()}
         self._identities = {
-            name: (ident.role, tuple(ident.ids)) for name, ident in auth.identities.items()
+            name: (ident.role, tuple(ident.ids), frozenset(ident.kinds))
+            for name, ident in auth.identities.items()
         }
         self._tokens = tokens
         self.enabled = auth.enabled
         AUTH_ENABLED.set(1 if auth.enabled else 0)
         for role in ROLES:
             AUTH_IDENTITIES.labels(role).set(
-                sum(1 for r, _ in self._identities.values() if r == role)
+                sum(1 for r, _, _ in self._identities.values() if r == role)
             )
 
     def _named(self, name: str, source: str) -> Identity | None:
         entry = self._identities.get(name)
         if entry is None:
             return None
-        return Identity(name, entry[0], entry[1], source)
+        return Identity(name, entry[0], entry[1], source, entry[2])
 
     def identify(
         self, metadata: Iterable[tuple[str, Any]] | None, auth_context: dict[str, list[bytes]]
@@ -260,6 +273,18 @@ class Authorizer:
             )
             denied.who = ident.name
             raise denied
+        if rule.kind_oneof is not None:
+            kind = request.WhichOneof(rule.kind_oneof)
+            # no kind at all: the service answers INVALID_ARGUMENT naming the field
+            if kind is not None and not ident.may_register(kind):
+                denied = Denied(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "kind",
+                    f"{rule.kind_oneof}: identity {ident.name} may not register a {kind} "
+                    f"(it may register: {', '.join(sorted(ident.kinds)) or 'no kind'})",
+                )
+                denied.who = ident.name
+                raise denied
 
 
 class _LogLimiter:
@@ -297,16 +322,36 @@ class _Malformed:
         self.error = error
 
 
+class _Oversized:
+    """What the lenient deserializer returns for a message over the size bound."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
 _MALFORMED_MESSAGE = "request: not a valid protobuf message of this method's type"
+#: Retry hint of an oversized message, ms (the caller must split or shrink it).
+OVERSIZE_RETRY_AFTER_MS: Final = 1000
 
 
-def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def _oversize_message(size: int, limit: int) -> str:
+    return f"request: {size} bytes is over server.max_message_bytes={limit}; send less per call"
+
+
+def _lenient(
+    deserializer: Callable[[bytes], Any] | None, max_bytes: int
+) -> Callable[[bytes], Any] | None:
     """Wrap a request deserializer so that malformed bytes yield :class:`_Malformed`
-    instead of an exception (which grpc would turn into UNKNOWN)."""
+    instead of an exception (which grpc would turn into UNKNOWN), and a message over
+    ``max_bytes`` yields :class:`_Oversized` without being parsed."""
     if deserializer is None:
         return None
 
     def parse(raw: bytes) -> Any:
+        if len(raw) > max_bytes:
+            return _Oversized(len(raw))
         try:
             return deserializer(raw)
         except Exception as err:  # any parse failure is the caller's fault
@@ -321,9 +366,10 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ``security.auth.enabled``, authenticates and authorises the caller (see the module
     docstring). It is always installed, so that a reload can turn authorisation on."""
 
-    def __init__(self, authorizer: Authorizer) -> None:
+    def __init__(self, authorizer: Authorizer, max_message_bytes: int) -> None:
         self._auth = authorizer
         self._limiter = _LogLimiter()
+        self._max_bytes = max_message_bytes
 
     async def intercept_service(
         self,
@@ -335,7 +381,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return None
         method: str = details.method
         rule = rule_for(method)
-        deserializer = _lenient(handler.request_deserializer)
+        deserializer = _lenient(handler.request_deserializer, self._max_bytes)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, rule, handler.unary_unary),
@@ -402,6 +448,17 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         RPC_REQUESTS.labels(service, name, grpc.StatusCode.INVALID_ARGUMENT.name).inc()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED_MESSAGE)
 
+    async def _oversized(
+        self, method: str, size: int, context: grpc.aio.ServicerContext
+    ) -> None:
+        service, name = _labels(method)
+        RPC_REQUESTS.labels(service, name, grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            _oversize_message(size, self._max_bytes),
+            trailing_metadata=((RETRY_AFTER_KEY, str(OVERSIZE_RETRY_AFTER_MS)),),
+        )
+
     async def _pre(
         self, method: str, rule: Rule | None, request: Any, context: grpc.aio.ServicerContext
     ) -> None:
@@ -417,6 +474,8 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 return
         if isinstance(request, _Malformed):
             await self._malformed(method, context)
+        if isinstance(request, _Oversized):
+            await self._oversized(method, request.size, context)
         if ident is not None and rule is not None:
             try:
                 self._auth.authorize_id(ident, rule, request)
@@ -430,6 +489,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            handler_started()
             await self._pre(method, rule, request, context)
             return await behavior(request, context)
 
@@ -442,6 +502,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
+            handler_started()
             await self._pre(method, rule, request, context)
             await _run(behavior(request, context), context)
 
@@ -465,6 +526,10 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     service, name = _labels(method)
                     MALFORMED.labels(service, name).inc()
                     raise InvalidArgument("request", "not a valid protobuf message")
+                if isinstance(item, _Oversized):
+                    raise ResourceExhausted(
+                        _oversize_message(item.size, self._max_bytes), OVERSIZE_RETRY_AFTER_MS
+                    )
                 if ident is not None and rule is not None:
                     try:
                         auth.authorize_id(ident, rule, item)
@@ -474,6 +539,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 yield item
 
         async def wrapped(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            handler_started()
             ident: Identity | None = None
             if rule is not None and auth.enabled:
                 try:
@@ -504,12 +570,9 @@ def interceptors(settings: Settings, app: App) -> list[grpc.aio.ServerIntercepto
     """Interceptors that authenticate and authorise callers (run before the shell's)."""
     authorizer = Authorizer(settings.security)
     app.components["security"] = authorizer
-    started = settings.security
 
     def reload(new: Settings) -> None:
         sec = new.security
-        if sec.plaintext != started.plaintext or sec.tls != started.tls:
-            log.warning("tls_change_needs_restart", plaintext=sec.plaintext)
         try:
             authorizer.apply(sec)
         except ValueError as err:  # the tokens file changed under us
@@ -530,53 +593,4 @@ def interceptors(settings: Settings, app: App) -> list[grpc.aio.ServerIntercepto
         )
         if settings.security.plaintext:
             log.warning("bearer_tokens_over_plaintext", hint="configure security.tls")
-    return [GuardInterceptor(authorizer)]
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _record_expiry(cert_pem: bytes) -> None:
-    try:
-        from cryptography import x509
-    except ImportError:  # optional: only the expiry gauge needs it
-        return
-    try:
-        cert = x509.load_pem_x509_certificate(cert_pem)
-    except ValueError:
-        return
-    CERT_EXPIRY.set(cert.not_valid_after_utc.timestamp())
-
-
-def server_credentials(settings: SecuritySettings) -> grpc.ServerCredentials:
-    """TLS (and, with ``client_ca_file``, mutual TLS) credentials from the PEM files."""
-    tls = settings.tls
-    cert = _read(tls.cert_file)
-    key = _read(tls.key_file)
-    ca = _read(tls.client_ca_file) if tls.client_ca_file else None
-    _record_expiry(cert)
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-    )
-
-
-def add_port(server: grpc.aio.Server, settings: Settings) -> int:
-    """Bind the gRPC port as configured; returns the bound port."""
-    s = settings.server
-    sec = settings.security
-    address = f"{s.host}:{s.port}"
-    if sec.plaintext:
-        TLS_ENABLED.set(0)
-        MTLS_ENABLED.set(0)
-        log.warning("plaintext_transport", hint="configure security.tls for production")
-        return int(server.add_insecure_port(address))
-    creds = server_credentials(sec)
-    mtls = bool(sec.tls.client_ca_file)
-    TLS_ENABLED.set(1)
-    MTLS_ENABLED.set(1 if mtls else 0)
-    if not sec.auth.enabled:
-        log.warning("authorisation_disabled", hint="set security.auth.enabled")
-    log.info("tls_transport", mutual=mtls)
-    return int(server.add_secure_port(address, creds))
+    return [GuardInterceptor(authorizer, settings.server.max_message_bytes)]
