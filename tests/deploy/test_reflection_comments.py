@@ -129,7 +129,6 @@ async def test_commented_pool_serves_comments_and_other_files(reflection_only: s
     assert health_file == "grpc_health/v1/health.proto"  # non-fulcrum files still served
 
 
-@pytest.mark.xfail(strict=False, reason="needs server wiring from branch daemon")
 async def test_daemon_reflection_serves_field_comments(daemon: Daemon) -> None:
     comment, services, _ = await asyncio.to_thread(_query, daemon.address)
     assert "fulcrum.v1.FleetService" in services

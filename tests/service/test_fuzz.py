@@ -456,8 +456,6 @@ def _report_values(n: int) -> expert_pb2.ReportLoadRequest:
                                         load_values=[1] * n)
 
 
-_EPLB = pytest.mark.xfail(strict=False, reason="Tensor shape bounds (dimensions, element "
-                          "count before reshape): owned by eplb (service/eplb.py)")
 
 #: (case, method name, request, field named in the answer, bound named in the answer
 #: ("" when the bound is not a number of this daemon's settings))
@@ -477,13 +475,13 @@ BOUND_CASES = [
     pytest.param("PlaceImages", _images(200_000), "images", "64",
                  id="PlaceImages.images=200000"),
     pytest.param("RegisterGroup", _register_group([1] * 65), "initial_map.shape", "",
-                 marks=_EPLB, id="RegisterGroup.initial_map.shape=65dims"),
+                 id="RegisterGroup.initial_map.shape=65dims"),
     pytest.param("RegisterGroup", _register_group([0, U32, U32, U32]), "initial_map", "",
-                 marks=_EPLB, id="RegisterGroup.initial_map.shape=huge"),
+                 id="RegisterGroup.initial_map.shape=huge"),
     pytest.param("ReportLoad", _report_load([1] * 65), "load.shape", "",
-                 marks=_EPLB, id="ReportLoad.load.shape=65dims"),
+                 id="ReportLoad.load.shape=65dims"),
     pytest.param("ReportLoad", _report_load([0, U32, U32, U32]), "load", "",
-                 marks=_EPLB, id="ReportLoad.load.shape=huge"),
+                 id="ReportLoad.load.shape=huge"),
     pytest.param("ReportLoad", _report_values(1_000_000), "load_values", "",
                  id="ReportLoad.load_values=1e6"),
 ]
