@@ -75,6 +75,7 @@ class PrefillCluster(_Section):
     round_s: float = Field(_DAEMON.round_period_ms / 1000, gt=0)
     hysteresis: float = Field(_DAEMON.hysteresis, ge=0)
     backlog_rounds: float = Field(_DAEMON.backlog_rounds, ge=1)
+    max_batch_requests: int = Field(_DAEMON.max_batch_requests, ge=1)
     moe_fraction: float = Field(0.6, ge=0, le=1)
     report_staleness_s: float = Field(DEFAULT_STALENESS_NS / 1e9, ge=0)
 
