@@ -434,8 +434,9 @@ class Simulator:
             bal = self.balancer
             item = Queued(str(rid), int(self.inp[rid]), int(self.cached[rid]),
                           bal.tier_of(int(self.inp[rid])), self.quota[rid], self.now)
-            self._trace(("submit", self.now, item.request_id, item.total, item.cached))
             red = bal.enqueue(item)
+            self._trace(("submit", self.now, item.request_id, item.total, item.cached,
+                         tuple(bal.engines_per_tier())))
             if red is not None:
                 self._pull_all()
             else:
@@ -596,8 +597,8 @@ class Simulator:
 
     def _round(self) -> None:
         """Close a round: the balancer re-splits the engines across tiers."""
-        self._trace(("round", self.now))
-        self.balancer.redistribute("round")
+        red = self.balancer.redistribute("round")
+        self._trace(("round", self.now, red.counts))
         self._pull_all()
         if self.pending > 0:
             self._push(self.now + int(self.cluster.prefill.round_s * 1e9), _ROUND, 0)
