@@ -54,11 +54,11 @@ def record(policy: str, reqs: list[Request]) -> list[tuple[Any, ...]]:
     return events
 
 
-async def replay(events: list[tuple[Any, ...]]) -> dict[str, int]:
+async def replay(events: list[tuple[Any, ...]], rules: str) -> dict[str, int]:
     now = [0]
     fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
     state = PrefillState(
-        PrefillSettings(round_period_ms=3_600_000, max_queued_per_tier=100_000),
+        PrefillSettings(round_period_ms=3_600_000, max_queued_per_tier=100_000, rules=rules),
         fleet,
         lambda: now[0],
     )
@@ -104,7 +104,7 @@ async def replay(events: list[tuple[Any, ...]]) -> dict[str, int]:
 @pytest.mark.parametrize("seed", [1, 2])
 async def test_simulator_and_daemon_decide_alike(policy: str, seed: int) -> None:
     events = record(policy, workload(seed))
-    seen = await replay(events)
+    seen = await replay(events, get_policy_set(policy).rules)
     # The scenario is not trivial: many pulls and batches, rounds that moved engines.
     assert seen["batch"] >= 20 and seen["pull"] > seen["batch"]
     assert seen["round"] >= 3 and seen["moves"] >= 1

@@ -486,12 +486,12 @@ class Simulator:
         bal = self.balancer
         while bal.head(tier) is not None:
             offers: list[int] = []
-            quotas: list[tuple[int, bool]] = []
+            quotas: list[tuple[int, list[int]]] = []
             for e, eid in enumerate(self.engine_ids):
-                idle = max(self.rank_load[e]) <= 0.0
-                if bal.source_tier(eid, idle) == tier:
+                loads = self._loads(e)
+                if bal.source_tier(eid, loads) == tier:
                     offers.append(e)
-                    quotas.append((self._remaining(e), idle))
+                    quotas.append((self._remaining(e), loads))
             i = bal.choose_puller(tier, quotas)
             if i < 0 or not self._take(offers[i]):
                 return

@@ -481,11 +481,11 @@ class PrefillState:
         offers = sorted(
             (
                 w for w in self._waiters
-                if not w.woken and bal.source_tier(w.engine.member_id, w.idle) == tier
+                if not w.woken and bal.source_tier(w.engine.member_id, w.loads) == tier
             ),
             key=lambda w: w.engine.member_id,
         )
-        i = bal.choose_puller(tier, [(w.remaining_ns, w.idle) for w in offers])
+        i = bal.choose_puller(tier, [(w.remaining_ns, w.loads) for w in offers])
         if i >= 0:
             self._wake(offers[i], tier)
 

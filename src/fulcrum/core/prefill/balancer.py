@@ -28,8 +28,9 @@ What it owns:
   idle engine takes an oversize head alone), spreads it over the engine's DP ranks (core
   ``assign_ranks``) and removes it from the queue.
 
-Rules sets (:class:`Rules`) choose between the published design (``published``) and the
-improvements the simulator measured (``default``); see BENCHMARKS.md.
+Rule sets (:class:`Rules`) choose between the published design (``published``) and the
+improvements the simulator measured (``default``: late binding to the least-loaded rank,
+work-conserving tiers); see BENCHMARKS.md.
 
 Extension points (later issues): per-engine costs (prefix affinity) go through
 :meth:`PrefillBalancer.cost_for`; a leased batch returns to the head of its tier with
@@ -39,6 +40,7 @@ request id.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -64,20 +66,30 @@ DEFAULT: Final = "default"
 class Rules:
     """Which balancing rules are in force (a named set; see :data:`RULE_SETS`).
 
-    ``work_conserving``: an idle engine whose own tier has nothing queued may take a
-    batch from another tier (the nearest tier with work; shorter first); the published
-    design keeps engines to their tier. ``orphan_gate``: an orphan tier gets an engine
-    at once only when the engines can cover every tier with demand.
+    ``rank_horizon_ns`` (late binding; None = off): a pull takes the FIFO head only while
+    the engine's least-loaded DP rank holds less than this much outstanding work (ns), so
+    work waits in the shared tier queue until a rank is about to need it, instead of
+    being committed early to one engine's queue; among the engines offering to pull, the
+    one whose least-loaded rank is emptiest takes the work (ties: most remaining quota).
+    Off, the published rules apply: the batch is bounded by the engine's remaining quota
+    and the tier cap only, and the engine with the most remaining quota takes the work.
+    ``work_conserving``: an engine with room (idle, or under late binding a rank below
+    the horizon) whose own tier has nothing queued takes from the nearest shorter tier
+    with work (short work ends soon, so the engine is back for its own tier quickly);
+    the published design keeps engines to their tier.
+    ``orphan_gate``: an orphan tier gets an engine at once only when the engines can
+    cover every tier with demand.
     """
 
     name: str = DEFAULT
+    rank_horizon_ns: int | None = None
     work_conserving: bool = False
     orphan_gate: bool = True
 
 
 RULE_SETS: Final[dict[str, Rules]] = {
-    PUBLISHED: Rules(PUBLISHED, work_conserving=False),
-    DEFAULT: Rules(DEFAULT, work_conserving=False),
+    PUBLISHED: Rules(PUBLISHED),
+    DEFAULT: Rules(DEFAULT, rank_horizon_ns=1_000_000_000, work_conserving=True),
 }
 """Named rule sets: ``published`` (the letter of the design) and ``default``."""
 
@@ -159,6 +171,21 @@ class Redistribution:
     moved: tuple[tuple[str, int, int], ...]
     demand_ns: tuple[float, ...]
     moves: int = 0
+
+
+def _late_binding(costs: Iterator[int], loads: Sequence[int], horizon_ns: int) -> Iterator[int]:
+    """The FIFO costs an engine may take under late binding: each goes to the
+    least-loaded rank (as core ``assign_ranks`` will place it) while that rank's load is
+    below ``horizon_ns``; the first that would land on a rank at or above it ends the
+    prefix."""
+    heap = [(int(x), r) for r, x in enumerate(loads)]
+    heapq.heapify(heap)
+    for cost in costs:
+        load, r = heap[0]
+        if load >= horizon_ns:
+            return
+        heapq.heapreplace(heap, (load + int(cost), r))
+        yield cost
 
 
 @dataclass(slots=True)
@@ -359,42 +386,61 @@ class PrefillBalancer:
 
     # -- who pulls, what is taken ---------------------------------------------------------
 
-    def source_tier(self, engine_id: str, idle: bool) -> int:
-        """The tier ``engine_id`` takes work from now (-1: none).
+    def has_room(self, rank_loads_ns: Sequence[int]) -> bool:
+        """True when an engine with these rank loads (ns) may take more work now: under
+        late binding, its least-loaded rank is below the horizon; else it is idle."""
+        h = self.config.rules.rank_horizon_ns
+        if h is None:
+            return not any(rank_loads_ns)
+        return min(rank_loads_ns, default=0) < h
 
-        Its own tier; under work-conserving rules, an idle engine whose own tier has
-        nothing queued takes from the nearest tier with work (shorter first).
+    def source_tier(self, engine_id: str, rank_loads_ns: Sequence[int]) -> int:
+        """The tier ``engine_id`` (with these rank loads, ns) takes work from now (-1: none).
+
+        Its own tier; under work-conserving rules, an engine with room (:meth:`has_room`)
+        whose own tier has nothing queued takes from the nearest *shorter* tier with work.
+        Never from a longer tier: a long prompt would hold a rank of a short tier's
+        engine for minutes, which is what the tiers exist to prevent.
         """
         eng = self._engines.get(engine_id)
         if eng is None or eng.tier < 0:
             return -1
         own = eng.tier
-        if self._tiers[own].queue or not (idle and self.config.rules.work_conserving):
+        if self._tiers[own].queue or not self.config.rules.work_conserving:
             return own
-        for dist in range(1, self.n_tiers):
-            for t in (own - dist, own + dist):
-                if 0 <= t < self.n_tiers and self._tiers[t].queue:
-                    return t
+        if not self.has_room(rank_loads_ns):
+            return own
+        for t in range(own - 1, -1, -1):
+            if self._tiers[t].queue:
+                return t
         return own
 
-    def can_take(self, tier: int, remaining_ns: int, idle: bool) -> bool:
-        """True when an engine with that quota (ns) and idleness may take ``tier``'s head."""
+    def can_take(self, tier: int, remaining_ns: int, rank_loads_ns: Sequence[int]) -> bool:
+        """True when an engine with that quota (ns) and rank loads (ns) may take
+        ``tier``'s head now."""
         head = self.head(tier)
         if head is None:
             return False
+        h = self.config.rules.rank_horizon_ns
+        if h is not None and min(rank_loads_ns, default=0) >= h:
+            return False
         cap = self.config.batch_cap_ns[tier]
+        idle = not any(rank_loads_ns)
         return select_batch((head.cost_ns,), remaining_ns, cap, idle=idle) >= 1
 
     def choose_puller(
-        self, tier: int, offers: Sequence[tuple[int, bool]]
+        self, tier: int, offers: Sequence[tuple[int, Sequence[int]]]
     ) -> int:
-        """Index in ``offers`` (``(remaining_ns, idle)`` per engine offering to pull on
-        ``tier``, in the shell's deterministic order) of the engine that takes the work
-        now: the most remaining quota among those that can take the head (ties: first);
-        -1 when none can (or nothing is queued)."""
-        able = [i for i, (rem, idle) in enumerate(offers) if self.can_take(tier, rem, idle)]
+        """Index in ``offers`` (``(remaining_ns, rank_loads_ns)`` per engine offering to
+        pull on ``tier``, in the shell's deterministic order) of the engine that takes the
+        work now, among those that can take the head: under late binding the one whose
+        least-loaded rank is emptiest (ties: most remaining quota, then first), else the
+        most remaining quota (ties: first); -1 when none can (or nothing is queued)."""
+        able = [i for i, (rem, loads) in enumerate(offers) if self.can_take(tier, rem, loads)]
         if not able:
             return -1
+        if self.config.rules.rank_horizon_ns is not None:
+            return min(able, key=lambda i: (min(offers[i][1], default=0), -offers[i][0], i))
         return able[pick_engine([offers[i][0] for i in able])]
 
     def take(
@@ -422,7 +468,7 @@ class PrefillBalancer:
             raise ValueError(f"rank_loads_ns: must have {eng.dp_ranks} entries")
         eng.load_ns = sum(loads)
         idle = not any(loads)
-        tier = self.source_tier(engine_id, idle)
+        tier = self.source_tier(engine_id, loads)
         if tier < 0:
             return Taken(tier=tier)
         cap = self.config.max_batch_requests
@@ -440,8 +486,14 @@ class PrefillBalancer:
                 live.append(item)
                 yield self.cost_for(item, engine_id)
 
+        horizon = self.config.rules.rank_horizon_ns
+        if horizon is not None:
+            costs_iter: Iterator[int] = _late_binding(costs(), loads, horizon)
+        else:
+            costs_iter = costs()
         n = select_batch(
-            costs(), remaining_ns, self.config.batch_cap_ns[tier], idle=idle, max_requests=cap
+            costs_iter, remaining_ns, self.config.batch_cap_ns[tier], idle=idle,
+            max_requests=cap,
         )
         for item in dead:
             self.remove(item.request_id)
