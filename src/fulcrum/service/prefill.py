@@ -65,6 +65,11 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
     ) -> pb.PullResponse:
         require_id(request.engine_id, "engine_id")
         s = self._state.settings
+        bound = self._app.settings.fleet.max_gpus_per_member
+        if len(request.rank_loads_ns) > bound:  # bounded before anything is converted
+            raise InvalidArgument(
+                "rank_loads_ns", f"must have at most {bound} entries (one per DP rank)"
+            )
         wait = wait_ns(request.max_wait_ms, s.pull_wait_ms, s.max_pull_wait_ms)
         batch = await self._state.pull(
             request.engine_id,
