@@ -269,6 +269,7 @@ class Simulator:
             hysteresis=p.hysteresis,
             max_batch_requests=p.max_batch_requests,
             rules=rules_by_name(policy.rules),
+            step_quota_ns=int(p.step_budget_ns),
         ))
         #: Optional observer of the balancer calls (tests replay them through the daemon).
         self.trace: Callable[[tuple[object, ...]], None] | None = trace

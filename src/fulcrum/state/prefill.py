@@ -74,6 +74,7 @@ def balancer_config(settings: PrefillSettings) -> BalancerConfig:
         hysteresis=settings.hysteresis,
         max_batch_requests=settings.max_batch_requests,
         rules=rules_by_name(settings.rules),
+        step_quota_ns=settings.step_quota_ns,
     )
 
 

@@ -38,7 +38,9 @@ def item(rid: str, total: int, cost: int, t: int = 0) -> Queued:
 
 def test_rule_sets_and_config_checks() -> None:
     assert set(RULE_SETS) == {DEFAULT, PUBLISHED}
-    assert RULE_SETS[PUBLISHED].rank_horizon_ns is None
+    assert RULE_SETS[PUBLISHED].rank_horizon_steps is None
+    assert make(PUBLISHED).config.rank_horizon_ns is None
+    assert make(DEFAULT).config.rank_horizon_ns == 2 * S
     assert not RULE_SETS[PUBLISHED].work_conserving
     with pytest.raises(ValueError, match="known"):
         rules_by_name("nope")
@@ -78,18 +80,17 @@ def test_published_most_remaining_quota_pulls() -> None:
 
 def test_default_binds_late_to_the_emptiest_rank() -> None:
     bal = make(DEFAULT, engines=2)
-    for i in range(6):
+    for i in range(12):
         bal.enqueue(item(f"r{i}", 1_000, 400_000_000))
     assert bal.choose_puller(0, [(9 * S, [S // 10, 2 * S]), (5 * S, [0, 3 * S])]) == 1
-    # Late binding: the engine takes only while its least-loaded rank is below 1 s.
+    # Late binding: the engine takes only while its least-loaded rank is below the
+    # horizon of two step budgets (2 s). Ranks alternate; after eight both hold 1.6 s
+    # (< 2 s), so the 9th and 10th still fit and an 11th would land on a rank at 2.0 s.
     taken = bal.take("e0", 100 * S, [0, 0])
-    # Ranks alternate; after four both hold 0.8 s (< 1 s), so the 5th and 6th still fit
-    # and a 7th would land on a rank at 1.2 s.
-    assert len(taken.items) == 6
-    assert taken.ranks == (0, 1, 0, 1, 0, 1)
-    bal.enqueue(item("late", 1_000, 400_000_000))
-    assert not bal.take("e1", 100 * S, [S, S]).items  # every rank at the horizon
-    assert bal.take("e1", 100 * S, [S, S - 1]).ranks == (1,)
+    assert len(taken.items) == 10
+    assert taken.ranks == (0, 1) * 5
+    assert not bal.take("e1", 100 * S, [2 * S, 2 * S]).items  # every rank at the horizon
+    assert bal.take("e1", 100 * S, [2 * S, 2 * S - 1]).ranks == (1,)
 
 
 def test_work_conserving_takes_only_from_shorter_tiers() -> None:
@@ -105,7 +106,7 @@ def test_work_conserving_takes_only_from_shorter_tiers() -> None:
     assert bal.source_tier(long_engine, [0, 0]) == 2
     assert bal.take(long_engine, 100 * S, [0, 0]).items[0].request_id == "long"
     assert bal.source_tier(long_engine, [0, 0]) == 0
-    assert bal.source_tier(long_engine, [S, S]) == 2  # no room: stays on its tier
+    assert bal.source_tier(long_engine, [2 * S, 2 * S]) == 2  # no room: stays on its tier
     bal.remove("short")
     bal.enqueue(item("long2", 100_000, 20 * S))
     assert bal.source_tier(short_engine, [0, 0]) == 0

@@ -66,8 +66,9 @@ DEFAULT: Final = "default"
 class Rules:
     """Which balancing rules are in force (a named set; see :data:`RULE_SETS`).
 
-    ``rank_horizon_ns`` (late binding; None = off): a pull takes the FIFO head only while
-    the engine's least-loaded DP rank holds less than this much outstanding work (ns), so
+    ``rank_horizon_steps`` (late binding; None = off): a pull takes the FIFO head only
+    while the engine's least-loaded DP rank holds less than this many step budgets of
+    outstanding work (``rank_horizon_steps x step_quota_ns``, ns), so
     work waits in the shared tier queue until a rank is about to need it, instead of
     being committed early to one engine's queue; among the engines offering to pull, the
     one whose least-loaded rank is emptiest takes the work (ties: most remaining quota).
@@ -82,14 +83,14 @@ class Rules:
     """
 
     name: str = DEFAULT
-    rank_horizon_ns: int | None = None
+    rank_horizon_steps: float | None = None
     work_conserving: bool = False
     orphan_gate: bool = True
 
 
 RULE_SETS: Final[dict[str, Rules]] = {
     PUBLISHED: Rules(PUBLISHED),
-    DEFAULT: Rules(DEFAULT, rank_horizon_ns=1_000_000_000, work_conserving=True),
+    DEFAULT: Rules(DEFAULT, rank_horizon_steps=2.0, work_conserving=True),
 }
 """Named rule sets: ``published`` (the letter of the design) and ``default``."""
 
@@ -107,7 +108,8 @@ def rules_by_name(name: str) -> Rules:
 class BalancerConfig:
     """Static knobs. ``bounds``: tier bounds (tokens); ``batch_cap_ns``: per-tier batch
     quota cap (ns, one per tier); ``backlog_rounds`` (>= 1); ``hysteresis`` (engines);
-    ``max_batch_requests`` (>= 1)."""
+    ``max_batch_requests`` (>= 1); ``step_quota_ns``: the step budget (ns) that the
+    late-binding horizon is counted in."""
 
     bounds: tuple[int, ...]
     batch_cap_ns: tuple[int, ...]
@@ -115,6 +117,13 @@ class BalancerConfig:
     hysteresis: float
     max_batch_requests: int
     rules: Rules = RULE_SETS[DEFAULT]
+    step_quota_ns: int = 1_000_000_000
+
+    @property
+    def rank_horizon_ns(self) -> int | None:
+        """Late-binding horizon of a rank (ns), or None when late binding is off."""
+        steps = self.rules.rank_horizon_steps
+        return None if steps is None else int(steps * self.step_quota_ns)
 
     def __post_init__(self) -> None:
         validate_bounds(self.bounds)
@@ -389,7 +398,7 @@ class PrefillBalancer:
     def has_room(self, rank_loads_ns: Sequence[int]) -> bool:
         """True when an engine with these rank loads (ns) may take more work now: under
         late binding, its least-loaded rank is below the horizon; else it is idle."""
-        h = self.config.rules.rank_horizon_ns
+        h = self.config.rank_horizon_ns
         if h is None:
             return not any(rank_loads_ns)
         return min(rank_loads_ns, default=0) < h
@@ -421,7 +430,7 @@ class PrefillBalancer:
         head = self.head(tier)
         if head is None:
             return False
-        h = self.config.rules.rank_horizon_ns
+        h = self.config.rank_horizon_ns
         if h is not None and min(rank_loads_ns, default=0) >= h:
             return False
         cap = self.config.batch_cap_ns[tier]
@@ -439,7 +448,7 @@ class PrefillBalancer:
         able = [i for i, (rem, loads) in enumerate(offers) if self.can_take(tier, rem, loads)]
         if not able:
             return -1
-        if self.config.rules.rank_horizon_ns is not None:
+        if self.config.rank_horizon_ns is not None:
             return min(able, key=lambda i: (min(offers[i][1], default=0), -offers[i][0], i))
         return able[pick_engine([offers[i][0] for i in able])]
 
@@ -486,7 +495,7 @@ class PrefillBalancer:
                 live.append(item)
                 yield self.cost_for(item, engine_id)
 
-        horizon = self.config.rules.rank_horizon_ns
+        horizon = self.config.rank_horizon_ns
         if horizon is not None:
             costs_iter: Iterator[int] = _late_binding(costs(), loads, horizon)
         else:
