@@ -52,7 +52,13 @@ from fulcrum.core.cost import CostModel
 from fulcrum.core.decode import DecodeParams
 from fulcrum.core.prefill import chunks as core_chunks
 from fulcrum.core.prefill import tiers as core_tiers
-from fulcrum.core.prefill.balancer import BalancerConfig, PrefillBalancer, Queued, rules_by_name
+from fulcrum.core.prefill.balancer import (
+    BalancerConfig,
+    Offer,
+    PrefillBalancer,
+    Queued,
+    rules_by_name,
+)
 from fulcrum.sim import baselines
 from fulcrum.sim.cache import BlockCache
 from fulcrum.sim.cluster import Cluster
@@ -487,12 +493,12 @@ class Simulator:
         bal = self.balancer
         while bal.head(tier) is not None:
             offers: list[int] = []
-            quotas: list[tuple[int, list[int]]] = []
+            quotas: list[Offer] = []
             for e, eid in enumerate(self.engine_ids):
                 loads = self._loads(e)
                 if bal.source_tier(eid, loads) == tier:
                     offers.append(e)
-                    quotas.append((self._remaining(e), loads))
+                    quotas.append(Offer(eid, self._remaining(e), loads))
             i = bal.choose_puller(tier, quotas)
             if i < 0 or not self._take(offers[i]):
                 return

@@ -39,6 +39,7 @@ from fulcrum.config.prefill import PrefillSettings
 from fulcrum.core.cost import CostModel, evaluate, fit, should_adopt
 from fulcrum.core.prefill.balancer import (
     BalancerConfig,
+    Offer,
     PrefillBalancer,
     Queued,
     Redistribution,
@@ -486,7 +487,9 @@ class PrefillState:
             ),
             key=lambda w: w.engine.member_id,
         )
-        i = bal.choose_puller(tier, [(w.remaining_ns, w.loads) for w in offers])
+        i = bal.choose_puller(
+            tier, [Offer(w.engine.member_id, w.remaining_ns, w.loads) for w in offers]
+        )
         if i >= 0:
             self._wake(offers[i], tier)
 

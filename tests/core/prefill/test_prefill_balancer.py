@@ -13,6 +13,7 @@ from fulcrum.core.prefill.balancer import (
     PUBLISHED,
     RULE_SETS,
     BalancerConfig,
+    Offer,
     PrefillBalancer,
     Queued,
     rules_by_name,
@@ -72,17 +73,18 @@ def test_published_most_remaining_quota_pulls() -> None:
     bal = make(PUBLISHED, engines=2)
     bal.enqueue(item("x", 1_000, S))
     # e1 has more remaining quota although its emptiest rank holds work.
-    assert bal.choose_puller(0, [(5 * S, [0, 0]), (9 * S, [S // 10, S])]) == 1
+    assert bal.choose_puller(0, [Offer("e0", 5 * S, [0, 0]), Offer("e1", 9 * S, [S // 10, S])]) == 1
     # Nobody can take a head above quota unless idle.
-    assert bal.choose_puller(0, [(S // 2, [1, 0])]) == -1
-    assert bal.choose_puller(0, [(S // 2, [0, 0])]) == 0
+    assert bal.choose_puller(0, [Offer("e0", S // 2, [1, 0])]) == -1
+    assert bal.choose_puller(0, [Offer("e0", S // 2, [0, 0])]) == 0
 
 
 def test_default_binds_late_to_the_emptiest_rank() -> None:
     bal = make(DEFAULT, engines=2)
     for i in range(12):
         bal.enqueue(item(f"r{i}", 1_000, 400_000_000))
-    assert bal.choose_puller(0, [(9 * S, [S // 10, 2 * S]), (5 * S, [0, 3 * S])]) == 1
+    offers = [Offer("e0", 9 * S, [S // 10, 2 * S]), Offer("e1", 5 * S, [0, 3 * S])]
+    assert bal.choose_puller(0, offers) == 1
     # Late binding: the engine takes only while its least-loaded rank is below the
     # horizon of two step budgets (2 s). Ranks alternate; after eight both hold 1.6 s
     # (< 2 s), so the 9th and 10th still fit and an 11th would land on a rank at 2.0 s.

@@ -158,6 +158,16 @@ class EngineEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class Offer:
+    """An engine offering to pull now: its id, remaining quota (ns) and outstanding work
+    per DP rank (ns; all zero = idle)."""
+
+    engine_id: str
+    remaining_ns: int
+    rank_loads_ns: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
 class Taken:
     """Result of :meth:`PrefillBalancer.take`: ``items[i]`` went to DP rank ``ranks[i]``
     (FIFO order), from ``tier``; ``quota_ns`` their summed cost; ``dead`` the requests
@@ -424,33 +434,32 @@ class PrefillBalancer:
                 return t
         return own
 
-    def can_take(self, tier: int, remaining_ns: int, rank_loads_ns: Sequence[int]) -> bool:
-        """True when an engine with that quota (ns) and rank loads (ns) may take
-        ``tier``'s head now."""
+    def can_take(self, tier: int, offer: Offer) -> bool:
+        """True when the offering engine may take ``tier``'s head now."""
         head = self.head(tier)
         if head is None:
             return False
+        loads = offer.rank_loads_ns
         h = self.config.rank_horizon_ns
-        if h is not None and min(rank_loads_ns, default=0) >= h:
+        if h is not None and min(loads, default=0) >= h:
             return False
         cap = self.config.batch_cap_ns[tier]
-        idle = not any(rank_loads_ns)
-        return select_batch((head.cost_ns,), remaining_ns, cap, idle=idle) >= 1
+        cost = self.cost_for(head, offer.engine_id)
+        return select_batch((cost,), offer.remaining_ns, cap, idle=not any(loads)) >= 1
 
-    def choose_puller(
-        self, tier: int, offers: Sequence[tuple[int, Sequence[int]]]
-    ) -> int:
-        """Index in ``offers`` (``(remaining_ns, rank_loads_ns)`` per engine offering to
-        pull on ``tier``, in the shell's deterministic order) of the engine that takes the
-        work now, among those that can take the head: under late binding the one whose
-        least-loaded rank is emptiest (ties: most remaining quota, then first), else the
-        most remaining quota (ties: first); -1 when none can (or nothing is queued)."""
-        able = [i for i, (rem, loads) in enumerate(offers) if self.can_take(tier, rem, loads)]
+    def choose_puller(self, tier: int, offers: Sequence[Offer]) -> int:
+        """Index in ``offers`` (engines offering to pull on ``tier``, in the shell's
+        deterministic order) of the engine that takes the work now, among those that can
+        take the head: under late binding the one whose least-loaded rank is emptiest
+        (ties: most remaining quota, then first), else the most remaining quota (ties:
+        first); -1 when none can (or nothing is queued)."""
+        able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
         if not able:
             return -1
         if self.config.rank_horizon_ns is not None:
-            return min(able, key=lambda i: (min(offers[i][1], default=0), -offers[i][0], i))
-        return able[pick_engine([offers[i][0] for i in able])]
+            return min(able, key=lambda i: (
+                min(offers[i].rank_loads_ns, default=0), -offers[i].remaining_ns, i))
+        return able[pick_engine([offers[i].remaining_ns for i in able])]
 
     def take(
         self,
