@@ -47,12 +47,13 @@ async def test_refused_pull_is_not_a_heartbeat() -> None:
             )
         )
         entry = d.app.fleet._members["dec-1"]
-        entry.last_seen_ns = 12_345  # as if last heard of long ago
+        seen = d.app.clock() - 1_000_000_000  # as if last heard of a second ago
+        entry.last_seen_ns = seen
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await c.prefill.Pull(pull_request("dec-1", reply.incarnation, S, wait_ms=0))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert "not a registered prefill engine" in (err.value.details() or "")
-        assert d.app.fleet._members["dec-1"].last_seen_ns == 12_345
+        assert d.app.fleet._members["dec-1"].last_seen_ns == seen
 
 
 async def test_step_samples_bounded_before_conversion() -> None:
