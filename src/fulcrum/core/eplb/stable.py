@@ -58,6 +58,7 @@ and tiny values behave like ordinary ones.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
@@ -172,20 +173,26 @@ def greedy_start(w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
     order = np.argsort(-item_load, axis=1, kind="stable")
     items = np.take_along_axis(items, order, axis=1)
     item_load = np.take_along_axis(item_load, order, axis=1)
+    # an expert's replicas are adjacent in ``items`` (equal loads, stable sort), so the
+    # GPUs holding the current expert are tracked for the current run only; a GPU
+    # holding it costs ``big`` (more than any pack load: taken only in a dead end,
+    # which repair fixes), a full GPU costs inf
     phy = np.zeros((n_layers, n_phys), dtype=np.int64)
-    pack_w = np.zeros((n_layers, n_gpus))
+    key = np.zeros((n_layers, n_gpus))  # pack load, inf once full
     pack_n = np.zeros((n_layers, n_gpus), dtype=np.int64)
-    on = np.zeros((n_layers, n_logical, n_gpus), dtype=np.bool_)
+    on_cur = np.zeros((n_layers, n_gpus), dtype=np.bool_)
+    big = 4.0 * float(w.sum(axis=1).max(initial=0.0)) + 1.0
+    prev = np.full(n_layers, -1, dtype=np.int64)
     for j in range(n_phys):
         e = items[:, j]
-        room: B = pack_n < spg
-        fits: B = room & ~on[rows, e, :]
-        ok = np.where(np.any(fits, axis=1, keepdims=True), fits, room)  # dead end: repaired
-        g = np.argmin(np.where(ok, pack_w, np.inf), axis=1)
-        phy[rows, g * spg + pack_n[rows, g]] = e
-        pack_w[rows, g] += item_load[:, j]
-        pack_n[rows, g] += 1
-        on[rows, e, g] = True
+        on_cur &= (e == prev)[:, None]
+        g = np.argmin(key + big * on_cur, axis=1)
+        n_g = pack_n[rows, g]
+        phy[rows, g * spg + n_g] = e
+        pack_n[rows, g] = n_g + 1
+        key[rows, g] = np.where(n_g + 1 < spg, key[rows, g] + item_load[:, j], np.inf)
+        on_cur[rows, g] = True
+        prev = e
     return phy
 
 
@@ -519,20 +526,30 @@ def _geometry(n_gpus: int, spg: int, n_logical: int, dom: int | None) -> _Geomet
 
 
 def search(
-    w: F64, phy: I64, n_gpus: int, spg: int, max_iter: int, floor: float, dom: int | None
+    w: F64,
+    phy: I64,
+    n_gpus: int,
+    spg: int,
+    max_iter: int,
+    floor: float,
+    dom: int | None,
+    stop: F64 | None = None,
 ) -> tuple[I64, Trace]:
     """Local search (rule 2) on all layers at once from map ``phy`` (L, P), loads ``w``
     (L, E) tokens; returns the final map and the trace of moves.
 
     A layer stops when its best move relieves the hottest GPU by no more than ``floor``
     tokens per copy (at least 1e-9 of its mean GPU load), or after ``G`` moves in a row
-    that did not lower its maximum. With ``dom`` GPUs per node every move stays inside
+    that did not lower its maximum, or once its max GPU load is at most ``stop`` (L,)
+    tokens (the noise floor, rule 6). With ``dom`` GPUs per node every move stays inside
     the node of the hottest GPU."""
     geo = _geometry(n_gpus, spg, w.shape[1], dom)
     st = _new_state(w, phy.copy(), geo)
     n_layers = w.shape[0]
     floors = np.maximum(_EPS * w.sum(axis=1) / n_gpus, floor)
     active = (w.sum(axis=1) > 0) & (n_gpus > 1)
+    if stop is not None:
+        active &= st.gl.max(axis=1) > stop
     best_max = st.gl.max(axis=1)
     stall = np.zeros(n_layers, dtype=np.int64)
     moves: list[Moves] = []
@@ -549,6 +566,8 @@ def search(
         use_swap = swap.gain / 2.0 >= rep.gain
         per_copy = np.where(use_swap, swap.gain / 2.0, rep.gain)
         moving = (per_copy > floors[act]) & (stall[act] <= n_gpus)
+        if stop is not None:
+            moving &= hot.lmax > stop[act]
         active[act[~moving]] = False
         if not moving.any():
             break
@@ -669,29 +688,35 @@ def _greedy_assignment(score: F64) -> I64:
     """A permutation per layer maximising ``score`` greedily, shape (L, n).
 
     ``score`` (L, n, n): value of sending new item i to old position j (-inf forbidden).
-    Each round takes, in every layer, the best remaining (i, j) pair (ties: lowest i,
-    then j) and strikes out its row and column; a layer whose remaining pairs are all
-    forbidden takes its first free i and j. After n rounds every i has one distinct j, so
-    the result is always a permutation (a 1/2-approximation of the best total)."""
+    Each round takes, in every layer, every remaining pair that is the best of both its
+    row and its column (ties: lowest index), which the one-pair-at-a-time greedy would
+    also take (the best remaining pair is always among them, so a round never stalls
+    while an allowed pair is left), and strikes out their rows and columns; pairs left
+    when only forbidden ones remain are matched first free i to first free j. The result
+    is always a permutation (a 1/2-approximation of the best total)."""
     n_layers, n, _ = score.shape
     s = score.astype(np.float64, copy=True)
     out = np.full((n_layers, n), -1, dtype=np.int64)
-    rows = np.arange(n_layers)
     free_i = np.ones((n_layers, n), dtype=np.bool_)
     free_j = np.ones((n_layers, n), dtype=np.bool_)
-    flat = s.reshape(n_layers, -1)
+    ident = np.arange(n)
     for _ in range(n):
-        best = np.argmax(flat, axis=1)
-        i, j = np.divmod(best, n)
-        stuck = ~(flat[rows, best] > -np.inf) | ~free_i[rows, i] | ~free_j[rows, j]
-        if stuck.any():
-            i[stuck] = np.argmax(free_i[stuck], axis=1)
-            j[stuck] = np.argmax(free_j[stuck], axis=1)
-        out[rows, i] = j
-        free_i[rows, i] = False
-        free_j[rows, j] = False
-        s[rows, i, :] = -np.inf
-        s[rows, :, j] = -np.inf
+        row_best = np.argmax(s, axis=2)  # (L, n): best j of each i
+        col_best = np.argmax(s, axis=1)  # (L, n): best i of each j
+        best_val = np.take_along_axis(s, row_best[..., None], axis=2)[..., 0]
+        mutual = free_i & (best_val > -np.inf)
+        mutual &= np.take_along_axis(col_best, row_best, axis=1) == ident
+        if not mutual.any():
+            break
+        lay, i = np.nonzero(mutual)
+        j = row_best[lay, i]
+        out[lay, i] = j
+        free_i[lay, i] = False
+        free_j[lay, j] = False
+        s[lay, i, :] = -np.inf
+        s[lay, :, j] = -np.inf
+    for layer in np.flatnonzero(free_i.any(axis=1)).tolist():
+        out[layer, free_i[layer]] = np.flatnonzero(free_j[layer])
     return out
 
 
@@ -857,21 +882,42 @@ def _setup(layout: GroupLayout, w: F64, params: RebalanceParams) -> _Setup:
     )
 
 
-def from_scratch(w: F64, layout: GroupLayout, su: _Setup) -> I64:
-    """The from-scratch candidate (rule 3) for loads ``w`` (L', E), shape (L', P)."""
+def noise_floor(w: F64, load_var: F64 | None, cnt: I64 | None, n_gpus: int, z: float) -> F64 | None:
+    """Max GPU load (tokens, shape (L,)) at or below which a layer's search stops (rule 6):
+    the layer mean plus ``sqrt(2 ln G)`` standard deviations of a GPU's load, the excess
+    of the hottest of ``G`` GPUs over the mean that sampling noise alone produces on a
+    perfectly balanced map. ``cnt`` (L, E) replicas (None: one each); the GPU variance is
+    the average over GPUs, ``sum_e Var(S_e) / c_e / G``. None without a noise estimate
+    or with the gate off (``z`` = 0)."""
+    if load_var is None or z <= 0:
+        return None
+    c = np.ones_like(w) if cnt is None else np.maximum(cnt, 1)
+    gpu_var = (load_var / c).sum(axis=1) / n_gpus
+    out: F64 = w.sum(axis=1) / n_gpus + math.sqrt(2.0 * math.log(max(n_gpus, 2))) * np.sqrt(
+        gpu_var
+    )
+    return out
+
+
+def from_scratch(w: F64, layout: GroupLayout, su: _Setup, stop: F64 | None = None) -> I64:
+    """The from-scratch candidate (rule 3) for loads ``w`` (L', E), shape (L', P);
+    ``stop`` (L',) the search's noise floor (tokens) or None."""
     if su.dom is None:
         start, nodes = greedy_start(w, su.n_gpus, su.spg, su.n_logical), None
     else:
         start, nodes = limited_start(w, layout)
     start = repair(start, w, su.n_gpus, su.spg, nodes, su.dom)
-    out, _ = search(w, start, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom)
+    out, _ = search(w, start, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom, stop)
     return out
 
 
-def local_candidate(w: F64, base: I64, su: _Setup, total_mean: float) -> tuple[I64, F64]:
+def local_candidate(
+    w: F64, base: I64, su: _Setup, total_mean: float, stop: F64 | None = None
+) -> tuple[I64, F64]:
     """The local candidate (rule 2) from ``base`` (L', P): the accepted search prefixes,
-    and the max GPU load (L',) the search reached with every move kept."""
-    _, trace = search(w, base, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom)
+    and the max GPU load (L',) the search reached with every move kept; ``stop`` (L',)
+    the search's noise floor (tokens) or None."""
+    _, trace = search(w, base, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom, stop)
     if not trace.moves:
         return base, trace.final_max
     accepted = accept_prefixes(trace, w.shape[0], total_mean, su.per_copy, su.budget)
@@ -903,7 +949,10 @@ def place(
     su = _setup(layout, w, params)
     total_mean = float(w.sum()) / su.n_gpus
     if previous is None:
-        return PlacementMap.from_phy2log(from_scratch(w, layout, su), su.n_gpus, su.n_logical)
+        stop = noise_floor(w, var, None, su.n_gpus, params.noise_z)
+        return PlacementMap.from_phy2log(
+            from_scratch(w, layout, su, stop), su.n_gpus, su.n_logical
+        )
     prev = np.asarray(previous.phy2log, dtype=np.int64)
     b_nodes = expert_nodes(prev, layout) if su.dom is not None else None
     base = repair(prev, w, su.n_gpus, su.spg, b_nodes, su.dom)
@@ -911,6 +960,8 @@ def place(
         return PlacementMap.from_phy2log(base, su.n_gpus, su.n_logical)
     mean = w.sum(axis=1) / su.n_gpus
     m_base = _gpu_loads(w, base, su.n_gpus).max(axis=1)
+    stop = noise_floor(w, var, replica_counts(base, su.n_logical), su.n_gpus, params.noise_z)
+    lim = mean if stop is None else np.maximum(mean, stop)
     # far from balanced: no local search, the scratch layer is the candidate (unless a
     # byte cap applies, when the scratch may not fit, or restarts are off)
     restarts = su.budget is None and np.isfinite(params.restart_gap)
@@ -918,15 +969,16 @@ def place(
     local, reach = base.copy(), m_base.copy()
     near = np.flatnonzero(~very_far)
     if near.size:
-        local[near], reach[near] = local_candidate(w[near], base[near], su, total_mean)
+        local[near], reach[near] = local_candidate(
+            w[near], base[near], su, total_mean, None if stop is None else stop[near]
+        )
     # a fresh placement cannot beat the mean: only where local moves stay above it by
     # more than the restart gap is it worth computing
-    need = np.flatnonzero(very_far | (reach > (1.0 + params.restart_gap) * mean))
+    need = np.flatnonzero(very_far | (reach > lim + params.restart_gap * mean))
     scratch = local.copy()
     if need.size:
-        scratch[need] = match_to(
-            base[need], from_scratch(w[need], layout, su), su.n_gpus, su.n_logical, su.dom
-        )
+        fresh = from_scratch(w[need], layout, su, None if stop is None else stop[need])
+        scratch[need] = match_to(base[need], fresh, su.n_gpus, su.n_logical, su.dom)
     chosen = choose(
         base, local, reach, scratch, w, su.n_gpus, su.per_copy, params.restart_gap, su.budget
     )
