@@ -893,9 +893,7 @@ def noise_floor(w: F64, load_var: F64 | None, cnt: I64 | None, n_gpus: int, z: f
         return None
     c = np.ones_like(w) if cnt is None else np.maximum(cnt, 1)
     gpu_var = (load_var / c).sum(axis=1) / n_gpus
-    out: F64 = w.sum(axis=1) / n_gpus + math.sqrt(2.0 * math.log(max(n_gpus, 2))) * np.sqrt(
-        gpu_var
-    )
+    out: F64 = w.sum(axis=1) / n_gpus + math.sqrt(2.0 * math.log(max(n_gpus, 2))) * np.sqrt(gpu_var)
     return out
 
 
@@ -950,9 +948,7 @@ def place(
     total_mean = float(w.sum()) / su.n_gpus
     if previous is None:
         stop = noise_floor(w, var, None, su.n_gpus, params.noise_z)
-        return PlacementMap.from_phy2log(
-            from_scratch(w, layout, su, stop), su.n_gpus, su.n_logical
-        )
+        return PlacementMap.from_phy2log(from_scratch(w, layout, su, stop), su.n_gpus, su.n_logical)
     prev = np.asarray(previous.phy2log, dtype=np.int64)
     b_nodes = expert_nodes(prev, layout) if su.dom is not None else None
     base = repair(prev, w, su.n_gpus, su.spg, b_nodes, su.dom)
