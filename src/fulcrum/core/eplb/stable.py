@@ -174,26 +174,36 @@ def greedy_start(w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
     items = np.take_along_axis(items, order, axis=1)
     item_load = np.take_along_axis(item_load, order, axis=1)
     # an expert's replicas are adjacent in ``items`` (equal loads, stable sort), so the
-    # GPUs holding the current expert are tracked for the current run only; a GPU
-    # holding it costs ``big`` (more than any pack load: taken only in a dead end,
-    # which repair fixes), a full GPU costs inf
-    phy = np.zeros((n_layers, n_phys), dtype=np.int64)
-    key = np.zeros((n_layers, n_gpus))  # pack load, inf once full
-    pack_n = np.zeros((n_layers, n_gpus), dtype=np.int64)
+    # GPUs holding the current expert are tracked for the current run only, and only up
+    # to the last position where any layer continues a run; a GPU holding it costs
+    # ``big`` (more than any pack load: taken only in a dead end, which repair fixes), a
+    # full GPU costs inf. Flat indices: (layer, GPU) -> layer * G + GPU.
+    key = np.zeros(n_layers * n_gpus)  # pack load, inf once full
+    pack_n = np.zeros(n_layers * n_gpus, dtype=np.int64)
+    phy = np.zeros(n_layers * n_phys, dtype=np.int64)
+    key2 = key.reshape(n_layers, n_gpus)
     on_cur = np.zeros((n_layers, n_gpus), dtype=np.bool_)
     big = 4.0 * float(w.sum(axis=1).max(initial=0.0)) + 1.0
-    prev = np.full(n_layers, -1, dtype=np.int64)
+    cont = np.zeros((n_layers, n_phys), dtype=np.bool_)  # item j continues j - 1's run
+    cont[:, 1:] = items[:, 1:] == items[:, :-1]
+    runs = np.flatnonzero(cont.any(axis=0))
+    last_run = int(runs[-1]) if runs.size else -1
+    g_off, p_off = rows * n_gpus, rows * n_phys
     for j in range(n_phys):
-        e = items[:, j]
-        on_cur &= (e == prev)[:, None]
-        g = np.argmin(key + big * on_cur, axis=1)
-        n_g = pack_n[rows, g]
-        phy[rows, g * spg + n_g] = e
-        pack_n[rows, g] = n_g + 1
-        key[rows, g] = np.where(n_g + 1 < spg, key[rows, g] + item_load[:, j], np.inf)
-        on_cur[rows, g] = True
-        prev = e
-    return phy
+        if j <= last_run:
+            on_cur &= cont[:, j, None]
+            g = np.argmin(key2 + big * on_cur, axis=1)
+            on_cur[rows, g] = True
+        else:
+            g = np.argmin(key2, axis=1)
+        idx = g_off + g
+        n_g = pack_n[idx]
+        phy[p_off + g * spg + n_g] = items[:, j]
+        n_g += 1
+        pack_n[idx] = n_g
+        key[idx] += item_load[:, j]
+        key[idx[n_g == spg]] = np.inf
+    return phy.reshape(n_layers, n_phys)
 
 
 def limited_start(w: F64, layout: GroupLayout) -> tuple[I64, I64]:
@@ -720,6 +730,29 @@ def _greedy_assignment(score: F64) -> I64:
     return out
 
 
+def _overlap(base: I64, new: I64, n_gpus: int, n_logical: int) -> F64:
+    """overlap[l, g_new, g_old] (L, G, G): experts of ``new``'s GPU g_new that ``base``'s
+    GPU g_old holds (maps (L, P) without co-located replicas). Every (new slot, old slot)
+    pair holding the same expert is listed by a sort join and counted once."""
+    n_layers, n_phys = base.shape
+    spg = n_phys // n_gpus
+    lay_off = (np.arange(n_layers) * n_logical)[:, None]
+    k_old = (lay_off + base).ravel()
+    k_new = (lay_off + new).ravel()
+    o = np.argsort(k_old, kind="stable")
+    lo = np.searchsorted(k_old[o], k_new, side="left")
+    hi = np.searchsorted(k_old[o], k_new, side="right")
+    reps = hi - lo
+    s_new = np.repeat(np.arange(k_new.size), reps)
+    starts = np.repeat(lo - np.concatenate(([0], np.cumsum(reps)[:-1])), reps)
+    s_old = o[np.arange(s_new.size) + starts]
+    layer = s_new // n_phys
+    key = (layer * n_gpus + (s_new % n_phys) // spg) * n_gpus + (s_old % n_phys) // spg
+    cnt = np.bincount(key, minlength=n_layers * n_gpus * n_gpus)
+    out: F64 = cnt.reshape(n_layers, n_gpus, n_gpus).astype(np.float64)
+    return out
+
+
 def match_to(base: I64, new: I64, n_gpus: int, n_logical: int, dom: int | None) -> I64:
     """``new`` (L, P) with its GPUs relabelled to ``base``'s and slots aligned.
 
@@ -732,13 +765,7 @@ def match_to(base: I64, new: I64, n_gpus: int, n_logical: int, dom: int | None) 
     d = n_gpus if dom is None else dom
     n_nodes = n_gpus // d
     rows = np.arange(n_layers)[:, None]
-    slot_gpu = np.arange(n_phys) // spg
-    held_old = np.zeros((n_layers, n_logical, n_gpus), dtype=np.int32)
-    held_old[rows, base, slot_gpu[None, :]] = 1
-    # overlap[l, g_new, g_old]: experts of new GPU g_new that old GPU g_old holds
-    overlap = (
-        held_old[rows, new].reshape(n_layers, n_gpus, spg, n_gpus).sum(axis=2).astype(np.float64)
-    )
+    overlap = _overlap(base, new, n_gpus, n_logical)
     allowed = np.ones((n_layers, n_gpus, n_gpus), dtype=np.bool_)
     if n_nodes > 1:
         node_ov = overlap.reshape(n_layers, n_nodes, d, n_nodes, d).sum(axis=(2, 4))
