@@ -66,7 +66,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fulcrum.core.eplb import reference, window
-from fulcrum.core.eplb.layout import GroupLayout, PlacementMap, identity_map
+from fulcrum.core.eplb.layout import GroupLayout, PlacementMap
 from fulcrum.core.eplb.params import GIB, RebalanceParams
 
 __all__ = [
@@ -993,25 +993,6 @@ def local_candidate(
     return _replay(base, trace, accepted), trace.final_max
 
 
-def _value(
-    prev: I64, layout: GroupLayout, m_base: F64, mean: F64, lim: F64, drift_ok: bool
-) -> Value | None:
-    """Rule 7's next-window value, or None (plain drops of the max).
-
-    None without a noise estimate, or when the hot set changed rather than drifted: most
-    layers' map in force is beyond ``1 + _FAR`` times the mean (a change moves every
-    layer; drift carries a few layers that far). A layer still on the start-up map
-    (:func:`~fulcrum.core.eplb.layout.identity_map`) was never fitted to any loads, so
-    its imbalance says nothing about drift: its drift is 0."""
-    if not drift_ok:
-        return None
-    ratio = m_base / np.maximum(mean, np.finfo(np.float64).tiny)  # empty layers: 0
-    if float(np.median(ratio)) > 1.0 + _FAR:
-        return None
-    fitted = (prev != np.asarray(identity_map(layout).phy2log)).any(axis=1)
-    return Value(lim, np.where(fitted, np.maximum(m_base - lim, 0.0), 0.0))
-
-
 def _local(
     w: F64,
     base: I64,
@@ -1073,7 +1054,7 @@ def place(
     restarts = su.budget is None and np.isfinite(params.restart_gap)
     very_far = (m_base > (1.0 + _FAR) * mean) & restarts
     # rule 7: the drift one period caused, read off the map in force
-    value = _value(prev, layout, m_base, mean, lim, stop is not None and restarts)
+    value = None if stop is None else Value(lim, np.maximum(m_base - lim, 0.0))
     local, reach = base.copy(), m_base.copy()
     near = np.flatnonzero(~very_far)
     if near.size:
