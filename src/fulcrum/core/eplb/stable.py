@@ -630,28 +630,6 @@ def _hull_segments(copies: list[int], gains: list[float]) -> list[tuple[int, int
     ]
 
 
-class Value(NamedTuple):
-    """Next-window value of a layer's max GPU load (rule 7), per layer (L,), tokens.
-
-    ``floor``: the noise floor (the max sampling noise alone explains; at least the
-    mean). ``drift``: how far one period carried the map in force above it. The
-    next-window excess of a map whose max is ``m`` is modelled as its own excess over
-    the floor and the drift combined as independent errors, ``hypot(m - floor, drift)``;
-    with no drift it is the plain excess, so gains are the drops of the max."""
-
-    floor: F64
-    drift: F64
-
-    def excess(self, m: F64, layers: I64 | slice = slice(None)) -> F64:
-        """Modelled next-window excess (tokens) of max GPU loads ``m`` of ``layers``."""
-        out: F64 = np.hypot(np.maximum(m - self.floor[layers], 0.0), self.drift[layers])
-        return out
-
-    def take(self, layers: I64) -> Value:
-        """The value of a subset of layers."""
-        return Value(self.floor[layers], self.drift[layers])
-
-
 class _Segment(NamedTuple):
     neg_slope: float
     layer: int
@@ -660,20 +638,13 @@ class _Segment(NamedTuple):
 
 
 def accept_prefixes(
-    trace: Trace,
-    n_layers: int,
-    total_mean: float,
-    per_copy: float,
-    budget: int | None,
-    value: Value | None = None,
+    trace: Trace, n_layers: int, total_mean: float, per_copy: float, budget: int | None
 ) -> I64:
     """Accepted number of moves per layer (rule 2), shape (L,).
 
     Args:
         per_copy: least overall moe_lb gain per copy accepted.
         budget: most copies accepted over all layers (None = no cap).
-        value: the gain of a move is the drop of ``value.excess`` (rule 7); None: the
-            drop of the layer's max.
     """
     lay = np.concatenate([mv.layer for mv in trace.moves])
     copies_all = np.concatenate([mv.copies for mv in trace.moves])
@@ -686,10 +657,8 @@ def accept_prefixes(
         lo, hi = int(bounds[layer]), int(bounds[layer + 1])
         if lo == hi:
             continue
-        before = np.append(before_all[lo:hi], trace.final_max[layer])
-        if value is not None:
-            before = value.excess(before, np.full(before.size, layer))
-        gains = ((before[:-1] - before[1:]) / total_mean).tolist()
+        before = before_all[lo:hi]
+        gains = ((before - np.append(before[1:], trace.final_max[layer])) / total_mean).tolist()
         for end, n_copies, slope in _hull_segments(copies_all[lo:hi].tolist(), gains):
             segments.append(_Segment(-slope, layer, end, n_copies))
     segments.sort()
@@ -842,14 +811,8 @@ def choose(
     per_copy: float,
     gap: float,
     budget: int | None,
-    value: Value | None = None,
-    unforced: B | None = None,
 ) -> I64:
     """Per layer, the local map or the scratch map (rule 4), shape (L, P).
-
-    With ``value``, the drop that must pay is that of ``value.excess`` (rule 7);
-    ``unforced`` (L,) layers never take the scratch whatever the bytes (its full
-    restart did not pay, rule 7).
 
     ``reach`` (L,) is the max GPU load the local search reaches when every move is
     kept. The scratch layer is taken when its max GPU load is lower than ``reach`` by
@@ -865,11 +828,9 @@ def choose(
     m_scr = _gpu_loads(w, scratch, n_gpus).max(axis=1)
     c_loc = copies_per_layer(base, local, n_gpus, n_log)
     c_scr = copies_per_layer(base, scratch, n_gpus, n_log)
-    drop = m_loc - m_scr if value is None else value.excess(m_loc) - value.excess(m_scr)
+    drop = m_loc - m_scr
     extra = c_scr - c_loc
     far = reach - m_scr > gap * mean
-    if unforced is not None:
-        far &= ~unforced
     pays = (drop > _SCRATCH_MARGIN * mean) & (drop / total_mean >= per_copy * np.maximum(extra, 0))
     better = far | pays
     take = np.zeros(w.shape[0], dtype=np.bool_)
@@ -976,12 +937,7 @@ def from_scratch(w: F64, layout: GroupLayout, su: _Setup, stop: F64 | None = Non
 
 
 def local_candidate(
-    w: F64,
-    base: I64,
-    su: _Setup,
-    total_mean: float,
-    stop: F64 | None = None,
-    value: Value | None = None,
+    w: F64, base: I64, su: _Setup, total_mean: float, stop: F64 | None = None
 ) -> tuple[I64, F64]:
     """The local candidate (rule 2) from ``base`` (L', P): the accepted search prefixes,
     and the max GPU load (L',) the search reached with every move kept; ``stop`` (L',)
@@ -989,28 +945,8 @@ def local_candidate(
     _, trace = search(w, base, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom, stop)
     if not trace.moves:
         return base, trace.final_max
-    accepted = accept_prefixes(trace, w.shape[0], total_mean, su.per_copy, su.budget, value)
+    accepted = accept_prefixes(trace, w.shape[0], total_mean, su.per_copy, su.budget)
     return _replay(base, trace, accepted), trace.final_max
-
-
-def _local(
-    w: F64,
-    base: I64,
-    su: _Setup,
-    total_mean: float,
-    stop: F64 | None,
-    value: Value | None,
-    rows: I64,
-) -> tuple[I64, F64]:
-    """:func:`local_candidate` of the layers ``rows``."""
-    return local_candidate(
-        w[rows],
-        base[rows],
-        su,
-        total_mean,
-        None if stop is None else stop[rows],
-        None if value is None else value.take(rows),
-    )
 
 
 def place(
@@ -1053,12 +989,12 @@ def place(
     # byte cap applies, when the scratch may not fit, or restarts are off)
     restarts = su.budget is None and np.isfinite(params.restart_gap)
     very_far = (m_base > (1.0 + _FAR) * mean) & restarts
-    # rule 7: the drift one period caused, read off the map in force
-    value = None if stop is None else Value(lim, np.maximum(m_base - lim, 0.0))
     local, reach = base.copy(), m_base.copy()
     near = np.flatnonzero(~very_far)
     if near.size:
-        local[near], reach[near] = _local(w, base, su, total_mean, stop, value, near)
+        local[near], reach[near] = local_candidate(
+            w[near], base[near], su, total_mean, None if stop is None else stop[near]
+        )
     # a fresh placement cannot beat the mean: only where local moves stay above it by
     # more than the restart gap is it worth computing
     need = np.flatnonzero(very_far | (reach > lim + params.restart_gap * mean))
@@ -1066,30 +1002,8 @@ def place(
     if need.size:
         fresh = from_scratch(w[need], layout, su, None if stop is None else stop[need])
         scratch[need] = match_to(base[need], fresh, su.n_gpus, su.n_logical, su.dom)
-    unforced = np.zeros(w.shape[0], dtype=np.bool_)
-    if value is not None and very_far.any():
-        # a far layer's restart must pay for its copies like any move; where it does
-        # not, the layer gets the local search after all and no forced restart
-        vf = np.flatnonzero(very_far)
-        m_scr = _gpu_loads(w[vf], scratch[vf], su.n_gpus).max(axis=1)
-        gain = (value.excess(m_base[vf], vf) - value.excess(m_scr, vf)) / total_mean
-        copies = copies_per_layer(base[vf], scratch[vf], su.n_gpus, su.n_logical)
-        redo = vf[gain < su.per_copy * copies]
-        if redo.size:
-            local[redo], reach[redo] = _local(w, base, su, total_mean, stop, value, redo)
-            unforced[redo] = True
     chosen = choose(
-        base,
-        local,
-        reach,
-        scratch,
-        w,
-        su.n_gpus,
-        su.per_copy,
-        params.restart_gap,
-        su.budget,
-        value,
-        unforced,
+        base, local, reach, scratch, w, su.n_gpus, su.per_copy, params.restart_gap, su.budget
     )
     final = _noise_gate(base, chosen, w, var, su.n_gpus, params.noise_z)
     return PlacementMap.from_phy2log(final, su.n_gpus, su.n_logical)
