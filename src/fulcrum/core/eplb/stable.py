@@ -983,7 +983,7 @@ def place(
         return PlacementMap.from_phy2log(base, su.n_gpus, su.n_logical)
     mean = w.sum(axis=1) / su.n_gpus
     m_base = _gpu_loads(w, base, su.n_gpus).max(axis=1)
-    stop = noise_floor(w, var, replica_counts(base, su.n_logical), su.n_gpus, params.noise_z)
+    stop = noise_floor(w, var, None, su.n_gpus, params.noise_z)
     lim = mean if stop is None else np.maximum(mean, stop)
     # far from balanced: no local search, the scratch layer is the candidate (unless a
     # byte cap applies, when the scratch may not fit, or restarts are off)
