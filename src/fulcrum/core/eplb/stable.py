@@ -66,7 +66,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fulcrum.core.eplb import reference, window
-from fulcrum.core.eplb.layout import GroupLayout, PlacementMap
+from fulcrum.core.eplb.layout import GroupLayout, PlacementMap, identity_map
 from fulcrum.core.eplb.params import GIB, RebalanceParams
 
 __all__ = [
@@ -811,8 +811,11 @@ def choose(
     per_copy: float,
     gap: float,
     budget: int | None,
+    forced: B | None = None,
 ) -> I64:
     """Per layer, the local map or the scratch map (rule 4), shape (L, P).
+
+    ``forced`` (L,): layers that may take the scratch whatever the bytes (None: all).
 
     ``reach`` (L,) is the max GPU load the local search reaches when every move is
     kept. The scratch layer is taken when its max GPU load is lower than ``reach`` by
@@ -831,6 +834,8 @@ def choose(
     drop = m_loc - m_scr
     extra = c_scr - c_loc
     far = reach - m_scr > gap * mean
+    if forced is not None:
+        far &= forced
     pays = (drop > _SCRATCH_MARGIN * mean) & (drop / total_mean >= per_copy * np.maximum(extra, 0))
     better = far | pays
     take = np.zeros(w.shape[0], dtype=np.bool_)
@@ -843,6 +848,59 @@ def choose(
         take[layer] = True
         spent += int(extra[layer])
     out: I64 = np.where(take[:, None], scratch, local)
+    return out
+
+
+def drift_of(
+    prev: I64, layout: GroupLayout, m_base: F64, mean: F64, floor: F64
+) -> tuple[F64, B] | None:
+    """How far one period of drift carried each layer's map in force above the noise
+    floor, tokens, shape (L,) (rule 7); None after a change of the hot set.
+
+    The map in force was fitted to an earlier window, so its excess over the noise floor
+    ``floor`` (L,) on this window is what the loads' change since did to it. A change of
+    the hot set moves every layer: when most layers' map in force is beyond ``1 + _FAR``
+    times the mean, the loads changed rather than drifted and None is returned. A layer
+    still on the start-up map (:func:`~fulcrum.core.eplb.layout.identity_map`) was never
+    fitted to any loads: its drift is 0. Returns the drift and the fitted layers (L,)."""
+    ratio = m_base / np.maximum(mean, np.finfo(np.float64).tiny)  # empty layers: 0
+    if float(np.median(ratio)) > 1.0 + _FAR:
+        return None
+    fitted = (prev != np.asarray(identity_map(layout).phy2log)).any(axis=1)
+    out: F64 = np.where(fitted, np.maximum(m_base - floor, 0.0), 0.0)
+    return out, fitted
+
+
+def drift_gate(
+    base: I64,
+    new: I64,
+    w: F64,
+    floor: F64,
+    drift: F64,
+    per_copy: float,
+    n_gpus: int,
+) -> I64:
+    """``new`` (L, P) with every layer reverted to ``base`` whose change does not pay for
+    its copies at ``per_copy`` once its gain is valued on the next window (rule 7).
+
+    A layer's next-window excess over the noise floor ``floor`` (L,) is modelled as its
+    own excess and the drift ``drift`` (L,) (:func:`drift_of`) combined as independent
+    errors, ``hypot(max - floor, drift)``; the gain is the drop of that from ``base`` to
+    ``new``, in overall moe_lb. Layers without drift are left as they are."""
+    total_mean = float(w.sum()) / n_gpus
+    if total_mean <= 0:
+        return new
+    m_old = _gpu_loads(w, base, n_gpus).max(axis=1)
+    m_new = _gpu_loads(w, new, n_gpus).max(axis=1)
+
+    def excess(m: F64) -> F64:
+        out: F64 = np.hypot(np.maximum(m - floor, 0.0), drift)
+        return out
+
+    gain = (excess(m_old) - excess(m_new)) / total_mean
+    copies = copies_per_layer(base, new, n_gpus, w.shape[1])
+    revert = (drift > 0) & (copies > 0) & (gain < per_copy * copies)
+    out: I64 = np.where(revert[:, None], base, new)
     return out
 
 
@@ -988,7 +1046,10 @@ def place(
     # far from balanced: no local search, the scratch layer is the candidate (unless a
     # byte cap applies, when the scratch may not fit, or restarts are off)
     restarts = su.budget is None and np.isfinite(params.restart_gap)
-    very_far = (m_base > (1.0 + _FAR) * mean) & restarts
+    # rule 7: under drift, a fitted layer gets no forced restart and no shortcut
+    drift = None if stop is None else drift_of(prev, layout, m_base, mean, lim)
+    forced = np.ones(w.shape[0], dtype=np.bool_) if drift is None else ~drift[1]
+    very_far = (m_base > (1.0 + _FAR) * mean) & restarts & forced
     local, reach = base.copy(), m_base.copy()
     near = np.flatnonzero(~very_far)
     if near.size:
@@ -1003,7 +1064,18 @@ def place(
         fresh = from_scratch(w[need], layout, su, None if stop is None else stop[need])
         scratch[need] = match_to(base[need], fresh, su.n_gpus, su.n_logical, su.dom)
     chosen = choose(
-        base, local, reach, scratch, w, su.n_gpus, su.per_copy, params.restart_gap, su.budget
+        base,
+        local,
+        reach,
+        scratch,
+        w,
+        su.n_gpus,
+        su.per_copy,
+        params.restart_gap,
+        su.budget,
+        forced,
     )
+    if drift is not None:
+        chosen = drift_gate(base, chosen, w, lim, drift[0], su.per_copy, su.n_gpus)
     final = _noise_gate(base, chosen, w, var, su.n_gpus, params.noise_z)
     return PlacementMap.from_phy2log(final, su.n_gpus, su.n_logical)
