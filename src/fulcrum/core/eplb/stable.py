@@ -43,13 +43,37 @@ Rule (loads in tokens, the even-split load model of ``metrics``); shapes: ``L`` 
    the map changes only when the overall gain exceeds the overall threshold. Without a
    noise estimate (``load_var`` None) the gate is open.
 
+6. **Noise floor** (:func:`noise_floor`): with a noise estimate, a layer's search (local
+   and scratch polish) stops once its max GPU load is at most the layer mean plus
+   ``sqrt(2 ln G)`` standard deviations of a GPU's load (the excess of the hottest of
+   ``G`` GPUs that sampling noise alone produces on a perfectly balanced map); further
+   moves would chase noise that the gate rejects anyway. It depends on the loads only
+   (each expert counted as one replica), so a rerun on the same window stops at the same
+   place. It also bounds the CPU time: the search no longer polishes below the noise.
+7. **Drift gate** (:func:`drift_of`, :func:`drift_gate`): a map in force fitted to an
+   earlier window shows, on this window, how far one period of drift carried it above
+   the noise floor (``drift``, per layer). A change of that layer only pays off on the
+   next window to the extent it survives the next period's drift, so its gain is valued
+   as the drop of ``hypot(max - floor, drift)`` (the layer's own excess and the drift
+   combined as independent errors; the plain drop of the max without drift), and a
+   fitted layer keeps its change only when that gain pays for its copies at
+   ``min_gain_per_gib``, all or nothing per layer. Under drift a fitted layer also gets
+   no forced restart (rule 4's "whatever the bytes") and no shortcut past the local
+   search (rule 3): a restart must pay like any move. Exempt, with the plain rule: a
+   change of the hot set (most layers' map in force beyond ``1 + _FAR`` times the mean:
+   every layer moved at once, not by drift), and layers still on the start-up map
+   (never fitted, their imbalance says nothing about drift). All or nothing keeps the
+   fixed point: a rerun starts from the candidate (itself a fixed point of rules 1-6)
+   or from the unchanged base.
+
 With no map in force the from-scratch candidate is returned (nothing to migrate).
 
 Guarantees: no two replicas of one expert share a GPU; every expert keeps a replica;
 under node-limited routing each expert group sits whole on one node; unchanged loads give
 the unchanged map (the local search regenerates the rejected suffix, the scratch
-candidate matches onto itself with no gain, and a zero gain never passes the gate),
-unless ``max_bytes`` cut the previous run short, in which case the next run continues.
+candidate matches onto itself with no gain, and a zero gain never passes the gate;
+rules 6 and 7 keep it, see there), unless ``max_bytes`` cut the previous run short, in
+which case the next run continues.
 
 Loads are scaled by their largest value before anything is computed (float64), so huge
 and tiny values behave like ordinary ones.
