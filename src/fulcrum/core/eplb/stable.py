@@ -189,9 +189,12 @@ def greedy_start(w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
     n_phys = n_gpus * spg
     rows = np.arange(n_layers)
     cnt = np.ones((n_layers, n_logical), dtype=np.int64)
+    score = np.where(cnt < n_gpus, w / cnt, -np.inf)  # updated where cnt changes
     for _ in range(n_phys - n_logical):
-        score = np.where(cnt < n_gpus, w / cnt, -np.inf)
-        cnt[rows, np.argmax(score, axis=1)] += 1
+        best = np.argmax(score, axis=1)
+        c = cnt[rows, best] + 1
+        cnt[rows, best] = c
+        score[rows, best] = np.where(c < n_gpus, w[rows, best] / c, -np.inf)
     items = np.stack([np.repeat(np.arange(n_logical), cnt[i]) for i in range(n_layers)])
     item_load = np.take_along_axis(w / cnt, items, axis=1)
     order = np.argsort(-item_load, axis=1, kind="stable")
@@ -213,19 +216,20 @@ def greedy_start(w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
     runs = np.flatnonzero(cont.any(axis=0))
     last_run = int(runs[-1]) if runs.size else -1
     g_off, p_off = rows * n_gpus, rows * n_phys
+    items_t, load_t, cont_t = items.T.copy(), item_load.T.copy(), cont.T.copy()  # by j
     for j in range(n_phys):
         if j <= last_run:
-            on_cur &= cont[:, j, None]
+            on_cur &= cont_t[j][:, None]
             g = np.argmin(key2 + big * on_cur, axis=1)
             on_cur[rows, g] = True
         else:
             g = np.argmin(key2, axis=1)
         idx = g_off + g
         n_g = pack_n[idx]
-        phy[p_off + g * spg + n_g] = items[:, j]
+        phy[p_off + g * spg + n_g] = items_t[j]
         n_g += 1
         pack_n[idx] = n_g
-        key[idx] += item_load[:, j]
+        key[idx] += load_t[j]
         key[idx[n_g == spg]] = np.inf
     return phy.reshape(n_layers, n_phys)
 
@@ -730,13 +734,14 @@ def _greedy_assignment(score: F64) -> I64:
     is always a permutation (a 1/2-approximation of the best total)."""
     n_layers, n, _ = score.shape
     s = score.astype(np.float64, copy=True)
+    s_t = s.transpose(0, 2, 1).copy()  # s_t[l, j, i] = s[l, i, j]: contiguous column scans
     out = np.full((n_layers, n), -1, dtype=np.int64)
     free_i = np.ones((n_layers, n), dtype=np.bool_)
     free_j = np.ones((n_layers, n), dtype=np.bool_)
     ident = np.arange(n)
     for _ in range(n):
         row_best = np.argmax(s, axis=2)  # (L, n): best j of each i
-        col_best = np.argmax(s, axis=1)  # (L, n): best i of each j
+        col_best = np.argmax(s_t, axis=2)  # (L, n): best i of each j
         best_val = np.take_along_axis(s, row_best[..., None], axis=2)[..., 0]
         mutual = free_i & (best_val > -np.inf)
         mutual &= np.take_along_axis(col_best, row_best, axis=1) == ident
@@ -749,6 +754,8 @@ def _greedy_assignment(score: F64) -> I64:
         free_j[lay, j] = False
         s[lay, i, :] = -np.inf
         s[lay, :, j] = -np.inf
+        s_t[lay, :, i] = -np.inf
+        s_t[lay, j, :] = -np.inf
     for layer in np.flatnonzero(free_i.any(axis=1)).tolist():
         out[layer, free_i[layer]] = np.flatnonzero(free_j[layer])
     return out
