@@ -832,6 +832,15 @@ def _align_slots(old3: I64, new3: I64) -> I64:
 # -- choice and entry point ----------------------------------------------------------------
 
 
+def _copies_where_changed(old: I64, new: I64, n_gpus: int, n_logical: int) -> I64:
+    """:func:`copies_per_layer`, computed only for the layers that differ (others 0)."""
+    out = np.zeros(old.shape[0], dtype=np.int64)
+    diff = np.flatnonzero((old != new).any(axis=1))
+    if diff.size:
+        out[diff] = copies_per_layer(old[diff], new[diff], n_gpus, n_logical)
+    return out
+
+
 def choose(
     base: I64,
     local: I64,
@@ -860,8 +869,8 @@ def choose(
     total_mean = max(float(mean.sum()), float(np.finfo(np.float64).tiny))
     m_loc = _gpu_loads(w, local, n_gpus).max(axis=1)
     m_scr = _gpu_loads(w, scratch, n_gpus).max(axis=1)
-    c_loc = copies_per_layer(base, local, n_gpus, n_log)
-    c_scr = copies_per_layer(base, scratch, n_gpus, n_log)
+    c_loc = _copies_where_changed(base, local, n_gpus, n_log)
+    c_scr = _copies_where_changed(base, scratch, n_gpus, n_log)
     drop = m_loc - m_scr
     extra = c_scr - c_loc
     far = reach - m_scr > gap * mean
