@@ -52,7 +52,8 @@ class EplbSettings(Section):
         description=(
             "stable: a layer whose map in force is worse than a fresh placement by more "
             "than this fraction of its mean GPU load takes the fresh placement (matched to "
-            "the map in force slot by slot) whatever the bytes"
+            "the map in force slot by slot) whatever the bytes, except under drift, where "
+            "a restart of a layer fitted to an earlier window must pay like any move"
         ),
     )
     max_report_steps: int = Field(

@@ -129,3 +129,22 @@ def test_huge_tiny_and_zero_values(scale: float) -> None:
         assert st[0].slots_changed == 0  # no load: the identity map stays
         return
     _assert_not_worse(ref[0], st[0])
+
+
+def test_partial_shift_of_the_hot_set_is_not_mistaken_for_drift() -> None:
+    # a quarter of the layers permute their hot experts, the rest stay: most layers'
+    # maps stay near balance, so rule 7 (drift gate) applies, and the shifted layers'
+    # restarts must still pay on it
+    layout = make_layout("decode", 64, 58, 384, expert_bytes=EB)
+    calm = scenario_windows("stationary", 44, 384, "decode", 4, seed=13)
+    moved = scenario_windows("shift", 14, 384, "decode", 4, seed=17, change_at=2)
+    ws = [
+        Window(
+            np.concatenate([a.loads, b.loads]),
+            np.concatenate([a.buckets, b.buckets], axis=1),
+            a.steps,
+        )
+        for a, b in zip(calm, moved, strict=True)
+    ]
+    ref, st = _both(layout, ws)
+    _assert_not_worse(ref[2], st[2])

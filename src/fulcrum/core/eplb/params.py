@@ -13,7 +13,9 @@
 - ``restart_gap``: a layer whose map in force is worse than a fresh placement (matched
   to it slot by slot) by more than this fraction of its mean GPU load takes the fresh
   placement whatever the bytes (the map in force is far from balanced: first placement,
-  a shift of the hot experts); smaller differences must pay for their bytes.
+  a shift of the hot experts); smaller differences must pay for their bytes. Under
+  drift (``stable``'s rule 7) a layer fitted to an earlier window gets no such
+  exemption: its restart must pay like any move.
 - ``noise_z``: a rebalance is applied only where its predicted gain exceeds ``noise_z``
   standard errors of the window's sampling noise (``core.eplb.window``); 0 disables it.
 """

@@ -43,13 +43,37 @@ Rule (loads in tokens, the even-split load model of ``metrics``); shapes: ``L`` 
    the map changes only when the overall gain exceeds the overall threshold. Without a
    noise estimate (``load_var`` None) the gate is open.
 
+6. **Noise floor** (:func:`noise_floor`): with a noise estimate, a layer's search (local
+   and scratch polish) stops once its max GPU load is at most the layer mean plus
+   ``sqrt(2 ln G)`` standard deviations of a GPU's load (the excess of the hottest of
+   ``G`` GPUs that sampling noise alone produces on a perfectly balanced map); further
+   moves would chase noise that the gate rejects anyway. It depends on the loads only
+   (each expert counted as one replica), so a rerun on the same window stops at the same
+   place. It also bounds the CPU time: the search no longer polishes below the noise.
+7. **Drift gate** (:func:`drift_of`, :func:`drift_gate`): a map in force fitted to an
+   earlier window shows, on this window, how far one period of drift carried it above
+   the noise floor (``drift``, per layer). A change of that layer only pays off on the
+   next window to the extent it survives the next period's drift, so its gain is valued
+   as the drop of ``hypot(max - floor, drift)`` (the layer's own excess and the drift
+   combined as independent errors; the plain drop of the max without drift), and a
+   fitted layer keeps its change only when that gain pays for its copies at
+   ``min_gain_per_gib``, all or nothing per layer. Under drift a fitted layer also gets
+   no forced restart (rule 4's "whatever the bytes") and no shortcut past the local
+   search (rule 3): a restart must pay like any move. Exempt, with the plain rule: a
+   change of the hot set (most layers' map in force beyond ``1 + _FAR`` times the mean:
+   every layer moved at once, not by drift), and layers still on the start-up map
+   (never fitted, their imbalance says nothing about drift). All or nothing keeps the
+   fixed point: a rerun starts from the candidate (itself a fixed point of rules 1-6)
+   or from the unchanged base.
+
 With no map in force the from-scratch candidate is returned (nothing to migrate).
 
 Guarantees: no two replicas of one expert share a GPU; every expert keeps a replica;
 under node-limited routing each expert group sits whole on one node; unchanged loads give
 the unchanged map (the local search regenerates the rejected suffix, the scratch
-candidate matches onto itself with no gain, and a zero gain never passes the gate),
-unless ``max_bytes`` cut the previous run short, in which case the next run continues.
+candidate matches onto itself with no gain, and a zero gain never passes the gate;
+rules 6 and 7 keep it, see there), unless ``max_bytes`` cut the previous run short, in
+which case the next run continues.
 
 Loads are scaled by their largest value before anything is computed (float64), so huge
 and tiny values behave like ordinary ones.
@@ -58,6 +82,7 @@ and tiny values behave like ordinary ones.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Final, NamedTuple
 
@@ -65,7 +90,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fulcrum.core.eplb import reference, window
-from fulcrum.core.eplb.layout import GroupLayout, PlacementMap
+from fulcrum.core.eplb.layout import GroupLayout, PlacementMap, identity_map
 from fulcrum.core.eplb.params import GIB, RebalanceParams
 
 __all__ = [
@@ -164,29 +189,49 @@ def greedy_start(w: F64, n_gpus: int, spg: int, n_logical: int) -> I64:
     n_phys = n_gpus * spg
     rows = np.arange(n_layers)
     cnt = np.ones((n_layers, n_logical), dtype=np.int64)
+    score = np.where(cnt < n_gpus, w / cnt, -np.inf)  # updated where cnt changes
     for _ in range(n_phys - n_logical):
-        score = np.where(cnt < n_gpus, w / cnt, -np.inf)
-        cnt[rows, np.argmax(score, axis=1)] += 1
+        best = np.argmax(score, axis=1)
+        c = cnt[rows, best] + 1
+        cnt[rows, best] = c
+        score[rows, best] = np.where(c < n_gpus, w[rows, best] / c, -np.inf)
     items = np.stack([np.repeat(np.arange(n_logical), cnt[i]) for i in range(n_layers)])
     item_load = np.take_along_axis(w / cnt, items, axis=1)
     order = np.argsort(-item_load, axis=1, kind="stable")
     items = np.take_along_axis(items, order, axis=1)
     item_load = np.take_along_axis(item_load, order, axis=1)
-    phy = np.zeros((n_layers, n_phys), dtype=np.int64)
-    pack_w = np.zeros((n_layers, n_gpus))
-    pack_n = np.zeros((n_layers, n_gpus), dtype=np.int64)
-    on = np.zeros((n_layers, n_logical, n_gpus), dtype=np.bool_)
+    # an expert's replicas are adjacent in ``items`` (equal loads, stable sort), so the
+    # GPUs holding the current expert are tracked for the current run only, and only up
+    # to the last position where any layer continues a run; a GPU holding it costs
+    # ``big`` (more than any pack load: taken only in a dead end, which repair fixes), a
+    # full GPU costs inf. Flat indices: (layer, GPU) -> layer * G + GPU.
+    key = np.zeros(n_layers * n_gpus)  # pack load, inf once full
+    pack_n = np.zeros(n_layers * n_gpus, dtype=np.int64)
+    phy = np.zeros(n_layers * n_phys, dtype=np.int64)
+    key2 = key.reshape(n_layers, n_gpus)
+    on_cur = np.zeros((n_layers, n_gpus), dtype=np.bool_)
+    big = 4.0 * float(w.sum(axis=1).max(initial=0.0)) + 1.0
+    cont = np.zeros((n_layers, n_phys), dtype=np.bool_)  # item j continues j - 1's run
+    cont[:, 1:] = items[:, 1:] == items[:, :-1]
+    runs = np.flatnonzero(cont.any(axis=0))
+    last_run = int(runs[-1]) if runs.size else -1
+    g_off, p_off = rows * n_gpus, rows * n_phys
+    items_t, load_t, cont_t = items.T.copy(), item_load.T.copy(), cont.T.copy()  # by j
     for j in range(n_phys):
-        e = items[:, j]
-        room: B = pack_n < spg
-        fits: B = room & ~on[rows, e, :]
-        ok = np.where(np.any(fits, axis=1, keepdims=True), fits, room)  # dead end: repaired
-        g = np.argmin(np.where(ok, pack_w, np.inf), axis=1)
-        phy[rows, g * spg + pack_n[rows, g]] = e
-        pack_w[rows, g] += item_load[:, j]
-        pack_n[rows, g] += 1
-        on[rows, e, g] = True
-    return phy
+        if j <= last_run:
+            on_cur &= cont_t[j][:, None]
+            g = np.argmin(key2 + big * on_cur, axis=1)
+            on_cur[rows, g] = True
+        else:
+            g = np.argmin(key2, axis=1)
+        idx = g_off + g
+        n_g = pack_n[idx]
+        phy[p_off + g * spg + n_g] = items_t[j]
+        n_g += 1
+        pack_n[idx] = n_g
+        key[idx] += load_t[j]
+        key[idx[n_g == spg]] = np.inf
+    return phy.reshape(n_layers, n_phys)
 
 
 def limited_start(w: F64, layout: GroupLayout) -> tuple[I64, I64]:
@@ -519,20 +564,30 @@ def _geometry(n_gpus: int, spg: int, n_logical: int, dom: int | None) -> _Geomet
 
 
 def search(
-    w: F64, phy: I64, n_gpus: int, spg: int, max_iter: int, floor: float, dom: int | None
+    w: F64,
+    phy: I64,
+    n_gpus: int,
+    spg: int,
+    max_iter: int,
+    floor: float,
+    dom: int | None,
+    stop: F64 | None = None,
 ) -> tuple[I64, Trace]:
     """Local search (rule 2) on all layers at once from map ``phy`` (L, P), loads ``w``
     (L, E) tokens; returns the final map and the trace of moves.
 
     A layer stops when its best move relieves the hottest GPU by no more than ``floor``
     tokens per copy (at least 1e-9 of its mean GPU load), or after ``G`` moves in a row
-    that did not lower its maximum. With ``dom`` GPUs per node every move stays inside
+    that did not lower its maximum, or once its max GPU load is at most ``stop`` (L,)
+    tokens (the noise floor, rule 6). With ``dom`` GPUs per node every move stays inside
     the node of the hottest GPU."""
     geo = _geometry(n_gpus, spg, w.shape[1], dom)
     st = _new_state(w, phy.copy(), geo)
     n_layers = w.shape[0]
     floors = np.maximum(_EPS * w.sum(axis=1) / n_gpus, floor)
     active = (w.sum(axis=1) > 0) & (n_gpus > 1)
+    if stop is not None:
+        active &= st.gl.max(axis=1) > stop
     best_max = st.gl.max(axis=1)
     stall = np.zeros(n_layers, dtype=np.int64)
     moves: list[Moves] = []
@@ -549,6 +604,8 @@ def search(
         use_swap = swap.gain / 2.0 >= rep.gain
         per_copy = np.where(use_swap, swap.gain / 2.0, rep.gain)
         moving = (per_copy > floors[act]) & (stall[act] <= n_gpus)
+        if stop is not None:
+            moving &= hot.lmax > stop[act]
         active[act[~moving]] = False
         if not moving.any():
             break
@@ -669,29 +726,61 @@ def _greedy_assignment(score: F64) -> I64:
     """A permutation per layer maximising ``score`` greedily, shape (L, n).
 
     ``score`` (L, n, n): value of sending new item i to old position j (-inf forbidden).
-    Each round takes, in every layer, the best remaining (i, j) pair (ties: lowest i,
-    then j) and strikes out its row and column; a layer whose remaining pairs are all
-    forbidden takes its first free i and j. After n rounds every i has one distinct j, so
-    the result is always a permutation (a 1/2-approximation of the best total)."""
+    Each round takes, in every layer, every remaining pair that is the best of both its
+    row and its column (ties: lowest index), which the one-pair-at-a-time greedy would
+    also take (the best remaining pair is always among them, so a round never stalls
+    while an allowed pair is left), and strikes out their rows and columns; pairs left
+    when only forbidden ones remain are matched first free i to first free j. The result
+    is always a permutation (a 1/2-approximation of the best total)."""
     n_layers, n, _ = score.shape
     s = score.astype(np.float64, copy=True)
+    s_t = s.transpose(0, 2, 1).copy()  # s_t[l, j, i] = s[l, i, j]: contiguous column scans
     out = np.full((n_layers, n), -1, dtype=np.int64)
-    rows = np.arange(n_layers)
     free_i = np.ones((n_layers, n), dtype=np.bool_)
     free_j = np.ones((n_layers, n), dtype=np.bool_)
-    flat = s.reshape(n_layers, -1)
+    ident = np.arange(n)
     for _ in range(n):
-        best = np.argmax(flat, axis=1)
-        i, j = np.divmod(best, n)
-        stuck = ~(flat[rows, best] > -np.inf) | ~free_i[rows, i] | ~free_j[rows, j]
-        if stuck.any():
-            i[stuck] = np.argmax(free_i[stuck], axis=1)
-            j[stuck] = np.argmax(free_j[stuck], axis=1)
-        out[rows, i] = j
-        free_i[rows, i] = False
-        free_j[rows, j] = False
-        s[rows, i, :] = -np.inf
-        s[rows, :, j] = -np.inf
+        row_best = np.argmax(s, axis=2)  # (L, n): best j of each i
+        col_best = np.argmax(s_t, axis=2)  # (L, n): best i of each j
+        best_val = np.take_along_axis(s, row_best[..., None], axis=2)[..., 0]
+        mutual = free_i & (best_val > -np.inf)
+        mutual &= np.take_along_axis(col_best, row_best, axis=1) == ident
+        if not mutual.any():
+            break
+        lay, i = np.nonzero(mutual)
+        j = row_best[lay, i]
+        out[lay, i] = j
+        free_i[lay, i] = False
+        free_j[lay, j] = False
+        s[lay, i, :] = -np.inf
+        s[lay, :, j] = -np.inf
+        s_t[lay, :, i] = -np.inf
+        s_t[lay, j, :] = -np.inf
+    for layer in np.flatnonzero(free_i.any(axis=1)).tolist():
+        out[layer, free_i[layer]] = np.flatnonzero(free_j[layer])
+    return out
+
+
+def _overlap(base: I64, new: I64, n_gpus: int, n_logical: int) -> F64:
+    """overlap[l, g_new, g_old] (L, G, G): experts of ``new``'s GPU g_new that ``base``'s
+    GPU g_old holds (maps (L, P) without co-located replicas). Every (new slot, old slot)
+    pair holding the same expert is listed by a sort join and counted once."""
+    n_layers, n_phys = base.shape
+    spg = n_phys // n_gpus
+    lay_off = (np.arange(n_layers) * n_logical)[:, None]
+    k_old = (lay_off + base).ravel()
+    k_new = (lay_off + new).ravel()
+    o = np.argsort(k_old, kind="stable")
+    lo = np.searchsorted(k_old[o], k_new, side="left")
+    hi = np.searchsorted(k_old[o], k_new, side="right")
+    reps = hi - lo
+    s_new = np.repeat(np.arange(k_new.size), reps)
+    starts = np.repeat(lo - np.concatenate(([0], np.cumsum(reps)[:-1])), reps)
+    s_old = o[np.arange(s_new.size) + starts]
+    layer = s_new // n_phys
+    key = (layer * n_gpus + (s_new % n_phys) // spg) * n_gpus + (s_old % n_phys) // spg
+    cnt = np.bincount(key, minlength=n_layers * n_gpus * n_gpus)
+    out: F64 = cnt.reshape(n_layers, n_gpus, n_gpus).astype(np.float64)
     return out
 
 
@@ -707,13 +796,7 @@ def match_to(base: I64, new: I64, n_gpus: int, n_logical: int, dom: int | None) 
     d = n_gpus if dom is None else dom
     n_nodes = n_gpus // d
     rows = np.arange(n_layers)[:, None]
-    slot_gpu = np.arange(n_phys) // spg
-    held_old = np.zeros((n_layers, n_logical, n_gpus), dtype=np.int32)
-    held_old[rows, base, slot_gpu[None, :]] = 1
-    # overlap[l, g_new, g_old]: experts of new GPU g_new that old GPU g_old holds
-    overlap = (
-        held_old[rows, new].reshape(n_layers, n_gpus, spg, n_gpus).sum(axis=2).astype(np.float64)
-    )
+    overlap = _overlap(base, new, n_gpus, n_logical)
     allowed = np.ones((n_layers, n_gpus, n_gpus), dtype=np.bool_)
     if n_nodes > 1:
         node_ov = overlap.reshape(n_layers, n_nodes, d, n_nodes, d).sum(axis=(2, 4))
@@ -749,6 +832,15 @@ def _align_slots(old3: I64, new3: I64) -> I64:
 # -- choice and entry point ----------------------------------------------------------------
 
 
+def _copies_where_changed(old: I64, new: I64, n_gpus: int, n_logical: int) -> I64:
+    """:func:`copies_per_layer`, computed only for the layers that differ (others 0)."""
+    out = np.zeros(old.shape[0], dtype=np.int64)
+    diff = np.flatnonzero((old != new).any(axis=1))
+    if diff.size:
+        out[diff] = copies_per_layer(old[diff], new[diff], n_gpus, n_logical)
+    return out
+
+
 def choose(
     base: I64,
     local: I64,
@@ -759,8 +851,11 @@ def choose(
     per_copy: float,
     gap: float,
     budget: int | None,
+    forced: B | None = None,
 ) -> I64:
     """Per layer, the local map or the scratch map (rule 4), shape (L, P).
+
+    ``forced`` (L,): layers that may take the scratch whatever the bytes (None: all).
 
     ``reach`` (L,) is the max GPU load the local search reaches when every move is
     kept. The scratch layer is taken when its max GPU load is lower than ``reach`` by
@@ -774,11 +869,13 @@ def choose(
     total_mean = max(float(mean.sum()), float(np.finfo(np.float64).tiny))
     m_loc = _gpu_loads(w, local, n_gpus).max(axis=1)
     m_scr = _gpu_loads(w, scratch, n_gpus).max(axis=1)
-    c_loc = copies_per_layer(base, local, n_gpus, n_log)
-    c_scr = copies_per_layer(base, scratch, n_gpus, n_log)
+    c_loc = _copies_where_changed(base, local, n_gpus, n_log)
+    c_scr = _copies_where_changed(base, scratch, n_gpus, n_log)
     drop = m_loc - m_scr
     extra = c_scr - c_loc
     far = reach - m_scr > gap * mean
+    if forced is not None:
+        far &= forced
     pays = (drop > _SCRATCH_MARGIN * mean) & (drop / total_mean >= per_copy * np.maximum(extra, 0))
     better = far | pays
     take = np.zeros(w.shape[0], dtype=np.bool_)
@@ -791,6 +888,59 @@ def choose(
         take[layer] = True
         spent += int(extra[layer])
     out: I64 = np.where(take[:, None], scratch, local)
+    return out
+
+
+def drift_of(
+    prev: I64, layout: GroupLayout, m_base: F64, mean: F64, floor: F64
+) -> tuple[F64, B] | None:
+    """How far one period of drift carried each layer's map in force above the noise
+    floor, tokens, shape (L,) (rule 7); None after a change of the hot set.
+
+    The map in force was fitted to an earlier window, so its excess over the noise floor
+    ``floor`` (L,) on this window is what the loads' change since did to it. A change of
+    the hot set moves every layer: when most layers' map in force is beyond ``1 + _FAR``
+    times the mean, the loads changed rather than drifted and None is returned. A layer
+    still on the start-up map (:func:`~fulcrum.core.eplb.layout.identity_map`) was never
+    fitted to any loads: its drift is 0. Returns the drift and the fitted layers (L,)."""
+    ratio = m_base / np.maximum(mean, np.finfo(np.float64).tiny)  # empty layers: 0
+    if float(np.median(ratio)) > 1.0 + _FAR:
+        return None
+    fitted = (prev != np.asarray(identity_map(layout).phy2log)).any(axis=1)
+    out: F64 = np.where(fitted, np.maximum(m_base - floor, 0.0), 0.0)
+    return out, fitted
+
+
+def drift_gate(
+    base: I64,
+    new: I64,
+    w: F64,
+    floor: F64,
+    drift: F64,
+    per_copy: float,
+    n_gpus: int,
+) -> I64:
+    """``new`` (L, P) with every layer reverted to ``base`` whose change does not pay for
+    its copies at ``per_copy`` once its gain is valued on the next window (rule 7).
+
+    A layer's next-window excess over the noise floor ``floor`` (L,) is modelled as its
+    own excess and the drift ``drift`` (L,) (:func:`drift_of`) combined as independent
+    errors, ``hypot(max - floor, drift)``; the gain is the drop of that from ``base`` to
+    ``new``, in overall moe_lb. Layers without drift are left as they are."""
+    total_mean = float(w.sum()) / n_gpus
+    if total_mean <= 0:
+        return new
+    m_old = _gpu_loads(w, base, n_gpus).max(axis=1)
+    m_new = _gpu_loads(w, new, n_gpus).max(axis=1)
+
+    def excess(m: F64) -> F64:
+        out: F64 = np.hypot(np.maximum(m - floor, 0.0), drift)
+        return out
+
+    gain = (excess(m_old) - excess(m_new)) / total_mean
+    copies = copies_per_layer(base, new, n_gpus, w.shape[1])
+    revert = (drift > 0) & (copies > 0) & (gain < per_copy * copies)
+    out: I64 = np.where(revert[:, None], base, new)
     return out
 
 
@@ -857,21 +1007,40 @@ def _setup(layout: GroupLayout, w: F64, params: RebalanceParams) -> _Setup:
     )
 
 
-def from_scratch(w: F64, layout: GroupLayout, su: _Setup) -> I64:
-    """The from-scratch candidate (rule 3) for loads ``w`` (L', E), shape (L', P)."""
+def noise_floor(w: F64, load_var: F64 | None, cnt: I64 | None, n_gpus: int, z: float) -> F64 | None:
+    """Max GPU load (tokens, shape (L,)) at or below which a layer's search stops (rule 6):
+    the layer mean plus ``sqrt(2 ln G)`` standard deviations of a GPU's load, the excess
+    of the hottest of ``G`` GPUs over the mean that sampling noise alone produces on a
+    perfectly balanced map. ``cnt`` (L, E) replicas (None: one each); the GPU variance is
+    the average over GPUs, ``sum_e Var(S_e) / c_e / G``. None without a noise estimate
+    or with the gate off (``z`` = 0)."""
+    if load_var is None or z <= 0:
+        return None
+    c = np.ones_like(w) if cnt is None else np.maximum(cnt, 1)
+    gpu_var = (load_var / c).sum(axis=1) / n_gpus
+    out: F64 = w.sum(axis=1) / n_gpus + math.sqrt(2.0 * math.log(max(n_gpus, 2))) * np.sqrt(gpu_var)
+    return out
+
+
+def from_scratch(w: F64, layout: GroupLayout, su: _Setup, stop: F64 | None = None) -> I64:
+    """The from-scratch candidate (rule 3) for loads ``w`` (L', E), shape (L', P);
+    ``stop`` (L',) the search's noise floor (tokens) or None."""
     if su.dom is None:
         start, nodes = greedy_start(w, su.n_gpus, su.spg, su.n_logical), None
     else:
         start, nodes = limited_start(w, layout)
     start = repair(start, w, su.n_gpus, su.spg, nodes, su.dom)
-    out, _ = search(w, start, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom)
+    out, _ = search(w, start, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom, stop)
     return out
 
 
-def local_candidate(w: F64, base: I64, su: _Setup, total_mean: float) -> tuple[I64, F64]:
+def local_candidate(
+    w: F64, base: I64, su: _Setup, total_mean: float, stop: F64 | None = None
+) -> tuple[I64, F64]:
     """The local candidate (rule 2) from ``base`` (L', P): the accepted search prefixes,
-    and the max GPU load (L',) the search reached with every move kept."""
-    _, trace = search(w, base, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom)
+    and the max GPU load (L',) the search reached with every move kept; ``stop`` (L',)
+    the search's noise floor (tokens) or None."""
+    _, trace = search(w, base, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom, stop)
     if not trace.moves:
         return base, trace.final_max
     accepted = accept_prefixes(trace, w.shape[0], total_mean, su.per_copy, su.budget)
@@ -903,7 +1072,8 @@ def place(
     su = _setup(layout, w, params)
     total_mean = float(w.sum()) / su.n_gpus
     if previous is None:
-        return PlacementMap.from_phy2log(from_scratch(w, layout, su), su.n_gpus, su.n_logical)
+        stop = noise_floor(w, var, None, su.n_gpus, params.noise_z)
+        return PlacementMap.from_phy2log(from_scratch(w, layout, su, stop), su.n_gpus, su.n_logical)
     prev = np.asarray(previous.phy2log, dtype=np.int64)
     b_nodes = expert_nodes(prev, layout) if su.dom is not None else None
     base = repair(prev, w, su.n_gpus, su.spg, b_nodes, su.dom)
@@ -911,24 +1081,41 @@ def place(
         return PlacementMap.from_phy2log(base, su.n_gpus, su.n_logical)
     mean = w.sum(axis=1) / su.n_gpus
     m_base = _gpu_loads(w, base, su.n_gpus).max(axis=1)
+    stop = noise_floor(w, var, None, su.n_gpus, params.noise_z)
+    lim = mean if stop is None else np.maximum(mean, stop)
     # far from balanced: no local search, the scratch layer is the candidate (unless a
     # byte cap applies, when the scratch may not fit, or restarts are off)
     restarts = su.budget is None and np.isfinite(params.restart_gap)
-    very_far = (m_base > (1.0 + _FAR) * mean) & restarts
+    # rule 7: under drift, a fitted layer gets no forced restart and no shortcut
+    drift = None if stop is None else drift_of(prev, layout, m_base, mean, lim)
+    forced = np.ones(w.shape[0], dtype=np.bool_) if drift is None else ~drift[1]
+    very_far = (m_base > (1.0 + _FAR) * mean) & restarts & forced
     local, reach = base.copy(), m_base.copy()
     near = np.flatnonzero(~very_far)
     if near.size:
-        local[near], reach[near] = local_candidate(w[near], base[near], su, total_mean)
+        local[near], reach[near] = local_candidate(
+            w[near], base[near], su, total_mean, None if stop is None else stop[near]
+        )
     # a fresh placement cannot beat the mean: only where local moves stay above it by
     # more than the restart gap is it worth computing
-    need = np.flatnonzero(very_far | (reach > (1.0 + params.restart_gap) * mean))
+    need = np.flatnonzero(very_far | (reach > lim + params.restart_gap * mean))
     scratch = local.copy()
     if need.size:
-        scratch[need] = match_to(
-            base[need], from_scratch(w[need], layout, su), su.n_gpus, su.n_logical, su.dom
-        )
+        fresh = from_scratch(w[need], layout, su, None if stop is None else stop[need])
+        scratch[need] = match_to(base[need], fresh, su.n_gpus, su.n_logical, su.dom)
     chosen = choose(
-        base, local, reach, scratch, w, su.n_gpus, su.per_copy, params.restart_gap, su.budget
+        base,
+        local,
+        reach,
+        scratch,
+        w,
+        su.n_gpus,
+        su.per_copy,
+        params.restart_gap,
+        su.budget,
+        forced,
     )
+    if drift is not None:
+        chosen = drift_gate(base, chosen, w, lim, drift[0], su.per_copy, su.n_gpus)
     final = _noise_gate(base, chosen, w, var, su.n_gpus, params.noise_z)
     return PlacementMap.from_phy2log(final, su.n_gpus, su.n_logical)
