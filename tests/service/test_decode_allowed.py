@@ -124,9 +124,7 @@ class Recorder:
             assert self.table.pop(start + g) == (instance_id, g)
 
     def slots_moved(self) -> None:
-        self.table = {
-            s + g: (m, g) for m, s, n in self.state.slot_ranges() for g in range(n)
-        }
+        self.table = {s + g: (m, g) for m, s, n in self.state.slot_ranges() for g in range(n)}
 
 
 @settings(max_examples=60, deadline=None)
@@ -134,9 +132,7 @@ class Recorder:
     events=st.lists(st.tuples(st.booleans(), st.integers(0, 30), st.integers(1, 40))),
     min_waste=st.sampled_from([0, 1024]),
 )
-def test_listener_follows_the_layout(
-    events: list[tuple[bool, int, int]], min_waste: int
-) -> None:
+def test_listener_follows_the_layout(events: list[tuple[bool, int, int]], min_waste: int) -> None:
     state = DecodeState(DecodeSettings(), np.random.default_rng(0))
     state._alloc.min_waste = min_waste  # compaction at every leave that frees a slot
     rec = Recorder(state)

@@ -201,9 +201,7 @@ class DecodeAdapter:
                 got = np.flatnonzero(self._has_addr).astype(np.int64, copy=False)
             else:
                 addr_slot = self._addr_slot
-                got = np.array(
-                    sorted(addr_slot[a] for a in key if a in addr_slot), dtype=np.int64
-                )
+                got = np.array(sorted(addr_slot[a] for a in key if a in addr_slot), dtype=np.int64)
             if len(self._masks) >= MAX_CACHED_SUBSETS:
                 self._masks.clear()
             self._masks[key] = got

@@ -33,10 +33,10 @@ from fulcrum.core.decode.view import (
 )
 
 __all__ = [
-    "Allowed",
     "DEFAULT_POLICY",
     "POLICY_NAMES",
     "REGISTRY",
+    "Allowed",
     "Decision",
     "DecodeParams",
     "DecodePolicy",
