@@ -8,9 +8,12 @@ and list the next-best GPUs as fallbacks. It uses only public API of
 :class:`fulcrum.state.decode.DecodeState`: ``place(..., allowed=...)``, ``release``,
 ``view`` (read only), ``slot_ranges`` and ``add_slot_listener``.
 
-Restricting a placement (the request's subset hint, or the GPUs that have a serving
-address) is the decode table's filter step: ``place(..., allowed=slots)``, a sorted int64
-array of the view's slot indices (:func:`fulcrum.core.decode.select_allowed`). The
+Restricting a placement is the decode table's filter step, ``place(..., allowed=...)``
+(:func:`fulcrum.core.decode.select_allowed`), in the cheaper of its two forms: a subset
+hint (a few GPUs of the fleet) as the sorted int64 slot indices it names (O(k) per pick);
+"GPUs with a serving address" (most of the fleet), when some GPU has none, as a boolean
+mask over the slots, the adapter's own table passed without a copy. With every GPU
+addressed and no hint, ``allowed`` is None: the decode table's unchanged fast path. The
 policy chooses among the allowed GPUs with the whole fleet as context (dual's mean KV per
 request is the fleet's). Nothing here writes the view.
 
@@ -18,10 +21,10 @@ Per-slot tables are kept incrementally: the decode table tells the adapter (as a
 :class:`~fulcrum.state.decode.SlotListener`) which instance occupies which slots, and the
 address book which member's addresses changed, so that a join or a leave costs
 O(that member's GPUs); a growth or compaction of the view (amortised) rebuilds them. The
-allowed-slot array of each distinct subset hint is cached (at most
+slot-index array of each distinct subset hint is cached (at most
 :data:`MAX_CACHED_SUBSETS`) until the next change of layout or addresses, so a pick
-resolves its hint in O(1) when seen before, O(hint size) otherwise, never O(all GPUs)
-in Python.
+resolves its hint in O(hint size) (a frozenset and a dict hit; sorting the slots only
+when not cached), never O(all GPUs) in Python.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from fulcrum.core.decode import Allowed, FleetView
+from fulcrum.core.decode.view import BLOCK, INT64_MAX
 from fulcrum.errors import NotFound, ResourceExhausted
 from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.registry import AddressBook
@@ -46,6 +51,8 @@ I64 = npt.NDArray[np.int64]
 #: Distinct subset hints whose allowed-slot arrays are cached (the cache is emptied when
 #: full, and on every change of layout or addresses).
 MAX_CACHED_SUBSETS: Final = 1024
+#: Above every open GPU's ``order_conc`` (closed GPUs hold INT64_MAX and have no room).
+INT64_MAX_KEY: Final = INT64_MAX
 
 
 class NoEligibleEndpoint(Exception):
@@ -90,7 +97,7 @@ class DecodeAdapter:
         self._ranges: dict[str, tuple[int, int]] = {}
         self._used = 0  # slots held by instances
         self._addressed = 0  # of which with an address
-        self._masks: dict[frozenset[str] | None, I64] = {}
+        self._masks: dict[frozenset[str], I64] = {}
         self._rebuild()
         state.add_slot_listener(self)
         if registered is not None:
@@ -187,21 +194,21 @@ class DecodeAdapter:
         """Whether ``address`` is a decode GPU the gateway may route to now."""
         return address in self._addr_slot
 
-    def _allowed(self, subset: Collection[str] | None) -> I64 | None:
-        """The allowed slots of a request (None: every slot, all GPUs being addressed)."""
+    def _allowed(self, subset: Collection[str] | None) -> Allowed | None:
+        """The allowed slots of a request: None (every slot: all GPUs are addressed), the
+        mask of addressed slots (most of the fleet: O(1), kept current in place), or the
+        sorted slot indices of a subset hint (cached per distinct hint)."""
         if subset is None:
             if self._addressed == self._used:
                 return None
-            key: frozenset[str] | None = None
-        else:
-            key = subset if isinstance(subset, frozenset) else frozenset(subset)
+            n = self._state.view.n_gpus
+            self._ensure(n)
+            return self._has_addr[:n]  # a view of the live table, no copy
+        key = subset if isinstance(subset, frozenset) else frozenset(subset)
         got = self._masks.get(key)
         if got is None:
-            if key is None:
-                got = np.flatnonzero(self._has_addr).astype(np.int64, copy=False)
-            else:
-                addr_slot = self._addr_slot
-                got = np.array(sorted(addr_slot[a] for a in key if a in addr_slot), dtype=np.int64)
+            addr_slot = self._addr_slot
+            got = np.array(sorted(addr_slot[a] for a in key if a in addr_slot), dtype=np.int64)
             if len(self._masks) >= MAX_CACHED_SUBSETS:
                 self._masks.clear()
             self._masks[key] = got
@@ -228,7 +235,9 @@ class DecodeAdapter:
         if allowed is None:
             if self._used == 0:
                 raise NoEligibleEndpoint("no decode endpoint")
-        elif allowed.shape[0] == 0 or not bool(state.view.live[allowed].any()):
+        elif allowed.dtype != np.bool_ and (
+            allowed.shape[0] == 0 or not bool(state.view.live[allowed].any())
+        ):
             raise NoEligibleEndpoint(
                 "no live decode endpoint in the subset hint"
                 if subset is not None
@@ -254,21 +263,35 @@ class DecodeAdapter:
         return Placement(request_id, key, address, fb, kv_tokens)
 
     def _fallbacks(
-        self, primary: str, kv_tokens: int, allowed: I64 | None, k: int
+        self, primary: str, kv_tokens: int, allowed: Allowed | None, k: int
     ) -> tuple[str, ...]:
         """Up to ``k`` other allowed GPUs that could take the request, fewest requests
-        (then most free KV, then lowest slot) first: the view's ``order_conc`` key. One
-        vectorised pass over the allowed slots plus O(k log k)."""
+        (then most free KV) first: the view's ``order_conc`` key; ties: lowest slot.
+
+        One vectorised pass over the allowed slots; with every slot allowed on a view with
+        block minima (>= 32,768 slots), only the blocks that can hold the ``k + 1`` best
+        are read (ties between blocks then go to the block read first)."""
         view = self._state.view
-        if allowed is None:
-            key, head = view.order_conc, view.headroom
+        m = k + 1  # the primary may be among them
+        if allowed is None and view.blocks is not None:
+            slots = self._best_in_blocks(view, kv_tokens, m)
         else:
-            key, head = view.order_conc[allowed], view.headroom[allowed]
-        pos = np.flatnonzero(head >= kv_tokens)
-        if pos.shape[0] > k + 1:
-            pos = pos[np.argpartition(key[pos], k)[: k + 1]]
-        pos = pos[np.lexsort((pos, key[pos]))]
-        slots = (pos if allowed is None else allowed[pos]).tolist()
+            key, head = view.order_conc, view.headroom
+            if allowed is not None and allowed.dtype == np.bool_:
+                head = np.where(allowed, head, -1)
+                allowed = None  # same slots
+            elif allowed is not None:
+                key, head = key[allowed], head[allowed]
+            pos = (head >= kv_tokens).nonzero()[0]  # ascending positions
+            if pos.shape[0] > m:
+                kp = key[pos]
+                t = np.partition(kp, k)[k]  # the (k+1)-th smallest key
+                less = pos[kp < t]
+                pos = np.concatenate([less, pos[kp == t][: m - less.shape[0]]])
+            ranked = sorted(zip(key[pos].tolist(), pos.tolist(), strict=True))
+            slots = [p for _k, p in ranked]
+            if allowed is not None:
+                slots = allowed[slots].tolist()
         slot_addr = self._slot_addr
         out: list[str] = []
         for slot in slots:
@@ -278,6 +301,37 @@ class DecodeAdapter:
                 if len(out) == k:
                     break
         return tuple(out)
+
+    @staticmethod
+    def _best_in_blocks(view: FleetView, kv_tokens: int, m: int) -> list[int]:
+        """Up to ``m`` slots with room, smallest ``order_conc`` first, read through the
+        view's block minima: the ``m`` blocks with the smallest minima first, then every
+        block whose minimum beats the ``m``-th key found, until none does. O(blocks + read
+        slots) instead of O(n)."""
+        blocks = view.blocks
+        assert blocks is not None
+        mins = blocks.conc
+        nb = int(mins.shape[0])
+        n = view.n_gpus
+        key, head = view.order_conc, view.headroom
+        lanes = np.arange(BLOCK, dtype=np.int64)
+        take = min(m, nb)
+        chosen = np.argpartition(mins, take - 1)[:take] if take < nb else np.arange(nb)
+        seen = np.zeros(nb, dtype=np.bool_)
+        best: list[tuple[int, int]] = []
+        while chosen.shape[0]:
+            seen[chosen] = True
+            idx = (chosen[:, None] * BLOCK + lanes).ravel()
+            idx = idx[idx < n]
+            idx = idx[head[idx] >= kv_tokens]
+            kp = key[idx]
+            if idx.shape[0] > m:
+                sel = np.argpartition(kp, m - 1)[:m]
+                idx, kp = idx[sel], kp[sel]
+            best = sorted([*best, *zip(kp.tolist(), idx.tolist(), strict=True)])[:m]
+            bound = best[-1][0] if len(best) == m else INT64_MAX_KEY
+            chosen = ((mins < bound) & ~seen).nonzero()[0]
+        return [slot for _k, slot in best]
 
     def release(self, request_id: str, now_ns: int) -> bool:
         """Release a held placement; False when it was no longer held (expired, lost)."""

@@ -5,6 +5,7 @@
 - deterministic policies pick what their rule picks among the allowed GPUs (reference);
 - every slot allowed gives the very decision (and cursor) of the unfiltered policy;
 - allowed=None is the policy's own select;
+- both forms (slot indices, boolean mask) decide alike;
 - a malformed ``allowed`` is a ValueError.
 """
 
@@ -32,8 +33,15 @@ DETERMINISTIC = [n for n in POLICY_NAMES if n != "power_of_two"]
 PARAMS = DecodeParams(long_factor=1.5, long_tokens=800, short_slack=1, d1_ns=3.0, d2_ns=0.25)
 
 
-def allowed_of(view: FleetView, bits: list[bool]) -> np.ndarray:
+def allowed_of(view: FleetView, bits: list[bool], as_mask: bool = False) -> np.ndarray:
+    """Slot indices (or the same set as a boolean mask) from a bit pattern."""
+    if as_mask:
+        return np.array([bits[g % len(bits)] for g in range(view.n_gpus)], dtype=np.bool_)
     return np.array([g for g in range(view.n_gpus) if bits[g % len(bits)]], dtype=np.int64)
+
+
+def as_list(view: FleetView, allowed: np.ndarray) -> list[int]:
+    return np.flatnonzero(allowed).tolist() if allowed.dtype == np.bool_ else allowed.tolist()
 
 
 @settings(max_examples=200, deadline=None)
@@ -44,16 +52,23 @@ def allowed_of(view: FleetView, bits: list[bool]) -> np.ndarray:
     bits=st.lists(st.booleans(), min_size=1, max_size=12),
     cursor=st.integers(0, 30),
     seed=st.integers(0, 2**32 - 1),
+    as_mask=st.booleans(),
 )
 def test_pick_is_allowed_live_with_room(
-    view: FleetView, kv_tokens: int, name: str, bits: list[bool], cursor: int, seed: int
+    view: FleetView,
+    kv_tokens: int,
+    name: str,
+    bits: list[bool],
+    cursor: int,
+    seed: int,
+    as_mask: bool,
 ) -> None:
-    allowed = allowed_of(view, bits)
+    allowed = allowed_of(view, bits, as_mask)
     before = copy_view(view)
     out = select_allowed(
         make_policy(name, PARAMS), view, kv_tokens, np.random.default_rng(seed), cursor, allowed
     )
-    fits = [g for g in eligible_list(view, kv_tokens) if g in set(allowed.tolist())]
+    fits = [g for g in eligible_list(view, kv_tokens) if g in set(as_list(view, allowed))]
     if isinstance(out, NoCapacity):
         assert fits == []
     else:
@@ -68,11 +83,12 @@ def test_pick_is_allowed_live_with_room(
     name=st.sampled_from(DETERMINISTIC),
     bits=st.lists(st.booleans(), min_size=1, max_size=12),
     cursor=st.integers(0, 30),
+    as_mask=st.booleans(),
 )
 def test_matches_reference_among_allowed(
-    view: FleetView, kv_tokens: int, name: str, bits: list[bool], cursor: int
+    view: FleetView, kv_tokens: int, name: str, bits: list[bool], cursor: int, as_mask: bool
 ) -> None:
-    allowed = allowed_of(view, bits)
+    allowed = allowed_of(view, bits, as_mask)
     out = select_allowed(
         make_policy(name, PARAMS), view, kv_tokens, np.random.default_rng(0), cursor, allowed
     )
@@ -86,7 +102,7 @@ def test_matches_reference_among_allowed(
         d1=PARAMS.d1_ns,
         d2=PARAMS.d2_ns,
         cursor=cursor % view.n_gpus,
-        allowed=allowed.tolist(),
+        allowed=as_list(view, allowed),
     )
     if want is None:
         assert isinstance(out, NoCapacity)
@@ -112,16 +128,20 @@ def test_everything_allowed_is_the_plain_policy(
     policy = make_policy(name, PARAMS)
     c = cursor % view.n_gpus
     plain = policy.select(view, kv_tokens, np.random.default_rng(seed), c)
-    every = np.arange(view.n_gpus, dtype=np.int64)
-    filtered = select_allowed(policy, view, kv_tokens, np.random.default_rng(seed), c, every)
     none = select_allowed(policy, view, kv_tokens, np.random.default_rng(seed), c, None)
     assert none == plain
-    if isinstance(plain, NoCapacity):
-        assert isinstance(filtered, NoCapacity)
-    else:
-        assert isinstance(filtered, Decision)
-        assert (filtered.gpu, filtered.kind) == (plain.gpu, plain.kind)
-        assert filtered.cursor == plain.cursor
+    for every in (
+        np.arange(view.n_gpus, dtype=np.int64),
+        np.ones(view.n_gpus, dtype=np.bool_),
+    ):
+        rng = np.random.default_rng(seed)
+        filtered = select_allowed(policy, view, kv_tokens, rng, c, every)
+        if isinstance(plain, NoCapacity):
+            assert isinstance(filtered, NoCapacity)
+        else:
+            assert isinstance(filtered, Decision)
+            assert (filtered.gpu, filtered.kind) == (plain.gpu, plain.kind)
+            assert filtered.cursor == plain.cursor
 
 
 def test_nothing_allowed_is_no_capacity() -> None:
@@ -142,6 +162,7 @@ def test_nothing_allowed_is_no_capacity() -> None:
         np.array([1, 1], dtype=np.int64),
         np.array([0.0]),
         np.array([[0]], dtype=np.int64),
+        np.array([True, False, True]),
     ],
 )
 def test_malformed_allowed_is_refused(allowed: np.ndarray) -> None:
