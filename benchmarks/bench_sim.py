@@ -1,17 +1,27 @@
-"""Headline figures: every shared trace replayed through the core policies vs the ideal.
+"""Headline figures of the simulator: goodput under SLO, utilisation, TTFT per tier.
 
-For each workload (the shared traces plus the synthetic long-context agent mix), arrivals
-are scaled to a stated offered prefill load (``rho``: predicted prefill compute / prefill
-capacity over the arrival span, prefix cache applied), decode and VE fleets are sized to
-the workload (about 48 requests per decode GPU, 60% VE utilisation), and the same
-requests are run under the default policies, each baseline, and the ideal. Plots of two
-workloads go to ``docs/``.
+For each workload (the four shared traces plus the synthetic long-context agent mix) the
+same requests run under the default policies, the ``published`` rules and every push
+baseline (same engine-side chunk planner and cost model; only routing differs; load
+reports 50 ms stale). Decode and VE fleets are sized to the workload at an offered
+prefill load of 1.0 and then kept fixed, so that prefill is what is measured.
+
+* **Goodput**: the highest arrival rate (requests/s of the trace's arrival process,
+  scaled) at which TTFT p99 of every tier and TPOT p99 meet their SLOs
+  (:data:`SLO_TTFT_P99_S`, :data:`SLO_TPOT_P99_S`), by bisection over the offered prefill
+  load ``rho`` (the rate scale); requests that never got a first token count with their
+  time until the run ended.
+* **At a fixed load** ``rho`` = :data:`FIXED_LOAD`: TTFT p50/p99 per tier, TPOT p99,
+  prefill and decode utilisation (useful compute without the fixed per-step cost over all
+  GPU-seconds of the run, idle engines included).
+* **Diagnostics**: the old per-step balance ratio and the default's loss split.
 
 Run alone: ``.venv/bin/python benchmarks/bench_sim.py [--quick]``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -26,288 +36,257 @@ from benchmarks.common import md_table  # noqa: E402
 from fulcrum.sim import scenarios  # noqa: E402
 from fulcrum.sim import workload as W  # noqa: E402
 from fulcrum.sim.cluster import Cluster  # noqa: E402
-from fulcrum.sim.engine import SimResult, simulate  # noqa: E402
+from fulcrum.sim.engine import simulate  # noqa: E402
 from fulcrum.sim.policies import get_policy_set  # noqa: E402
-from fulcrum.sim.report import format_markdown, plot_runs, summarize  # noqa: E402
+from fulcrum.sim.report import summarize  # noqa: E402
 
-LOAD = 0.9
 SEED = 0
-POLICIES = ("default", "round_robin", "random", "least_requests", "power_of_two", "ideal")
-QUICK_POLICIES = ("default", "round_robin", "ideal")
-LOSS_KEYS = ("prefill_idle_rank", "prefill_drained_rank", "prefill_short_rank", "prefill_moe",
-             "decode_imbalance", "decode_moe")
-QUICK_CASES = ("mooncake", "azure-code", "synthetic")
-PLOTTED = ("mooncake", "synthetic")
-DOCS = ROOT / "docs"
+FIXED_LOAD = 0.7
+POLICIES = ("default", "published", "least_work", "least_requests", "power_of_two",
+            "round_robin", "random")
+QUICK_POLICIES = ("default", "published", "least_work")
+LOSS_KEYS = ("prefill_idle_rank", "prefill_drained_rank", "prefill_short_rank", "prefill_moe")
+
+#: TTFT p99 SLO per tier (s): about 4x, 2.5x, 1.5x and 2x the compute time of the tier's
+#: largest fresh prompt on one rank under the default cost model (16K: 1.2 s, 64K: 8 s,
+#: 256K: 83 s; a 512K agent turn: 290 s); see BENCHMARKS.md.
+SLO_TTFT_P99_S = {"<16K": 5.0, "16K-64K": 20.0, "64K-256K": 120.0, ">=256K": 600.0}
+#: TPOT p99 SLO (s): 100 ms, the interactive TPOT/TBT target of DistServe and Mooncake.
+SLO_TPOT_P99_S = 0.1
+#: Bisection range and steps over the offered prefill load rho.
+RHO_LO, RHO_HI, STEPS = 0.2, 3.0, 6
 
 
 @dataclass(frozen=True)
 class Case:
-    """One workload of the headline: how to load it, full and quick."""
+    """One workload: how to load it, full and quick."""
 
     name: str
     label: str
+    limit: int | None
     duration_s: float | None
-    quick_duration_s: float
+    quick_limit: int
 
 
 CASES = (
-    Case("mooncake", "Mooncake (FAST'25 synthetic trace)", None, 200.0),
-    Case("azure-code", "Azure LLM 2023, code", None, 600.0),
-    Case("azure-conv", "Azure LLM 2023, conversation", None, 600.0),
-    Case("servegen", "ServeGen mm-image (sampled, 35 clients)", 1_200.0, 150.0),
-    Case("synthetic", "Synthetic agents >256K + screenshots + surge", 600.0, 100.0),
+    Case("mooncake", "Mooncake (FAST'25 synthetic trace)", 1_500, None, 600),
+    Case("azure-code", "Azure LLM 2023, code", 4_000, None, 800),
+    Case("azure-conv", "Azure LLM 2023, conversation", 4_000, None, 800),
+    Case("servegen", "ServeGen mm-image (sampled, 35 clients)", 3_000, 600.0, 800),
+    Case("synthetic", "Synthetic agents >256K + screenshots + surge", None, 200.0, 400),
 )
 
 
-def _run_case(case: Case, quick: bool) -> tuple[dict[str, Any], list[SimResult]]:
-    dur = case.quick_duration_s if quick else case.duration_s
-    reqs = scenarios.load_workload(case.name, seed=SEED, duration_s=dur)
+def meets_slo(s: dict[str, Any]) -> bool:
+    """True when every tier's TTFT p99 and the TPOT p99 meet their SLOs."""
+    for tier, row in s["ttft_by_tier"].items():
+        if row["p99_s"] is None or row["p99_s"] > SLO_TTFT_P99_S.get(tier, 600.0):
+            return False
+    tpot = s["tpot_p99_s"]
+    return tpot is None or tpot <= SLO_TPOT_P99_S
+
+
+def _load(case: Case, quick: bool) -> tuple[list[W.Request], Cluster]:
+    limit = case.quick_limit if quick else case.limit
+    reqs = scenarios.load_workload(case.name, seed=SEED, duration_s=case.duration_s,
+                                   limit=limit)
     base = Cluster()
-    reqs, scale = scenarios.scale_to_load(reqs, base, LOAD)
-    cluster = scenarios.size_vision(reqs, scenarios.size_decode(reqs, base))
-    results: list[SimResult] = []
-    t0 = time.perf_counter()
-    for name in QUICK_POLICIES if quick else POLICIES:
-        results.append(simulate(cluster, get_policy_set(name), reqs, seed=SEED))
-    meta = {
-        "case": case,
-        "requests": len(reqs),
-        "scale": scale,
-        "span_s": W.duration_ns(reqs) / 1e9,
-        "gpus": (cluster.prefill.n_ranks, cluster.decode.n_gpus, cluster.vision.n_gpus),
-        "wall_s": time.perf_counter() - t0,
-        "summaries": [summarize(r) for r in results],
-    }
-    return meta, results
+    at_one, _ = scenarios.scale_to_load(reqs, base, 1.0)
+    cluster = scenarios.size_vision(at_one, scenarios.size_decode(at_one, base))
+    return reqs, cluster
 
 
-def _shortest(summary: dict[str, Any]) -> tuple[str, float | None]:
-    tiers = summary["ttft"]
-    if not tiers:
-        return "-", None
-    label = next(iter(tiers))
-    return label, tiers[label]["ttft_p99_s"]
+def _run(reqs: list[W.Request], cluster: Cluster, policy: str, rho: float
+         ) -> tuple[dict[str, Any], float]:
+    scaled, _ = scenarios.scale_to_load(reqs, cluster, rho)
+    s = summarize(simulate(cluster, get_policy_set(policy), scaled, seed=SEED))
+    span = W.duration_ns(scaled) / 1e9
+    return s, (len(scaled) / span if span > 0 else 0.0)
+
+
+def goodput(reqs: list[W.Request], cluster: Cluster, policy: str,
+            steps: int = STEPS) -> tuple[float, float]:
+    """(rho, requests/s) of the highest load meeting every SLO; (0, 0) when even
+    ``RHO_LO`` misses."""
+    lo, hi = RHO_LO, RHO_HI
+    s, rps = _run(reqs, cluster, policy, lo)
+    if not meets_slo(s):
+        return 0.0, 0.0
+    best = (lo, rps)
+    s, rps = _run(reqs, cluster, policy, hi)
+    if meets_slo(s):
+        return hi, rps
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        s, rps = _run(reqs, cluster, policy, mid)
+        if meets_slo(s):
+            lo, best = mid, (mid, rps)
+        else:
+            hi = mid
+    return best
 
 
 def _cell(v: float | None, digits: int = 3) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def _eplb_table(quick: bool) -> str:
-    dur = 120.0 if quick else None
-    reqs = scenarios.load_workload("mooncake", seed=SEED, duration_s=dur)
-    base = Cluster()
-    reqs, _ = scenarios.scale_to_load(reqs, base, LOAD)
-    cluster = scenarios.size_decode(reqs, base)
-    rows = []
-    for name in ("default", "eplb_reference", "eplb_static"):
-        ps = get_policy_set(name)
-        s = summarize(simulate(cluster, ps, reqs, seed=SEED))
-        rows.append([ps.eplb, _cell(s["prefill_moe_lb"]), _cell(s["decode_moe_lb"]),
-                     _cell(s["prefill_fraction"]), _cell(s["fraction"]),
-                     str(s["eplb_rebalances"])])
-    return md_table(
-        ["EPLB", "prefill moe_lb", "decode moe_lb", "prefill fraction", "throughput fraction",
-         "rebalances"],
-        rows,
-    )
+def run_case(case: Case, quick: bool) -> dict[str, Any]:
+    """Goodput and fixed-load summaries of every policy on one workload (JSON-ready)."""
+    names = list(QUICK_POLICIES if quick else POLICIES)
+    t0 = time.perf_counter()
+    reqs, cluster = _load(case, quick)
+    good = {n: goodput(reqs, cluster, n, steps=4 if quick else STEPS) for n in names}
+    fixed = {n: _run(reqs, cluster, n, FIXED_LOAD)[0] for n in names}
+    return {"case": case.name, "label": case.label, "requests": len(reqs), "names": names,
+            "goodput": good, "fixed": fixed, "wall_s": time.perf_counter() - t0}
 
 
-#: An ablation: tight caps below the cost of long fresh prompts (the first daemon default).
-TIGHT_CAPS_S = (4.0, 8.0, 16.0, 64.0)
-
-
-def _caps_table(quick: bool) -> str:
-    """Default policies with the default per-tier batch caps vs tight ones (ablation)."""
-    rows = []
-    for name in ("mooncake", "synthetic"):
-        case = next(c for c in CASES if c.name == name)
-        dur = case.quick_duration_s if quick else case.duration_s
-        reqs = scenarios.load_workload(name, seed=SEED, duration_s=dur)
-        base = Cluster()
-        reqs, _ = scenarios.scale_to_load(reqs, base, LOAD)
-        sized = scenarios.size_vision(reqs, scenarios.size_decode(reqs, base))
-        tight = sized.with_overrides(prefill={"batch_cap_s": TIGHT_CAPS_S})
-        cells = []
-        for cl in (sized, tight):
-            s = summarize(simulate(cl, get_policy_set("default"), reqs, seed=SEED))
-            _, p99 = _shortest(s)
-            cells.append((s["prefill_fraction"], s["prefill_capacity_fraction"], p99))
-        caps_sim = "/".join(f"{c:g}" for c in base.prefill.batch_cap_s)
-        caps_d = "/".join(f"{c:g}" for c in TIGHT_CAPS_S)
-        for label, (pf, cf, p99) in zip((caps_sim, caps_d), cells, strict=True):
-            rows.append([name, label, _cell(pf), _cell(cf), _cell(p99, 2)])
-    return md_table(["trace", "tier batch caps (s)", "prefill / ideal", "capacity fraction",
-                     "TTFT p99 <16K (s)"], rows)
+def render(results: list[dict[str, Any]], quick: bool, wall: float) -> str:
+    """The markdown section from :func:`run_case` results."""
+    names = results[0]["names"] if results else []
+    good_rows, fixed_blocks, diag_rows, loss_rows, verdicts = [], [], [], [], []
+    for r in results:
+        good, fixed = r["goodput"], r["fixed"]
+        good_rows.append([r["case"], f"{r['requests']:,}"]
+                         + [f"{good[n][1]:.2f} ({good[n][0]:.2f})" for n in names])
+        tiers = list(fixed["default"]["ttft_by_tier"])
+        rows = []
+        for n in names:
+            s = fixed[n]
+            cells = [n, _cell(s["prefill_utilisation"]), _cell(s["decode_utilisation"])]
+            for t in tiers:
+                row = s["ttft_by_tier"].get(t, {})
+                cells.append(f"{_cell(row.get('p50_s'), 2)} / {_cell(row.get('p99_s'), 2)}")
+            cells.append(_cell(None if s["tpot_p99_s"] is None else s["tpot_p99_s"] * 1e3, 1))
+            cells.append(str(s["unfinished"]))
+            rows.append(cells)
+        fixed_blocks.append(
+            f"**{r['label']}** ({r['requests']:,} requests; rho = {FIXED_LOAD})\n\n"
+            + md_table(["policy", "prefill util.", "decode util.",
+                        *[f"TTFT p50 / p99 {t} (s)" for t in tiers], "TPOT p99 (ms)",
+                        "unfinished"], rows)
+        )
+        diag_rows.append([r["case"]] + [_cell(fixed[n]["balance_ratio"]) for n in names])
+        lo = fixed["default"]["loss"]
+        loss_rows.append([r["case"], _cell(fixed["default"]["balance_ratio"])]
+                         + [_cell(lo[k]) for k in LOSS_KEYS])
+        base = [n for n in names if n not in ("default", "published")]
+        best = max(base, key=lambda n: good[n][1])
+        worse = []
+        for t in tiers:
+            mine = fixed["default"]["ttft_by_tier"][t]["p99_s"] or 0.0
+            theirs = min((fixed[n]["ttft_by_tier"].get(t, {}).get("p99_s") or 0.0)
+                         for n in base)
+            if mine > theirs + 1e-9:
+                worse.append(f"{t} ({mine:.2f} s vs {theirs:.2f} s)")
+        verdicts.append(
+            f"- {r['case']}: default goodput {good['default'][1]:.2f} req/s vs best baseline "
+            f"{best} {good[best][1]:.2f} ({good['default'][1] / max(good[best][1], 1e-9):.2f}x)"
+            f"; tiers where a baseline has a lower TTFT p99 at rho {FIXED_LOAD}: "
+            f"{', '.join(worse) if worse else 'none'}"
+        )
+    cmd = ".venv/bin/python benchmarks/bench_sim.py" + (" --quick" if quick else "")
+    slo = ", ".join(f"{t} {v:g} s" for t, v in SLO_TTFT_P99_S.items())
+    out = [
+        "### Simulator: goodput under SLO, utilisation, TTFT",
+        "",
+        f"Command: `{cmd}`. Seed {SEED}; {wall:.0f} s wall."
+        + (" Quick mode: short windows, fewer policies, coarser search." if quick else ""),
+        "",
+        f"SLOs: TTFT p99 per tier {slo}; TPOT p99 {SLO_TPOT_P99_S * 1e3:g} ms. Goodput "
+        f"cells: requests/s at the highest rate meeting every SLO (the offered prefill "
+        f"load rho in brackets), by bisection over rho in [{RHO_LO}, {RHO_HI}].",
+        "",
+        "SLO defaults: a TTFT p99 of a few times the compute time of the tier's largest "
+        "fresh prompt on one DP rank under the default cost model (16K tokens 1.2 s, 64K "
+        "8 s, 256K 83 s, a 512K agent turn about 290 s), close to the TTFT budgets of "
+        "the P/D disaggregation papers (DistServe: a few seconds for chat; Mooncake: tens "
+        "of seconds for long contexts), and the 100 ms TPOT/TBT those papers use for "
+        "interactive serving. Decode and VE fleets are sized for rho = 1.0 and then kept "
+        "fixed, so TPOT rarely binds: the tiers' TTFT does.",
+        "",
+        md_table(["trace", "requests", *names], good_rows),
+        "",
+        *verdicts,
+        "",
+        "Defaults the simulator chose (rule set `default` of "
+        "`fulcrum.core.prefill.balancer`; `published` keeps the letter of the design): "
+        "(1) *late binding*, an engine takes the FIFO head only while its least-loaded DP "
+        "rank holds less than `rank_horizon_steps` = 2 step budgets of work, and the "
+        "engine whose least-loaded rank is emptiest takes it: work waits in the shared "
+        "tier queue instead of in one engine's queue. Chosen on the Mooncake trace alone "
+        "(1,000 requests, goodput at horizons of 1 / 2 / 4 step budgets: rho 1.16 / 1.32 / "
+        "1.34; TTFT at rho 0.7 equal for 2 and 4); 2 is the smallest horizon on the "
+        "plateau (a shorter one makes the MIN step budget short and pays the fixed step "
+        "cost k more often). (2) *Work-conserving tiers, shorter only*: an engine with "
+        "room whose tier has nothing queued takes from the nearest shorter tier (chosen "
+        "on Mooncake at rho 0.8: TTFT p99 <16K 3.4 s -> 2.1 s); taking from longer tiers "
+        "was rejected because a long prompt holds a short tier's rank for minutes (the "
+        "surge test in `tests/service/test_prefill_load.py` starves short requests with "
+        "it). The other traces were not used to choose anything. Tier bounds, batch "
+        "caps, hysteresis and backlog rounds keep their earlier defaults (not re-tuned).",
+        "",
+        "Reading the goodput table (mechanisms measured while tuning; the figures above "
+        "are this run's): on traces with long and mixed prompts (Mooncake, the synthetic "
+        "agents) the default wins because late binding keeps work in the shared tier "
+        "queue until a rank is about to need it, and the tiers keep short requests from "
+        "queueing behind 60 s prompts on the same rank -- which is what sinks every push "
+        "baseline under the synthetic surge, least_work included, since a push router "
+        "queues FIFO per rank. On the short-prompt traces (Azure, ServeGen) there are no "
+        "long prompts to isolate, the tiers only fragment the fleet, and least_work, "
+        "which pools every rank, can match or beat the default; there the published "
+        "rules (most remaining quota, early binding) lose most. Near the SLO the two TTFT "
+        "p99 curves lie within a few percent of each other (Azure conversation at rho 2.0, "
+        "measured while tuning: default 5.07 s, least_work 4.98 s; p50 2.50 s vs 2.64 s), "
+        "so goodput, where a flat curve crosses the SLO, magnifies small differences. With "
+        "no report staleness least_work and the default perform alike on one tier (4 "
+        "engines x 4 ranks, short prompts at rho 0.7: TTFT p50 165 ms vs 164 ms): a "
+        "pulling engine sees what a perfectly informed least_work router sees. At a fixed "
+        "moderate load "
+        "the TTFT of a request is dominated by the length of the prefill steps it shares: "
+        "the MIN step budget rises to the level of the lightest busy rank, so evenly "
+        "loaded ranks make longer steps; a pooled least_work router beats the tiered "
+        "default on the longest tiers' p99 by a few percent where tiers split the ranks "
+        "(Mooncake 16K-256K, the synthetic >=64K tiers).",
+        "",
+        *[b + "\n" for b in fixed_blocks],
+        "Diagnostic only -- the old per-step balance ratio (ideal / actual time over the "
+        "steps that ran; engines that never step are not counted):",
+        "",
+        md_table(["trace", *names], diag_rows),
+        "",
+        "Where the default's prefill steps lose against a perfectly balanced step (shares "
+        "of prefill GPU time; they add up to 1 - balance ratio):",
+        "",
+        md_table(["trace", "balance ratio", "idle rank", "drained rank",
+                  "rank short of work left", "MoE stretch"], loss_rows),
+    ]
+    return "\n".join(out) + "\n"
 
 
 def run(quick: bool) -> str:
     """The markdown section (see module docstring)."""
     t_start = time.perf_counter()
-    cases = [_run_case(c, quick) for c in CASES if not quick or c.name in QUICK_CASES]
-    names = list(QUICK_POLICIES if quick else POLICIES)
-    baselines = [n for n in names if n not in ("default", "ideal")]
+    cases = [c for c in CASES if not quick or c.name in ("mooncake", "synthetic")]
+    results = [run_case(c, quick) for c in cases]
+    return render(results, quick, time.perf_counter() - t_start)
 
-    def metric_table(key: str, digits: int = 3) -> str:
-        rows = []
-        for meta, _ in cases:
-            by = {s["policy"]: s for s in meta["summaries"]}
-            rows.append([meta["case"].name] + [_cell(by[n][key], digits) for n in names])
-        return md_table(["trace", *names], rows)
 
-    head_rows = []
-    for meta, _ in cases:
-        by = {s["policy"]: s for s in meta["summaries"]}
-        d = by["default"]
-        best = max(baselines, key=lambda n: by[n]["fraction"])
-        tier, p99 = _shortest(d)
-        base_p99 = [_shortest(by[n])[1] for n in baselines]
-        finite = [x for x in base_p99 if x is not None]
-        p, dgp, ve = meta["gpus"]
-        head_rows.append([
-            meta["case"].name,
-            f"{meta['requests']:,}",
-            f"x{meta['scale']:.3g} ({meta['span_s']:.0f} s)",
-            f"{p}/{dgp}/{ve}",
-            _cell(d["fraction"]),
-            f"{by[best]['fraction']:.3f} ({best})",
-            _cell(d["prefill_fraction"]),
-            _cell(max(by[n]["prefill_fraction"] for n in baselines)),
-            tier,
-            _cell(p99, 2),
-            _cell(min(finite) if finite else None, 2),
-        ])
-    headline = md_table(
-        ["trace", "requests", "rate (span)", "GPUs P/D/VE", "default: throughput / ideal",
-         "best baseline", "default: prefill / ideal", "best baseline prefill",
-         "shortest tier", "default TTFT p99 (s)", "best baseline TTFT p99 (s)"],
-        head_rows,
-    )
-    plots: list[str] = []
-    for meta, results in cases:
-        if meta["case"].name in PLOTTED and not quick:
-            shown = [r for r in results if r.policy != "ideal"]
-            for path in plot_runs(shown, DOCS, prefix=f"sim_{meta['case'].name}_"):
-                plots.append(str(path.relative_to(ROOT)))
-    loss_rows = []
-    for meta, _ in cases:
-        d = next(s for s in meta["summaries"] if s["policy"] == "default")
-        lo = d["loss"]
-        loss_rows.append([meta["case"].name, _cell(d["fraction"])] + [
-            _cell(lo[k]) for k in LOSS_KEYS
-        ] + [_cell(sum(lo.values()))])
-    losses = md_table(
-        ["trace", "throughput / ideal", "prefill: idle rank", "prefill: drained rank",
-         "prefill: rank short of work left", "prefill: MoE stretch", "decode: GPU imbalance",
-         "decode: MoE stretch", "total loss"],
-        loss_rows,
-    )
-    moon = next(m for m, _ in cases if m["case"].name == "mooncake")
-    skipped = "(skipped in quick mode)"
-    eplb = skipped if quick else _eplb_table(quick)
-    caps = skipped if quick else _caps_table(quick)
-    wall = time.perf_counter() - t_start
-    cmd = ".venv/bin/python benchmarks/bench_sim.py" + (" --quick" if quick else "")
-    detail = "\n\n".join(
-        f"**{m['case'].label}** ({m['requests']:,} requests, rate x{m['scale']:.3g}, "
-        f"{m['wall_s']:.0f} s wall)\n\n{format_markdown(m['summaries'])}"
-        for m, _ in cases
-        if not quick or m["case"].name == "mooncake"
-    )
-    del moon
-    out = [
-        "### Simulator: throughput as a fraction of ideal",
-        "",
-        f"Command: `{cmd}` (or `fulcrum simulate --trace NAME --load {LOAD} --size-fleets`)."
-        f" Seed {SEED}; {wall:.0f} s wall." + (" Quick mode: short windows, fewer policies."
-                                                 if quick else ""),
-        "",
-        f"Every workload is replayed at an offered prefill load of **{LOAD}** (predicted "
-        "prefill compute / prefill capacity over the arrival span, prefix cache applied) "
-        "on the default cluster (8 prefill engines of EP4DP4 = 32 GPUs, decode EP16 "
-        "instances and VE machines sized to the workload; `fulcrum simulate "
-        "--print-cluster`). *Throughput / ideal* = sum over every prefill and decode step "
-        "of its perfectly balanced time (total work / ranks, moe_lb = 1) / its simulated "
-        "time, GPU-weighted over both stages; *prefill / ideal* is the same for prefill "
-        "alone. The ideal column is 1.0 by definition; its run (default decisions, every "
-        "step at its balanced time) gives the TTFT floor. *Capacity fraction* counts idle "
-        "engines too: balanced prefill work done while requests arrive / (prefill GPUs x "
-        "time); at this load it approaches 0.9 when the fleet keeps up.",
-        "",
-        "The Azure traces stay below 16K tokens and no trace reaches 256K; the synthetic "
-        "workload adds agent sessions growing past 256K (high prefix-cache hit ratio), "
-        "1280x800 screenshots and a surge of >=256K requests. Sources: Mooncake "
-        "(Apache-2.0), Azure LLM inference traces 2023 (CC-BY-4.0), ServeGen "
-        "(Apache-2.0); see `../shared/traces/README.md`.",
-        "",
-        headline,
-        "",
-        "Throughput / ideal (both stages), per policy:",
-        "",
-        metric_table("fraction"),
-        "",
-        "Prefill / ideal, per policy:",
-        "",
-        metric_table("prefill_fraction"),
-        "",
-        "Prefill capacity fraction (idle engines count as lost), per policy:",
-        "",
-        metric_table("prefill_capacity_fraction"),
-        "",
-        "Where the default policies lose against ideal: the gap (1 - throughput / ideal) "
-        "split by cause, each a share of the run's GPU time. A prefill GPU waits for its "
-        "group's slowest rank with no request at all in the step (*idle rank*: the "
-        "engine holds fewer requests than ranks, e.g. one 256K-token prompt on one of "
-        "four ranks), after all of its requests ended (*drained rank*), or although "
-        "work was left (chunk cap, budget rounding); the MoE phase stretches by moe_lb; "
-        "a decode GPU waits for the slowest of its instance:",
-        "",
-        losses,
-        "",
-        "EPLB on Mooncake (same routing, default policies): the core's default "
-        "(migration-aware `stable`), the published `reference`, and a static map. No "
-        "periodic rebalance falls inside these runs (prefill every 1,000 steps of about "
-        "1 s, decode every 10,000 steps): each group runs on its warm-start map (computed "
-        "from the popularity at time 0) while popularity drifts; moe_lb is token-weighted "
-        "over steps, and decode steps of a few tokens are noisy:",
-        "",
-        eplb,
-        "",
-        "Per-tier batch caps (default policies): the defaults (daemon and simulator alike) "
-        "lie above the cost of each tier's largest fresh request; with tight caps "
-        "(4/8/16/64 s, an ablation) a request above the cap (any fresh prompt of about "
-        "150K tokens or more) waits for a fully idle engine and runs alone on one of its "
-        "four ranks:",
-        "",
-        caps,
-        "",
-        "Reading the tables: the default policies win most where prompts are long and "
-        "mixed (Mooncake, the synthetic agents): time-budget chunks keep the ranks of a "
-        "group level where fixed-size chunks let one long-context rank hold the others "
-        "back, and each rank proposing the time of its own work as its step budget (the "
-        "MIN applies across the group) ends a step when its lightest busy rank is done "
-        "instead of leaving that rank drained for the rest of a full budget. On the "
-        "short-prompt Azure and ServeGen traces every policy is close. "
-        "The largest remaining loss is idle ranks: an engine running fewer requests "
-        "than it has ranks, at moments when no tier has queued work to give it (the "
-        "engine with the most remaining quota takes each arrival, so a lightly loaded "
-        "tier spreads one request per engine; packing them instead raises this figure "
-        "but multiplies short-request TTFT). The synthetic workload stays far from ideal "
-        "for every policy: a fresh 256K-400K-token prompt runs on one DP rank for "
-        "80-180 s, much of it after the last arrival, and no rank assignment can spread "
-        "one request over the group.",
-        "",
-        "<details><summary>Full side-by-side tables</summary>",
-        "",
-        detail,
-        "",
-        "</details>",
-    ]
-    if plots:
-        out += ["", "Plots: " + ", ".join(f"`{p}`" for p in plots)]
-    return "\n".join(out) + "\n"
+def _main(argv: list[str]) -> None:  # pragma: no cover - manual runs
+    """``--case NAME --json FILE``: one workload's results as JSON (for runs split over
+    processes); ``--render FILE...``: the markdown from such files; else :func:`run`."""
+    quick = "--quick" in argv
+    if "--case" in argv:
+        case = next(c for c in CASES if c.name == argv[argv.index("--case") + 1])
+        out = Path(argv[argv.index("--json") + 1])
+        out.write_text(json.dumps(run_case(case, quick)))
+    elif "--render" in argv:
+        files = argv[argv.index("--render") + 1:]
+        results = [json.loads(Path(f).read_text()) for f in files]
+        print(render(results, quick, sum(r["wall_s"] for r in results)))
+    else:
+        print(run(quick))
 
 
 if __name__ == "__main__":  # pragma: no cover
-    print(run("--quick" in sys.argv[1:]))
+    _main(sys.argv[1:])

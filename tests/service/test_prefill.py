@@ -105,10 +105,36 @@ async def test_pull_errors() -> None:
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_worked_example() -> None:
-    """SPEC section 8: 100,000 total, 96,896 cached -> tier 64K-256K, most-quota engine,
-    least-loaded rank, one chunk of 3,104, or two steps when the rank's budget is used."""
+async def test_worked_example_default_rules_bind_late_to_the_emptiest_rank() -> None:
+    """The same request under the default rules (late binding): the engine whose
+    least-loaded rank is emptiest takes it (engine-a, idle), not the one with the most
+    remaining quota (engine-b, whose emptiest rank still holds 0.1 s of work)."""
     async with prefill_daemon() as (_, c, st):
+        inc_a = await register(c, "engine-a")
+        inc_b = await register(c, "engine-b")
+        pull_a = asyncio.ensure_future(
+            c.prefill.Pull(pull_request("engine-a", inc_a, 6 * S, [0, 0, 0, 0], 20_000))
+        )
+        pull_b = asyncio.ensure_future(
+            c.prefill.Pull(
+                pull_request("engine-b", inc_b, 9 * S, [3 * S // 10, S // 2, S // 10, S], 20_000)
+            )
+        )
+        await until(lambda: sum(st.waiting_pulls(t) for t in range(st.n_tiers)) == 2)
+        reply = await c.prefill.Submit(submit_request("agent-turn-3", 100_000, 96_896))
+        assert (reply.engine_id, reply.dp_rank) == ("engine-a", 0)
+        batch = await pull_a
+        assert [(r.request_id, r.dp_rank) for r in batch.requests] == [("agent-turn-3", 0)]
+        pull_b.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pull_b
+
+
+async def test_worked_example() -> None:
+    """SPEC section 8 under the published rules: 100,000 total, 96,896 cached -> tier
+    64K-256K, most-quota engine, least-loaded rank, one chunk of 3,104, or two steps when
+    the rank's budget is used."""
+    async with prefill_daemon({"prefill": {"rules": "published"}}) as (_, c, st):
         inc_a = await register(c, "engine-a")
         inc_b = await register(c, "engine-b")
         # Both engines wait; engine-b has more remaining quota, its rank 2 is least loaded.

@@ -165,23 +165,25 @@ async def test_expert_reporter_accumulates_reports_and_follows_the_map(
         await rep.stop()
 
 
-async def test_expert_reporter_catches_up_after_a_stale_report(client: FulcrumClient) -> None:
+async def test_expert_reporter_reports_steps_of_the_previous_map(client: FulcrumClient) -> None:
     rep = ExpertLoadReporter(client, group_request(), report_every_steps=10)
-    await rep.register()  # no watch: the reporter learns of v2 only from the refusal
+    await rep.register()  # no watch: the reporter learns of v2 only from the reply
     for load in skewed_steps(3, 10):
         await rep.record(load)
     forced = await client.expert.Rebalance(expert_pb2.RebalanceRequest(group_id="g1"))
     assert forced.applied and forced.map.version == 2
     results = [await rep.record(load) for load in skewed_steps(4, 10)]
-    assert results[-1] is None  # FAILED_PRECONDITION: dropped, map adopted
-    assert rep.dropped_steps == 10 and rep.map_version == 2
+    # Measured under v1 while v2 was being loaded: counted, under v2, and v2 adopted.
+    last = results[-1]
+    assert last is not None and last.counted_map_version == 2
+    assert rep.dropped_steps == 0 and rep.map_version == 2
     results = [await rep.record(load) for load in skewed_steps(5, 10)]
     assert results[-1] is not None and results[-1].map_version == 2
     status = await client.expert.GetGroupStatus(expert_pb2.GetGroupStatusRequest(group_id="g1"))
     assert status.last_step_end == 30
 
 
-async def test_expert_reporter_drops_steps_of_a_replaced_map(client: FulcrumClient) -> None:
+async def test_expert_reporter_keeps_steps_across_a_map_change(client: FulcrumClient) -> None:
     rep = ExpertLoadReporter(client, group_request(), report_every_steps=10)
     await rep.start()
     for load in skewed_steps(6, 13):
@@ -189,7 +191,12 @@ async def test_expert_reporter_drops_steps_of_a_replaced_map(client: FulcrumClie
     assert rep.pending_steps == 3
     await client.expert.Rebalance(expert_pb2.RebalanceRequest(group_id="g1"))
     await asyncio.wait_for(rep.wait_for_version(2), WAIT_S)
-    assert rep.dropped_steps == 3 and rep.pending_steps == 0
+    assert rep.dropped_steps == 0 and rep.pending_steps == 3
+    for load in skewed_steps(7, 7):
+        await rep.record(load)
+    assert rep.reports == 2 and rep.pending_steps == 0 and rep.dropped_steps == 0
+    status = await client.expert.GetGroupStatus(expert_pb2.GetGroupStatusRequest(group_id="g1"))
+    assert status.last_step_end == 20 and status.map_version == 2
     await rep.stop()
 
 
@@ -209,7 +216,7 @@ async def test_reporters_carry_on_after_a_daemon_restart() -> None:
             await experts.record(load)
         await client.expert.Rebalance(expert_pb2.RebalanceRequest(group_id="g1"))
         for load in skewed_steps(8, 10):
-            await experts.record(load)  # stale: adopts v2, drops 10 steps
+            await experts.record(load)  # measured under v1 while v2 loads: counted
         assert experts.map_version == 2
         engine_map = experts.current_map
         assert engine_map is not None
@@ -225,8 +232,8 @@ async def test_reporters_carry_on_after_a_daemon_restart() -> None:
         assert second.app.components["decode"].gpu_load("d1", 0) == (4, 4_000)
         # The next step reports the whole window: steps 20-31 in one report.
         assert await experts.record(skewed_steps(9, 1)[0]) is not None
-        assert experts.registrations == 2 and experts.reports == 2
-        assert experts.dropped_steps == 10 and experts.pending_steps == 0
+        assert experts.registrations == 2 and experts.reports == 3
+        assert experts.dropped_steps == 0 and experts.pending_steps == 0
         status = await client.expert.GetGroupStatus(
             expert_pb2.GetGroupStatusRequest(group_id="g1")
         )

@@ -184,3 +184,20 @@ def test_starved_requests_count_in_ttft_p99() -> None:
     assert tier["count"] == 1 and tier["finished"] == 0
     assert tier["p99_s"] == pytest.approx(res.end_ns / 1e9)
     assert s["ttft_by_tier"]["<16K"]["p99_s"] <= 0.1 + 1e-9
+
+
+def test_goodput_of_a_policy_that_starves_a_tier_is_zero() -> None:
+    """A 300K-token prompt ahead of short ones on one FIFO rank starves the short tier
+    for minutes at any arrival rate: the short tier's TTFT p99 never meets its SLO, so
+    the goodput search finds no rate; the tiered default, which gives the short tier
+    its own engine, has a positive goodput on the same requests."""
+    from benchmarks.bench_sim import SLO_TTFT_P99_S, goodput, meets_slo
+
+    c = tiny(prefill={"engines": 2, "ranks_per_engine": 1, "step_floor_fraction": 0.1})
+    reqs = [req(0, 0, 300_000)] + [req(i, i * 200 * MS, 2_000) for i in range(1, 40)]
+    one = summarize(simulate(c, get_policy_set("one_engine"), reqs, seed=0))
+    assert one["ttft_by_tier"]["<16K"]["p99_s"] > SLO_TTFT_P99_S["<16K"]
+    assert not meets_slo(one)
+    assert goodput(reqs, c, "one_engine", steps=2) == (0.0, 0.0)
+    rho, rps = goodput(reqs, c, "default", steps=2)
+    assert rho > 0 and rps > 0

@@ -248,9 +248,10 @@ class ExpertLoadReporter:
       ``report_every_steps`` steps the window is sent (``ReportLoad``) as an int64 or
       float64 ``Tensor`` over the step range ``[step_begin, step_end)``.
     * A watch (``WatchMaps``) follows the group's map. A new version is handed to
-      ``on_map``; steps accumulated under a different previous map cannot be reported
-      any more (the daemon takes reports under the map in force only) and are dropped
-      (counted in :attr:`dropped_steps`).
+      ``on_map``. Steps accumulated while the previous map was in force are still
+      reported, under the version the window began with (the daemon counts reports
+      measured under the previous version, since loads are per logical expert); a window
+      older than that is dropped (counted in :attr:`dropped_steps`).
     * While the daemon is unreachable (UNAVAILABLE, DEADLINE_EXCEEDED) :meth:`record`
       keeps accumulating and counts :attr:`failed_reports`; the next report covers every
       step since the last accepted one.
@@ -281,6 +282,8 @@ class ExpertLoadReporter:
         self.current_map: ExpertMapArrays | None = None
         self._window: npt.NDArray[Any] | None = None
         self._window_begin = first_step
+        #: Map version in force when the pending window began (reported under it).
+        self._window_version = 0
         self._next_step = first_step
         self.reports = 0
         self.dropped_steps = 0
@@ -352,6 +355,7 @@ class ExpertLoadReporter:
         acc = np.int64 if load.dtype.kind in "iub" else np.float64
         if self._window is None:
             self._window = np.zeros(load.shape, dtype=acc)
+            self._window_version = self.map_version
         elif self._window.dtype != acc and acc is np.float64:
             self._window = self._window.astype(np.float64)
         self._window += load
@@ -375,7 +379,7 @@ class ExpertLoadReporter:
                 await self.register()
             request = expert_pb2.ReportLoadRequest(
                 group_id=self.group_id,
-                map_version=self.map_version,
+                map_version=self._window_version or self.map_version,
                 step_begin=self._window_begin,
                 step_end=self._next_step,
                 load=to_tensor(self._window),
@@ -439,13 +443,6 @@ class ExpertLoadReporter:
             self.map_version = m.version
             return
         arrays = ExpertMapArrays.from_pb(m)
-        previous = self.current_map
-        if (
-            self.pending_steps
-            and previous is not None
-            and not np.array_equal(previous.physical_to_logical, arrays.physical_to_logical)
-        ):
-            self._clear_window(dropped=True)  # recorded under the previous map
         if self._on_map is not None:
             result = self._on_map(arrays)
             if result is not None:

@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from fulcrum.config.base import Section
 from fulcrum.core.cost import DEFAULT_COST_MODEL, DEFAULT_STEP_BUDGET_NS, MAX_CHUNK_TOKENS
+from fulcrum.core.prefill.balancer import DEFAULT as DEFAULT_RULES
+from fulcrum.core.prefill.balancer import RULE_SETS
 from fulcrum.core.prefill.tiers import (
     DEFAULT_BACKLOG_ROUNDS,
     DEFAULT_HYSTERESIS,
@@ -86,7 +88,8 @@ class PrefillSettings(Section):
         min_length=1,
         max_length=15,
         description="ascending tier bounds on total context length, tokens "
-        "(n bounds make n+1 tiers)",
+        "(n bounds make n+1 tiers; needs a restart)",
+        json_schema_extra={"restart_only": True},
     )
     tier_batch_cap_ns: list[int] = Field(
         default_factory=lambda: [8 * _S, 32 * _S, 128 * _S, 512 * _S],
@@ -129,6 +132,11 @@ class PrefillSettings(Section):
         description="a tier's demand in a round is the quota that arrived plus its queued "
         "quota spread over this many rounds (1 = all of the backlog at once)",
     )
+    rules: str = Field(
+        DEFAULT_RULES,
+        description="balancing rule set: 'default' (the rules the simulator measured best, "
+        "see BENCHMARKS.md) or 'published' (the letter of the published design)",
+    )
     hysteresis: float = Field(
         DEFAULT_HYSTERESIS,
         ge=0,
@@ -152,4 +160,6 @@ class PrefillSettings(Section):
             raise ValueError("submit_wait_ms: must be <= max_submit_wait_ms")
         if self.pull_wait_ms > self.max_pull_wait_ms:
             raise ValueError("pull_wait_ms: must be <= max_pull_wait_ms")
+        if self.rules not in RULE_SETS:
+            raise ValueError(f"rules: must be one of {', '.join(RULE_SETS)}")
         return self

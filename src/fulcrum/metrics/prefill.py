@@ -2,6 +2,11 @@
 
 Labels are bounded: ``tier`` is a tier name such as ``"<16K"`` or ``"64K-256K"`` (at most
 16 tiers), ``outcome`` one of a fixed set, ``coefficient`` one of a, b, k.
+
+One owner for state: every collector here is a plain value that
+:mod:`fulcrum.state.prefill` sets on the event loop as the state changes. None has a
+callback (``set_function``) or a custom ``collect``, so a scrape, served from
+prometheus_client's thread, reads only these values and never the balancer.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import structlog
 
 from fulcrum.config import Settings
 from fulcrum.core.types import MemberKind, PrefillEngineShape
-from fulcrum.errors import InvalidArgument
+from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
 from fulcrum.state.prefill import Batch, PrefillState, wait_ns
@@ -30,7 +30,6 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
     def __init__(self, app: App, state: PrefillState) -> None:
         self._app = app
         self._state = state
-        self._settings = state.settings
         self._max_call_ns = int(app.settings.server.max_call_s * 1e9) - _CALL_MARGIN_NS
 
     def _cap_wait(self, ns: int, context: grpc.aio.ServicerContext) -> int:
@@ -44,7 +43,7 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
         self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> pb.SubmitResponse:
         request_id = require_id(request.request_id, "request_id")
-        s = self._settings
+        s = self._state.settings  # read per call: a reload applies to the next call
         wait = wait_ns(request.max_wait_ms, s.submit_wait_ms, s.max_submit_wait_ms)
         delivery = await self._state.submit(
             request_id,
@@ -65,7 +64,12 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
         self, request: pb.PullRequest, context: grpc.aio.ServicerContext
     ) -> pb.PullResponse:
         require_id(request.engine_id, "engine_id")
-        s = self._settings
+        s = self._state.settings
+        bound = self._app.settings.fleet.max_gpus_per_member
+        if len(request.rank_loads_ns) > bound:  # bounded before anything is converted
+            raise InvalidArgument(
+                "rank_loads_ns", f"must have at most {bound} entries (one per DP rank)"
+            )
         wait = wait_ns(request.max_wait_ms, s.pull_wait_ms, s.max_pull_wait_ms)
         batch = await self._state.pull(
             request.engine_id,
@@ -100,6 +104,11 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
         self, request: pb.ReportStepTimesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportStepTimesResponse:
         require_id(request.engine_id, "engine_id")
+        limit = self._state.settings.refit.max_samples_per_report
+        if len(request.samples) > limit:  # bounded before anything is converted
+            raise InvalidArgument(
+                "samples", f"must have at most {limit} entries (refit.max_samples_per_report)"
+            )
         self._state.validate_pull(request.engine_id, 0, ())
         samples = [(int(s.q), int(s.c), int(s.measured_ns)) for s in request.samples]
         accepted = self._state.report_samples(samples)
@@ -109,10 +118,13 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
         self, request: pb.GetCostModelRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetCostModelResponse:
         st = self._state
-        step_quota_ns = self._settings.step_quota_ns
+        step_quota_ns = st.settings.step_quota_ns
         if request.engine_id:
             require_id(request.engine_id, "engine_id")
-            engine = self._app.fleet.get_live(request.engine_id, None, self._app.clock())
+            try:
+                engine = self._app.fleet.get_live(request.engine_id, None, self._app.clock())
+            except NotFound as err:
+                raise NotFound(err.message.replace("member_id:", "engine_id:", 1)) from None
             shape = engine.shape
             if not isinstance(shape, PrefillEngineShape):
                 raise InvalidArgument("engine_id", "is not a prefill engine")
@@ -123,7 +135,7 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             k=st.model.k,
             version=st.model_version,
             step_quota_ns=step_quota_ns,
-            max_chunk_tokens=self._settings.max_chunk_tokens,
+            max_chunk_tokens=st.settings.max_chunk_tokens,
         )
 
 

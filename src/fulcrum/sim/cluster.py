@@ -15,13 +15,14 @@ MoE model on H800-class GPUs (our decision; the published guide gives no cluster
   for a tier without an engine. Cost model, step budget, chunk cap, tier bounds,
   per-batch quota caps (8/32/128/512 s, each above the cost of the tier's largest fresh
   request: a fresh 256K-token prompt costs 83 s), backlog rounds and hysteresis are the
-  daemon's own defaults (``fulcrum.config.prefill.PrefillSettings``), read from there. A
-  rebalance moves the engines with the least outstanding work, the emptiest to the
-  shortest tiers (core ``assign_engines``, as the daemon). A
-  simulated engine pulls while its remaining quota -- the sum over its
-  ranks of ``max(0, horizon - outstanding)``, per-tier ``horizon_s`` 2/8/30/120 s -- is
-  positive, and counts as idle (may take an oversize request alone) when no rank has
-  outstanding work.
+  daemon's own defaults (``fulcrum.config.prefill.PrefillSettings``), read from there.
+  The prefill balancer is the daemon's own object
+  (:class:`fulcrum.core.prefill.balancer.PrefillBalancer`), fleet cold at t = 0. A
+  simulated engine pulls after each of its steps with its remaining quota -- the sum
+  over its ranks of ``max(0, horizon - outstanding)``, per-tier ``horizon_s``
+  2/8/30/120 s -- and its rank loads. Push baselines see the ranks' load through their
+  own sends plus reports each engine sends after every step, ``report_staleness_s`` =
+  0.05 s old when the router reads them.
 * **decode**: 4 instances of EP8DP8 (32 GPUs), per-GPU step
   ``d0 + d1 * concurrency + d2 * total_kv`` with ``d0 = 10 ms``, ``d1 = 50 us/request``,
   ``d2 = 10 ns/KV token`` (MLA KV of about 40 KB/token read at about 4 TB/s); at most
@@ -75,6 +76,7 @@ class PrefillCluster(_Section):
     round_s: float = Field(_DAEMON.round_period_ms / 1000, gt=0)
     hysteresis: float = Field(_DAEMON.hysteresis, ge=0)
     backlog_rounds: float = Field(_DAEMON.backlog_rounds, ge=1)
+    max_batch_requests: int = Field(_DAEMON.max_batch_requests, ge=1)
     moe_fraction: float = Field(0.6, ge=0, le=1)
     report_staleness_s: float = Field(DEFAULT_STALENESS_NS / 1e9, ge=0)
 

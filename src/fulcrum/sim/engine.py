@@ -8,12 +8,15 @@ Request path (all times ns on the virtual clock):
 2. **Vision.** Each image is placed on a VE GPU by the VE policy and queued there (FIFO,
    one image at a time, ``v0 + v1 * patches`` each). When the last image is encoded the
    request is ready for prefill.
-3. **Prefill.** Default: the request joins its tier's FIFO queue; engines of that tier
-   pull batches (core ``select_batch`` / ``pick_engine``), spread them over their DP
-   ranks (core ``assign_ranks``). Baselines push each request to one DP rank. An engine
-   steps while any rank has work: each rank proposes a budget (core ``rank_budget``:
-   the time of its work, within the step limit), the core ``plan_step`` applies the MIN
-   and plans each rank's chunks (baselines: fixed-size chunks, no budget); the
+3. **Prefill.** Fulcrum: the daemon's own balancer object
+   (:class:`fulcrum.core.prefill.balancer.PrefillBalancer`) holds the tier queues; when
+   work waits it chooses the engine that takes it, each engine pulls again after each
+   of its steps, and rounds re-split the engines across tiers -- the very calls the
+   daemon makes. Baselines push each request to one DP rank
+   (:class:`fulcrum.sim.baselines.PushRouter`, stale load reports). Every policy runs
+   the same engine: it steps while any rank has work; each rank proposes a budget
+   (core ``rank_budget``: the time of its work, within the step limit), the core
+   ``plan_step`` applies the MIN and plans each rank's chunks; the
    step lasts ``max over ranks of cost`` plus the MoE stretch
    ``moe_fraction * b * mean tokens per rank * (moe_lb - 1)``; the ideal step lasts
    ``mean over ranks of cost``. The first token is produced when the last chunk ends.
@@ -23,7 +26,8 @@ Request path (all times ns on the virtual clock):
    the MoE stretch ``moe_fraction * d1 * mean conc * (moe_lb - 1)``; ideal: the mean.
    Each step adds one token per request; a request finishes after ``output - 1`` steps.
 
-The first tier split uses the demand of the first round (warm start).
+The fleet starts cold: the prefill engines join at t = 0 (an even split across tiers
+until the first round closes), as a deployment starts.
 
 Events at the same instant run arrivals first, then others in scheduling order; steps
 are started by a "kick" event so that simultaneous arrivals share a step. Everything is
@@ -46,10 +50,15 @@ import numpy.typing as npt
 
 from fulcrum.core.cost import CostModel
 from fulcrum.core.decode import DecodeParams
-from fulcrum.core.prefill import batch as core_batch
 from fulcrum.core.prefill import chunks as core_chunks
-from fulcrum.core.prefill import ranks as core_ranks
 from fulcrum.core.prefill import tiers as core_tiers
+from fulcrum.core.prefill.balancer import (
+    BalancerConfig,
+    Offer,
+    PrefillBalancer,
+    Queued,
+    rules_by_name,
+)
 from fulcrum.sim import baselines
 from fulcrum.sim.cache import BlockCache
 from fulcrum.sim.cluster import Cluster
@@ -199,6 +208,7 @@ class Simulator:
         seed: int = 0,
         drain_s: float = 1_800.0,
         progress: Callable[[float], None] | None = None,
+        trace: Callable[[tuple[object, ...]], None] | None = None,
     ) -> None:
         self.cluster = cluster
         self.policy = policy
@@ -248,31 +258,31 @@ class Simulator:
         self.engine_busy = [False] * p.engines
         self.engine_kicked = [False] * p.engines
         self.engine_plan: list[core_chunks.StepPlan | None] = [None] * p.engines
-        self.tier_queue: list[deque[int]] = [deque() for _ in range(self.n_tiers)]
-        self.tier_queued = [0] * self.n_tiers
-        self.tier_arrived = [0] * self.n_tiers  # quota that joined each tier this round
-        self.last_demand = [0.0] * self.n_tiers
         self.horizon = [int(h * 1e9) for h in p.horizon_s]
-        self.batch_cap = [int(c * 1e9) for c in p.batch_cap_s]
         self.fulcrum_prefill = policy.prefill == FULCRUM
         self.router = None if self.fulcrum_prefill else baselines.PushRouter(
             policy.prefill, p.engines, p.ranks_per_engine, r_route,
             staleness_ns=int(p.report_staleness_s * 1e9),
         )
-        # Warm start: the first split uses the first round's demand (a deployed system has
-        # history); without it every tier would start with an even share of the engines.
-        warm = np.zeros(self.n_tiers)
-        round_ns = int(p.round_s * 1e9)
-        for r in self.reqs:
-            if r.arrival_ns >= first + round_ns:
-                break
-            t = core_tiers.tier_of(r.input_tokens, self.bounds)
-            warm[t] += self.model.cost(r.input_tokens, 0)
-        counts = core_tiers.allocate(p.engines, warm)
+        # The daemon's balancer object itself, driven on the virtual clock. Cold start,
+        # as a deployment starts: the engines join one by one at t = 0 (an even split
+        # until the first round closes).
         self.engine_ids = [f"e{i:03d}" for i in range(p.engines)]
-        assign = core_tiers.assign_engines(self.engine_ids, {}, counts)
-        self.engine_tier = {e: t for e, t in assign.tiers.items()}
-        self.tier_counts = counts
+        self.balancer = PrefillBalancer(BalancerConfig(
+            bounds=self.bounds,
+            batch_cap_ns=tuple(int(c * 1e9) for c in p.batch_cap_s),
+            backlog_rounds=p.backlog_rounds,
+            hysteresis=p.hysteresis,
+            max_batch_requests=p.max_batch_requests,
+            rules=rules_by_name(policy.rules),
+            step_quota_ns=int(p.step_budget_ns),
+        ))
+        #: Optional observer of the balancer calls (tests replay them through the daemon).
+        self.trace: Callable[[tuple[object, ...]], None] | None = trace
+        if self.fulcrum_prefill:
+            for eid in self.engine_ids:
+                self.balancer.add_engine(eid, p.ranks_per_engine)
+                self._trace(("join", 0, eid, p.ranks_per_engine))
         # Every policy runs the same engine-side chunk planner (time budget, chunk cap).
         self.step_limit = p.step_budget_ns
         self.step_floor = p.step_budget_ns * p.step_floor_fraction
@@ -383,7 +393,7 @@ class Simulator:
         c0 = self.cache.lookup_and_insert(r.hash_ids, r.input_tokens)
         self.cached[rid] = c0
         q = r.input_tokens - c0
-        self.quota[rid] = max(0, math.ceil(self.model.cost(q, c0)))
+        self.quota[rid] = self.model.cost_ns(q, c0)
         if r.image_patches:
             self.images_left[rid] = len(r.image_patches)
             for patches in r.image_patches:
@@ -422,15 +432,22 @@ class Simulator:
         self._start_ve(g)
 
     # -- prefill ----------------------------------------------------------------------------
+    def _trace(self, event: tuple[object, ...]) -> None:
+        if self.trace is not None:
+            self.trace(event)
+
     def _prefill_ready(self, rid: int) -> None:
         if self.fulcrum_prefill:
-            t = core_tiers.tier_of(int(self.inp[rid]), self.bounds)
-            self.tier_queue[t].append(rid)
-            self.tier_queued[t] += self.quota[rid]
-            self.tier_arrived[t] += self.quota[rid]
-            if self.tier_counts[t] == 0:
-                self._rebalance(orphan=True)  # work for a tier with no engine: at once
-            self._pull(t)
+            bal = self.balancer
+            item = Queued(str(rid), int(self.inp[rid]), int(self.cached[rid]),
+                          bal.tier_of(int(self.inp[rid])), self.quota[rid], self.now)
+            red = bal.enqueue(item)
+            self._trace(("submit", self.now, item.request_id, item.total, item.cached,
+                         tuple(bal.engines_per_tier())))
+            if red is not None:
+                self._pull_all()
+            else:
+                self._pull(item.tier)
         else:
             assert self.router is not None
             rank = self.router.route(self.now, self.quota[rid])
@@ -446,37 +463,49 @@ class Simulator:
         self.rank_load[e][r] += self.quota[rid]
         self.rank_reqs[e * self.n_ranks + r] += 1
 
-    def _remaining(self, e: int, tier: int) -> int:
-        h = self.horizon[tier]
+    def _remaining(self, e: int) -> int:
+        """Engine ``e``'s remaining quota (ns): over its ranks, ``max(0, horizon - load)``
+        with the horizon of its tier."""
+        tier = self.balancer.engine_tier(self.engine_ids[e])
+        h = self.horizon[max(0, tier)]
         return int(sum(max(0.0, h - load) for load in self.rank_load[e]))
 
-    def _pull(self, tier: int) -> None:
-        queue = self.tier_queue[tier]
-        if not queue:
-            return
-        cands = [i for i, eid in enumerate(self.engine_ids) if self.engine_tier[eid] == tier]
-        while queue and cands:
-            remaining = [self._remaining(e, tier) for e in cands]
-            k = core_batch.pick_engine(remaining)
-            e = cands[k]
-            loads = self.rank_load[e]
-            idle = max(loads) <= 0.0
-            quota = self.quota
-            n = core_batch.select_batch(
-                (quota[rid] for rid in queue), remaining[k], self.batch_cap[tier], idle=idle
-            )
-            if n == 0:
-                cands.pop(k)
-                continue
-            batch = [queue.popleft() for _ in range(n)]
-            pulled = sum(quota[rid] for rid in batch)
-            self.tier_queued[tier] -= pulled
-            plan = core_ranks.assign_ranks(
-                [max(0, int(x)) for x in loads], [quota[rid] for rid in batch]
-            )
-            for rid, r in zip(batch, plan.ranks, strict=True):
-                self._enqueue(e, r, rid)
+    def _loads(self, e: int) -> list[int]:
+        return [max(0, int(x)) for x in self.rank_load[e]]
+
+    def _take(self, e: int) -> bool:
+        """Engine ``e`` pulls (as a real engine does between steps): True when it got work."""
+        eid = self.engine_ids[e]
+        remaining = self._remaining(e)
+        loads = self._loads(e)
+        taken = self.balancer.take(eid, remaining, loads)
+        self._trace(("pull", self.now, eid, remaining, tuple(loads),
+                     tuple(it.request_id for it in taken.items), taken.ranks))
+        for it, r in zip(taken.items, taken.ranks, strict=True):
+            self._enqueue(e, r, int(it.request_id))
+        if taken.items:
             self._kick_engine(e)
+        return bool(taken.items)
+
+    def _pull(self, tier: int) -> None:
+        """Work waits in ``tier``: the balancer chooses which engine takes it, until no
+        engine can (each engine offers its remaining quota and whether it is idle)."""
+        bal = self.balancer
+        while bal.head(tier) is not None:
+            offers: list[int] = []
+            quotas: list[Offer] = []
+            for e, eid in enumerate(self.engine_ids):
+                loads = self._loads(e)
+                if bal.source_tier(eid, loads) == tier:
+                    offers.append(e)
+                    quotas.append(Offer(eid, self._remaining(e), loads))
+            i = bal.choose_puller(tier, quotas)
+            if i < 0 or not self._take(offers[i]):
+                return
+
+    def _pull_all(self) -> None:
+        for t in range(self.n_tiers):
+            self._pull(t)
 
     def _kick_engine(self, e: int) -> None:
         if not self.engine_busy[e] and not self.engine_kicked[e]:
@@ -569,44 +598,17 @@ class Simulator:
             self.first_tok[rid] = self.now
             self._decode_admit(rid)
         if self.fulcrum_prefill:
-            self._pull(self.engine_tier[self.engine_ids[e]])
+            self._take(e)
+            self._pull_all()
         self._start_prefill_step(e)
 
     def _round(self) -> None:
-        self._rebalance(orphan=False)
+        """Close a round: the balancer re-splits the engines across tiers."""
+        red = self.balancer.redistribute("round")
+        self._trace(("round", self.now, red.counts))
+        self._pull_all()
         if self.pending > 0:
             self._push(self.now + int(self.cluster.prefill.round_s * 1e9), _ROUND, 0)
-
-    def _rebalance(self, *, orphan: bool) -> None:
-        """Re-split engines across tiers (core ``allocate`` + ``assign_engines``).
-
-        A round's demand per tier is the daemon's (core ``round_demand``): the quota that
-        joined the tier in the round plus the still-queued quota spread over
-        ``backlog_rounds`` rounds (ns); an orphan rebalance (work for a tier without an
-        engine) uses the larger of the last round's demand and the current one, as the
-        daemon does.
-        """
-        current = core_tiers.round_demand(
-            self.tier_arrived, self.tier_queued, self.cluster.prefill.backlog_rounds
-        ).tolist()
-        if orphan:
-            demand = [max(a, b) for a, b in zip(self.last_demand, current, strict=True)]
-        else:
-            demand = current
-            self.last_demand = current
-            self.tier_arrived = [0] * self.n_tiers
-        counts = core_tiers.allocate(
-            self.n_engines, np.array(demand, dtype=np.float64), self.tier_counts,
-            self.cluster.prefill.hysteresis,
-        )
-        loads = {
-            eid: int(sum(self.rank_load[e])) for e, eid in enumerate(self.engine_ids)
-        }
-        assign = core_tiers.assign_engines(self.engine_ids, self.engine_tier, counts, loads)
-        self.engine_tier = dict(assign.tiers)
-        self.tier_counts = counts
-        for t in range(self.n_tiers):
-            self._pull(t)
 
     # -- decode -----------------------------------------------------------------------------
     def _decode_admit(self, rid: int) -> None:
@@ -741,6 +743,7 @@ def simulate(
     seed: int = 0,
     drain_s: float = 1_800.0,
     progress: bool = False,
+    trace: Callable[[tuple[object, ...]], None] | None = None,
 ) -> SimResult:
     """Convenience wrapper: build a :class:`Simulator`, run it, return the result."""
 
@@ -753,6 +756,6 @@ def simulate(
     show = progress and sys.stderr.isatty()
     sim = Simulator(
         cluster, policy, requests, seed=seed, drain_s=drain_s,
-        progress=report if show else None,
+        progress=report if show else None, trace=trace,
     )
     return sim.run()

@@ -1,6 +1,8 @@
 """Policy sets compared by the simulator, and thin adapters onto the core policies.
 
-A :class:`PolicySet` names one choice per balancer. ``default`` is Fulcrum as designed:
+A :class:`PolicySet` names one choice per balancer. ``default`` is Fulcrum with the
+prefill balancer's ``default`` rules (:mod:`fulcrum.core.prefill.balancer`);
+``published`` the same with the ``published`` rules (the letter of the design):
 
 * prefill -- tiers re-split by quota demand every round (``core.prefill.tiers``), engines
   pull FIFO batches within their remaining quota (``core.prefill.batch``), least-loaded
@@ -33,6 +35,8 @@ import numpy.typing as npt
 
 from fulcrum.core import decode as core_decode
 from fulcrum.core import vision as core_vision
+from fulcrum.core.prefill.balancer import DEFAULT as DEFAULT_RULES
+from fulcrum.core.prefill.balancer import PUBLISHED
 from fulcrum.sim import baselines
 from fulcrum.sim.experts import STATIC, default_eplb_policy
 
@@ -49,14 +53,17 @@ class PolicySet:
     vision: str
     eplb: str
     ideal: bool = False
+    rules: str = DEFAULT_RULES
 
 
 def policy_sets() -> dict[str, PolicySet]:
-    """Every named set: ``default``, the four baselines, ``ideal``, and EPLB variants."""
+    """Every named set: ``default``, ``published``, the baselines, ``ideal``, EPLB variants."""
     eplb = default_eplb_policy()
     out = {
         "default": PolicySet("default", FULCRUM, core_decode.DEFAULT_POLICY,
                              core_vision.DEFAULT_POLICY, eplb),
+        PUBLISHED: PolicySet(PUBLISHED, FULCRUM, core_decode.DEFAULT_POLICY,
+                             core_vision.DEFAULT_POLICY, eplb, rules=PUBLISHED),
         "ideal": PolicySet("ideal", FULCRUM, core_decode.DEFAULT_POLICY,
                            core_vision.DEFAULT_POLICY, eplb, ideal=True),
     }

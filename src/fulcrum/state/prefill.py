@@ -1,31 +1,35 @@
-"""In-memory state of the prefill balancer: tier queues, engines, long polls, rounds, refit.
+"""In-memory state of the prefill balancer: the daemon's shell around the core balancer.
+
+The balancing itself -- tier queues, round demand and engine redistribution, who may
+pull, batch taking -- is :class:`fulcrum.core.prefill.balancer.PrefillBalancer`, the
+very object the simulator drives. This module adds only what a daemon needs around it:
+futures of waiting submits, their timers, long-polling pulls, metrics and logs, and the
+cost-model refit.
 
 Life of a request (every transition is synchronous on the event loop, so each request is
 in exactly one place at a time):
 
-1. ``submit`` validates, predicts its cost with the model in force, queues it at the tail
-   of its tier's FIFO queue and waits on a future.
+1. ``submit`` validates, predicts its cost with the model in force (ns, including the
+   fixed step cost ``k``), queues it in the balancer and waits on a future.
 2. It leaves the queue exactly once, by one of: being taken in a batch by an engine's
    pull (the future gets the :class:`Delivery`: outcome ``delivered``); its wait expiring
    (DEADLINE_EXCEEDED); its caller cancelling (``cancelled``); the daemon draining
    (UNAVAILABLE). A request whose caller has gone is never put in a batch.
 3. Pulls are long polls: a pull that finds nothing it may take waits. When work arrives
-   in a tier, the waiting engine of that tier with the most remaining quota that can take
-   the head is woken (one at a time per tier); it takes its batch itself, then passes the
-   wake on if work is left.
+   in a tier, the balancer chooses which waiting pull takes it (one woken at a time per
+   tier); it takes its batch itself, then passes the wake on if work is left.
 
-Engines follow the fleet (join/leave). Every round, engines are redistributed across
-tiers by the previous round's quota demand (submitted + backlog share, ns); joins, leaves and
-a tier receiving work with no engine ("orphan") trigger an immediate redistribution.
-Engines report step times; a bounded window feeds a periodic refit of the cost model,
-adopted only when better by the configured margin.
+Engines follow the fleet (join/leave). Every round the balancer redistributes engines
+across tiers; joins, leaves and a tier receiving work with no engine ("orphan") do so
+at once. Engines report step times; a bounded window feeds a periodic refit of the
+cost model, adopted only when better by the configured margin.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,15 +37,16 @@ import structlog
 
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.core.cost import CostModel, evaluate, fit, should_adopt
-from fulcrum.core.prefill.batch import pick_engine, select_batch
-from fulcrum.core.prefill.ranks import assign_ranks
-from fulcrum.core.prefill.tiers import (
-    allocate,
-    assign_engines,
-    round_demand,
-    tier_label,
-    tier_of,
+from fulcrum.core.prefill.balancer import (
+    BalancerConfig,
+    Offer,
+    PrefillBalancer,
+    Queued,
+    Redistribution,
+    Taken,
+    rules_by_name,
 )
+from fulcrum.core.prefill.tiers import tier_label
 from fulcrum.core.types import Member, MemberKind, MemberLoad, PrefillEngineShape
 from fulcrum.errors import (
     AlreadyExists,
@@ -53,14 +58,25 @@ from fulcrum.errors import (
 )
 from fulcrum.metrics import prefill as m
 from fulcrum.state.fleet import Fleet
+from fulcrum.units import MAX_U64, NS_PER_S
 
 log = structlog.get_logger(__name__)
 
-_MAX_U64 = (1 << 64) - 1
-NS_PER_S = 1e9
-
 #: Outcomes of a submitted request (label values of ``fulcrum_prefill_submits``).
 OUTCOMES = ("delivered", "cancelled", "deadline_exceeded", "unavailable", "queue_full")
+
+
+def balancer_config(settings: PrefillSettings) -> BalancerConfig:
+    """The core balancer's knobs from the ``prefill:`` section."""
+    return BalancerConfig(
+        bounds=tuple(settings.tier_bounds),
+        batch_cap_ns=tuple(settings.tier_batch_cap_ns),
+        backlog_rounds=settings.backlog_rounds,
+        hysteresis=settings.hysteresis,
+        max_batch_requests=settings.max_batch_requests,
+        rules=rules_by_name(settings.rules),
+        step_quota_ns=settings.step_quota_ns,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,15 +112,20 @@ class Batch:
 
 
 @dataclass(slots=True, eq=False)
-class _Queued:
-    request_id: str
-    total: int
-    cached: int
-    tier: int
-    cost_ns: int
-    enqueued_ns: int
+class _Pending:
+    """The daemon's side of a queued request: its caller's future and its timer."""
+
+    item: Queued
     future: asyncio.Future[Delivery]
     timer: asyncio.TimerHandle | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.item.request_id
+
+    @property
+    def tier(self) -> int:
+        return self.item.tier
 
 
 @dataclass(slots=True, eq=False)
@@ -112,24 +133,22 @@ class _Engine:
     member_id: str
     incarnation: int
     dp_ranks: int
-    tier: int = -1
     waiters: list[_Waiter] = field(default_factory=list)
-    #: Outstanding prefill work (ns, all ranks) as last known: the rank loads of the
-    #: engine's latest pull plus what that pull delivered. Decides which engines change
-    #: tiers at a rebalance (the emptiest move to the shortest tiers).
-    load_ns: int = 0
 
 
 @dataclass(slots=True, eq=False)
 class _Waiter:
     engine: _Engine
     remaining_ns: int
-    idle: bool
+    loads: list[int]
     max_requests: int
     event: asyncio.Event = field(default_factory=asyncio.Event)
-    tier: int = -1  # tier list it is parked in, -1 when none
     woken: bool = False
     woken_tier: int = -1  # tier whose wake count it holds while woken
+
+    @property
+    def idle(self) -> bool:
+        return not any(self.loads)
 
 
 class _TierMetrics:
@@ -164,7 +183,7 @@ class _TierMetrics:
 
 
 class PrefillState:
-    """The prefill balancer's tables. One instance per daemon (``app.components["prefill"]``)."""
+    """The prefill balancer's daemon shell. One per daemon (``app.components["prefill"]``)."""
 
     def __init__(
         self,
@@ -175,29 +194,21 @@ class PrefillState:
         self.settings = settings
         self._fleet = fleet
         self._clock = clock
-        self.bounds = tuple(settings.tier_bounds)
-        self.n_tiers = len(self.bounds) + 1
+        self.balancer = PrefillBalancer(balancer_config(settings))
+        self.bounds = self.balancer.bounds
+        self.n_tiers = self.balancer.n_tiers
         self.labels = tuple(tier_label(self.bounds, t) for t in range(self.n_tiers))
-        self.caps = tuple(settings.tier_batch_cap_ns)
         cm = settings.cost_model
         self.model = CostModel(a=cm.a, b=cm.b, k=cm.k)
         self.model_version = 1
-        self._queues: list[OrderedDict[str, _Queued]] = [
-            OrderedDict() for _ in range(self.n_tiers)
-        ]
-        self._index: dict[str, _Queued] = {}
-        self._queued_ns = [0] * self.n_tiers
-        self._arrived_ns = [0] * self.n_tiers  # quota submitted this round
-        self.last_demand_ns: list[int] = [0] * self.n_tiers
+        self._index: dict[str, _Pending] = {}
         self._engines: dict[str, _Engine] = {}
-        self._waiters: list[list[_Waiter]] = [[] for _ in range(self.n_tiers)]
+        self._waiters: list[_Waiter] = []
         self._woken = [0] * self.n_tiers  # woken waiters not yet run, per tier
         self._samples: deque[tuple[int, int, int]] = deque(maxlen=settings.refit.window_samples)
         self.draining = False
         #: Test/diagnostic hooks: called with (request_id, outcome, engine_id or "").
         self.outcome_hooks: list[Callable[[str, str, str], None]] = []
-        self.moves_total = 0
-        self._counts = [0] * self.n_tiers  # engines per tier
         self._m = [_TierMetrics(label) for label in self.labels]
         self._log = log.bind()  # resolved once: per-request debug lines cost ~nothing
         for t in range(self.n_tiers):
@@ -207,38 +218,55 @@ class PrefillState:
 
     # -- queries ---------------------------------------------------------------------------
 
+    @property
+    def last_demand_ns(self) -> list[float]:
+        """Each tier's demand in the last closed round (ns)."""
+        return self.balancer.last_demand_ns
+
+    @last_demand_ns.setter
+    def last_demand_ns(self, value: Sequence[float]) -> None:
+        self.balancer.last_demand_ns = [float(x) for x in value]
+
+    @property
+    def moves_total(self) -> int:
+        """Engines moved between tiers since start."""
+        return self.balancer.moves_total
+
     def tier_of(self, total_tokens: int) -> int:
         """Tier index of a request of ``total_tokens`` context (tokens)."""
-        return tier_of(total_tokens, self.bounds)
+        return self.balancer.tier_of(total_tokens)
 
     def engines_per_tier(self) -> list[int]:
         """Engines assigned to each tier now."""
-        return list(self._counts)
+        return self.balancer.engines_per_tier()
 
     def engine_tier(self, engine_id: str) -> int:
         """The tier an engine serves (-1 when unknown)."""
-        eng = self._engines.get(engine_id)
-        return -1 if eng is None else eng.tier
+        return self.balancer.engine_tier(engine_id)
 
     def queue_depths(self) -> list[int]:
         """Requests queued in each tier."""
-        return [len(q) for q in self._queues]
+        return [self.balancer.queue_depth(t) for t in range(self.n_tiers)]
 
     def queued_ns(self) -> list[int]:
         """Predicted quota queued in each tier (ns)."""
-        return list(self._queued_ns)
+        return [self.balancer.queued_ns(t) for t in range(self.n_tiers)]
 
     def is_queued(self, request_id: str) -> bool:
         """True while ``request_id`` waits in a tier queue."""
         return request_id in self._index
 
     def waiting_pulls(self, tier: int) -> int:
-        """Pulls currently long-polling on ``tier``."""
-        return len(self._waiters[tier])
+        """Pulls currently long-polling (not woken) by engines of ``tier``."""
+        return sum(
+            1 for w in self._waiters
+            if not w.woken and self.balancer.engine_tier(w.engine.member_id) == tier
+        )
 
     def predict_ns(self, total: int, cached: int) -> int:
-        """Predicted cost (ns) of prefilling ``total - cached`` tokens after ``cached``."""
-        return min(_MAX_U64, self.model.cost_ns(total - cached, cached))
+        """Predicted cost (ns, with ``k``) of prefilling ``total - cached`` tokens after
+        ``cached``."""
+        return min(MAX_U64, self.model.cost_ns(total - cached, cached))
 
     # -- submit ----------------------------------------------------------------------------
 
@@ -259,7 +287,7 @@ class PrefillState:
         if request_id in self._index:
             raise AlreadyExists(f"request_id: {request_id!r} is already queued")
         tier = self.tier_of(total)
-        if len(self._queues[tier]) >= self.settings.max_queued_per_tier:
+        if self.balancer.queue_depth(tier) >= self.settings.max_queued_per_tier:
             self._m[tier].outcomes["queue_full"].inc()
             raise ResourceExhausted(
                 f"prefill: tier {self.labels[tier]} queue is at its bound of "
@@ -275,89 +303,82 @@ class PrefillState:
         tier = self.validate_submit(request_id, total, cached)
         now = self._clock()
         loop = asyncio.get_running_loop()
-        item = _Queued(
+        item = Queued(
             request_id=request_id,
             total=total,
             cached=cached,
             tier=tier,
             cost_ns=self.predict_ns(total, cached),
             enqueued_ns=now,
-            future=loop.create_future(),
         )
-        self._queues[tier][request_id] = item
-        self._index[request_id] = item
-        self._queued_ns[tier] += item.cost_ns
-        self._arrived_ns[tier] += item.cost_ns
-        item.timer = loop.call_later(max(0.0, wait_ns / NS_PER_S), self._expire, item)
+        rec = _Pending(item, loop.create_future())
+        self._index[request_id] = rec
+        red = self.balancer.enqueue(item)
+        rec.timer = loop.call_later(max(0.0, wait_ns / NS_PER_S), self._expire, rec)
         self._m[tier].predicted.observe(item.cost_ns / NS_PER_S)
         self._gauge_tier(tier)
         self._log.debug("prefill_queued", request_id=request_id, tier=tier, cost_ns=item.cost_ns)
-        if self._counts[tier] == 0 and self._can_cover_all():
-            self.rebalance(now, reason="orphan")
-        self._dispatch(tier)
+        if red is not None:
+            self._redistributed(red)
+        else:
+            self._dispatch(tier)
         try:
-            return await item.future
+            return await rec.future
         except asyncio.CancelledError:
-            if self._index.get(request_id) is item:
-                self._drop(item, "cancelled")
+            if self._index.get(request_id) is rec:
+                self._drop(rec, "cancelled")
             raise
 
-    def _can_cover_all(self) -> bool:
-        """True when there are engines for every tier with demand (so an orphan tier can be
-        given one at once without taking the last engine of another tier with demand;
-        otherwise the next round decides, which avoids moving engines on every submit)."""
-        with_demand = sum(
-            1
-            for t in range(self.n_tiers)
-            if self._queued_ns[t] or self._arrived_ns[t] or self.last_demand_ns[t]
-        )
-        return 0 < with_demand <= len(self._engines)
-
-    def _drop(self, item: _Queued, outcome: str, error: Exception | None = None) -> None:
+    def _drop(self, rec: _Pending, outcome: str, error: Exception | None = None) -> None:
         """Take a request out of its queue without delivering it."""
-        self._unlink(item)
-        if error is not None and not item.future.done():
-            item.future.set_exception(error)
-        self._m[item.tier].outcomes[outcome].inc()
-        self._gauge_tier(item.tier)
+        self.balancer.remove(rec.request_id)
+        self._forget(rec)
+        if error is not None and not rec.future.done():
+            rec.future.set_exception(error)
+        self._outcome(rec, outcome)
+
+    def _outcome(self, rec: _Pending, outcome: str) -> None:
+        self._m[rec.tier].outcomes[outcome].inc()
+        self._gauge_tier(rec.tier)
         for hook in self.outcome_hooks:
-            hook(item.request_id, outcome, "")
+            hook(rec.request_id, outcome, "")
 
-    def _unlink(self, item: _Queued) -> None:
-        del self._queues[item.tier][item.request_id]
-        del self._index[item.request_id]
-        self._queued_ns[item.tier] -= item.cost_ns
-        if item.timer is not None:
-            item.timer.cancel()
-            item.timer = None
+    def _forget(self, rec: _Pending) -> None:
+        del self._index[rec.request_id]
+        if rec.timer is not None:
+            rec.timer.cancel()
+            rec.timer = None
 
-    def _expire(self, item: _Queued) -> None:
-        if self._index.get(item.request_id) is not item:
+    def _expire(self, rec: _Pending) -> None:
+        if self._index.get(rec.request_id) is not rec:
             return
-        if item.future.done():  # its caller is gone
-            self._drop(item, "cancelled")
+        if rec.future.done():  # its caller is gone
+            self._drop(rec, "cancelled")
             return
-        waited_ms = (self._clock() - item.enqueued_ns) // 1_000_000
+        waited_ms = (self._clock() - rec.item.enqueued_ns) // 1_000_000
         self._drop(
-            item,
+            rec,
             "deadline_exceeded",
             DeadlineExceeded(
                 f"prefill: no engine took the request in {waited_ms} ms "
-                f"(tier {self.labels[item.tier]})"
+                f"(tier {self.labels[rec.tier]})"
             ),
         )
 
     # -- pull ------------------------------------------------------------------------------
 
     def _engine_for_pull(self, engine_id: str, incarnation: int) -> _Engine:
+        """The live prefill engine of a call; a refused call is not a heartbeat."""
         now = self._clock()
-        if incarnation:  # a pull from the current incarnation also counts as a heartbeat
-            member = self._fleet.heartbeat(engine_id, incarnation, None, now)
-        else:
-            member = self._fleet.get_live(engine_id, None, now)
+        try:
+            member = self._fleet.get_live(engine_id, incarnation or None, now)
+        except NotFound as err:
+            raise NotFound(err.message.replace("member_id:", "engine_id:", 1)) from None
         eng = self._engines.get(engine_id)
         if member.kind is not MemberKind.PREFILL_ENGINE or eng is None:
             raise NotFound(f"engine_id: {engine_id!r} is not a registered prefill engine")
+        if incarnation:  # a pull from the current incarnation also counts as a heartbeat
+            self._fleet.heartbeat(engine_id, incarnation, None, now)
         return eng
 
     def validate_pull(
@@ -382,22 +403,19 @@ class PrefillState:
     ) -> Batch:
         """An engine's pull: a batch now, or after a long poll of up to ``wait_ns``."""
         eng = self.validate_pull(engine_id, incarnation, rank_loads_ns)
-        loads = list(rank_loads_ns) if rank_loads_ns else [0] * eng.dp_ranks
-        idle = not any(loads)
-        eng.load_ns = sum(loads)
-        limit = self.settings.max_batch_requests
-        if max_requests > 0:
-            limit = min(limit, max_requests)
-        batch = self._take(eng, remaining_ns, loads, idle, limit)
+        loads = [int(x) for x in rank_loads_ns] if rank_loads_ns else [0] * eng.dp_ranks
+        limit = max_requests if max_requests > 0 else 0
+        batch = self._take(eng, remaining_ns, loads, limit)
         if batch.items or wait_ns <= 0 or self.draining:
             return self._pulled(batch)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_ns / NS_PER_S
-        waiter = _Waiter(eng, remaining_ns, idle, limit)
+        waiter = _Waiter(eng, remaining_ns, loads, limit)
         eng.waiters.append(waiter)
+        self._waiters.append(waiter)
         try:
+            self._dispatch_all()
             while True:
-                self._park(waiter)
                 timeout = deadline - loop.time()
                 if timeout <= 0:
                     break
@@ -408,22 +426,22 @@ class PrefillState:
                     break
                 waiter.event.clear()
                 woken_for = self._unwake(waiter)
-                if woken_for >= 0 and woken_for != eng.tier:
-                    self._dispatch(woken_for)  # moved tiers meanwhile: pass the wake on
                 if self._engines.get(engine_id) is not eng:
                     raise NotFound(f"engine_id: {engine_id!r} left the fleet")
                 if self.draining:
                     break
-                batch = self._take(eng, remaining_ns, loads, idle, limit)
+                batch = self._take(eng, remaining_ns, loads, limit)
                 if batch.items:
                     return self._pulled(batch)
+                if woken_for >= 0:
+                    self._dispatch(woken_for)  # could not take after all: pass the wake on
         finally:
-            self._unpark(waiter)
+            self._waiters.remove(waiter)
             woken_for = self._unwake(waiter)
             if woken_for >= 0:  # woken but never ran: pass the wake on
                 self._dispatch(woken_for)
             eng.waiters.remove(waiter)
-        return self._pulled(Batch(tier=eng.tier, items=(), quota_ns=0))
+        return self._pulled(Batch(tier=self.engine_tier(engine_id), items=(), quota_ns=0))
 
     def _pulled(self, batch: Batch) -> Batch:
         if batch.tier < 0:
@@ -437,25 +455,7 @@ class PrefillState:
             tm.pulls_empty.inc()
         return batch
 
-    def _park(self, waiter: _Waiter, dispatch: bool = True) -> None:
-        tier = waiter.engine.tier
-        if waiter.tier != tier:
-            self._unpark(waiter)
-            if tier >= 0:
-                self._waiters[tier].append(waiter)
-                waiter.tier = tier
-        if dispatch and tier >= 0:
-            self._dispatch(tier)
-
-    def _unpark(self, waiter: _Waiter) -> None:
-        if waiter.tier >= 0:
-            lst = self._waiters[waiter.tier]
-            if waiter in lst:
-                lst.remove(waiter)
-            waiter.tier = -1
-
     def _wake(self, waiter: _Waiter, tier: int) -> None:
-        self._unpark(waiter)
         waiter.woken = True
         waiter.woken_tier = tier
         self._woken[tier] += 1
@@ -471,85 +471,74 @@ class PrefillState:
         self._woken[tier] -= 1
         return tier
 
+    def _dispatch_all(self) -> None:
+        for t in range(self.n_tiers):
+            self._dispatch(t)
+
     def _dispatch(self, tier: int) -> None:
-        """Wake the best waiting engine of ``tier`` if work is queued and nobody is woken."""
-        queue = self._queues[tier]
-        waiters = self._waiters[tier]
-        if not queue or not waiters or self._woken[tier] > 0:
+        """Wake the waiting pull the balancer chooses for ``tier``'s work (one at a time)."""
+        if self._woken[tier] > 0 or not self._waiters or not self._live_head(tier):
             return
-        head = self._live_head(tier)
-        if head is None:
-            return
-        cap = self.caps[tier]
-        able = [
-            w
-            for w in sorted(waiters, key=lambda w: w.engine.member_id)
-            if select_batch((head.cost_ns,), w.remaining_ns, cap, idle=w.idle) >= 1
-        ]
-        if able:
-            best = able[pick_engine([w.remaining_ns for w in able])]
-            self._wake(best, tier)
+        bal = self.balancer
+        offers = sorted(
+            (
+                w for w in self._waiters
+                if not w.woken and bal.source_tier(w.engine.member_id, w.loads) == tier
+            ),
+            key=lambda w: w.engine.member_id,
+        )
+        i = bal.choose_puller(
+            tier, [Offer(w.engine.member_id, w.remaining_ns, w.loads) for w in offers]
+        )
+        if i >= 0:
+            self._wake(offers[i], tier)
 
-    def _live_head(self, tier: int) -> _Queued | None:
-        """The first queued request whose caller still waits; cancelled ones are dropped."""
-        queue = self._queues[tier]
-        while queue:
-            item = next(iter(queue.values()))
-            if not item.future.done():
-                return item
-            self._drop(item, "cancelled")
-        return None
+    def _live_head(self, tier: int) -> bool:
+        """True when ``tier`` has a queued request whose caller still waits (cancelled
+        ones at the head are dropped)."""
+        while (head := self.balancer.head(tier)) is not None:
+            rec = self._index[head.request_id]
+            if not rec.future.done():
+                return True
+            self._drop(rec, "cancelled")
+        return False
 
-    def _take(
-        self, eng: _Engine, remaining_ns: int, loads: list[int], idle: bool, limit: int
-    ) -> Batch:
-        """Select, commit and deliver a batch for ``eng`` from its tier (may be empty)."""
-        tier = eng.tier
-        if tier < 0:
+    def _alive(self, item: Queued) -> bool:
+        return not self._index[item.request_id].future.done()
+
+    def _take(self, eng: _Engine, remaining_ns: int, loads: list[int], limit: int) -> Batch:
+        """Let the balancer select and commit a batch for ``eng``; deliver it (may be empty)."""
+        taken: Taken = self.balancer.take(
+            eng.member_id, remaining_ns, loads, limit=limit or None, alive=self._alive
+        )
+        for item in taken.dead:
+            rec = self._index[item.request_id]
+            self._forget(rec)
+            self._outcome(rec, "cancelled")
+        tier = taken.tier
+        if not taken.items:
             return Batch(tier=tier, items=(), quota_ns=0)
-        queue = self._queues[tier]
-        live: list[_Queued] = []
-        dead: list[_Queued] = []
-
-        def costs() -> Iterator[int]:
-            for item in queue.values():
-                if item.future.done():
-                    dead.append(item)
-                    continue
-                live.append(item)
-                yield item.cost_ns
-
-        n = select_batch(costs(), remaining_ns, self.caps[tier], idle=idle, max_requests=limit)
-        for item in dead:
-            self._drop(item, "cancelled")
-        chosen = live[:n]
-        if not chosen:
-            return Batch(tier=tier, items=(), quota_ns=0)
-        plan = assign_ranks(loads, [it.cost_ns for it in chosen])
-        eng.load_ns = sum(plan.loads_ns)
         now = self._clock()
         items = []
-        total_ns = 0
         tm = self._m[tier]
-        for item, rank in zip(chosen, plan.ranks, strict=True):
-            self._unlink(item)
+        for item, rank in zip(taken.items, taken.ranks, strict=True):
+            rec = self._index[item.request_id]
+            self._forget(rec)
             waited = max(0, now - item.enqueued_ns)
-            item.future.set_result(
+            rec.future.set_result(
                 Delivery(eng.member_id, rank, tier, item.cost_ns, waited)
             )
             items.append(
                 PulledItem(item.request_id, item.total, item.cached, rank, item.cost_ns)
             )
-            total_ns += item.cost_ns
             tm.wait.observe(waited / NS_PER_S)
             for hook in self.outcome_hooks:
                 hook(item.request_id, "delivered", eng.member_id)
         tm.outcomes["delivered"].inc(len(items))
         self._gauge_tier(tier)
         self._log.debug("prefill_batch", engine_id=eng.member_id, tier=tier, n=len(items))
-        if queue:
-            self._dispatch(tier)
-        return Batch(tier=tier, items=tuple(items), quota_ns=min(total_ns, _MAX_U64))
+        self._dispatch_all()
+        return Batch(tier=tier, items=tuple(items), quota_ns=min(taken.quota_ns, MAX_U64))
 
     # -- engines and rounds ----------------------------------------------------------------
 
@@ -561,11 +550,14 @@ class PrefillState:
         """A prefill engine joined: give it a tier at once."""
         shape = member.shape
         assert isinstance(shape, PrefillEngineShape)
+        old = self._engines.get(member.member_id)
+        if old is not None:
+            self._end_waiters(old)
         self._engines[member.member_id] = _Engine(
             member.member_id, member.incarnation, shape.dp_ranks
         )
         log.info("prefill_engine_joined", engine_id=member.member_id, dp_ranks=shape.dp_ranks)
-        self.rebalance(now_ns, reason="join")
+        self._redistributed(self.balancer.add_engine(member.member_id, shape.dp_ranks))
 
     def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
         """Unused: prefill engines report load in their pulls."""
@@ -575,72 +567,43 @@ class PrefillState:
         eng = self._engines.pop(member.member_id, None)
         if eng is None:
             return
-        if eng.tier >= 0:
-            self._counts[eng.tier] -= 1
-        for waiter in list(eng.waiters):
-            self._unpark(waiter)
-            waiter.event.set()
+        self._end_waiters(eng)
         log.info("prefill_engine_left", engine_id=member.member_id, reason=reason)
-        self.rebalance(now_ns, reason="leave")
+        red = self.balancer.remove_engine(member.member_id)
+        if red is not None:
+            self._redistributed(red)
+
+    def _end_waiters(self, eng: _Engine) -> None:
+        for waiter in list(eng.waiters):
+            waiter.event.set()
 
     def rebalance(self, now_ns: int, reason: str = "round") -> list[int]:
-        """Redistribute engines across tiers; returns engines per tier.
+        """Redistribute engines across tiers now; returns engines per tier.
 
-        ``reason="round"`` closes a round: each tier's demand is the quota submitted to it
-        this round plus its queued quota spread over ``backlog_rounds`` rounds (ns;
-        :func:`fulcrum.core.prefill.tiers.round_demand`) and becomes the previous round's
-        demand. Other reasons (join, leave, orphan) redistribute at once with the larger
-        of the previous round's demand and the current round's so far.
+        ``reason="round"`` closes a round (see
+        :meth:`fulcrum.core.prefill.balancer.PrefillBalancer.redistribute`).
         """
-        current = round_demand(
-            self._arrived_ns, self._queued_ns, self.settings.backlog_rounds
-        ).tolist()
-        if reason == "round":
-            demand = current
-            self.last_demand_ns = [int(x) for x in current]
-            self._arrived_ns = [0] * self.n_tiers
-            for t in range(self.n_tiers):
-                self._m[t].demand.set(current[t] / NS_PER_S)
-        else:
-            demand = [max(a, b) for a, b in zip(self.last_demand_ns, current, strict=True)]
-        previous = {e.member_id: e.tier for e in self._engines.values() if e.tier >= 0}
-        prev_counts = np.array(self.engines_per_tier(), dtype=np.int64)
-        counts = allocate(
-            len(self._engines),
-            np.array(demand, dtype=np.float64),
-            prev_counts if len(previous) == len(self._engines) else None,
-            hysteresis=self.settings.hysteresis,
-        )
-        loads = {e.member_id: e.load_ns for e in self._engines.values()}
-        result = assign_engines(list(self._engines), previous, counts, loads)
-        moved: list[tuple[str, int, int]] = []
-        for engine_id, tier in result.tiers.items():
-            eng = self._engines[engine_id]
-            if eng.tier != tier:
-                moved.append((engine_id, eng.tier, tier))
-                eng.tier = tier
-                for waiter in eng.waiters:  # re-park under the new tier
-                    if not waiter.woken:
-                        self._park(waiter, dispatch=False)
-        m.ROUNDS.labels(reason).inc()
-        if result.moves:
-            self.moves_total += result.moves
-            m.MOVES.inc(result.moves)
-        final = [int(x) for x in counts.tolist()]
-        self._counts = list(final)
+        return list(self._redistributed(self.balancer.redistribute(reason)).counts)
+
+    def _redistributed(self, red: Redistribution) -> Redistribution:
+        """Metrics and logs of a redistribution; wake pulls that may now take work."""
+        m.ROUNDS.labels(red.reason).inc()
+        if red.moves:
+            m.MOVES.inc(red.moves)
         for t in range(self.n_tiers):
-            self._m[t].engines.set(final[t])
-        if moved:
+            self._m[t].engines.set(red.counts[t])
+            if red.reason == "round":
+                self._m[t].demand.set(red.demand_ns[t] / NS_PER_S)
+        if red.moved:
             log.info(
                 "prefill_engines_redistributed",
-                reason=reason,
-                engines=final,
-                moves=result.moves,
-                demand_s=[round(d / NS_PER_S, 3) for d in demand],
+                reason=red.reason,
+                engines=list(red.counts),
+                moves=red.moves,
+                demand_s=[round(d / NS_PER_S, 3) for d in red.demand_ns],
             )
-        for t in range(self.n_tiers):
-            self._dispatch(t)
-        return final
+        self._dispatch_all()
+        return red
 
     def tick(self, now_ns: int) -> None:
         """Periodic job: close a round."""
@@ -649,15 +612,16 @@ class PrefillState:
     # -- configuration reload --------------------------------------------------------------
 
     def apply_settings(self, new: PrefillSettings) -> bool:
-        """Apply a reloaded section. Tier bounds cannot change while running (restart);
-        everything else applies at once. A changed cost model in the file is adopted
-        (new version). Returns False when refused."""
+        """Apply a reloaded section for real: batch caps, batch size, backlog rounds,
+        hysteresis, rules, refit window and cost model at once; waits and chunk size are
+        read from :attr:`settings` by every call that follows. Tier bounds cannot change
+        while running (restart). Returns False when refused."""
         if tuple(new.tier_bounds) != self.bounds:
             log.warning("prefill_reload_refused", reason="tier_bounds change needs a restart")
             return False
         old = self.settings
+        self.balancer.reconfigure(balancer_config(new))
         self.settings = new
-        self.caps = tuple(new.tier_batch_cap_ns)
         if self._samples.maxlen != new.refit.window_samples:
             self._samples = deque(self._samples, maxlen=new.refit.window_samples)
         if new.cost_model != old.cost_model:
@@ -666,8 +630,7 @@ class PrefillState:
             self.model_version += 1
             self._gauge_model()
             log.info("cost_model_configured", version=self.model_version, a=cm.a, b=cm.b, k=cm.k)
-        for t in range(self.n_tiers):
-            self._dispatch(t)
+        self._dispatch_all()
         return True
 
     # -- drain -----------------------------------------------------------------------------
@@ -675,19 +638,17 @@ class PrefillState:
     def drain(self) -> None:
         """Refuse new submits, fail queued ones with UNAVAILABLE, end every long poll."""
         self.draining = True
-        for queue in self._queues:
-            for item in list(queue.values()):
-                if item.future.done():
-                    self._drop(item, "cancelled")
-                else:
-                    self._drop(
-                        item,
-                        "unavailable",
-                        Unavailable("prefill: the daemon is draining; resubmit elsewhere"),
-                    )
-        for eng in self._engines.values():
-            for waiter in eng.waiters:
-                waiter.event.set()
+        for rec in list(self._index.values()):
+            if rec.future.done():
+                self._drop(rec, "cancelled")
+            else:
+                self._drop(
+                    rec,
+                    "unavailable",
+                    Unavailable("prefill: the daemon is draining; resubmit elsewhere"),
+                )
+        for waiter in self._waiters:
+            waiter.event.set()
 
     # -- cost model ------------------------------------------------------------------------
 
@@ -755,8 +716,8 @@ class PrefillState:
 
     def _gauge_tier(self, tier: int) -> None:
         tm = self._m[tier]
-        tm.depth.set(len(self._queues[tier]))
-        tm.quota.set(self._queued_ns[tier] / NS_PER_S)
+        tm.depth.set(self.balancer.queue_depth(tier))
+        tm.quota.set(self.balancer.queued_ns(tier) / NS_PER_S)
 
     def _gauge_model(self) -> None:
         m.COST_COEFFICIENT.labels("a").set(self.model.a)

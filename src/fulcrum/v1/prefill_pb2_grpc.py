@@ -85,7 +85,13 @@ class PrefillBalancerServiceServicer:
         """Pull hands an engine a FIFO batch from its tier, within its remaining quota and the
         tier's batch cap, with DP ranks assigned. Waits (long poll) while there is nothing it
         may take. A request larger than the quota or the cap is served alone to an idle
-        engine (all rank loads zero). NOT_FOUND for unknown or lapsed engines.
+        engine (all rank loads zero). Under the default rules (prefill.rules) the batch also
+        stops once the next request would land on a rank holding 2 step budgets of work or
+        more (late binding), and an engine whose tier has nothing queued may take work of a
+        shorter tier (the reply's tier says which). NOT_FOUND (naming engine_id) for unknown
+        or lapsed engines and for members that are not prefill engines; such a refused pull
+        is not a heartbeat. INVALID_ARGUMENT when rank_loads_ns has more entries than
+        fleet.max_gpus_per_member or not one per DP rank.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +99,8 @@ class PrefillBalancerServiceServicer:
 
     def ReportStepTimes(self, request, context):
         """ReportStepTimes feeds measured step times into the online cost-model fit.
+        INVALID_ARGUMENT naming the bound when samples has more than
+        prefill.refit.max_samples_per_report entries (checked before any is read).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -50,10 +50,19 @@ class PrefillBalancerServiceStub:
     """Pull hands an engine a FIFO batch from its tier, within its remaining quota and the
     tier's batch cap, with DP ranks assigned. Waits (long poll) while there is nothing it
     may take. A request larger than the quota or the cap is served alone to an idle
-    engine (all rank loads zero). NOT_FOUND for unknown or lapsed engines.
+    engine (all rank loads zero). Under the default rules (prefill.rules) the batch also
+    stops once the next request would land on a rank holding 2 step budgets of work or
+    more (late binding), and an engine whose tier has nothing queued may take work of a
+    shorter tier (the reply's tier says which). NOT_FOUND (naming engine_id) for unknown
+    or lapsed engines and for members that are not prefill engines; such a refused pull
+    is not a heartbeat. INVALID_ARGUMENT when rank_loads_ns has more entries than
+    fleet.max_gpus_per_member or not one per DP rank.
     """
     ReportStepTimes: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.ReportStepTimesRequest, _prefill_pb2.ReportStepTimesResponse]
-    """ReportStepTimes feeds measured step times into the online cost-model fit."""
+    """ReportStepTimes feeds measured step times into the online cost-model fit.
+    INVALID_ARGUMENT naming the bound when samples has more than
+    prefill.refit.max_samples_per_report entries (checked before any is read).
+    """
     GetCostModel: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.GetCostModelRequest, _prefill_pb2.GetCostModelResponse]
     """GetCostModel returns the cost model in force (engines plan chunks with it)."""
 
@@ -79,10 +88,19 @@ class PrefillBalancerServiceAsyncStub(PrefillBalancerServiceStub):
     """Pull hands an engine a FIFO batch from its tier, within its remaining quota and the
     tier's batch cap, with DP ranks assigned. Waits (long poll) while there is nothing it
     may take. A request larger than the quota or the cap is served alone to an idle
-    engine (all rank loads zero). NOT_FOUND for unknown or lapsed engines.
+    engine (all rank loads zero). Under the default rules (prefill.rules) the batch also
+    stops once the next request would land on a rank holding 2 step budgets of work or
+    more (late binding), and an engine whose tier has nothing queued may take work of a
+    shorter tier (the reply's tier says which). NOT_FOUND (naming engine_id) for unknown
+    or lapsed engines and for members that are not prefill engines; such a refused pull
+    is not a heartbeat. INVALID_ARGUMENT when rank_loads_ns has more entries than
+    fleet.max_gpus_per_member or not one per DP rank.
     """
     ReportStepTimes: _aio.UnaryUnaryMultiCallable[_prefill_pb2.ReportStepTimesRequest, _prefill_pb2.ReportStepTimesResponse]  # type: ignore[assignment]
-    """ReportStepTimes feeds measured step times into the online cost-model fit."""
+    """ReportStepTimes feeds measured step times into the online cost-model fit.
+    INVALID_ARGUMENT naming the bound when samples has more than
+    prefill.refit.max_samples_per_report entries (checked before any is read).
+    """
     GetCostModel: _aio.UnaryUnaryMultiCallable[_prefill_pb2.GetCostModelRequest, _prefill_pb2.GetCostModelResponse]  # type: ignore[assignment]
     """GetCostModel returns the cost model in force (engines plan chunks with it)."""
 
@@ -117,7 +135,13 @@ class PrefillBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Pull hands an engine a FIFO batch from its tier, within its remaining quota and the
         tier's batch cap, with DP ranks assigned. Waits (long poll) while there is nothing it
         may take. A request larger than the quota or the cap is served alone to an idle
-        engine (all rank loads zero). NOT_FOUND for unknown or lapsed engines.
+        engine (all rank loads zero). Under the default rules (prefill.rules) the batch also
+        stops once the next request would land on a rank holding 2 step budgets of work or
+        more (late binding), and an engine whose tier has nothing queued may take work of a
+        shorter tier (the reply's tier says which). NOT_FOUND (naming engine_id) for unknown
+        or lapsed engines and for members that are not prefill engines; such a refused pull
+        is not a heartbeat. INVALID_ARGUMENT when rank_loads_ns has more entries than
+        fleet.max_gpus_per_member or not one per DP rank.
         """
 
     @_abc_1.abstractmethod
@@ -126,7 +150,10 @@ class PrefillBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _prefill_pb2.ReportStepTimesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_prefill_pb2.ReportStepTimesResponse, _abc.Awaitable[_prefill_pb2.ReportStepTimesResponse]]:
-        """ReportStepTimes feeds measured step times into the online cost-model fit."""
+        """ReportStepTimes feeds measured step times into the online cost-model fit.
+        INVALID_ARGUMENT naming the bound when samples has more than
+        prefill.refit.max_samples_per_report entries (checked before any is read).
+        """
 
     @_abc_1.abstractmethod
     def GetCostModel(

@@ -1,0 +1,532 @@
+"""The prefill balancer as one pure object: tier queues, engines, rounds, who pulls, batches.
+
+The daemon (:mod:`fulcrum.state.prefill`) and the simulator (:mod:`fulcrum.sim.engine`)
+are two shells around the same :class:`PrefillBalancer`: the daemon adds futures,
+timers, long polls and metrics; the simulator drives it on its virtual clock. Nothing
+here reads a clock, awaits or logs; every time is passed in (ns).
+
+What it owns:
+
+* **Tier queues.** One FIFO queue per tier (ordered by arrival; a request can be put back
+  at the head of its tier with :meth:`requeue_front`). Each queued request carries its
+  predicted cost ``cost_ns`` = the cost model *including* the fixed step cost ``k``
+  (the quota an engine gives up to take it). A tier's queued quota is kept exactly.
+* **Engines and tiers.** Engines join and leave (:meth:`add_engine`,
+  :meth:`remove_engine`); every round (:meth:`redistribute` with ``reason="round"``)
+  the engines are re-split across tiers by the round's demand (core ``round_demand``:
+  quota that arrived + queued quota / ``backlog_rounds``; core ``allocate`` with
+  hysteresis; core ``assign_engines``, least-loaded engines move). Joins, leaves and
+  work for a tier with no engine ("orphan", :meth:`enqueue`) redistribute at once with
+  the larger of the last round's demand and the current one; an orphan does so only
+  when the engines can cover every tier with demand (otherwise the next round decides,
+  which avoids moving engines on every submit).
+* **Who may pull.** :meth:`choose_puller` picks, among the engines offering to pull on a
+  tier (each with its remaining quota, ns, and whether it is idle), the one with the most
+  remaining quota that can take the tier's head; ties to the first offered.
+* **Batch taking.** :meth:`take` hands an engine the longest FIFO prefix of its tier's
+  queue within ``min(remaining quota, tier batch cap)`` and ``max_batch_requests`` (an
+  idle engine takes an oversize head alone), spreads it over the engine's DP ranks (core
+  ``assign_ranks``) and removes it from the queue.
+
+Rule sets (:class:`Rules`) choose between the published design (``published``) and the
+improvements the simulator measured (``default``: late binding to the least-loaded rank,
+work-conserving tiers); see BENCHMARKS.md.
+
+Extension points (later issues): per-engine costs (prefix affinity) go through
+:meth:`PrefillBalancer.cost_for`; a leased batch returns to the head of its tier with
+:meth:`requeue_front`; shells keep their own per-request data (futures, leases) keyed by
+request id.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+
+from fulcrum.core.prefill.batch import pick_engine, select_batch
+from fulcrum.core.prefill.ranks import assign_ranks
+from fulcrum.core.prefill.tiers import (
+    allocate,
+    assign_engines,
+    round_demand,
+    tier_of,
+    validate_bounds,
+)
+
+PUBLISHED: Final = "published"
+DEFAULT: Final = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """Which balancing rules are in force (a named set; see :data:`RULE_SETS`).
+
+    ``rank_horizon_steps`` (late binding; None = off): a pull takes the FIFO head only
+    while the engine's least-loaded DP rank holds less than this many step budgets of
+    outstanding work (``rank_horizon_steps x step_quota_ns``, ns), so
+    work waits in the shared tier queue until a rank is about to need it, instead of
+    being committed early to one engine's queue; among the engines offering to pull, the
+    one whose least-loaded rank is emptiest takes the work (ties: most remaining quota).
+    Off, the published rules apply: the batch is bounded by the engine's remaining quota
+    and the tier cap only, and the engine with the most remaining quota takes the work.
+    ``work_conserving``: an engine with room (idle, or under late binding a rank below
+    the horizon) whose own tier has nothing queued takes from the nearest shorter tier
+    with work (short work ends soon, so the engine is back for its own tier quickly);
+    the published design keeps engines to their tier.
+    ``orphan_gate``: an orphan tier gets an engine at once only when the engines can
+    cover every tier with demand.
+    """
+
+    name: str = DEFAULT
+    rank_horizon_steps: float | None = None
+    work_conserving: bool = False
+    orphan_gate: bool = True
+
+
+RULE_SETS: Final[dict[str, Rules]] = {
+    PUBLISHED: Rules(PUBLISHED),
+    DEFAULT: Rules(DEFAULT, rank_horizon_steps=2.0, work_conserving=True),
+}
+"""Named rule sets: ``published`` (the letter of the design) and ``default``."""
+
+
+def rules_by_name(name: str) -> Rules:
+    """The rule set called ``name``; ValueError naming the known ones otherwise."""
+    try:
+        return RULE_SETS[name]
+    except KeyError:
+        known = ", ".join(RULE_SETS)
+        raise ValueError(f"rules: unknown name {name!r} (known: {known})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class BalancerConfig:
+    """Static knobs. ``bounds``: tier bounds (tokens); ``batch_cap_ns``: per-tier batch
+    quota cap (ns, one per tier); ``backlog_rounds`` (>= 1); ``hysteresis`` (engines);
+    ``max_batch_requests`` (>= 1); ``step_quota_ns``: the step budget (ns) that the
+    late-binding horizon is counted in."""
+
+    bounds: tuple[int, ...]
+    batch_cap_ns: tuple[int, ...]
+    backlog_rounds: float
+    hysteresis: float
+    max_batch_requests: int
+    rules: Rules = RULE_SETS[DEFAULT]
+    step_quota_ns: int = 1_000_000_000
+
+    @property
+    def rank_horizon_ns(self) -> int | None:
+        """Late-binding horizon of a rank (ns), or None when late binding is off."""
+        steps = self.rules.rank_horizon_steps
+        return None if steps is None else int(steps * self.step_quota_ns)
+
+    def __post_init__(self) -> None:
+        validate_bounds(self.bounds)
+        if len(self.batch_cap_ns) != len(self.bounds) + 1:
+            raise ValueError(f"batch_cap_ns: need one cap per tier ({len(self.bounds) + 1})")
+        if self.max_batch_requests < 1:
+            raise ValueError("max_batch_requests: must be >= 1")
+
+
+@dataclass(slots=True, eq=False)
+class Queued:
+    """A queued request: tokens, tier, predicted cost (ns, with ``k``), enqueue time (ns)."""
+
+    request_id: str
+    total: int
+    cached: int
+    tier: int
+    cost_ns: int
+    enqueued_ns: int
+
+
+@dataclass(slots=True, eq=False)
+class EngineEntry:
+    """An engine as the balancer knows it: DP ranks, tier (-1: none), last known
+    outstanding work (ns, all ranks: the rank loads of its latest pull plus what that
+    pull took), which decides who moves at a redistribution."""
+
+    engine_id: str
+    dp_ranks: int
+    tier: int = -1
+    load_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """An engine offering to pull now: its id, remaining quota (ns) and outstanding work
+    per DP rank (ns; all zero = idle)."""
+
+    engine_id: str
+    remaining_ns: int
+    rank_loads_ns: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """Result of :meth:`PrefillBalancer.take`: ``items[i]`` went to DP rank ``ranks[i]``
+    (FIFO order), from ``tier``; ``quota_ns`` their summed cost; ``dead`` the requests
+    found dead (caller gone) on the way, removed from the queue, not delivered."""
+
+    tier: int
+    items: tuple[Queued, ...] = ()
+    ranks: tuple[int, ...] = ()
+    quota_ns: int = 0
+    dead: tuple[Queued, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Redistribution:
+    """Result of a redistribution: engines per tier, ``moved`` (engine, old, new tier),
+    the demand used (ns per tier) and the number of moves."""
+
+    reason: str
+    counts: tuple[int, ...]
+    moved: tuple[tuple[str, int, int], ...]
+    demand_ns: tuple[float, ...]
+    moves: int = 0
+
+
+def _late_binding(costs: Iterator[int], loads: Sequence[int], horizon_ns: int) -> Iterator[int]:
+    """The FIFO costs an engine may take under late binding: each goes to the
+    least-loaded rank (as core ``assign_ranks`` will place it) while that rank's load is
+    below ``horizon_ns``; the first that would land on a rank at or above it ends the
+    prefix."""
+    heap = [(int(x), r) for r, x in enumerate(loads)]
+    heapq.heapify(heap)
+    for cost in costs:
+        load, r = heap[0]
+        if load >= horizon_ns:
+            return
+        heapq.heapreplace(heap, (load + int(cost), r))
+        yield cost
+
+
+@dataclass(slots=True)
+class _Tier:
+    queue: OrderedDict[str, Queued] = field(default_factory=OrderedDict)
+    queued_ns: int = 0
+    arrived_ns: int = 0
+
+
+class PrefillBalancer:
+    """Pure prefill balancer state (see module docstring). Not thread-safe: one owner."""
+
+    def __init__(self, config: BalancerConfig) -> None:
+        self.config = config
+        self.bounds = config.bounds
+        self.n_tiers = len(self.bounds) + 1
+        self._tiers = [_Tier() for _ in range(self.n_tiers)]
+        self._index: dict[str, Queued] = {}
+        self._engines: dict[str, EngineEntry] = {}
+        self._counts = [0] * self.n_tiers
+        self.last_demand_ns: list[float] = [0.0] * self.n_tiers
+        self.moves_total = 0
+
+    # -- configuration --------------------------------------------------------------------
+
+    def reconfigure(self, config: BalancerConfig) -> None:
+        """Adopt new knobs (same tier bounds; ValueError otherwise)."""
+        if config.bounds != self.bounds:
+            raise ValueError("tier_bounds: cannot change while running")
+        self.config = config
+
+    # -- queries --------------------------------------------------------------------------
+
+    def tier_of(self, total_tokens: int) -> int:
+        """Tier index of a request of ``total_tokens`` context (tokens)."""
+        return tier_of(total_tokens, self.bounds)
+
+    def engines_per_tier(self) -> list[int]:
+        """Engines assigned to each tier now."""
+        return list(self._counts)
+
+    def engine(self, engine_id: str) -> EngineEntry | None:
+        """The engine entry, or None."""
+        return self._engines.get(engine_id)
+
+    def engine_ids(self) -> list[str]:
+        """Known engine ids (join order)."""
+        return list(self._engines)
+
+    def engine_tier(self, engine_id: str) -> int:
+        """The tier an engine serves (-1 when unknown or none)."""
+        eng = self._engines.get(engine_id)
+        return -1 if eng is None else eng.tier
+
+    def queue_depth(self, tier: int) -> int:
+        """Requests queued in ``tier``."""
+        return len(self._tiers[tier].queue)
+
+    def queued_ns(self, tier: int) -> int:
+        """Predicted quota queued in ``tier`` (ns)."""
+        return self._tiers[tier].queued_ns
+
+    def get(self, request_id: str) -> Queued | None:
+        """The queued request of that id, or None."""
+        return self._index.get(request_id)
+
+    def queued(self, tier: int) -> Iterator[Queued]:
+        """The queued requests of ``tier``, head first."""
+        return iter(self._tiers[tier].queue.values())
+
+    def head(self, tier: int) -> Queued | None:
+        """The head of ``tier``'s queue, or None."""
+        q = self._tiers[tier].queue
+        return next(iter(q.values())) if q else None
+
+    def cost_for(self, item: Queued, engine_id: str) -> int:
+        """Quota (ns) ``item`` costs ``engine_id`` (the same for every engine here)."""
+        return item.cost_ns
+
+    # -- queue ----------------------------------------------------------------------------
+
+    def enqueue(self, item: Queued) -> Redistribution | None:
+        """Queue ``item`` at the tail of its tier; returns the orphan redistribution, if
+        one ran (work for a tier with no engine). ValueError on a duplicate id."""
+        if item.request_id in self._index:
+            raise ValueError(f"request_id: {item.request_id!r} is already queued")
+        t = self._tiers[item.tier]
+        t.queue[item.request_id] = item
+        self._index[item.request_id] = item
+        t.queued_ns += item.cost_ns
+        t.arrived_ns += item.cost_ns
+        if self._counts[item.tier] == 0 and self._engines and (
+            not self.config.rules.orphan_gate or self._can_cover_all()
+        ):
+            return self.redistribute("orphan")
+        return None
+
+    def requeue_front(self, items: Sequence[Queued]) -> None:
+        """Put taken requests back at the head of their tiers (in the given order)."""
+        for item in reversed(items):
+            t = self._tiers[item.tier]
+            t.queue[item.request_id] = item
+            t.queue.move_to_end(item.request_id, last=False)
+            self._index[item.request_id] = item
+            t.queued_ns += item.cost_ns
+
+    def remove(self, request_id: str) -> Queued | None:
+        """Take a request out of its queue (cancel, expiry, drain); None when not queued."""
+        item = self._index.pop(request_id, None)
+        if item is None:
+            return None
+        t = self._tiers[item.tier]
+        del t.queue[request_id]
+        t.queued_ns -= item.cost_ns
+        return item
+
+    def _can_cover_all(self) -> bool:
+        with_demand = sum(
+            1
+            for i, t in enumerate(self._tiers)
+            if t.queued_ns or t.arrived_ns or self.last_demand_ns[i]
+        )
+        return 0 < with_demand <= len(self._engines)
+
+    # -- engines and rounds ---------------------------------------------------------------
+
+    def add_engine(self, engine_id: str, dp_ranks: int) -> Redistribution:
+        """A prefill engine joined (or re-joined): give it a tier at once."""
+        if dp_ranks < 1:
+            raise ValueError("dp_ranks: must be >= 1")
+        old = self._engines.pop(engine_id, None)
+        if old is not None and old.tier >= 0:
+            self._counts[old.tier] -= 1
+        self._engines[engine_id] = EngineEntry(engine_id, dp_ranks)
+        return self.redistribute("join")
+
+    def remove_engine(self, engine_id: str) -> Redistribution | None:
+        """A prefill engine left: its share moves at once (None when unknown)."""
+        eng = self._engines.pop(engine_id, None)
+        if eng is None:
+            return None
+        if eng.tier >= 0:
+            self._counts[eng.tier] -= 1
+        return self.redistribute("leave")
+
+    def note_load(self, engine_id: str, load_ns: int) -> None:
+        """Record an engine's outstanding work (ns, all ranks)."""
+        eng = self._engines.get(engine_id)
+        if eng is not None:
+            eng.load_ns = max(0, int(load_ns))
+
+    def redistribute(self, reason: str = "round") -> Redistribution:
+        """Re-split engines across tiers.
+
+        ``reason="round"`` closes a round: each tier's demand is the quota submitted to it
+        this round plus its queued quota over ``backlog_rounds`` (ns) and becomes the
+        last round's demand. Other reasons (join, leave, orphan) use the larger of the
+        last round's demand and the current round's so far.
+        """
+        cfg = self.config
+        current = round_demand(
+            [t.arrived_ns for t in self._tiers],
+            [t.queued_ns for t in self._tiers],
+            cfg.backlog_rounds,
+        ).tolist()
+        if reason == "round":
+            demand = current
+            self.last_demand_ns = [float(x) for x in current]
+            for t in self._tiers:
+                t.arrived_ns = 0
+        else:
+            demand = [max(a, b) for a, b in zip(self.last_demand_ns, current, strict=True)]
+        previous = {e.engine_id: e.tier for e in self._engines.values() if e.tier >= 0}
+        prev_counts = np.array(self._counts, dtype=np.int64)
+        counts = allocate(
+            len(self._engines),
+            np.array(demand, dtype=np.float64),
+            prev_counts if len(previous) == len(self._engines) else None,
+            hysteresis=cfg.hysteresis,
+        )
+        loads = {e.engine_id: e.load_ns for e in self._engines.values()}
+        result = assign_engines(list(self._engines), previous, counts, loads)
+        moved: list[tuple[str, int, int]] = []
+        for engine_id, tier in result.tiers.items():
+            eng = self._engines[engine_id]
+            if eng.tier != tier:
+                moved.append((engine_id, eng.tier, tier))
+                eng.tier = tier
+        self._counts = [int(x) for x in counts.tolist()]
+        self.moves_total += result.moves
+        return Redistribution(
+            reason=reason,
+            counts=tuple(self._counts),
+            moved=tuple(sorted(moved)),
+            demand_ns=tuple(float(d) for d in demand),
+            moves=result.moves,
+        )
+
+    # -- who pulls, what is taken ---------------------------------------------------------
+
+    def has_room(self, rank_loads_ns: Sequence[int]) -> bool:
+        """True when an engine with these rank loads (ns) may take more work now: under
+        late binding, its least-loaded rank is below the horizon; else it is idle."""
+        h = self.config.rank_horizon_ns
+        if h is None:
+            return not any(rank_loads_ns)
+        return min(rank_loads_ns, default=0) < h
+
+    def source_tier(self, engine_id: str, rank_loads_ns: Sequence[int]) -> int:
+        """The tier ``engine_id`` (with these rank loads, ns) takes work from now (-1: none).
+
+        Its own tier; under work-conserving rules, an engine with room (:meth:`has_room`)
+        whose own tier has nothing queued takes from the nearest *shorter* tier with work.
+        Never from a longer tier: a long prompt would hold a rank of a short tier's
+        engine for minutes, which is what the tiers exist to prevent.
+        """
+        eng = self._engines.get(engine_id)
+        if eng is None or eng.tier < 0:
+            return -1
+        own = eng.tier
+        if self._tiers[own].queue or not self.config.rules.work_conserving:
+            return own
+        if not self.has_room(rank_loads_ns):
+            return own
+        for t in range(own - 1, -1, -1):
+            if self._tiers[t].queue:
+                return t
+        return own
+
+    def can_take(self, tier: int, offer: Offer) -> bool:
+        """True when the offering engine may take ``tier``'s head now."""
+        head = self.head(tier)
+        if head is None:
+            return False
+        loads = offer.rank_loads_ns
+        h = self.config.rank_horizon_ns
+        if h is not None and min(loads, default=0) >= h:
+            return False
+        cap = self.config.batch_cap_ns[tier]
+        cost = self.cost_for(head, offer.engine_id)
+        return select_batch((cost,), offer.remaining_ns, cap, idle=not any(loads)) >= 1
+
+    def choose_puller(self, tier: int, offers: Sequence[Offer]) -> int:
+        """Index in ``offers`` (engines offering to pull on ``tier``, in the shell's
+        deterministic order) of the engine that takes the work now, among those that can
+        take the head: under late binding the one whose least-loaded rank is emptiest
+        (ties: most remaining quota, then first), else the most remaining quota (ties:
+        first); -1 when none can (or nothing is queued)."""
+        able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
+        if not able:
+            return -1
+        if self.config.rank_horizon_ns is not None:
+            return min(able, key=lambda i: (
+                min(offers[i].rank_loads_ns, default=0), -offers[i].remaining_ns, i))
+        return able[pick_engine([offers[i].remaining_ns for i in able])]
+
+    def take(
+        self,
+        engine_id: str,
+        remaining_ns: int,
+        rank_loads_ns: Sequence[int],
+        *,
+        limit: int | None = None,
+        alive: Callable[[Queued], bool] | None = None,
+    ) -> Taken:
+        """A pull by ``engine_id``: select, assign ranks and remove a batch (may be empty).
+
+        ``rank_loads_ns``: the engine's outstanding work per DP rank (ns, one per rank;
+        all zero = idle). ``limit``: the engine's own request cap (the configured
+        ``max_batch_requests`` applies too). ``alive``: the shell's check that a queued
+        request's caller still waits; dead ones are removed and returned in ``dead``.
+        The engine's known load becomes the rank loads after the batch.
+        """
+        eng = self._engines.get(engine_id)
+        if eng is None:
+            raise ValueError(f"engine_id: unknown prefill engine {engine_id!r}")
+        loads = [max(0, int(x)) for x in rank_loads_ns]
+        if len(loads) != eng.dp_ranks:
+            raise ValueError(f"rank_loads_ns: must have {eng.dp_ranks} entries")
+        eng.load_ns = sum(loads)
+        idle = not any(loads)
+        tier = self.source_tier(engine_id, loads)
+        if tier < 0:
+            return Taken(tier=tier)
+        cap = self.config.max_batch_requests
+        if limit is not None and limit > 0:
+            cap = min(cap, limit)
+        queue = self._tiers[tier].queue
+        live: list[Queued] = []
+        dead: list[Queued] = []
+
+        def costs() -> Iterator[int]:
+            for item in queue.values():
+                if alive is not None and not alive(item):
+                    dead.append(item)
+                    continue
+                live.append(item)
+                yield self.cost_for(item, engine_id)
+
+        horizon = self.config.rank_horizon_ns
+        if horizon is not None:
+            costs_iter: Iterator[int] = _late_binding(costs(), loads, horizon)
+        else:
+            costs_iter = costs()
+        n = select_batch(
+            costs_iter, remaining_ns, self.config.batch_cap_ns[tier], idle=idle,
+            max_requests=cap,
+        )
+        for item in dead:
+            self.remove(item.request_id)
+        chosen = live[:n]
+        if not chosen:
+            return Taken(tier=tier, dead=tuple(dead))
+        item_costs = [self.cost_for(it, engine_id) for it in chosen]
+        plan = assign_ranks(loads, item_costs)
+        for it in chosen:
+            self.remove(it.request_id)
+        eng.load_ns = sum(plan.loads_ns)
+        return Taken(
+            tier=tier,
+            items=tuple(chosen),
+            ranks=plan.ranks,
+            quota_ns=sum(item_costs),
+            dead=tuple(dead),
+        )
