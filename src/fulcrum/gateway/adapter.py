@@ -345,10 +345,14 @@ class DecodeAdapter:
 class PrefillAdapter:
     """Submit / pull through the prefill balancer (public methods of
     :class:`fulcrum.state.prefill.PrefillState`: ``submit``, ``pull``, ``predict_ns``,
-    ``settings``). The gateway submits a request as the entrypoint would and pulls on
-    behalf of engines that do not run Fulcrum's engine loop: the same queues, tiers,
-    engine choice (most remaining quota) and rank choice (least loaded) as for engines
-    that pull themselves."""
+    ``settings``, ``draining``). The gateway submits a request as the entrypoint would
+    and pulls on behalf of engines that do not run Fulcrum's engine loop. Both calls end
+    in the one core balancer, :class:`fulcrum.core.prefill.balancer.PrefillBalancer`
+    (``PrefillState.balancer``, the object the simulator drives): the same tier queues,
+    round redistribution of engines across tiers, who may pull, batch taking and
+    least-loaded rank choice as for engines that pull themselves; only the figures of a
+    proxied pull (remaining quota, rank loads) come from the gateway's own accounting
+    (:mod:`fulcrum.gateway.prefill`)."""
 
     def __init__(self, state: PrefillState) -> None:
         self._state = state
