@@ -18,7 +18,14 @@ Slots: each instance's GPUs occupy a contiguous range of slots of the view's arr
 A join or a leave costs O(the instance's GPUs), a placement or a release O(1) (in-place
 writes through :class:`fulcrum.core.decode.GpuWriter`), a heartbeat one vectorised pass
 over the instance's GPUs. The layout depends on the order of events, so the same
-events in the same order with the same seed give the same decisions.
+events in the same order with the same seed give the same decisions. Callers that keep
+per-slot tables follow the layout through :meth:`DecodeState.add_slot_listener`
+(:class:`SlotListener`: O(the instance's GPUs) per join or leave).
+
+Filter: ``place(..., allowed=...)`` restricts one placement to a subset of the slots
+(slot indices or a boolean mask, :func:`fulcrum.core.decode.select_allowed`); the
+policy in force chooses among them, with the whole fleet as context. Without it
+(``allowed=None``) the decision path is the unfiltered one, unchanged.
 """
 
 from __future__ import annotations
