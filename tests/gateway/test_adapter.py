@@ -213,3 +213,35 @@ def test_fallbacks_through_block_minima_match_a_full_pass() -> None:
             fit = view.headroom >= kv_tokens
             want = sorted(view.order_conc[fit].tolist())[:k]
             assert keys == want
+
+
+def test_fallbacks_through_block_minima_honour_the_addressed_mask() -> None:
+    """Some GPUs without an address on a large view: fallbacks never list them, and list
+    the best addressed keys in order."""
+    from fulcrum.core.types import Member
+
+    state = DecodeState(DecodeSettings(), np.random.default_rng(0))
+    members = []
+    for i in range(520):
+        shape = DecodeInstanceShape((8,) * 64, (5_000,) * 64)
+        m = Member(f"m{i:03d}", MemberKind.DECODE_INSTANCE, 1, shape, 0)
+        state.on_join(m, 0)
+        members.append(m)
+    # Only odd members have addresses: the low blocks' best slots are unaddressed.
+    addresses = {
+        (m.member_id, g): f"10.{i // 200}.{i % 200}.1:{9000 + g}"
+        for i, m in enumerate(members)
+        if i % 2
+        for g in range(64)
+    }
+    adapter = DecodeAdapter(state, addresses)
+    allowed = adapter._allowed(None)
+    assert allowed is not None and allowed.dtype == np.bool_
+    for n in range(40):
+        p = adapter.place(f"r{n}", 100 + n, 0, fallbacks=4)
+        assert p.gpu in addresses
+        view = state.view
+        keys = [int(view.order_conc[adapter._addr_slot[a]]) for a in p.fallbacks]
+        fit = (view.headroom >= 100 + n) & allowed
+        fit[adapter._addr_slot[p.address]] = False
+        assert keys == sorted(view.order_conc[fit].tolist())[:4]

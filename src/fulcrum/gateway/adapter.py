@@ -273,8 +273,9 @@ class DecodeAdapter:
         are read (ties between blocks then go to the block read first)."""
         view = self._state.view
         m = k + 1  # the primary may be among them
-        if allowed is None and view.blocks is not None:
-            slots = self._best_in_blocks(view, kv_tokens, m)
+        is_mask = allowed is not None and allowed.dtype == np.bool_
+        if view.blocks is not None and (allowed is None or is_mask):
+            slots = self._best_in_blocks(view, kv_tokens, m, allowed)
         else:
             key, head = view.order_conc, view.headroom
             if allowed is not None and allowed.dtype == np.bool_:
@@ -285,7 +286,9 @@ class DecodeAdapter:
             pos = (head >= kv_tokens).nonzero()[0]  # ascending positions
             if pos.shape[0] > m:
                 kp = key[pos]
-                t = np.partition(kp, k)[k]  # the (k+1)-th smallest key
+                t = kp.min()
+                if int(np.count_nonzero(kp == t)) < m:  # (np.partition is slow on ties)
+                    t = np.partition(kp, k)[k]  # the (k+1)-th smallest key
                 less = pos[kp < t]
                 pos = np.concatenate([less, pos[kp == t][: m - less.shape[0]]])
             ranked = sorted(zip(key[pos].tolist(), pos.tolist(), strict=True))
@@ -303,11 +306,14 @@ class DecodeAdapter:
         return tuple(out)
 
     @staticmethod
-    def _best_in_blocks(view: FleetView, kv_tokens: int, m: int) -> list[int]:
-        """Up to ``m`` slots with room, smallest ``order_conc`` first, read through the
-        view's block minima: the ``m`` blocks with the smallest minima first, then every
-        block whose minimum beats the ``m``-th key found, until none does. O(blocks + read
-        slots) instead of O(n)."""
+    def _best_in_blocks(
+        view: FleetView, kv_tokens: int, m: int, mask: Allowed | None = None
+    ) -> list[int]:
+        """Up to ``m`` slots with room (and in ``mask`` when given), smallest
+        ``order_conc`` first, read through the view's block minima (lower bounds of any
+        slot's key in the block, masked or not): the ``m`` blocks with the smallest
+        minima first, then every block whose minimum beats the ``m``-th key found, until
+        none does. O(blocks + read slots) instead of O(n)."""
         blocks = view.blocks
         assert blocks is not None
         mins = blocks.conc
@@ -323,7 +329,10 @@ class DecodeAdapter:
             seen[chosen] = True
             idx = (chosen[:, None] * BLOCK + lanes).ravel()
             idx = idx[idx < n]
-            idx = idx[head[idx] >= kv_tokens]
+            ok = head[idx] >= kv_tokens
+            if mask is not None:
+                ok &= mask[idx]
+            idx = idx[ok]
             kp = key[idx]
             if idx.shape[0] > m:
                 sel = np.argpartition(kp, m - 1)[:m]
