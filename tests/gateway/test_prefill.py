@@ -176,3 +176,38 @@ async def test_stream_gone_while_waiting_for_a_prefill_pull_releases_decode() ->
             assert d.gateway.picker.in_flight == 1
             await s1.close()
             await wait_for(lambda: d.gateway.picker.in_flight == 0, what="all released")
+
+
+async def test_proxy_pulls_are_the_core_balancers_decisions(
+    pd: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's pulls on behalf of gateway engines go through the one prefill
+    balancer (``PrefillState.balancer``, the simulator's object): every batch a proxy
+    engine receives is a ``take`` of that balancer, called with the proxy's accounting."""
+    state: PrefillState = pd.app.components["prefill"]
+    px = proxy(pd)
+    takes: list[tuple[str, int, list[int], list[str]]] = []
+    real_take = state.balancer.take
+
+    def take(engine_id: str, remaining_ns: int, loads: list[int], **kw: object):  # type: ignore[no-untyped-def]
+        taken = real_take(engine_id, remaining_ns, loads, **kw)  # type: ignore[arg-type]
+        takes.append((engine_id, remaining_ns, list(loads), [q.request_id for q in taken.items]))
+        return taken
+
+    monkeypatch.setattr(state.balancer, "take", take)
+    ch, stub = await with_stub(pd)
+    async with ch:
+        s = Stream(stub)
+        await s.send(headers_msg())
+        await s.send(body_msg(prompt(500), True))
+        addr = prefiller(await s.recv())
+        await s.recv()
+        engine = "p0" if addr.startswith("10.1.0.1") else "p1"
+        got = [t for t in takes if t[3]]
+        assert len(got) == 1
+        engine_id, remaining_ns, loads, _ids = got[0]
+        assert engine_id == engine
+        assert loads == [0]  # nothing outstanding before this one
+        assert remaining_ns == px.remaining_ns(engine) + state.predict_ns(500, 0)
+        await s.close()
+        await wait_for(lambda: pd.gateway.picker.in_flight == 0, what="released")

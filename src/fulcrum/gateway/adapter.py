@@ -4,25 +4,40 @@ Decode: :class:`DecodeAdapter`; prefill: :class:`PrefillAdapter` (at the end).
 
 The picker needs three things from the decode balancer: place a request on a decode GPU
 chosen by the configured policy *among the GPUs the gateway may route to*, release it,
-and list the next-best GPUs as fallbacks. It uses only the public methods of
-:class:`fulcrum.state.decode.DecodeState` (``place``, ``release``, ``view``,
-``gpu_loads``) and of the core's :class:`~fulcrum.core.decode.view.GpuWriter`.
+and list the next-best GPUs as fallbacks. It uses only public API of
+:class:`fulcrum.state.decode.DecodeState`: ``place(..., allowed=...)``, ``release``,
+``view`` (read only), ``slot_ranges`` and ``add_slot_listener``.
 
-Restricting a placement to a set of GPUs (the request's subset hint, or the GPUs that have
-a serving address) is done by closing the other GPUs of the view (``live = False``) for
-the duration of one synchronous ``place`` call and reopening them right after, on the
-event loop with no await in between, so no other caller ever sees the closed GPUs. The
-policy therefore decides exactly as it would on a fleet made of the allowed GPUs only
-(the dual policy's mean KV per request is that of the allowed GPUs). When the decode
-table grows an ``allowed`` argument, replace :meth:`DecodeAdapter.place`'s masking with it.
+Restricting a placement is the decode table's filter step, ``place(..., allowed=...)``
+(:func:`fulcrum.core.decode.select_allowed`), in the cheaper of its two forms: a subset
+hint (a few GPUs of the fleet) as the sorted int64 slot indices it names (O(k) per pick);
+"GPUs with a serving address" (most of the fleet), when some GPU has none, as a boolean
+mask over the slots, the adapter's own table passed without a copy. With every GPU
+addressed and no hint, ``allowed`` is None: the decode table's unchanged fast path. The
+policy chooses among the allowed GPUs with the whole fleet as context (dual's mean KV per
+request is the fleet's). Nothing here writes the view.
+
+Per-slot tables are kept incrementally: the decode table tells the adapter (as a
+:class:`~fulcrum.state.decode.SlotListener`) which instance occupies which slots, and the
+address book which member's addresses changed, so that a join or a leave costs
+O(that member's GPUs); a growth or compaction of the view (amortised) rebuilds them. The
+slot-index array of each distinct subset hint is cached (at most
+:data:`MAX_CACHED_SUBSETS`) until the next change of layout or addresses, so a pick
+resolves its hint in O(hint size) (a frozenset and a dict hit; sorting the slots only
+when not cached), never O(all GPUs) in Python.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Final
 
-from fulcrum.core.decode.view import GpuWriter
+import numpy as np
+import numpy.typing as npt
+
+from fulcrum.core.decode import Allowed, FleetView
+from fulcrum.core.decode.view import BLOCK, INT64_MAX
 from fulcrum.errors import NotFound, ResourceExhausted
 from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.registry import AddressBook
@@ -31,6 +46,13 @@ from fulcrum.state.prefill import Batch, Delivery, PrefillState
 
 #: (instance_id, gpu_index) of a decode GPU.
 GpuKey = tuple[str, int]
+I64 = npt.NDArray[np.int64]
+
+#: Distinct subset hints whose allowed-slot arrays are cached (the cache is emptied when
+#: full, and on every change of layout or addresses).
+MAX_CACHED_SUBSETS: Final = 1024
+#: Above every open GPU's ``order_conc`` (closed GPUs hold INT64_MAX and have no room).
+INT64_MAX_KEY: Final = INT64_MAX
 
 
 class NoEligibleEndpoint(Exception):
@@ -53,8 +75,9 @@ class Placement:
 class DecodeAdapter:
     """Place / release through the decode balancer, restricted to addressed GPUs.
 
-    ``addresses`` maps a decode GPU to its ``ip:port`` (kept current by the endpoint
-    table); a GPU without an address is never picked by the gateway.
+    ``addresses`` maps a decode GPU to its ``ip:port`` (the static pool's table, same dict
+    object; call :meth:`addresses_changed` after changing it); ``registered`` holds the
+    addresses members registered. A GPU without an address is never picked.
     """
 
     def __init__(
@@ -66,56 +89,132 @@ class DecodeAdapter:
         self._state = state
         self._addresses = addresses
         self._registered = registered
-        self._book_version = -1
-        self._view_id = -1
-        self._writer: GpuWriter | None = None
-        self._slot_key: list[GpuKey] = []
+        #: slot -> address (None: free slot or GPU without an address).
         self._slot_addr: list[str | None] = []
+        #: slot -> has an address (numpy, for the "addressed GPUs only" array).
+        self._has_addr = np.zeros(0, dtype=np.bool_)
         self._addr_slot: dict[str, int] = {}
-        self._all_addressed = False
+        self._ranges: dict[str, tuple[int, int]] = {}
+        self._used = 0  # slots held by instances
+        self._addressed = 0  # of which with an address
+        self._masks: dict[frozenset[str], I64] = {}
+        self._rebuild()
+        state.add_slot_listener(self)
+        if registered is not None:
+            registered.add_listener(self._member_changed)
 
     @property
     def policy_name(self) -> str:
         return self._state.policy_name
 
-    def addresses_changed(self) -> None:
-        """The address table changed: rebuild the slot maps at the next call."""
-        self._view_id = -1
+    # -- slot tables (incremental) ---------------------------------------------------------
 
-    def _sync(self) -> GpuWriter:
-        """Slot maps of the current view (rebuilt when the decode table rebuilt its view)."""
-        view = self._state.view
-        book = self._registered
-        if (
-            id(view) != self._view_id
-            or self._writer is None
-            or self._writer.view is not view
-            or (book is not None and book.version != self._book_version)
-        ):
-            keys = [(iid, g) for iid, g, _c, _k in self._state.gpu_loads()]
-            self._slot_key = keys
-            pool = self._addresses
-            self._slot_addr = [
-                pool.get(k) or (book.get(k) if book is not None else None) for k in keys
-            ]
-            self._book_version = book.version if book is not None else -1
-            gm.ENDPOINTS.set(sum(a is not None for a in self._slot_addr))
-            self._addr_slot = {a: s for s, a in enumerate(self._slot_addr) if a is not None}
-            self._all_addressed = all(a is not None for a in self._slot_addr)
-            self._writer = GpuWriter(view)
-            self._view_id = id(view)
-        return self._writer
-
-    def _slot_addr_of(self, key: GpuKey) -> str | None:
+    def _lookup(self, key: GpuKey) -> str | None:
         got = self._addresses.get(key)
         if got is None and self._registered is not None:
             got = self._registered.get(key)
         return got
 
+    def _ensure(self, size: int) -> None:
+        if len(self._slot_addr) < size:
+            grow = max(size, 2 * len(self._slot_addr)) - len(self._slot_addr)
+            self._slot_addr.extend([None] * grow)
+            self._has_addr = np.concatenate([self._has_addr, np.zeros(grow, dtype=np.bool_)])
+
+    def _set(self, slot: int, address: str | None) -> None:
+        old = self._slot_addr[slot]
+        if old is not None:
+            if self._addr_slot.get(old) == slot:
+                del self._addr_slot[old]
+            self._addressed -= 1
+        self._slot_addr[slot] = address
+        self._has_addr[slot] = address is not None
+        if address is not None:
+            self._addr_slot[address] = slot
+            self._addressed += 1
+
+    def _fill(self, instance_id: str, start: int, gpus: int) -> None:
+        for g in range(gpus):
+            self._set(start + g, self._lookup((instance_id, g)))
+
+    def _changed(self) -> None:
+        self._masks.clear()
+        gm.ENDPOINTS.set(self._addressed)
+
+    def _rebuild(self) -> None:
+        """Every table from the decode table's current layout: O(fleet)."""
+        self._slot_addr = []
+        self._has_addr = np.zeros(0, dtype=np.bool_)
+        self._addr_slot = {}
+        self._ranges = {}
+        self._used = self._addressed = 0
+        self._ensure(self._state.view.n_gpus)
+        for instance_id, start, gpus in self._state.slot_ranges():
+            self._ranges[instance_id] = (start, gpus)
+            self._used += gpus
+            self._fill(instance_id, start, gpus)
+        self._changed()
+
+    def slots_opened(self, instance_id: str, start: int, gpus: int) -> None:
+        """SlotListener: an instance joined (O(its GPUs))."""
+        self._ensure(start + gpus)
+        self._ranges[instance_id] = (start, gpus)
+        self._used += gpus
+        self._fill(instance_id, start, gpus)
+        self._changed()
+
+    def slots_closed(self, instance_id: str, start: int, gpus: int) -> None:
+        """SlotListener: an instance left (O(its GPUs))."""
+        if self._ranges.pop(instance_id, None) is None:
+            return
+        self._used -= gpus
+        for slot in range(start, start + gpus):
+            self._set(slot, None)
+        self._changed()
+
+    def slots_moved(self) -> None:
+        """SlotListener: the view was grown or compacted (amortised O(fleet))."""
+        self._rebuild()
+
+    def _member_changed(self, instance_id: str) -> None:
+        """A member's registered addresses changed (O(its GPUs))."""
+        got = self._ranges.get(instance_id)
+        if got is not None:
+            self._fill(instance_id, *got)
+            self._changed()
+
+    def addresses_changed(self, instance_id: str | None = None) -> None:
+        """The static pool's table changed: for one instance (O(its GPUs)), or for all."""
+        if instance_id is None:
+            self._rebuild()
+        else:
+            self._member_changed(instance_id)
+
     def known(self, address: str) -> bool:
         """Whether ``address`` is a decode GPU the gateway may route to now."""
-        self._sync()
         return address in self._addr_slot
+
+    def _allowed(self, subset: Collection[str] | None) -> Allowed | None:
+        """The allowed slots of a request: None (every slot: all GPUs are addressed), the
+        mask of addressed slots (most of the fleet: O(1), kept current in place), or the
+        sorted slot indices of a subset hint (cached per distinct hint)."""
+        if subset is None:
+            if self._addressed == self._used:
+                return None
+            n = self._state.view.n_gpus
+            self._ensure(n)
+            return self._has_addr[:n]  # a view of the live table, no copy
+        key = subset if isinstance(subset, frozenset) else frozenset(subset)
+        got = self._masks.get(key)
+        if got is None:
+            addr_slot = self._addr_slot
+            got = np.array(sorted(addr_slot[a] for a in key if a in addr_slot), dtype=np.int64)
+            if len(self._masks) >= MAX_CACHED_SUBSETS:
+                self._masks.clear()
+            self._masks[key] = got
+        return got
+
+    # -- decisions -------------------------------------------------------------------------
 
     def place(
         self,
@@ -131,77 +230,117 @@ class DecodeAdapter:
         Raises NoEligibleEndpoint when none is allowed, and the decode table's errors
         (ResourceExhausted when no allowed GPU has room, InvalidArgument, AlreadyExists).
         """
-        writer = self._sync()
-        n = len(self._slot_key)
-        if subset is None and self._all_addressed:
-            if n == 0:
+        state = self._state
+        allowed = self._allowed(subset)
+        if allowed is None:
+            if self._used == 0:
                 raise NoEligibleEndpoint("no decode endpoint")
-            closed: list[int] = []
-        else:
-            slot_addr = self._slot_addr
-            if subset is None:
-                allow = [a is not None for a in slot_addr]
-            else:
-                want = set(subset)
-                allow = [a is not None and a in want for a in slot_addr]
-            if not any(allow[s] and writer.is_live(s) for s in range(n)):
-                raise NoEligibleEndpoint(
-                    "no live decode endpoint in the subset hint"
-                    if subset is not None
-                    else "no live decode endpoint with a serving address"
-                )
-            closed = [s for s in range(n) if not allow[s] and writer.is_live(s)]
-        view = self._state.view
-        for s in closed:
-            c, k = writer.load(s)
-            writer.write(s, c, k, False)
+        elif allowed.dtype != np.bool_ and (
+            allowed.shape[0] == 0 or not bool(state.view.live[allowed].any())
+        ):
+            raise NoEligibleEndpoint(
+                "no live decode endpoint in the subset hint"
+                if subset is not None
+                else "no live decode endpoint with a serving address"
+            )
         try:
-            r = self._state.place(request_id, kv_tokens, now_ns)
+            r = state.place(request_id, kv_tokens, now_ns, allowed=allowed)
         except ResourceExhausted:
-            # No room, or no live GPU left (the table may just have dropped a lapsed one):
-            # the latter is "no eligible endpoint", not a bound.
-            if not any(
-                writer.view is self._state.view and writer.is_live(s)
-                for s in range(len(self._slot_key))
-                if s not in closed
-            ):
+            # No room, or no allowed GPU left live (the table may just have dropped a
+            # lapsed instance): the latter is "no eligible endpoint", not a bound.
+            live = state.view.live
+            if not bool(live.any() if allowed is None else live[allowed].any()):
                 raise NoEligibleEndpoint("no live decode endpoint") from None
             raise
-        finally:
-            if closed and self._state.view is view:
-                for s in closed:
-                    c, k = writer.load(s)
-                    writer.write(s, c, k, True)
         key = (r.instance_id, r.gpu_index)
-        address = self._slot_addr_of(key)
-        if address is None:  # pragma: no cover - closed GPUs are never chosen
-            self._state.release(request_id, now_ns)
+        address = self._lookup(key)
+        if address is None:  # pragma: no cover - only addressed GPUs are allowed
+            state.release(request_id, now_ns)
             raise NoEligibleEndpoint(f"decode GPU {key} has no serving address")
         fb: tuple[str, ...] = ()
         if fallbacks > 0:
-            fb = self._fallbacks(address, kv_tokens, subset, fallbacks)
+            fb = self._fallbacks(address, kv_tokens, self._allowed(subset), fallbacks)
         return Placement(request_id, key, address, fb, kv_tokens)
 
     def _fallbacks(
-        self, primary: str, kv_tokens: int, subset: Collection[str] | None, k: int
+        self, primary: str, kv_tokens: int, allowed: Allowed | None, k: int
     ) -> tuple[str, ...]:
         """Up to ``k`` other allowed GPUs that could take the request, fewest requests
-        (then most free KV) first: the view's ``order_conc`` key."""
-        self._sync()
+        (then most free KV) first: the view's ``order_conc`` key; ties: lowest slot.
+
+        One vectorised pass over the allowed slots; with every slot allowed on a view with
+        block minima (>= 32,768 slots), only the blocks that can hold the ``k + 1`` best
+        are read (ties between blocks then go to the block read first)."""
         view = self._state.view
-        headroom = view.headroom.tolist()
-        order = view.order_conc.tolist()
-        want = None if subset is None else set(subset)
-        cands = [
-            (order[s], a)
-            for s, a in enumerate(self._slot_addr)
-            if a is not None
-            and a != primary
-            and headroom[s] >= kv_tokens
-            and (want is None or a in want)
-        ]
-        cands.sort()
-        return tuple(a for _o, a in cands[:k])
+        m = k + 1  # the primary may be among them
+        is_mask = allowed is not None and allowed.dtype == np.bool_
+        if view.blocks is not None and (allowed is None or is_mask):
+            slots = self._best_in_blocks(view, kv_tokens, m, allowed)
+        else:
+            key, head = view.order_conc, view.headroom
+            if allowed is not None and allowed.dtype == np.bool_:
+                head = np.where(allowed, head, -1)
+                allowed = None  # same slots
+            elif allowed is not None:
+                key, head = key[allowed], head[allowed]
+            pos = (head >= kv_tokens).nonzero()[0]  # ascending positions
+            if pos.shape[0] > m:
+                kp = key[pos]
+                t = kp.min()
+                if int(np.count_nonzero(kp == t)) < m:  # (np.partition is slow on ties)
+                    t = np.partition(kp, k)[k]  # the (k+1)-th smallest key
+                less = pos[kp < t]
+                pos = np.concatenate([less, pos[kp == t][: m - less.shape[0]]])
+            ranked = sorted(zip(key[pos].tolist(), pos.tolist(), strict=True))
+            slots = [p for _k, p in ranked]
+            if allowed is not None:
+                slots = allowed[slots].tolist()
+        slot_addr = self._slot_addr
+        out: list[str] = []
+        for slot in slots:
+            a = slot_addr[slot] if slot < len(slot_addr) else None
+            if a is not None and a != primary:
+                out.append(a)
+                if len(out) == k:
+                    break
+        return tuple(out)
+
+    @staticmethod
+    def _best_in_blocks(
+        view: FleetView, kv_tokens: int, m: int, mask: Allowed | None = None
+    ) -> list[int]:
+        """Up to ``m`` slots with room (and in ``mask`` when given), smallest
+        ``order_conc`` first, read through the view's block minima (lower bounds of any
+        slot's key in the block, masked or not): the ``m`` blocks with the smallest
+        minima first, then every block whose minimum beats the ``m``-th key found, until
+        none does. O(blocks + read slots) instead of O(n)."""
+        blocks = view.blocks
+        assert blocks is not None
+        mins = blocks.conc
+        nb = int(mins.shape[0])
+        n = view.n_gpus
+        key, head = view.order_conc, view.headroom
+        lanes = np.arange(BLOCK, dtype=np.int64)
+        take = min(m, nb)
+        chosen = np.argpartition(mins, take - 1)[:take] if take < nb else np.arange(nb)
+        seen = np.zeros(nb, dtype=np.bool_)
+        best: list[tuple[int, int]] = []
+        while chosen.shape[0]:
+            seen[chosen] = True
+            idx = (chosen[:, None] * BLOCK + lanes).ravel()
+            idx = idx[idx < n]
+            ok = head[idx] >= kv_tokens
+            if mask is not None:
+                ok &= mask[idx]
+            idx = idx[ok]
+            kp = key[idx]
+            if idx.shape[0] > m:
+                sel = np.argpartition(kp, m - 1)[:m]
+                idx, kp = idx[sel], kp[sel]
+            best = sorted([*best, *zip(kp.tolist(), idx.tolist(), strict=True)])[:m]
+            bound = best[-1][0] if len(best) == m else INT64_MAX_KEY
+            chosen = ((mins < bound) & ~seen).nonzero()[0]
+        return [slot for _k, slot in best]
 
     def release(self, request_id: str, now_ns: int) -> bool:
         """Release a held placement; False when it was no longer held (expired, lost)."""
@@ -215,10 +354,14 @@ class DecodeAdapter:
 class PrefillAdapter:
     """Submit / pull through the prefill balancer (public methods of
     :class:`fulcrum.state.prefill.PrefillState`: ``submit``, ``pull``, ``predict_ns``,
-    ``settings``). The gateway submits a request as the entrypoint would and pulls on
-    behalf of engines that do not run Fulcrum's engine loop: the same queues, tiers,
-    engine choice (most remaining quota) and rank choice (least loaded) as for engines
-    that pull themselves."""
+    ``settings``, ``draining``). The gateway submits a request as the entrypoint would
+    and pulls on behalf of engines that do not run Fulcrum's engine loop. Both calls end
+    in the one core balancer, :class:`fulcrum.core.prefill.balancer.PrefillBalancer`
+    (``PrefillState.balancer``, the object the simulator drives): the same tier queues,
+    round redistribution of engines across tiers, who may pull, batch taking and
+    least-loaded rank choice as for engines that pull themselves; only the figures of a
+    proxied pull (remaining quota, rank loads) come from the gateway's own accounting
+    (:mod:`fulcrum.gateway.prefill`)."""
 
     def __init__(self, state: PrefillState) -> None:
         self._state = state

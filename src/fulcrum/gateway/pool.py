@@ -53,7 +53,7 @@ class StaticPool:
         member, _replaced = self._fleet.register(engine.id, shape, now_ns)
         self._members[engine.id] = member
         if self.adapter is not None:
-            self.adapter.addresses_changed()
+            self.adapter.addresses_changed(engine.id)
         log.info("gateway_pool_engine_registered", engine_id=engine.id, ranks=n)
 
     def start(self, now_ns: int) -> None:

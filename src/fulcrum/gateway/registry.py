@@ -9,7 +9,7 @@ records them here after; the book follows the fleet and forgets a member that le
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fulcrum.core.types import Member, MemberLoad
 from fulcrum.errors import InvalidArgument
@@ -58,20 +58,31 @@ def validate_addresses(addresses: Sequence[str]) -> tuple[str, ...] | None:
 class AddressBook:
     """Registered serving addresses by decode GPU (a FleetListener of decode instances).
 
-    ``version`` grows on every change, so readers can cache derived tables."""
+    ``version`` grows on every change, so readers can cache derived tables; listeners
+    added with :meth:`add_listener` are called with the member id after each change."""
 
     def __init__(self) -> None:
         self._by_member: dict[str, tuple[int, tuple[str, ...]]] = {}
         self.version = 0
+        self._listeners: list[Callable[[str], None]] = []
+
+    def add_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(member_id)`` after every change of that member's addresses."""
+        self._listeners.append(listener)
+
+    def _changed(self, member_id: str) -> None:
+        self.version += 1
+        for listener in self._listeners:
+            listener(member_id)
 
     def record(self, member: Member, addresses: tuple[str, ...] | None) -> None:
         """After a registration: the member's addresses (None: it has none)."""
         if addresses is None:
             if self._by_member.pop(member.member_id, None) is not None:
-                self.version += 1
+                self._changed(member.member_id)
             return
         self._by_member[member.member_id] = (member.incarnation, addresses)
-        self.version += 1
+        self._changed(member.member_id)
 
     def get(self, key: GpuKey) -> str | None:
         entry = self._by_member.get(key[0])
@@ -97,4 +108,4 @@ class AddressBook:
         entry = self._by_member.get(member.member_id)
         if entry is not None and entry[0] == member.incarnation:
             del self._by_member[member.member_id]
-            self.version += 1
+            self._changed(member.member_id)

@@ -18,19 +18,27 @@ Slots: each instance's GPUs occupy a contiguous range of slots of the view's arr
 A join or a leave costs O(the instance's GPUs), a placement or a release O(1) (in-place
 writes through :class:`fulcrum.core.decode.GpuWriter`), a heartbeat one vectorised pass
 over the instance's GPUs. The layout depends on the order of events, so the same
-events in the same order with the same seed give the same decisions.
+events in the same order with the same seed give the same decisions. Callers that keep
+per-slot tables follow the layout through :meth:`DecodeState.add_slot_listener`
+(:class:`SlotListener`: O(the instance's GPUs) per join or leave).
+
+Filter: ``place(..., allowed=...)`` restricts one placement to a subset of the slots
+(slot indices or a boolean mask, :func:`fulcrum.core.decode.select_allowed`); the
+policy in force chooses among them, with the whole fleet as context. Without it
+(``allowed=None``) the decision path is the unfiltered one, unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import structlog
 
 from fulcrum.config.decode import DecodeSettings
 from fulcrum.core.decode import (
+    Allowed,
     FleetView,
     NoCapacity,
     close_range,
@@ -38,6 +46,7 @@ from fulcrum.core.decode import (
     make_policy,
     open_range,
     resized,
+    select_allowed,
     write_range,
 )
 from fulcrum.core.decode.policy import DecodePolicy
@@ -60,6 +69,22 @@ log = structlog.get_logger(__name__)
 
 #: ``liveness(instance_id, incarnation, now_ns) -> bool``: is the instance still live?
 Liveness = Callable[[str, int, int], bool]
+
+
+class SlotListener(Protocol):
+    """Follows which instance's GPUs occupy which slots of :attr:`DecodeState.view` (for
+    callers that keep per-slot tables, e.g. the gateway's slot -> address map). Called on
+    the loop, after the change."""
+
+    def slots_opened(self, instance_id: str, start: int, gpus: int) -> None:
+        """The instance's GPUs ``0..gpus-1`` now occupy slots ``[start, start + gpus)``."""
+
+    def slots_closed(self, instance_id: str, start: int, gpus: int) -> None:
+        """The instance left; slots ``[start, start + gpus)`` are free (dead)."""
+
+    def slots_moved(self) -> None:
+        """The view was rebuilt (grown or compacted): every instance may have moved; read
+        :meth:`DecodeState.slot_ranges` again."""
 
 
 class PlaceResult(NamedTuple):
@@ -127,6 +152,9 @@ class DecodeState:
         self._bind_metrics()
         self.publisher: Publisher[metrics.DecodeSnapshot] = Publisher(self._snapshot)
         metrics.set_source(self.publisher)
+        self._slot_listeners: list[SlotListener] = []
+        #: Grows on every change of the slot layout (join, leave, growth, compaction).
+        self.layout_version = 0
 
     # -- configuration -------------------------------------------------------------------
 
@@ -211,12 +239,20 @@ class DecodeState:
         self._counts.placements[self._k_refused[outcome]] += 1
         self.publisher.changed()
 
-    def place(self, request_id: str, kv_tokens: int, now_ns: int) -> PlaceResult:
+    def place(
+        self, request_id: str, kv_tokens: int, now_ns: int, allowed: Allowed | None = None
+    ) -> PlaceResult:
         """Choose a GPU for ``kv_tokens`` tokens and hold the placement under the lease.
 
-        Raises InvalidArgument (kv_tokens), AlreadyExists (request_id held),
-        ResourceExhausted (table full, or no GPU fits); a refused call changes nothing
-        except expiring due leases.
+        ``allowed``: when given, the policy chooses among these slots of :attr:`view` only
+        (a sorted, duplicate-free int64 array of slot indices, shape ``(k,)``: see
+        :func:`fulcrum.core.decode.select_allowed`); None (the default) is the unchanged
+        fast path. Slot indices are valid until the next change of
+        :attr:`layout_version` (follow it with :meth:`add_slot_listener`).
+
+        Raises InvalidArgument (kv_tokens, allowed), AlreadyExists (request_id held),
+        ResourceExhausted (table full, or no (allowed) GPU fits); a refused call changes
+        nothing except expiring due leases and dropping lapsed instances.
         """
         counts = self._counts.placements
         if not 1 <= kv_tokens <= self._max_request_kv:
@@ -235,7 +271,16 @@ class DecodeState:
         liveness = self._liveness
         rounds = len(self._instances) + 1
         while True:
-            out = self._policy.select(self._view, kv_tokens, self._rng, self._cursor)
+            if allowed is None:
+                out = self._policy.select(self._view, kv_tokens, self._rng, self._cursor)
+            else:
+                try:
+                    out = select_allowed(
+                        self._policy, self._view, kv_tokens, self._rng, self._cursor, allowed
+                    )
+                except ValueError as err:
+                    self.count_refused("invalid_argument")
+                    raise InvalidArgument("allowed", str(err).removeprefix("allowed: ")) from None
             if isinstance(out, NoCapacity):
                 key = (self._policy.name, out.kind, "resource_exhausted")
                 counts[key] = counts.get(key, 0) + 1
@@ -249,7 +294,9 @@ class DecodeState:
                 break
             # The fleet found it lapsed (and normally told us through on_leave already).
             if self._instances.get(member.member_id) is slots:
-                self._remove(slots, "lapsed")
+                # No compaction now: ``allowed`` (slot indices) must stay valid for the
+                # next round; the lapsed slots are simply dead.
+                self._remove(slots, "lapsed", compact=allowed is None)
             rounds -= 1
             if rounds <= 0:  # pragma: no cover - every round removes one instance
                 self.count_refused("resource_exhausted")
@@ -385,6 +432,9 @@ class DecodeState:
         self._instances[member.member_id] = slots
         self._figures.mark(slots)
         self.publisher.changed()
+        self.layout_version += 1
+        for listener in self._slot_listeners:
+            listener.slots_opened(member.member_id, start, gpus)
         log.info(
             "decode_instance_joined",
             instance_id=member.member_id,
@@ -416,9 +466,10 @@ class DecodeState:
             return
         self._remove(slots, reason)
 
-    def _remove(self, slots: Slots, reason: str) -> None:
+    def _remove(self, slots: Slots, reason: str, compact: bool = True) -> None:
         """Take an instance out: its slots are freed, its placements lost. O(its GPUs +
-        its placements); amortised O(1) per GPU when the arrays are compacted."""
+        its placements); amortised O(1) per GPU when the arrays are compacted (not with
+        ``compact=False``: then at a later leave)."""
         member_id = slots.member_id
         del self._instances[member_id]
         lost = 0
@@ -430,7 +481,10 @@ class DecodeState:
         self._owner[slots.start : slots.start + slots.gpus] = [None] * slots.gpus
         self._alloc.free(slots.start, slots.gpus)
         self._figures.forget(member_id)
-        if self._alloc.needs_compaction():
+        self.layout_version += 1
+        for listener in self._slot_listeners:
+            listener.slots_closed(member_id, slots.start, slots.gpus)
+        if compact and self._alloc.needs_compaction():
             self._compact()
         if lost:
             self.lost_total += lost
@@ -449,6 +503,12 @@ class DecodeState:
         self._writer = GpuWriter(self._view)
         if index is None:
             self._owner.extend([None] * (capacity - len(self._owner)))
+            self._moved()
+
+    def _moved(self) -> None:
+        self.layout_version += 1
+        for listener in self._slot_listeners:
+            listener.slots_moved()
 
     def _compact(self) -> None:
         """Pack the instances' slots at the front (O(GPUs), amortised over the leaves
@@ -461,6 +521,24 @@ class DecodeState:
             s.start = start
             owner[start : start + s.gpus] = [s] * s.gpus
         self._owner = owner
+        self._moved()
+
+    # -- slot layout (for callers keeping per-slot tables) --------------------------------
+
+    def add_slot_listener(self, listener: SlotListener) -> None:
+        """Tell ``listener`` about every later change of the slot layout (see
+        :class:`SlotListener`); read the current one with :meth:`slot_ranges`."""
+        self._slot_listeners.append(listener)
+
+    def remove_slot_listener(self, listener: SlotListener) -> None:
+        if listener in self._slot_listeners:
+            self._slot_listeners.remove(listener)
+
+    def slot_ranges(self) -> Iterator[tuple[str, int, int]]:
+        """``(instance_id, start, gpus)`` of every instance: its GPU ``g`` is slot
+        ``start + g`` of :attr:`view` (in no particular order)."""
+        for member_id, s in self._instances.items():
+            yield member_id, s.start, s.gpus
 
     # -- introspection (tests, diagnostics; on the loop) ----------------------------------
 

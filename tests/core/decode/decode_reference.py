@@ -34,9 +34,15 @@ def expected(
     d1: float = 20_000.0,
     d2: float = 0.5,
     cursor: int = 0,
+    allowed: list[int] | None = None,
 ) -> int | None:
-    """GPU the rule picks, or None when no GPU is eligible (not for power_of_two)."""
+    """GPU the rule picks, or None when no GPU is eligible (not for power_of_two).
+
+    ``allowed``: only these GPUs may be picked (the fleet's mean stays the whole fleet's).
+    """
     el = eligible_list(view, kv_tokens)
+    if allowed is not None:
+        el = [g for g in el if g in allowed]
     if not el:
         return None
     c = {g: int(view.concurrency[g]) for g in el}

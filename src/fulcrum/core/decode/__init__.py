@@ -3,7 +3,14 @@
 See SPEC.md section 4: balance per-GPU concurrency AND per-GPU total KV length.
 """
 
-from fulcrum.core.decode.filters import eligible, no_capacity
+from fulcrum.core.decode.filters import (
+    Allowed,
+    check_allowed,
+    eligible,
+    no_capacity,
+    restrict,
+    select_allowed,
+)
 from fulcrum.core.decode.policy import DecodeParams, DecodePolicy
 from fulcrum.core.decode.registry import DEFAULT_POLICY, POLICY_NAMES, REGISTRY, make_policy
 from fulcrum.core.decode.view import (
@@ -29,12 +36,14 @@ __all__ = [
     "DEFAULT_POLICY",
     "POLICY_NAMES",
     "REGISTRY",
+    "Allowed",
     "Decision",
     "DecodeParams",
     "DecodePolicy",
     "FleetView",
     "GpuWriter",
     "NoCapacity",
+    "check_allowed",
     "close_range",
     "commit",
     "copy_view",
@@ -47,6 +56,8 @@ __all__ = [
     "open_range",
     "release",
     "resized",
+    "restrict",
+    "select_allowed",
     "set_live",
     "write_gpu",
     "write_range",
