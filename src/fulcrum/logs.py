@@ -44,15 +44,14 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
 class RefusalSummary:
     """Counts refused calls by (service, method, code) and logs them in one info line,
     ``calls_refused``, at most once per ``interval_s()`` seconds (read at each line, so a
-    reload applies it). Nothing is scheduled while no call is refused: the first refusal
-    after a quiet interval is logged at once, later ones when the interval since the last
-    line has passed. Runs on the event loop only. Keys are bounded: the daemon's methods
-    times the gRPC status codes."""
+    reload applies it). A line counts the refusals of one interval, which starts at the
+    first refusal after the previous line: lines are at least an interval apart, and
+    nothing is scheduled or logged while no call is refused. Runs on the event loop only.
+    Keys are bounded: the daemon's methods times the gRPC status codes."""
 
     def __init__(self, interval_s: Callable[[], float]) -> None:
         self._interval_s = interval_s
         self._counts: dict[tuple[str, str, str], int] = {}
-        self._last: float | None = None  # loop time of the last line
         self._timer: asyncio.TimerHandle | None = None
         #: Loop time at which the pending line is due (None: nothing pending).
         self.due_at: float | None = None
@@ -64,8 +63,7 @@ class RefusalSummary:
         self._counts[key] = self._counts.get(key, 0) + 1
         if self._timer is None:
             loop = asyncio.get_running_loop()
-            now = loop.time()
-            due = now if self._last is None else max(now, self._last + self._interval_s())
+            due = loop.time() + self._interval_s()
             self.due_at = due
             self._timer = loop.call_at(due, self.flush)
 
@@ -80,10 +78,6 @@ class RefusalSummary:
             return
         counts = sorted(self._counts.items())
         self._counts = {}
-        try:
-            self._last = asyncio.get_running_loop().time()
-        except RuntimeError:
-            self._last = None
         by_method: dict[str, dict[str, int]] = {}
         for (service, method, code), n in counts:
             by_method.setdefault(f"{service}/{method}", {})[code] = n
