@@ -208,3 +208,41 @@ async def test_unchanged_periodic_rebalance_is_logged_once_at_info(
     assert line["group"] == "g1" and line["version"] == 2
     assert line["moe_lb_predicted"] >= 1.0 and line["moe_lb_current"] >= 1.0
     assert events(logs, "eplb_map_changed") == []
+
+
+async def test_a_periodic_rebalance_failing_the_same_way_is_logged_once(
+    monkeypatch: pytest.MonkeyPatch, info_client: FulcrumClient
+) -> None:
+    from fulcrum.service import eplb as service_eplb
+
+    c = info_client
+    await c.expert.RegisterGroup(
+        epb.RegisterGroupRequest(
+            group_id="g1", role=epb.GROUP_ROLE_PREFILL, ep_size=EP, gpus_per_node=8,
+            num_layers=LAYERS, num_experts=EXPERTS, window_steps=20, period_steps=20,
+            expert_bytes=1 << 20,
+        )
+    )
+    load = np.rint(np.random.default_rng(1).lognormal(0, 1, (LAYERS, EXPERTS)) * 500)
+    tensor = _tensor(load.astype(np.int64))
+    calls = 0
+
+    def broken(job: Any, dry_run: bool) -> Any:
+        nonlocal calls
+        calls += 1
+        raise ValueError("solver diverged")
+
+    monkeypatch.setattr(service_eplb, "_compute", broken)
+    with capture_logs() as logs:
+        for step in range(0, 50, 10):  # due from the 2nd report on; it stays due
+            reply = await c.expert.ReportLoad(
+                epb.ReportLoadRequest(
+                    group_id="g1", map_version=1, step_begin=step, step_end=step + 10,
+                    load=tensor,
+                )
+            )
+            assert not reply.rebalanced
+    assert calls == 4  # every due report tried again ...
+    [line] = events(logs, "eplb_periodic_rebalance_skipped")  # ... and it was logged once
+    assert "solver diverged" in line["error"] and line["group"] == "g1"
+    assert events(logs, "eplb_rebalance_failed") == []
