@@ -80,17 +80,15 @@ describe("decode instance", () => {
     const load = await call(api.decode, "GetDecodeLoad", {});
     assert.equal(load.next_page_token, "");
     assert.deepEqual(
-      load.instances.map((i) => [i.instance_id, i.incarnation, i.concurrency, i.kv_tokens]),
+      load.instances.map((i) => [
+        i.instance_id, i.incarnation, i.total_concurrency, i.total_kv_tokens,
+      ]),
       [["dec-a", incarnation, "4", "61000"]],
     );
+    const [inst] = load.instances;
     assert.deepEqual(
-      load.instances[0].gpus.map((g) => [
-        g.gpu_index, g.concurrency, g.kv_tokens, g.max_concurrency, g.max_kv_tokens,
-      ]),
-      [
-        [0, 3, "60000", 4, "100000"],
-        [1, 1, "1000", 4, "100000"],
-      ],
+      [inst.concurrency, inst.kv_tokens, inst.max_concurrency, inst.max_kv_tokens],
+      [[3, 1], ["60000", "1000"], [4, 4], ["100000", "100000"]],
     );
     const one = await call(api.decode, "GetDecodeLoad", { instance_id: "dec-a", page_size: 1 });
     assert.deepEqual(one.instances, load.instances);

@@ -36,11 +36,17 @@ async def heartbeat(
 
 
 def table(reply: dpb.GetDecodeLoadResponse) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """(instance, [(gpu, concurrency, kv, max_concurrency, max_kv), ...]) per instance."""
     return [
         (
             i.instance_id,
-            [(g.gpu_index, g.concurrency, g.kv_tokens, g.max_concurrency, g.max_kv_tokens)
-             for g in i.gpus],
+            [
+                (g, *t)
+                for g, t in enumerate(
+                    zip(i.concurrency, i.kv_tokens, i.max_concurrency, i.max_kv_tokens,
+                        strict=True)
+                )
+            ],
         )
         for i in reply.instances
     ]
@@ -65,9 +71,14 @@ async def test_load_per_instance_and_gpu_is_the_balancers_table(
     assert reply.next_page_token == ""
     # the placement shows on the chosen GPU (report + placements since it)
     chosen = next(i for i in reply.instances if i.instance_id == placed.instance_id)
-    gpu = chosen.gpus[placed.gpu_index]
-    assert (gpu.concurrency, gpu.kv_tokens) == (placed.gpu_concurrency, placed.gpu_kv_tokens)
-    sums = {i.instance_id: (i.concurrency, i.kv_tokens, i.incarnation) for i in reply.instances}
+    g = placed.gpu_index
+    assert (chosen.concurrency[g], chosen.kv_tokens[g]) == (
+        placed.gpu_concurrency, placed.gpu_kv_tokens
+    )
+    sums = {
+        i.instance_id: (i.total_concurrency, i.total_kv_tokens, i.incarnation)
+        for i in reply.instances
+    }
     assert sums["dec-a"][:2] == (
         sum(g[1] for g in expected["dec-a"]), sum(g[2] for g in expected["dec-a"])
     )
@@ -139,7 +150,7 @@ async def test_a_page_stops_at_the_gpu_bound(client: FulcrumClient) -> None:
         await client.fleet.Register(instance(f"big-{i}", [(1, 1)] * per))
     first = await client.decode.GetDecodeLoad(dpb.GetDecodeLoadRequest(page_size=MAX_LOAD_PAGE))
     assert len(first.instances) == n - 1
-    assert sum(len(i.gpus) for i in first.instances) == MAX_LOAD_PAGE_GPUS
+    assert sum(len(i.concurrency) for i in first.instances) == MAX_LOAD_PAGE_GPUS
     assert first.next_page_token == f"big-{n - 2}"
     rest = await client.decode.GetDecodeLoad(
         dpb.GetDecodeLoadRequest(page_token=first.next_page_token)

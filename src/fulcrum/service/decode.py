@@ -30,35 +30,27 @@ log = structlog.get_logger(__name__)
 
 #: GetDecodeLoad: instances per page by default, at most, and GPUs per page at most.
 DEFAULT_LOAD_PAGE = 64
-MAX_LOAD_PAGE = 1024
+MAX_LOAD_PAGE = 256
 MAX_LOAD_PAGE_GPUS = 8192
 
 
 def fill_instance_load(state: DecodeState, member: Member, out: pb.DecodeInstanceState) -> bool:
     """Fill ``out`` with one decode instance's per-GPU load and capacity; False when the
-    decode table does not hold the instance (``out`` is then partly filled: discard it)."""
+    decode table does not hold the instance (``out`` is then untouched). O(its GPUs)."""
     shape = member.shape
     assert isinstance(shape, DecodeInstanceShape)
+    loads = state.instance_load(member.member_id)
+    if loads is None:
+        return False
+    conc, kv = loads
     out.instance_id = member.member_id
     out.incarnation = member.incarnation
-    total_c = total_kv = 0
-    add = out.gpus.add
-    for g in range(shape.gpus):
-        try:
-            conc, kv = state.gpu_load(member.member_id, g)
-        except NotFound:
-            return False
-        total_c += conc
-        total_kv += kv
-        add(
-            gpu_index=g,
-            concurrency=conc,
-            kv_tokens=kv,
-            max_concurrency=shape.max_concurrency[g],
-            max_kv_tokens=shape.max_kv_tokens[g],
-        )
-    out.concurrency = total_c
-    out.kv_tokens = total_kv
+    out.concurrency.extend(conc)
+    out.kv_tokens.extend(kv)
+    out.max_concurrency.extend(shape.max_concurrency)
+    out.max_kv_tokens.extend(shape.max_kv_tokens)
+    out.total_concurrency = sum(conc)
+    out.total_kv_tokens = sum(kv)
     return True
 
 

@@ -42,8 +42,8 @@ PB_TO_KIND = {v: k for k, v in KIND_TO_PB.items()}
 
 #: ListMembers: members per page by default and at most; GPUs per page at most (a VE
 #: machine's detail has one entry per GPU).
-DEFAULT_MEMBERS_PAGE = 256
-MAX_MEMBERS_PAGE = 1024
+DEFAULT_MEMBERS_PAGE = 100
+MAX_MEMBERS_PAGE = 256
 MAX_MEMBERS_PAGE_GPUS = 8192
 
 
@@ -117,19 +117,15 @@ def fill_info(components: dict[str, Any], member: Member, out: pb.Member) -> Non
             info.tier_label = prefill.labels[tier]
     elif isinstance(shape, DecodeInstanceShape):
         decode = components.get("decode")
-        if decode is None:
+        loads = None if decode is None else decode.instance_load(mid)
+        if loads is None:
             return
-        loads = []
-        for g in range(shape.gpus):
-            try:
-                loads.append(decode.gpu_load(mid, g))
-            except NotFound:
-                return
+        conc, kv = loads
         d = out.decode_instance
-        d.concurrency = sum(c for c, _ in loads)
-        d.kv_tokens = sum(k for _, k in loads)
-        d.max_gpu_concurrency = max(c for c, _ in loads)
-        d.max_gpu_kv_tokens = max(k for _, k in loads)
+        d.concurrency = sum(conc)
+        d.kv_tokens = sum(kv)
+        d.max_gpu_concurrency = max(conc)
+        d.max_gpu_kv_tokens = max(kv)
     else:
         vision = components.get("vision")
         if vision is None:

@@ -246,7 +246,7 @@ class GetDecodeLoadRequest(_message.Message):
     instance. Empty: every live instance, in id order, a page at a time.
     """
     page_size: _builtins.int
-    """Largest number of instances in the reply: 0 = 64, at most 1024 (INVALID_ARGUMENT
+    """Largest number of instances in the reply: 0 = 64, at most 256 (INVALID_ARGUMENT
     above). A page also stops before it would exceed 8192 GPUs (it always holds at least
     one instance).
     """
@@ -270,78 +270,60 @@ class GetDecodeLoadRequest(_message.Message):
 Global___GetDecodeLoadRequest: _TypeAlias = GetDecodeLoadRequest  # noqa: Y015
 
 @_typing.final
-class DecodeGpuState(_message.Message):
-    """DecodeGpuState is the balancer's view of one decode GPU."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    GPU_INDEX_FIELD_NUMBER: _builtins.int
-    CONCURRENCY_FIELD_NUMBER: _builtins.int
-    KV_TOKENS_FIELD_NUMBER: _builtins.int
-    MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
-    MAX_KV_TOKENS_FIELD_NUMBER: _builtins.int
-    gpu_index: _builtins.int
-    """GPU index inside the instance (0-based, as registered)."""
-    concurrency: _builtins.int
-    """Requests on the GPU."""
-    kv_tokens: _builtins.int
-    """Total KV on the GPU, in tokens."""
-    max_concurrency: _builtins.int
-    """Registered capacity: largest number of concurrent requests."""
-    max_kv_tokens: _builtins.int
-    """Registered capacity: largest total KV, in tokens."""
-    def __init__(
-        self,
-        *,
-        gpu_index: _builtins.int = ...,
-        concurrency: _builtins.int = ...,
-        kv_tokens: _builtins.int = ...,
-        max_concurrency: _builtins.int = ...,
-        max_kv_tokens: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "gpu_index", b"gpu_index", "kv_tokens", b"kv_tokens", "max_concurrency", b"max_concurrency", "max_kv_tokens", b"max_kv_tokens"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___DecodeGpuState: _TypeAlias = DecodeGpuState  # noqa: Y015
-
-@_typing.final
 class DecodeInstanceState(_message.Message):
-    """DecodeInstanceState is the balancer's view of one decode instance."""
+    """DecodeInstanceState is the balancer's view of one decode instance. The per-GPU lists
+    have one entry per GPU, in GPU order (index = GPU index, as registered).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
-    GPUS_FIELD_NUMBER: _builtins.int
     CONCURRENCY_FIELD_NUMBER: _builtins.int
     KV_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
+    MAX_KV_TOKENS_FIELD_NUMBER: _builtins.int
+    TOTAL_CONCURRENCY_FIELD_NUMBER: _builtins.int
+    TOTAL_KV_TOKENS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """The instance's fleet member_id."""
     incarnation: _builtins.int
     """Its current incarnation."""
-    concurrency: _builtins.int
-    """Requests on all its GPUs (sum of gpus[].concurrency)."""
-    kv_tokens: _builtins.int
-    """Total KV on all its GPUs, in tokens (sum of gpus[].kv_tokens)."""
+    total_concurrency: _builtins.int
+    """Requests on all its GPUs (sum of concurrency)."""
+    total_kv_tokens: _builtins.int
+    """Total KV on all its GPUs, in tokens (sum of kv_tokens)."""
     @_builtins.property
-    def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeGpuState]:
-        """One entry per GPU, in GPU order."""
+    def concurrency(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Requests on each GPU."""
+
+    @_builtins.property
+    def kv_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Total KV on each GPU, in tokens."""
+
+    @_builtins.property
+    def max_concurrency(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Registered capacity of each GPU: largest number of concurrent requests."""
+
+    @_builtins.property
+    def max_kv_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Registered capacity of each GPU: largest total KV, in tokens."""
 
     def __init__(
         self,
         *,
         instance_id: _builtins.str = ...,
         incarnation: _builtins.int = ...,
-        gpus: _abc.Iterable[Global___DecodeGpuState] | None = ...,
-        concurrency: _builtins.int = ...,
-        kv_tokens: _builtins.int = ...,
+        concurrency: _abc.Iterable[_builtins.int] | None = ...,
+        kv_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        max_concurrency: _abc.Iterable[_builtins.int] | None = ...,
+        max_kv_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        total_concurrency: _builtins.int = ...,
+        total_kv_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "gpus", b"gpus", "incarnation", b"incarnation", "instance_id", b"instance_id", "kv_tokens", b"kv_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "incarnation", b"incarnation", "instance_id", b"instance_id", "kv_tokens", b"kv_tokens", "max_concurrency", b"max_concurrency", "max_kv_tokens", b"max_kv_tokens", "total_concurrency", b"total_concurrency", "total_kv_tokens", b"total_kv_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -421,8 +421,9 @@ class ListMembersRequest(_message.Message):
     kind: Global___MemberKind.ValueType
     """Kind to list; UNSPECIFIED lists all."""
     page_size: _builtins.int
-    """Largest number of members in the reply: 0 = 256, at most 1024 (INVALID_ARGUMENT
-    above).
+    """Largest number of members in the reply: 0 = 100, at most 256 (INVALID_ARGUMENT
+    above). A page also stops before it would exceed 8192 GPUs (it always holds at least
+    one member).
     """
     page_token: _builtins.str
     """next_page_token of the previous reply; empty = from the first member."""
