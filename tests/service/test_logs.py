@@ -89,7 +89,7 @@ async def test_refusals_are_summarised_at_info_by_method_and_code(
     assert summary.due_at is None  # nothing pending until the next refusal
 
 
-async def test_the_summary_timer_writes_one_line_per_interval() -> None:
+async def test_the_summary_timer_writes_the_line_by_itself() -> None:
     async with (
         running_server({"logging": {"level": "info", "refusal_summary_interval_s": 0.1}}) as d,
         FulcrumClient(d.address, timeout_s=10.0) as c,
