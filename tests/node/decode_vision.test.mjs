@@ -76,6 +76,44 @@ describe("decode instance", () => {
     assert.equal(sample(text, 'fulcrum_fleet_members{kind="decode_instance"}'), 1);
   });
 
+  test("operator reads: GetDecodeLoad per GPU (paged) and ListMembers with the summed load", async () => {
+    const load = await call(api.decode, "GetDecodeLoad", {});
+    assert.equal(load.next_page_token, "");
+    assert.deepEqual(
+      load.instances.map((i) => [
+        i.instance_id, i.incarnation, i.total_concurrency, i.total_kv_tokens,
+      ]),
+      [["dec-a", incarnation, "4", "61000"]],
+    );
+    const [inst] = load.instances;
+    assert.deepEqual(
+      [inst.concurrency, inst.kv_tokens, inst.max_concurrency, inst.max_kv_tokens],
+      [[3, 1], ["60000", "1000"], [4, 4], ["100000", "100000"]],
+    );
+    const one = await call(api.decode, "GetDecodeLoad", { instance_id: "dec-a", page_size: 1 });
+    assert.deepEqual(one.instances, load.instances);
+    assert.equal(
+      await codeOf(call(api.decode, "GetDecodeLoad", { instance_id: "nobody" })),
+      Status.NOT_FOUND,
+    );
+    const err = await errorOf(call(api.decode, "GetDecodeLoad", { page_size: 100_000 }));
+    assert.equal(err.code, Status.INVALID_ARGUMENT);
+    assert.match(err.details, /^page_size:/);
+    const listed = await call(api.fleet, "ListMembers", { kind: "MEMBER_KIND_DECODE_INSTANCE" });
+    assert.equal(listed.next_page_token, "");
+    const [member] = listed.members;
+    assert.equal(member.info, "decode_instance");
+    assert.deepEqual(
+      [
+        member.decode_instance.concurrency,
+        member.decode_instance.kv_tokens,
+        member.decode_instance.max_gpu_concurrency,
+        member.decode_instance.max_gpu_kv_tokens,
+      ],
+      ["4", "61000", 3, "60000"],
+    );
+  });
+
   test("a heartbeat with the wrong number of GPUs is INVALID_ARGUMENT naming the field", async () => {
     const err = await errorOf(
       call(api.fleet, "Heartbeat", {
@@ -181,6 +219,14 @@ describe("VE machine", () => {
     const load = await call(api.vision, "GetMachineLoad", { machine_id: "ve-a" });
     assert.deepEqual(load.patches_in_flight, ["2000", "0"]);
     assert.equal(load.max_patches_in_flight, "4096");
+    const listed = await call(api.fleet, "ListMembers", {
+      kind: "MEMBER_KIND_VISION_MACHINE",
+      page_size: 10,
+    });
+    assert.deepEqual(
+      listed.members.map((m) => [m.member_id, m.info, m.vision_machine.patches_in_flight]),
+      [["ve-a", "vision_machine", ["2000", "0"]]],
+    );
   });
 
   test("entrypoint places images (patches = ceil(w/p) * ceil(h/p)) and releases them", async () => {

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import grpc
 import pytest
 
@@ -309,3 +312,198 @@ def test_lookups_name_the_callers_field_and_kind() -> None:
     with pytest.raises(NotFound, match=r"^engine_id: .dec. is not a registered prefill_engine"):
         fleet.get_live("dec", None, 1, kind=MemberKind.PREFILL_ENGINE, field="engine_id")
     assert fleet.get_live("dec", None, 1, kind=MemberKind.DECODE_INSTANCE).member_id == "dec"
+
+
+# -- ListMembers: kind-specific detail, pages ------------------------------------------
+
+
+async def test_list_members_shows_each_kinds_tier_and_load(
+    daemon: Daemon, client: FulcrumClient
+) -> None:
+    from fulcrum.v1 import decode_pb2, prefill_pb2, vision_pb2
+
+    pf = await client.fleet.Register(
+        pb.RegisterRequest(
+            member_id="pf-0",
+            prefill_engine=pb.PrefillEngineShape(dp_ranks=2, step_quota_ns=500_000_000),
+        )
+    )
+    dec = await client.fleet.Register(decode_instance("dec-0", gpus=2))
+    ve = await client.fleet.Register(
+        pb.RegisterRequest(member_id="ve-0", vision_machine=pb.VisionMachineShape(gpus=2))
+    )
+    await client.fleet.Heartbeat(
+        pb.HeartbeatRequest(
+            member_id="dec-0",
+            incarnation=dec.incarnation,
+            decode_instance=pb.DecodeInstanceLoad(
+                gpus=[
+                    pb.DecodeGpuLoad(concurrency=3, kv_tokens=300),
+                    pb.DecodeGpuLoad(concurrency=5, kv_tokens=100),
+                ]
+            ),
+        )
+    )
+    await client.decode.PlaceDecode(decode_pb2.PlaceDecodeRequest(request_id="r", kv_tokens=40))
+    await client.fleet.Heartbeat(
+        pb.HeartbeatRequest(
+            member_id="ve-0",
+            incarnation=ve.incarnation,
+            vision_machine=pb.VisionMachineLoad(patches_in_flight=[7, 9]),
+        )
+    )
+    # a pull that finds no work reports the engine's rank loads (ns)
+    await client.prefill.Pull(
+        prefill_pb2.PullRequest(
+            engine_id="pf-0",
+            incarnation=pf.incarnation,
+            remaining_quota_ns=10**9,
+            rank_loads_ns=[2_000, 3_000],
+            max_wait_ms=1,
+        )
+    )
+    listed = await client.fleet.ListMembers(pb.ListMembersRequest())
+    by_id = {m.member_id: m for m in listed.members}
+    assert list(by_id) == ["dec-0", "pf-0", "ve-0"] and listed.next_page_token == ""
+
+    p = by_id["pf-0"]
+    assert p.WhichOneof("info") == "prefill_engine"
+    prefill = daemon.app.components["prefill"]
+    tier = prefill.engine_tier("pf-0")
+    assert p.prefill_engine.has_tier and p.prefill_engine.tier == tier >= 0
+    assert p.prefill_engine.tier_label == prefill.labels[tier]
+    assert p.prefill_engine.dp_ranks == 2 and p.prefill_engine.step_quota_ns == 500_000_000
+    assert p.prefill_engine.load_ns == 5_000
+
+    d = by_id["dec-0"]
+    assert d.WhichOneof("info") == "decode_instance"
+    state = daemon.app.components["decode"]
+    loads = [state.gpu_load("dec-0", g) for g in range(2)]
+    assert (d.decode_instance.concurrency, d.decode_instance.kv_tokens) == (
+        sum(c for c, _ in loads), sum(k for _, k in loads)
+    )
+    assert d.decode_instance.concurrency == 3 + 5 + 1  # the report plus the placement
+    assert d.decode_instance.max_gpu_concurrency == max(c for c, _ in loads)
+    assert d.decode_instance.max_gpu_kv_tokens == max(k for _, k in loads)
+
+    v = by_id["ve-0"]
+    assert v.WhichOneof("info") == "vision_machine"
+    await client.vision.PlaceImages(
+        vision_pb2.PlaceImagesRequest(
+            request_id="img", images=[vision_pb2.Image(width=160, height=160)]
+        )
+    )
+    listed = await client.fleet.ListMembers(
+        pb.ListMembersRequest(kind=pb.MEMBER_KIND_VISION_MACHINE)
+    )
+    [v] = listed.members
+    per_gpu, _, images = daemon.app.components["vision"].machine_load("ve-0")
+    assert list(v.vision_machine.patches_in_flight) == per_gpu
+    assert sum(per_gpu) == 7 + 9 + 100 and v.vision_machine.images == images == 1
+
+
+async def test_list_members_pages_are_bounded(client: FulcrumClient) -> None:
+    from fulcrum.service.fleet import MAX_MEMBERS_PAGE
+
+    for i in (3, 0, 2, 1):
+        await client.fleet.Register(decode_instance(f"dec-{i}", gpus=1))
+    first = await client.fleet.ListMembers(pb.ListMembersRequest(page_size=3))
+    assert [m.member_id for m in first.members] == ["dec-0", "dec-1", "dec-2"]
+    assert first.next_page_token == "dec-2"
+    rest = await client.fleet.ListMembers(
+        pb.ListMembersRequest(page_size=3, page_token=first.next_page_token)
+    )
+    assert [m.member_id for m in rest.members] == ["dec-3"] and rest.next_page_token == ""
+    for request, field in (
+        (pb.ListMembersRequest(page_size=MAX_MEMBERS_PAGE + 1), "page_size"),
+        (pb.ListMembersRequest(page_token="a b"), "page_token"),
+        (pb.ListMembersRequest(kind=99), "kind"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.fleet.ListMembers(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith(field + ":")
+
+
+async def test_list_members_page_stops_at_the_gpu_bound(client: FulcrumClient) -> None:
+    from fulcrum.service.fleet import MAX_MEMBERS_PAGE_GPUS
+
+    n = MAX_MEMBERS_PAGE_GPUS // 1024 + 1
+    for i in range(n):
+        await client.fleet.Register(
+            pb.RegisterRequest(
+                member_id=f"ve-{i}", vision_machine=pb.VisionMachineShape(gpus=1024)
+            )
+        )
+    first = await client.fleet.ListMembers(pb.ListMembersRequest())
+    assert len(first.members) == n - 1 and first.next_page_token == f"ve-{n - 2}"
+    assert sum(len(m.vision_machine.patches_in_flight) for m in first.members) == (
+        MAX_MEMBERS_PAGE_GPUS
+    )
+    rest = await client.fleet.ListMembers(pb.ListMembersRequest(page_token=f"ve-{n - 2}"))
+    assert [m.member_id for m in rest.members] == [f"ve-{n - 1}"]
+
+
+# -- MemberSession: single-flight re-register, load resent -----------------------------
+
+
+def _decode_load(concurrency: int, kv: int) -> Callable[[pb.HeartbeatRequest], None]:
+    def fill(request: pb.HeartbeatRequest) -> None:
+        request.decode_instance.gpus.add(concurrency=concurrency, kv_tokens=kv)
+
+    return fill
+
+
+async def test_concurrent_heartbeats_after_a_restart_register_once_and_resend_load() -> None:
+    from fulcrum.v1 import decode_pb2
+
+    async with running_server() as first:
+        port = int(first.address.rsplit(":", 1)[1])
+        client = FulcrumClient(first.address, timeout_s=10.0)
+        session = MemberSession(client, decode_instance("dec-0", gpus=1), _decode_load(4, 400))
+        await session.register()
+        await session.heartbeat()
+        assert first.app.components["decode"].gpu_load("dec-0", 0) == (4, 400)
+    # Same port, fresh daemon: it has forgotten the instance.
+    async with running_server({"server": {"port": port}}) as second:
+        registers = 0
+        inner = client.fleet.Register
+
+        async def counting(request: pb.RegisterRequest, **kw: object) -> pb.RegisterResponse:
+            nonlocal registers
+            registers += 1
+            return await inner(request, **kw)  # type: ignore[arg-type]
+
+        client.fleet.Register = counting  # type: ignore[method-assign]
+        await asyncio.gather(session.heartbeat(), session.heartbeat(), session.heartbeat())
+        assert registers == 1 and session.registrations == 2
+        listed = await client.fleet.ListMembers(pb.ListMembersRequest())
+        [member] = listed.members
+        assert member.incarnation == session.incarnation
+        # the load was resent under the new incarnation at once (no heartbeat since)
+        state = second.app.components["decode"]
+        assert state.gpu_load("dec-0", 0) == (4, 400)
+        # a placement on the instance survives the heartbeats that follow
+        placed = await client.decode.PlaceDecode(
+            decode_pb2.PlaceDecodeRequest(request_id="r", kv_tokens=10)
+        )
+        assert placed.incarnation == session.incarnation
+        await asyncio.gather(session.heartbeat(), session.heartbeat())
+        assert session.registrations == 2
+        await client.decode.ReleaseDecode(decode_pb2.ReleaseDecodeRequest(request_id="r"))
+        await session.stop()
+        await client.close()
+
+
+async def test_a_heartbeat_refused_for_a_replaced_incarnation_does_not_register_again(
+    daemon: Daemon, client: FulcrumClient
+) -> None:
+    session = MemberSession(client, decode_instance("dec-0", gpus=1))
+    old = await session.register()
+    await client.fleet.Deregister(pb.DeregisterRequest(member_id="dec-0", incarnation=old))
+    # both heartbeats carry the old incarnation; the first to fail registers, the second
+    # joins that registration instead of replacing it
+    await asyncio.gather(session.heartbeat(), session.heartbeat())
+    assert session.registrations == 2 and session.incarnation > old
+    listed = await client.fleet.ListMembers(pb.ListMembersRequest())
+    assert [m.incarnation for m in listed.members] == [session.incarnation]

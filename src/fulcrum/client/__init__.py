@@ -135,7 +135,15 @@ async def check_health(
 class MemberSession:
     """Keeps one fleet member registered: heartbeats at the advised interval, and
     re-registers (new incarnation) when the daemon answers NOT_FOUND or
-    FAILED_PRECONDITION. ``load_fn`` may fill the heartbeat's load."""
+    FAILED_PRECONDITION. ``load_fn`` may fill the heartbeat's load.
+
+    Re-registration is single-flight: heartbeats that find the member forgotten at the
+    same time share one Register (a second one would replace the first incarnation and
+    lose what the daemon placed on it meanwhile), and a heartbeat refused for an
+    incarnation that has since been replaced does not register again. Right after a
+    re-registration the session sends the load at once under the new incarnation (the
+    refused heartbeat's load was not taken; until then the daemon would count the member
+    idle)."""
 
     def __init__(
         self,
@@ -149,6 +157,9 @@ class MemberSession:
         self.incarnation = 0
         self.interval_s = 1.0
         self.registrations = 0
+        #: The load of the last heartbeat that carried one (resent after a re-register).
+        self._last_load: fleet_pb2.HeartbeatRequest | None = None
+        self._registering: asyncio.Future[int] | None = None
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -156,26 +167,63 @@ class MemberSession:
         return self._register.member_id
 
     async def register(self) -> int:
+        """Register (or join the registration already under way); returns the incarnation.
+        After a re-registration the last load is sent at once with the new incarnation."""
+        if self._registering is None:
+            fut = asyncio.ensure_future(self._register_once())
+            self._registering = fut
+
+            def done(_f: asyncio.Future[int]) -> None:
+                if self._registering is fut:
+                    self._registering = None
+
+            fut.add_done_callback(done)
+        # shielded: one caller giving up does not cancel the registration the others share
+        return await asyncio.shield(self._registering)
+
+    async def _register_once(self) -> int:
         reply = await self._client.fleet.Register(self._register)
+        again = self.registrations > 0
         self.incarnation = reply.incarnation
         self.interval_s = reply.heartbeat_interval_ms / 1000
         self.registrations += 1
+        if again:
+            await self._resend_load()
         return self.incarnation
 
-    async def heartbeat(self) -> None:
-        """One heartbeat; re-registers when the daemon no longer knows this incarnation."""
+    async def _resend_load(self) -> None:
+        """One heartbeat under the new incarnation with the current load (``load_fn``), or
+        the last load sent; best effort: the periodic heartbeat follows anyway."""
         request = fleet_pb2.HeartbeatRequest(
             member_id=self.member_id, incarnation=self.incarnation
         )
         if self._load_fn is not None:
             self._load_fn(request)
+        elif self._last_load is not None:
+            request.MergeFrom(self._last_load)
+            request.incarnation = self.incarnation
+        if request.WhichOneof("load") is None:
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._client.fleet.Heartbeat(request)
+
+    async def heartbeat(self) -> None:
+        """One heartbeat; re-registers when the daemon no longer knows this incarnation
+        (at most once for heartbeats that find it forgotten together)."""
+        incarnation = self.incarnation
+        request = fleet_pb2.HeartbeatRequest(member_id=self.member_id, incarnation=incarnation)
+        if self._load_fn is not None:
+            self._load_fn(request)
+        if request.WhichOneof("load") is not None:
+            self._last_load = request
         try:
             await self._client.fleet.Heartbeat(request)
         except grpc.aio.AioRpcError as err:
-            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
-                await self.register()
-            else:
+            if err.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 raise
+            if self.incarnation != incarnation:
+                return  # another heartbeat already registered again (and sent the load)
+            await self.register()
 
     async def _run(self) -> None:
         while True:

@@ -110,6 +110,10 @@ class LoggingSettings(Section):
     format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto = JSON unless stdout is a terminal"
     )
+    refusal_summary_interval_s: float = Field(
+        10.0, ge=0.1, le=3600.0,
+        description="refused calls are summarised at info at most once per this interval",
+    )
 
 
 class FleetSettings(Section):

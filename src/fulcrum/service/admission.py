@@ -73,6 +73,7 @@ _PLACEMENT_METHODS: Final = frozenset({
 })
 _ADMIN_METHODS: Final = frozenset({
     "/fulcrum.v1.FleetService/ListMembers",
+    "/fulcrum.v1.DecodeBalancerService/GetDecodeLoad",
     "/fulcrum.v1.ExpertBalancerService/Rebalance",
     "/fulcrum.v1.ExpertBalancerService/GetGroupStatus",
 })

@@ -111,6 +111,8 @@ METHOD_RULES: Final[dict[str, Rule]] = {
     "/fulcrum.v1.DecodeBalancerService/PlaceDecode": _rule(ENTRYPOINT),
     "/fulcrum.v1.DecodeBalancerService/ReleaseDecode": _rule(ENTRYPOINT),
     "/fulcrum.v1.DecodeBalancerService/PlaceDecodeStream": _rule(ENTRYPOINT),
+    # the decode table's load per instance and GPU: an operator's read, like ListMembers
+    "/fulcrum.v1.DecodeBalancerService/GetDecodeLoad": _ADMIN_ONLY,
     "/fulcrum.v1.VisionBalancerService/PlaceImages": _rule(ENTRYPOINT),
     "/fulcrum.v1.VisionBalancerService/ReleaseImages": _rule(ENTRYPOINT),
     "/fulcrum.v1.VisionBalancerService/PlaceImagesStream": _rule(ENTRYPOINT),

@@ -14,10 +14,11 @@ import grpc
 import structlog
 
 from fulcrum.config import Settings
-from fulcrum.core.types import MemberKind
+from fulcrum.core.types import DecodeInstanceShape, Member, MemberKind
 from fulcrum.errors import FailedPrecondition, InvalidArgument, NotFound
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
+from fulcrum.service.paging import page_size_of, page_token_of
 from fulcrum.service.streams import place_release_stream, sweep_leases
 from fulcrum.state.decode import DecodeState
 from fulcrum.units import NS_PER_MS
@@ -26,6 +27,31 @@ from fulcrum.v1 import decode_pb2_grpc as pb_grpc
 
 SERVICE = pb.DESCRIPTOR.services_by_name["DecodeBalancerService"].full_name
 log = structlog.get_logger(__name__)
+
+#: GetDecodeLoad: instances per page by default, at most, and GPUs per page at most.
+DEFAULT_LOAD_PAGE = 64
+MAX_LOAD_PAGE = 256
+MAX_LOAD_PAGE_GPUS = 8192
+
+
+def fill_instance_load(state: DecodeState, member: Member, out: pb.DecodeInstanceState) -> bool:
+    """Fill ``out`` with one decode instance's per-GPU load and capacity; False when the
+    decode table does not hold the instance (``out`` is then untouched). O(its GPUs)."""
+    shape = member.shape
+    assert isinstance(shape, DecodeInstanceShape)
+    loads = state.instance_load(member.member_id)
+    if loads is None:
+        return False
+    conc, kv = loads
+    out.instance_id = member.member_id
+    out.incarnation = member.incarnation
+    out.concurrency.extend(conc)
+    out.kv_tokens.extend(kv)
+    out.max_concurrency.extend(shape.max_concurrency)
+    out.max_kv_tokens.extend(shape.max_kv_tokens)
+    out.total_concurrency = sum(conc)
+    out.total_kv_tokens = sum(kv)
+    return True
 
 
 class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
@@ -102,6 +128,36 @@ class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
         self, request: pb.ReleaseDecodeRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseDecodeResponse:
         return self.release(request)
+
+    async def GetDecodeLoad(
+        self, request: pb.GetDecodeLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetDecodeLoadResponse:
+        state = self._state
+        fleet = self._app.fleet
+        now = self._app.clock()
+        limit = page_size_of(request.page_size, DEFAULT_LOAD_PAGE, MAX_LOAD_PAGE)
+        reply = pb.GetDecodeLoadResponse()
+        instances = reply.instances
+        if request.instance_id:
+            instance_id = require_id(request.instance_id, "instance_id")
+            member = fleet.get_live(
+                instance_id, None, now, MemberKind.DECODE_INSTANCE, "instance_id"
+            )
+            if not fill_instance_load(state, member, instances.add()):
+                raise NotFound(f"instance_id: {instance_id!r} is not a live decode instance")
+            return reply
+        after = page_token_of(request.page_token)
+        gpus = 0
+        for member, _ in fleet.live_members(now, MemberKind.DECODE_INSTANCE, after=after):
+            n = member.shape.gpus
+            if len(instances) >= limit or (instances and gpus + n > MAX_LOAD_PAGE_GPUS):
+                reply.next_page_token = instances[-1].instance_id
+                break
+            if fill_instance_load(state, member, instances.add()):
+                gpus += n
+            else:
+                del instances[-1]
+        return reply
 
     async def PlaceDecodeStream(
         self,

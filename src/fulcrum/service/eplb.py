@@ -97,6 +97,9 @@ class ExpertServicer(pb_grpc.ExpertBalancerServiceServicer):
         self._app = app
         self._state = state
         self._locks: dict[str, asyncio.Lock] = {}
+        #: Group -> error of its last skipped periodic rebalance: a period that stays due
+        #: while the rebalance keeps failing the same way is logged once, not per report.
+        self._skipped: dict[str, str] = {}
         #: encoded map replies, least recently used first: (group, generation, version)
         self._replies: OrderedDict[tuple[str, int, int], tuple[pb.ExpertMap, int]] = OrderedDict()
         self._reply_bytes = 0
@@ -181,6 +184,8 @@ class ExpertServicer(pb_grpc.ExpertBalancerServiceServicer):
         lock = self._locks.get(group_id)
         if lock is not None and not lock.locked() and group_id not in self._state.groups:
             del self._locks[group_id]
+        if group_id not in self._state.groups:
+            self._skipped.pop(group_id, None)
 
     async def _run(
         self, job: RebalanceJob, dry_run: bool
@@ -190,11 +195,13 @@ class ExpertServicer(pb_grpc.ExpertBalancerServiceServicer):
             result = await asyncio.to_thread(_compute, job, dry_run)
         except InvalidMap as err:
             m.REBALANCES.labels(job.algorithm, job.trigger, "invalid").inc()
-            log.error("eplb_invalid_map_refused", group=job.group_id, error=str(err))
+            if job.trigger != "period":  # periodic: ReportLoad logs it once per error
+                log.error("eplb_invalid_map_refused", group=job.group_id, error=str(err))
             raise FailedPrecondition(f"rebalance refused: the map is invalid ({err})") from None
         except ValueError as err:
             m.REBALANCES.labels(job.algorithm, job.trigger, "failed").inc()
-            log.error("eplb_rebalance_failed", group=job.group_id, error=str(err))
+            if job.trigger != "period":  # periodic: ReportLoad logs it once per error
+                log.error("eplb_rebalance_failed", group=job.group_id, error=str(err))
             raise FailedPrecondition(f"rebalance failed: {err}") from None
         seconds = time.perf_counter() - t0
         m.REBALANCE_SECONDS.labels(job.algorithm).observe(seconds)
@@ -282,9 +289,12 @@ class ExpertServicer(pb_grpc.ExpertBalancerServiceServicer):
                     async with lock:
                         job = self._state.prepare(gid, None, "period")
                         _, _, rebalanced, _ = await self._shielded(job, dry_run=False)
+                    self._skipped.pop(gid, None)
                 except (FailedPrecondition, NotFound, Unavailable) as err:
                     # the report itself was accepted; the rebalance waits for next time
-                    log.warning("eplb_periodic_rebalance_skipped", group=gid, error=str(err))
+                    if self._skipped.get(gid) != str(err):
+                        self._skipped[gid] = str(err)
+                        log.warning("eplb_periodic_rebalance_skipped", group=gid, error=str(err))
                 finally:
                     self._drop_lock(gid)
         group = self._state.groups.get(gid)

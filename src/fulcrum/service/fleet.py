@@ -5,12 +5,15 @@ Conversion between protobuf and the core's member types happens here, once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import structlog
 
 from fulcrum.core.types import (
     DecodeInstanceLoad,
     DecodeInstanceShape,
+    Member,
     MemberKind,
     MemberLoad,
     MemberShape,
@@ -18,10 +21,12 @@ from fulcrum.core.types import (
     VisionMachineLoad,
     VisionMachineShape,
 )
-from fulcrum.errors import InvalidArgument
+from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.gateway.registry import AddressBook, validate_addresses
 from fulcrum.metrics import FLEET_EVENTS, FLEET_MEMBERS
 from fulcrum.service.app import App
+from fulcrum.service.paging import page_size_of, page_token_of
+from fulcrum.units import NS_PER_MS
 from fulcrum.v1 import fleet_pb2 as pb
 from fulcrum.v1 import fleet_pb2_grpc as pb_grpc
 
@@ -34,6 +39,12 @@ KIND_TO_PB = {
     MemberKind.VISION_MACHINE: pb.MEMBER_KIND_VISION_MACHINE,
 }
 PB_TO_KIND = {v: k for k, v in KIND_TO_PB.items()}
+
+#: ListMembers: members per page by default and at most; GPUs per page at most (a VE
+#: machine's detail has one entry per GPU).
+DEFAULT_MEMBERS_PAGE = 100
+MAX_MEMBERS_PAGE = 256
+MAX_MEMBERS_PAGE_GPUS = 8192
 
 
 def _bound(field: str, length: int, max_gpus: int) -> None:
@@ -83,6 +94,51 @@ def load_from_pb(request: pb.HeartbeatRequest, max_gpus: int) -> MemberLoad | No
     return None
 
 
+def fill_info(components: dict[str, Any], member: Member, out: pb.Member) -> None:
+    """Kind-specific detail of ``member`` from its balancer's public reads (left unset
+    when the balancer does not know the member)."""
+    mid = member.member_id
+    shape = member.shape
+    if isinstance(shape, PrefillEngineShape):
+        prefill = components.get("prefill")
+        if prefill is None:
+            return
+        entry = prefill.balancer.engine(mid)
+        if entry is None:
+            return
+        tier = entry.tier
+        info = out.prefill_engine
+        info.dp_ranks = shape.dp_ranks
+        info.step_quota_ns = shape.step_quota_ns
+        info.load_ns = max(0, entry.load_ns)
+        if 0 <= tier < len(prefill.labels):
+            info.has_tier = True
+            info.tier = tier
+            info.tier_label = prefill.labels[tier]
+    elif isinstance(shape, DecodeInstanceShape):
+        decode = components.get("decode")
+        loads = None if decode is None else decode.instance_load(mid)
+        if loads is None:
+            return
+        conc, kv = loads
+        d = out.decode_instance
+        d.concurrency = sum(conc)
+        d.kv_tokens = sum(kv)
+        d.max_gpu_concurrency = max(conc)
+        d.max_gpu_kv_tokens = max(kv)
+    else:
+        vision = components.get("vision")
+        if vision is None:
+            return
+        try:
+            per_gpu, _, images = vision.machine_load(mid)
+        except NotFound:
+            return
+        v = out.vision_machine
+        v.patches_in_flight.extend(per_gpu)
+        v.images = images
+
+
 class FleetServicer(pb_grpc.FleetServiceServicer):
     """Thin: convert, call the fleet table, reply."""
 
@@ -104,16 +160,11 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
         addresses = validate_addresses([g.serving_address for g in request.decode_instance.gpus])
         member, replaced = self._fleet.register(request.member_id, shape, self._app.clock())
         self._addresses.record(member, addresses)
+        # No log line here: the member's balancer logs the join (and, for a new
+        # incarnation, the old one's leave with what it lost), once.
         event = "rejoined" if replaced else "joined"
         FLEET_EVENTS.labels(member.kind.value, event).inc()
         self._gauge()
-        log.info(
-            "member_" + event,
-            member_id=member.member_id,
-            kind=member.kind.value,
-            incarnation=member.incarnation,
-            gpus=member.shape.gpus,
-        )
         fs = self._fleet.settings
         return pb.RegisterResponse(
             incarnation=member.incarnation,
@@ -133,8 +184,7 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
     ) -> pb.DeregisterResponse:
         member = self._fleet.deregister(request.member_id, request.incarnation, self._app.clock())
         FLEET_EVENTS.labels(member.kind.value, "left").inc()
-        self._gauge()
-        log.info("member_left", member_id=member.member_id, kind=member.kind.value)
+        self._gauge()  # the balancer logs the leave (once)
         return pb.DeregisterResponse()
 
     async def ListMembers(
@@ -145,25 +195,33 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
             if request.kind not in PB_TO_KIND:
                 raise InvalidArgument("kind", "unknown member kind")
             kind = PB_TO_KIND[request.kind]
+        limit = page_size_of(request.page_size, DEFAULT_MEMBERS_PAGE, MAX_MEMBERS_PAGE)
+        after = page_token_of(request.page_token)
         now = self._app.clock()
-        return pb.ListMembersResponse(
-            members=[
-                pb.Member(
-                    member_id=m.member_id,
-                    kind=KIND_TO_PB[m.kind],
-                    incarnation=m.incarnation,
-                    since_heartbeat_ms=max(0, now - seen) // 1_000_000,
-                    gpus=m.shape.gpus,
-                )
-                for m, seen in self._fleet.members(kind)
-            ]
-        )
+        reply = pb.ListMembersResponse()
+        members = reply.members
+        gpus = 0
+        components = self._app.components
+        for m, seen in self._fleet.live_members(now, kind, after=after):
+            n = m.shape.gpus
+            if len(members) >= limit or (members and gpus + n > MAX_MEMBERS_PAGE_GPUS):
+                reply.next_page_token = members[-1].member_id
+                break
+            gpus += n
+            item = members.add(
+                member_id=m.member_id,
+                kind=KIND_TO_PB[m.kind],
+                incarnation=m.incarnation,
+                since_heartbeat_ms=max(0, now - seen) // NS_PER_MS,
+                gpus=n,
+            )
+            fill_info(components, m, item)
+        return reply
 
     def sweep(self, now_ns: int) -> None:
         """Take lapsed members out of placement (periodic)."""
         for member in self._fleet.expire(now_ns):
-            FLEET_EVENTS.labels(member.kind.value, "lapsed").inc()
-            log.info("member_lapsed", member_id=member.member_id, kind=member.kind.value)
+            FLEET_EVENTS.labels(member.kind.value, "lapsed").inc()  # logged by its balancer
         self._gauge()
 
 

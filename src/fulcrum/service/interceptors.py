@@ -5,7 +5,10 @@ so that callers retry elsewhere), refuses calls beyond the admission bounds
 (RESOURCE_EXHAUSTED with ``retry-after-ms``, see :mod:`fulcrum.service.admission`), caps
 unary calls at ``server.max_call_s`` (read per call: reloadable), turns domain
 errors into their status codes (never UNKNOWN), closes streams with UNAVAILABLE when the
-daemon drains, and records per-method counts by code and a latency histogram.
+daemon drains, and records per-method counts by code and a latency histogram. Every
+call that ends with a code other than OK or CANCELLED is counted in the daemon's
+:class:`~fulcrum.logs.RefusalSummary` (``app.components["refusals"]``): operators see one
+info line per interval with counts by method and code (``logging.refusal_summary_interval_s``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import grpc
 import structlog
 
 from fulcrum.errors import FulcrumError, ResourceExhausted
+from fulcrum.logs import RefusalSummary
 from fulcrum.metrics import RPC_DURATION, RPC_IN_FLIGHT, RPC_REQUESTS, STREAM_MESSAGES
 from fulcrum.service.admission import Admission, bind, class_of, handler_started
 from fulcrum.service.app import App
@@ -72,6 +76,10 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, app: App, admission: Admission | None = None) -> None:
         self._app = app
         self._admission = admission
+        summary = RefusalSummary(lambda: app.settings.logging.refusal_summary_interval_s)
+        self._refusals = summary
+        app.components["refusals"] = summary
+        app.drain_hooks.append(summary.flush)
 
     async def intercept_service(
         self,
@@ -176,6 +184,8 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     async def _finish(self, call: _Call, code: grpc.StatusCode) -> None:
         service, name = call.labels
         RPC_REQUESTS.labels(service, name, code.name).inc()
+        if code is not grpc.StatusCode.OK and code is not grpc.StatusCode.CANCELLED:
+            self._refusals.record(service, name, code.name)
         RPC_DURATION.labels(service, name).observe(time.perf_counter() - call.start)
 
     def _leave(self, call: _Call) -> None:

@@ -553,6 +553,16 @@ class DecodeState:
             for gpu in range(s.gpus):
                 yield member_id, gpu, conc[gpu], kv[gpu]
 
+    def instance_load(self, instance_id: str) -> tuple[list[int], list[int]] | None:
+        """(requests per GPU, KV tokens per GPU) the balancer sees on one instance, in GPU
+        order; None if the instance is not in the table. O(its GPUs)."""
+        s = self._instances.get(instance_id)
+        if s is None:
+            return None
+        view = self._view
+        end = s.start + s.gpus
+        return view.concurrency[s.start : end].tolist(), view.kv_tokens[s.start : end].tolist()
+
     def gpu_load(self, instance_id: str, gpu_index: int) -> tuple[int, int]:
         """(requests, KV tokens) the balancer sees on one GPU; NotFound if unknown."""
         s = self._instances.get(instance_id)

@@ -664,6 +664,17 @@ class EplbState:
         m.NOISE_THRESHOLD.labels(job.group_id).set(result.noise_threshold)
         if result.placement.same_as(job.previous.placement):
             self._restart_period(group, job)
+            # one line per rebalance that kept the map: operators see the periodic job ran
+            log.info(
+                "eplb_map_unchanged",
+                group=job.group_id,
+                version=group.current.version,
+                algorithm=result.algorithm,
+                trigger=job.trigger,
+                moe_lb_current=round(before, 5),
+                moe_lb_predicted=round(result.after.overall, 5),
+                noise_threshold=round(result.noise_threshold, 6),
+            )
             return CommitOutcome("unchanged", group.current)
         new = MapVersion(
             version=group.current.version + 1,

@@ -269,3 +269,21 @@ class Fleet:
             ),
             key=lambda t: t[0].member_id,
         )
+
+    def live_members(
+        self, now_ns: int, kind: MemberKind | None = None, after: str = ""
+    ) -> list[tuple[Member, int]]:
+        """(member, last_seen_ns) of the members (of ``kind``) whose heartbeat has not
+        lapsed at ``now_ns`` and whose id sorts after ``after``, sorted by id (a page of a
+        listing starts after the previous page's last id). Changes nothing."""
+        timeout = self._timeout_ns
+        return sorted(
+            (
+                (e.member, e.last_seen_ns)
+                for e in self._members.values()
+                if (kind is None or e.member.kind is kind)
+                and e.member.member_id > after
+                and now_ns - e.last_seen_ns <= timeout
+            ),
+            key=lambda t: t[0].member_id,
+        )

@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -229,3 +231,128 @@ class PlaceDecodeStreamResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
 Global___PlaceDecodeStreamResponse: _TypeAlias = PlaceDecodeStreamResponse  # noqa: Y015
+
+@_typing.final
+class GetDecodeLoadRequest(_message.Message):
+    """GetDecodeLoadRequest selects the decode instances to report."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    """Only this instance (its fleet member_id); NOT_FOUND if it is not a live decode
+    instance. Empty: every live instance, in id order, a page at a time.
+    """
+    page_size: _builtins.int
+    """Largest number of instances in the reply: 0 = 64, at most 256 (INVALID_ARGUMENT
+    above). A page also stops before it would exceed 8192 GPUs (it always holds at least
+    one instance).
+    """
+    page_token: _builtins.str
+    """next_page_token of the previous reply; empty = from the first instance. Ignored when
+    instance_id is set.
+    """
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetDecodeLoadRequest: _TypeAlias = GetDecodeLoadRequest  # noqa: Y015
+
+@_typing.final
+class DecodeInstanceState(_message.Message):
+    """DecodeInstanceState is the balancer's view of one decode instance. The per-GPU lists
+    have one entry per GPU, in GPU order (index = GPU index, as registered).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_FIELD_NUMBER: _builtins.int
+    KV_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_CONCURRENCY_FIELD_NUMBER: _builtins.int
+    MAX_KV_TOKENS_FIELD_NUMBER: _builtins.int
+    TOTAL_CONCURRENCY_FIELD_NUMBER: _builtins.int
+    TOTAL_KV_TOKENS_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    """The instance's fleet member_id."""
+    incarnation: _builtins.int
+    """Its current incarnation."""
+    total_concurrency: _builtins.int
+    """Requests on all its GPUs (sum of concurrency)."""
+    total_kv_tokens: _builtins.int
+    """Total KV on all its GPUs, in tokens (sum of kv_tokens)."""
+    @_builtins.property
+    def concurrency(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Requests on each GPU."""
+
+    @_builtins.property
+    def kv_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Total KV on each GPU, in tokens."""
+
+    @_builtins.property
+    def max_concurrency(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Registered capacity of each GPU: largest number of concurrent requests."""
+
+    @_builtins.property
+    def max_kv_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Registered capacity of each GPU: largest total KV, in tokens."""
+
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+        concurrency: _abc.Iterable[_builtins.int] | None = ...,
+        kv_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        max_concurrency: _abc.Iterable[_builtins.int] | None = ...,
+        max_kv_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        total_concurrency: _builtins.int = ...,
+        total_kv_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "incarnation", b"incarnation", "instance_id", b"instance_id", "kv_tokens", b"kv_tokens", "max_concurrency", b"max_concurrency", "max_kv_tokens", b"max_kv_tokens", "total_concurrency", b"total_concurrency", "total_kv_tokens", b"total_kv_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeInstanceState: _TypeAlias = DecodeInstanceState  # noqa: Y015
+
+@_typing.final
+class GetDecodeLoadResponse(_message.Message):
+    """GetDecodeLoadResponse is one page of decode instances, sorted by id."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Pass as page_token to read the next page; empty on the last page."""
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___DecodeInstanceState]:
+        """The instances of this page."""
+
+    def __init__(
+        self,
+        *,
+        instances: _abc.Iterable[Global___DecodeInstanceState] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetDecodeLoadResponse: _TypeAlias = GetDecodeLoadResponse  # noqa: Y015

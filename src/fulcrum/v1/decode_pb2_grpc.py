@@ -55,6 +55,11 @@ class DecodeBalancerServiceStub:
                 request_serializer=fulcrum_dot_v1_dot_decode__pb2.PlaceDecodeStreamRequest.SerializeToString,
                 response_deserializer=fulcrum_dot_v1_dot_decode__pb2.PlaceDecodeStreamResponse.FromString,
                 _registered_method=True)
+        self.GetDecodeLoad = channel.unary_unary(
+                '/fulcrum.v1.DecodeBalancerService/GetDecodeLoad',
+                request_serializer=fulcrum_dot_v1_dot_decode__pb2.GetDecodeLoadRequest.SerializeToString,
+                response_deserializer=fulcrum_dot_v1_dot_decode__pb2.GetDecodeLoadResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeBalancerServiceServicer:
@@ -91,6 +96,16 @@ class DecodeBalancerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDecodeLoad(self, request, context):
+        """GetDecodeLoad reports, per decode instance and GPU, the concurrency and KV tokens the
+        balancer's table holds (the last heartbeat's report plus the placements made since
+        it, minus releases), with each GPU's capacity. One instance (instance_id), or every
+        live instance in id order, a page at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeBalancerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +123,11 @@ def add_DecodeBalancerServiceServicer_to_server(servicer, server):
                     servicer.PlaceDecodeStream,
                     request_deserializer=fulcrum_dot_v1_dot_decode__pb2.PlaceDecodeStreamRequest.FromString,
                     response_serializer=fulcrum_dot_v1_dot_decode__pb2.PlaceDecodeStreamResponse.SerializeToString,
+            ),
+            'GetDecodeLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDecodeLoad,
+                    request_deserializer=fulcrum_dot_v1_dot_decode__pb2.GetDecodeLoadRequest.FromString,
+                    response_serializer=fulcrum_dot_v1_dot_decode__pb2.GetDecodeLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -197,6 +217,33 @@ class DecodeBalancerService:
             '/fulcrum.v1.DecodeBalancerService/PlaceDecodeStream',
             fulcrum_dot_v1_dot_decode__pb2.PlaceDecodeStreamRequest.SerializeToString,
             fulcrum_dot_v1_dot_decode__pb2.PlaceDecodeStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDecodeLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fulcrum.v1.DecodeBalancerService/GetDecodeLoad',
+            fulcrum_dot_v1_dot_decode__pb2.GetDecodeLoadRequest.SerializeToString,
+            fulcrum_dot_v1_dot_decode__pb2.GetDecodeLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,12 @@ class DecodeBalancerServiceStub:
     as the unary calls. A bad message gets an error reply (code and message); the stream
     stays open.
     """
+    GetDecodeLoad: _grpc.UnaryUnaryMultiCallable[_decode_pb2.GetDecodeLoadRequest, _decode_pb2.GetDecodeLoadResponse]
+    """GetDecodeLoad reports, per decode instance and GPU, the concurrency and KV tokens the
+    balancer's table holds (the last heartbeat's report plus the placements made since
+    it, minus releases), with each GPU's capacity. One instance (instance_id), or every
+    live instance in id order, a page at a time.
+    """
 
 @_typing.type_check_only
 class DecodeBalancerServiceAsyncStub(DecodeBalancerServiceStub):
@@ -74,6 +80,12 @@ class DecodeBalancerServiceAsyncStub(DecodeBalancerServiceStub):
     entrypoint's high-rate path: one reply per message, in order, with the same semantics
     as the unary calls. A bad message gets an error reply (code and message); the stream
     stays open.
+    """
+    GetDecodeLoad: _aio.UnaryUnaryMultiCallable[_decode_pb2.GetDecodeLoadRequest, _decode_pb2.GetDecodeLoadResponse]  # type: ignore[assignment]
+    """GetDecodeLoad reports, per decode instance and GPU, the concurrency and KV tokens the
+    balancer's table holds (the last heartbeat's report plus the placements made since
+    it, minus releases), with each GPU's capacity. One instance (instance_id), or every
+    live instance in id order, a page at a time.
     """
 
 class DecodeBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -113,6 +125,18 @@ class DecodeBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         entrypoint's high-rate path: one reply per message, in order, with the same semantics
         as the unary calls. A bad message gets an error reply (code and message); the stream
         stays open.
+        """
+
+    @_abc_1.abstractmethod
+    def GetDecodeLoad(
+        self,
+        request: _decode_pb2.GetDecodeLoadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_decode_pb2.GetDecodeLoadResponse, _abc.Awaitable[_decode_pb2.GetDecodeLoadResponse]]:
+        """GetDecodeLoad reports, per decode instance and GPU, the concurrency and KV tokens the
+        balancer's table holds (the last heartbeat's report plus the placements made since
+        it, minus releases), with each GPU's capacity. One instance (instance_id), or every
+        live instance in id order, a page at a time.
         """
 
 def add_DecodeBalancerServiceServicer_to_server(servicer: DecodeBalancerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

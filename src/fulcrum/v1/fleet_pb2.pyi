@@ -411,25 +411,146 @@ Global___DeregisterResponse: _TypeAlias = DeregisterResponse  # noqa: Y015
 
 @_typing.final
 class ListMembersRequest(_message.Message):
-    """ListMembersRequest lists members, optionally of one kind."""
+    """ListMembersRequest lists members, optionally of one kind, a page at a time."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     KIND_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     kind: Global___MemberKind.ValueType
     """Kind to list; UNSPECIFIED lists all."""
+    page_size: _builtins.int
+    """Largest number of members in the reply: 0 = 100, at most 256 (INVALID_ARGUMENT
+    above). A page also stops before it would exceed 8192 GPUs (it always holds at least
+    one member).
+    """
+    page_token: _builtins.str
+    """next_page_token of the previous reply; empty = from the first member."""
     def __init__(
         self,
         *,
         kind: Global___MemberKind.ValueType = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListMembersRequest: _TypeAlias = ListMembersRequest  # noqa: Y015
+
+@_typing.final
+class PrefillEngineInfo(_message.Message):
+    """PrefillEngineInfo is what the prefill balancer knows of an engine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    HAS_TIER_FIELD_NUMBER: _builtins.int
+    TIER_LABEL_FIELD_NUMBER: _builtins.int
+    DP_RANKS_FIELD_NUMBER: _builtins.int
+    STEP_QUOTA_NS_FIELD_NUMBER: _builtins.int
+    LOAD_NS_FIELD_NUMBER: _builtins.int
+    tier: _builtins.int
+    """Index of the tier the engine serves (0 = shortest prompts); meaningful only when
+    has_tier.
+    """
+    has_tier: _builtins.bool
+    """False while the engine serves no tier (all its work is being handed elsewhere)."""
+    tier_label: _builtins.str
+    """Label of the tier (as in the prefill metrics' "tier" label), empty without a tier."""
+    dp_ranks: _builtins.int
+    """Number of DP ranks."""
+    step_quota_ns: _builtins.int
+    """Step budget the engine registered with, in nanoseconds (0 = the daemon's
+    prefill.step_quota_ns).
+    """
+    load_ns: _builtins.int
+    """Outstanding work the balancer last knew of, all ranks summed, in nanoseconds: the
+    rank loads of the engine's latest Pull plus what that Pull took.
+    """
+    def __init__(
+        self,
+        *,
+        tier: _builtins.int = ...,
+        has_tier: _builtins.bool = ...,
+        tier_label: _builtins.str = ...,
+        dp_ranks: _builtins.int = ...,
+        step_quota_ns: _builtins.int = ...,
+        load_ns: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "has_tier", b"has_tier", "load_ns", b"load_ns", "step_quota_ns", b"step_quota_ns", "tier", b"tier", "tier_label", b"tier_label"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillEngineInfo: _TypeAlias = PrefillEngineInfo  # noqa: Y015
+
+@_typing.final
+class DecodeInstanceInfo(_message.Message):
+    """DecodeInstanceInfo is a decode instance's load in the balancer's table."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONCURRENCY_FIELD_NUMBER: _builtins.int
+    KV_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_GPU_CONCURRENCY_FIELD_NUMBER: _builtins.int
+    MAX_GPU_KV_TOKENS_FIELD_NUMBER: _builtins.int
+    concurrency: _builtins.int
+    """Requests on all its GPUs."""
+    kv_tokens: _builtins.int
+    """Total KV on all its GPUs, in tokens."""
+    max_gpu_concurrency: _builtins.int
+    """Largest per-GPU concurrency over its GPUs (the busiest GPU)."""
+    max_gpu_kv_tokens: _builtins.int
+    """Largest per-GPU KV over its GPUs, in tokens. Per-GPU figures: GetDecodeLoad."""
+    def __init__(
+        self,
+        *,
+        concurrency: _builtins.int = ...,
+        kv_tokens: _builtins.int = ...,
+        max_gpu_concurrency: _builtins.int = ...,
+        max_gpu_kv_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["concurrency", b"concurrency", "kv_tokens", b"kv_tokens", "max_gpu_concurrency", b"max_gpu_concurrency", "max_gpu_kv_tokens", b"max_gpu_kv_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecodeInstanceInfo: _TypeAlias = DecodeInstanceInfo  # noqa: Y015
+
+@_typing.final
+class VisionMachineInfo(_message.Message):
+    """VisionMachineInfo is a VE machine's load in the balancer's table."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATCHES_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
+    images: _builtins.int
+    """Placed images held on the machine."""
+    @_builtins.property
+    def patches_in_flight(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Image patches in flight on each GPU, in GPU order."""
+
+    def __init__(
+        self,
+        *,
+        patches_in_flight: _abc.Iterable[_builtins.int] | None = ...,
+        images: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images", "patches_in_flight", b"patches_in_flight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VisionMachineInfo: _TypeAlias = VisionMachineInfo  # noqa: Y015
 
 @_typing.final
 class Member(_message.Message):
@@ -442,6 +563,9 @@ class Member(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     SINCE_HEARTBEAT_MS_FIELD_NUMBER: _builtins.int
     GPUS_FIELD_NUMBER: _builtins.int
+    PREFILL_ENGINE_FIELD_NUMBER: _builtins.int
+    DECODE_INSTANCE_FIELD_NUMBER: _builtins.int
+    VISION_MACHINE_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     """The member's id."""
     kind: Global___MemberKind.ValueType
@@ -452,6 +576,18 @@ class Member(_message.Message):
     """Time since its last heartbeat, in milliseconds."""
     gpus: _builtins.int
     """Number of GPUs (DP ranks for a prefill engine)."""
+    @_builtins.property
+    def prefill_engine(self) -> Global___PrefillEngineInfo:
+        """A prefill engine's tier and load."""
+
+    @_builtins.property
+    def decode_instance(self) -> Global___DecodeInstanceInfo:
+        """A decode instance's summed load."""
+
+    @_builtins.property
+    def vision_machine(self) -> Global___VisionMachineInfo:
+        """A VE machine's patches in flight."""
+
     def __init__(
         self,
         *,
@@ -460,34 +596,43 @@ class Member(_message.Message):
         incarnation: _builtins.int = ...,
         since_heartbeat_ms: _builtins.int = ...,
         gpus: _builtins.int = ...,
+        prefill_engine: Global___PrefillEngineInfo | None = ...,
+        decode_instance: Global___DecodeInstanceInfo | None = ...,
+        vision_machine: Global___VisionMachineInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decode_instance", b"decode_instance", "info", b"info", "prefill_engine", b"prefill_engine", "vision_machine", b"vision_machine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpus", b"gpus", "incarnation", b"incarnation", "kind", b"kind", "member_id", b"member_id", "since_heartbeat_ms", b"since_heartbeat_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_instance", b"decode_instance", "gpus", b"gpus", "incarnation", b"incarnation", "info", b"info", "kind", b"kind", "member_id", b"member_id", "prefill_engine", b"prefill_engine", "since_heartbeat_ms", b"since_heartbeat_ms", "vision_machine", b"vision_machine"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType_info: _TypeAlias = _typing.Literal["prefill_engine", "decode_instance", "vision_machine"]  # noqa: Y015
+    _WhichOneofArgType_info: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_info) -> _WhichOneofReturnType_info | None: ...
 
 Global___Member: _TypeAlias = Member  # noqa: Y015
 
 @_typing.final
 class ListMembersResponse(_message.Message):
-    """ListMembersResponse lists live members, sorted by id."""
+    """ListMembersResponse lists live members, sorted by id, one page."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     MEMBERS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Pass as page_token to read the next page; empty on the last page."""
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]:
-        """The members."""
+        """The members of this page."""
 
     def __init__(
         self,
         *,
         members: _abc.Iterable[Global___Member] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -91,7 +91,8 @@ class FleetServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListMembers(self, request, context):
-        """ListMembers lists the live members.
+        """ListMembers lists the live members, sorted by id, a page at a time, each with its
+        balancer's detail (prefill tier and load, decode and VE load).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -45,7 +45,9 @@ class FleetServiceStub:
     Deregister: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.DeregisterRequest, _fleet_pb2.DeregisterResponse]
     """Deregister takes a member out of placement at once (a planned departure)."""
     ListMembers: _grpc.UnaryUnaryMultiCallable[_fleet_pb2.ListMembersRequest, _fleet_pb2.ListMembersResponse]
-    """ListMembers lists the live members."""
+    """ListMembers lists the live members, sorted by id, a page at a time, each with its
+    balancer's detail (prefill tier and load, decode and VE load).
+    """
 
 @_typing.type_check_only
 class FleetServiceAsyncStub(FleetServiceStub):
@@ -64,7 +66,9 @@ class FleetServiceAsyncStub(FleetServiceStub):
     Deregister: _aio.UnaryUnaryMultiCallable[_fleet_pb2.DeregisterRequest, _fleet_pb2.DeregisterResponse]  # type: ignore[assignment]
     """Deregister takes a member out of placement at once (a planned departure)."""
     ListMembers: _aio.UnaryUnaryMultiCallable[_fleet_pb2.ListMembersRequest, _fleet_pb2.ListMembersResponse]  # type: ignore[assignment]
-    """ListMembers lists the live members."""
+    """ListMembers lists the live members, sorted by id, a page at a time, each with its
+    balancer's detail (prefill tier and load, decode and VE load).
+    """
 
 class FleetServiceServicer(metaclass=_abc_1.ABCMeta):
     """FleetService keeps fleet membership: prefill engines (DP groups), decode instances and
@@ -104,6 +108,8 @@ class FleetServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _fleet_pb2.ListMembersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_fleet_pb2.ListMembersResponse, _abc.Awaitable[_fleet_pb2.ListMembersResponse]]:
-        """ListMembers lists the live members."""
+        """ListMembers lists the live members, sorted by id, a page at a time, each with its
+        balancer's detail (prefill tier and load, decode and VE load).
+        """
 
 def add_FleetServiceServicer_to_server(servicer: FleetServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
