@@ -248,8 +248,6 @@ def test_heartbeat_for_another_kind_is_refused_and_not_counted() -> None:
     assert [m.member_id for m in fleet.expire(t0 + 5_000_000_001)] == ["dec"]
 
 
-@pytest.mark.xfail(strict=False, reason="prefill Pull passes kind=PREFILL_ENGINE to "
-                   "Fleet.heartbeat: owned by prefill (state/prefill.py)")
 async def test_refused_pull_is_not_a_heartbeat(daemon: Daemon) -> None:
     from fulcrum.v1 import prefill_pb2
 
