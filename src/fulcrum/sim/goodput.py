@@ -76,7 +76,11 @@ Why these values:
   queues or is overloaded, not under normal batching.
 
 These defaults were chosen from the cost model and the papers above, not tuned on any
-trace.
+trace. **The paper figures above are unverified**: they were written from memory, and a
+search of stored public pages found the papers' abstracts but not their SLO tables; the
+defaults stand on the cost-relative argument, not on the citations. They are the only
+SLO defaults in the project: ``fulcrum simulate --goodput`` and ``benchmarks/bench_sim.py``
+both call :func:`default_slo` and :func:`search`.
 """
 
 from __future__ import annotations
