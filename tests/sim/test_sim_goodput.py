@@ -178,3 +178,22 @@ def test_search_stops_at_the_lowest_scale() -> None:
     res = G.search(ev, SLO, base_rps=1.0, start=1.0, min_scale=0.25, max_runs=8)
     assert ev.calls == [1.0, 0.5, 0.25]
     assert res.scale is None and res.lowest_failing == 0.25 and res.converged
+
+
+def test_bench_sim_uses_the_one_goodput_definition() -> None:
+    """benchmarks/bench_sim.py carries no SLOs or search of its own: its SLOs are
+    :func:`fulcrum.sim.goodput.default_slo` of the default cluster, and its verdict is
+    :func:`fulcrum.sim.goodput.check`."""
+    from benchmarks import bench_sim
+    from fulcrum.sim.cluster import Cluster
+
+    p = Cluster().prefill
+    slo = G.default_slo(p.tier_bounds, CostModel(a=p.cost_a, b=p.cost_b, k=p.cost_k))
+    assert slo == bench_sim.SLO
+    assert dict(slo.ttft_p99_s) == bench_sim.SLO_TTFT_P99_S
+    assert bench_sim.SLO_TPOT_P99_S == G.DEFAULT_TPOT_SLO_S
+    # An unfinished request fails the bench's verdict as it fails the CLI's.
+    ok = {"ttft_by_tier": {"<16K": {"count": 1, "p99_s": 0.1}}, "tpot_p99_s": 0.01,
+          "finished": 1, "unfinished": 0}
+    assert bench_sim.meets_slo(ok)
+    assert not bench_sim.meets_slo({**ok, "unfinished": 1})

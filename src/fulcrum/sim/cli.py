@@ -111,20 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fixed-load", type=float, default=0.5,
                    help="offered prefill load of the like-for-like latency run (default 0.5; "
                         "keep it below every policy's saturation)")
-    g.add_argument("--goodput-min-load", type=float, default=0.25,
-                   help="lowest offered prefill load searched (default 0.25); a policy failing "
+    g.add_argument("--goodput-min-load", type=float, default=G.DEFAULT_MIN_LOAD,
+                   help=f"lowest offered prefill load searched (default {G.DEFAULT_MIN_LOAD}); "
+                        "a policy failing "
                         "there reports goodput 0 and the rate it failed at")
     g.add_argument("--slo-ttft", type=_floats, metavar="S,S,...",
                    help="TTFT p99 SLO per prefill tier, shortest tier first (s; default "
                         "2.5x the unloaded prefill time of the tier's longest prompt)")
     g.add_argument("--slo-tpot", type=float, default=G.DEFAULT_TPOT_SLO_S,
                    help=f"TPOT p99 SLO (s per output token; default {G.DEFAULT_TPOT_SLO_S})")
-    g.add_argument("--goodput-runs", type=int, default=8,
+    g.add_argument("--goodput-runs", type=int, default=G.DEFAULT_MAX_RUNS,
                    help="at most this many runs per policy, the fixed-load run included "
-                        "(default 8)")
-    g.add_argument("--goodput-tol", type=float, default=0.05,
+                        f"(default {G.DEFAULT_MAX_RUNS})")
+    g.add_argument("--goodput-tol", type=float, default=G.DEFAULT_REL_TOL,
                    help="stop when highest pass / lowest fail rate is within 1 + this "
-                        "(default 0.05)")
+                        f"(default {G.DEFAULT_REL_TOL})")
     g.add_argument("--jobs", type=int, default=2,
                    help="processes running policies in parallel (default 2)")
     return p

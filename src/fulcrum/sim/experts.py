@@ -38,6 +38,12 @@ PlaceFn = Callable[[GroupLayout, F64, PlacementMap | None, RebalanceParams], Pla
 STATIC: Final = "static"
 EXACT_ROUTINGS: Final = 512
 """Routings per layer up to which a step's expert loads are drawn exactly."""
+GUIDE_CELLS: Final = 8
+"""Cells per expert of the guide table that starts each inverse-CDF search."""
+POOL_MIN: Final = 2_048
+"""Routings per layer of the first block of pre-drawn expert choices after a drift step."""
+POOL_MAX: Final = 65_536
+"""Routings per layer of the largest block of pre-drawn expert choices."""
 
 
 def eplb_policy(name: str) -> PlaceFn | None:
@@ -66,7 +72,19 @@ def default_eplb_policy() -> str:
 class Popularity:
     """Drifting expert popularity shared by every group of a stage."""
 
-    __slots__ = ("_cum", "_probs", "_t_ns", "model", "rng", "theta", "warm_maps")
+    __slots__ = (
+        "_cum",
+        "_guide",
+        "_pool",
+        "_pool_next",
+        "_pool_pos",
+        "_probs",
+        "_t_ns",
+        "model",
+        "rng",
+        "theta",
+        "warm_maps",
+    )
 
     def __init__(self, model: ExpertModel, rng: np.random.Generator) -> None:
         self.model = model
@@ -75,6 +93,12 @@ class Popularity:
         self._t_ns = 0
         self._probs: F64 | None = None
         self._cum: F64 | None = None
+        self._guide: npt.NDArray[np.intp] | None = None
+        # Pre-drawn expert choices for the current probabilities (flat indices
+        # layer * n_logical + expert, shape (layers, block)); _pool_pos: next unused column.
+        self._pool: npt.NDArray[np.intp] | None = None
+        self._pool_pos = 0
+        self._pool_next = POOL_MIN
         self.warm_maps: dict[tuple[int, GroupLayout], PlacementMap] = {}
 
     def probs(self, now_ns: int) -> F64:
@@ -89,6 +113,9 @@ class Popularity:
                 self._t_ns = now_ns
                 self._probs = None
                 self._cum = None
+                self._guide = None
+                self._pool = None
+                self._pool_next = POOL_MIN
         if self._probs is None:
             e = np.exp(self.theta - self.theta.max(axis=1, keepdims=True))
             self._probs = e / e.sum(axis=1, keepdims=True)
@@ -97,23 +124,70 @@ class Popularity:
     def sample(self, now_ns: int, n: int, rng: np.random.Generator) -> F64:
         """Tokens per expert of ``n`` routings per layer, shape (layers, n_logical).
 
-        Exact (inverse-CDF draws) up to :data:`EXACT_ROUTINGS` routings per layer; above,
-        the normal approximation of the multinomial, rounded and clipped at 0.
+        Exact up to :data:`EXACT_ROUTINGS` routings per layer: every routing is an
+        independent inverse-CDF draw from the current routing probabilities, so the
+        counts are a multinomial sample. The draws are made in blocks (:meth:`_refill`)
+        and consumed ``n`` per layer at a time: a decode step costs one ``bincount``
+        instead of a random draw and a search of its own. A block is dropped unused when
+        the probabilities drift; the dropped draws are independent of every draw used, so
+        the counts keep their distribution. Above :data:`EXACT_ROUTINGS`, the normal
+        approximation of the multinomial, rounded and clipped at 0.
         """
         probs = self.probs(now_ns)
         layers, experts = probs.shape
         if n <= EXACT_ROUTINGS:
-            if self._cum is None:
-                cum = np.cumsum(probs, axis=1)
-                cum /= cum[:, -1:]
-                self._cum = (cum + np.arange(layers)[:, None]).ravel()
-            u = rng.random((layers, n)) + np.arange(layers)[:, None]
-            idx = np.minimum(np.searchsorted(self._cum, u.ravel()), layers * experts - 1)
-            counts = np.bincount(idx, minlength=layers * experts)
+            pool, pos = self._pool, self._pool_pos
+            if pool is None or pos + n > pool.shape[1]:
+                pool, pos = self._refill(probs, max(n, self._pool_next), rng), 0
+            self._pool_pos = pos + n
+            counts = np.bincount(pool[:, pos : pos + n].ravel(), minlength=layers * experts)
             return counts.reshape(layers, experts).astype(np.float64)
         lam = n * probs
         draws = lam + np.sqrt(lam * (1.0 - probs)) * rng.standard_normal(lam.shape)
         out: F64 = np.maximum(np.rint(draws), 0.0)
+        return out
+
+    def _refill(
+        self, probs: F64, block: int, rng: np.random.Generator
+    ) -> npt.NDArray[np.intp]:
+        """A new block of ``block`` expert choices per layer drawn from ``probs`` (flat
+        indices, shape (layers, block)). The next block is twice as long, up to
+        :data:`POOL_MAX`, so few draws are wasted when the probabilities drift before a
+        block is used up."""
+        layers, experts = probs.shape
+        u = (rng.random((layers, block)) + np.arange(layers)[:, None]).ravel()
+        idx = np.minimum(self._lookup(probs, u), layers * experts - 1)
+        pool: npt.NDArray[np.intp] = idx.reshape(layers, block)
+        self._pool, self._pool_pos = pool, 0
+        self._pool_next = min(2 * block, POOL_MAX)
+        return pool
+
+    def _lookup(self, probs: F64, u: F64) -> npt.NDArray[np.intp]:
+        """``np.searchsorted(cum, u)`` (side left) for the layer-offset cumulative
+        probabilities ``cum`` (layer ``l``'s experts cover ``[l, l + 1)``, flat, shape
+        (layers * n_logical,)) and uniforms ``u`` offset by their layer, shape (m,).
+
+        Indexed search: the guide table holds, for each of :data:`GUIDE_CELLS` x
+        n_logical equal cells per layer, the first index whose cum reaches the cell's
+        left edge; a draw starts there and steps right while cum is below it (on
+        average a fraction of a step), so the answer equals the binary search's."""
+        layers, experts = probs.shape
+        if self._cum is None or self._guide is None:
+            cum = np.cumsum(probs, axis=1)
+            cum /= cum[:, -1:]
+            self._cum = (cum + np.arange(layers)[:, None]).ravel()
+            cells = GUIDE_CELLS * experts
+            edges = np.arange(layers * cells, dtype=np.float64) / cells
+            self._guide = np.searchsorted(self._cum, edges)
+        cumf, guide = self._cum, self._guide
+        last = cumf.size - 1
+        cell = np.minimum((u * (GUIDE_CELLS * experts)).astype(np.intp), guide.size - 1)
+        idx = guide[cell]
+        k = np.flatnonzero(cumf[np.minimum(idx, last)] < u)
+        while k.size:
+            idx[k] += 1
+            k = k[(idx[k] <= last) & (cumf[np.minimum(idx[k], last)] < u[k])]
+        out: npt.NDArray[np.intp] = idx
         return out
 
 
@@ -183,27 +257,33 @@ class EplbGroup:
     def _set_map(self, pmap: PlacementMap) -> None:
         self.map = pmap
         rows = np.arange(pmap.n_layers)[:, None]
-        self._slot_div = pmap.replica_counts[rows, pmap.phy2log].astype(np.float64)
-        self._counts = rows
+        # Flat expert index of every physical slot, shape (layers * slots,), and the
+        # share of that expert's tokens the slot gets (1 / replicas).
+        self._counts = (rows * self.pop.model.n_logical + pmap.phy2log).ravel()
+        self._slot_div = 1.0 / pmap.replica_counts[rows, pmap.phy2log].astype(np.float64).ravel()
 
     def step(self, now_ns: int, tokens: int) -> float:
         """Route one step of ``tokens`` tokens; record its loads; rebalance on period.
 
-        Returns the step's moe_lb (>= 1.0; 1.0 for an empty step).
+        Returns the step's moe_lb (>= 1.0; 1.0 for an empty step). Only the steps of the
+        window before a rebalance are recorded (the ring is read only there).
         """
         if tokens <= 0:
             return 1.0
         m = self.pop.model
         loads = self.pop.sample(now_ns, tokens * m.top_k, self.rng)
-        self.ring[self.ring_pos] = loads
-        self.ring_pos = (self.ring_pos + 1) % self.ring.shape[0]
         self.steps += 1
+        period = self.layout.period_steps
+        win = self.ring.shape[0]
+        if self.place_fn is not None and (win >= period or -self.steps % period < win):
+            self.ring[self.ring_pos] = loads
+            self.ring_pos = (self.ring_pos + 1) % win
         pmap = self.map
-        per_slot = loads[self._counts, pmap.phy2log] / self._slot_div
+        per_slot = loads.ravel()[self._counts] * self._slot_div
         gl = per_slot.reshape(pmap.n_layers, pmap.ep_size, -1).sum(axis=-1)
-        mean = float(gl.mean(axis=1).sum())
-        lb = float(gl.max(axis=1).sum()) / mean if mean > 0 else 1.0
-        if self.place_fn is not None and self.steps % self.layout.period_steps == 0:
+        total = float(gl.sum())
+        lb = float(gl.max(axis=1).sum()) * pmap.ep_size / total if total > 0 else 1.0
+        if self.place_fn is not None and self.steps % period == 0:
             window = self.ring.sum(axis=0)
             self._set_map(self.place_fn(self.layout, window, self.map, self.params))
             self.rebalances += 1

@@ -76,7 +76,11 @@ Why these values:
   queues or is overloaded, not under normal batching.
 
 These defaults were chosen from the cost model and the papers above, not tuned on any
-trace.
+trace. **The paper figures above are unverified**: they were written from memory, and a
+search of stored public pages found the papers' abstracts but not their SLO tables; the
+defaults stand on the cost-relative argument, not on the citations. They are the only
+SLO defaults in the project: ``fulcrum simulate --goodput`` and ``benchmarks/bench_sim.py``
+both call :func:`default_slo` and :func:`search`.
 """
 
 from __future__ import annotations
@@ -94,6 +98,15 @@ SLO_TTFT_FACTOR: Final = 2.5
 
 DEFAULT_TPOT_SLO_S: Final = 0.1
 """Default TPOT p99 SLO (s per output token after the first)."""
+
+DEFAULT_MAX_RUNS: Final = 8
+"""Default budget of simulator runs per goodput search (CLI ``--goodput-runs``, bench_sim)."""
+
+DEFAULT_REL_TOL: Final = 0.05
+"""Default bisection tolerance: stop when lowest failing / highest passing <= 1 + this."""
+
+DEFAULT_MIN_LOAD: Final = 0.25
+"""Default lowest offered prefill load a search tries; below it goodput is reported 0."""
 
 Summary = Mapping[str, Any]
 Evaluate = Callable[[float], Summary]
@@ -277,8 +290,8 @@ def search(
     start: float = 1.0,
     growth: float = 1.4,
     shrink: float = 2.0,
-    rel_tol: float = 0.05,
-    max_runs: int = 8,
+    rel_tol: float = DEFAULT_REL_TOL,
+    max_runs: int = DEFAULT_MAX_RUNS,
     min_scale: float = 1e-3,
     max_scale: float = 1e3,
 ) -> GoodputResult:
