@@ -32,8 +32,13 @@ Rule sets (:class:`Rules`) choose between the published design (``published``) a
 improvements the simulator measured (``default``: late binding to the least-loaded rank,
 work-conserving tiers); see BENCHMARKS.md.
 
-Extension points (later issues): per-engine costs (prefix affinity) go through
-:meth:`PrefillBalancer.cost_for`; a leased batch returns to the head of its tier with
+Prefix affinity (:mod:`fulcrum.core.prefill.affinity`, optional: ``affinity``): a
+request carrying chained block hashes costs each engine its own miss tokens
+(:meth:`PrefillBalancer.cost_for`), its queued cost is the expected one (at the longest
+prefix any engine holds, set by the shell), and a pull takes the requests the engine holds
+the longest prefixes for first, unless the tier's head waited past the fairness bound.
+
+Extension points (later issues): a leased batch returns to the head of its tier with
 :meth:`requeue_front`; shells keep their own per-request data (futures, leases) keyed by
 request id.
 """
@@ -48,6 +53,7 @@ from typing import Final
 
 import numpy as np
 
+from fulcrum.core.prefill.affinity import Affinity
 from fulcrum.core.prefill.batch import pick_engine, select_batch
 from fulcrum.core.prefill.ranks import assign_ranks
 from fulcrum.core.prefill.tiers import (
@@ -135,7 +141,8 @@ class BalancerConfig:
 
 @dataclass(slots=True, eq=False)
 class Queued:
-    """A queued request: tokens, tier, predicted cost (ns, with ``k``), enqueue time (ns)."""
+    """A queued request: tokens, tier, predicted cost (ns, with ``k``), enqueue time (ns),
+    and its prefix as chained block hashes (empty: none given)."""
 
     request_id: str
     total: int
@@ -143,6 +150,7 @@ class Queued:
     tier: int
     cost_ns: int
     enqueued_ns: int
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass(slots=True, eq=False)
@@ -227,6 +235,8 @@ class PrefillBalancer:
         self._counts = [0] * self.n_tiers
         self.last_demand_ns: list[float] = [0.0] * self.n_tiers
         self.moves_total = 0
+        #: Prefix affinity (None: every engine pays ``Queued.cost_ns``).
+        self.affinity: Affinity | None = None
 
     # -- configuration --------------------------------------------------------------------
 
@@ -281,8 +291,14 @@ class PrefillBalancer:
         return next(iter(q.values())) if q else None
 
     def cost_for(self, item: Queued, engine_id: str) -> int:
-        """Quota (ns) ``item`` costs ``engine_id`` (the same for every engine here)."""
-        return item.cost_ns
+        """Quota (ns) ``item`` costs ``engine_id``: with prefix affinity and block hashes,
+        its miss tokens on that engine priced by the cost model (never above a global
+        pool's ``cached`` would give); else ``item.cost_ns`` for every engine."""
+        aff = self.affinity
+        if aff is None or not item.blocks:
+            return item.cost_ns
+        return min(item.cost_ns if item.cached else aff.cost_ns(item.total, 0),
+                   aff.cost_on(engine_id, item.total, item.blocks))
 
     # -- queue ----------------------------------------------------------------------------
 
@@ -469,6 +485,7 @@ class PrefillBalancer:
         *,
         limit: int | None = None,
         alive: Callable[[Queued], bool] | None = None,
+        now_ns: int | None = None,
     ) -> Taken:
         """A pull by ``engine_id``: select, assign ranks and remove a batch (may be empty).
 
@@ -477,6 +494,12 @@ class PrefillBalancer:
         ``max_batch_requests`` applies too). ``alive``: the shell's check that a queued
         request's caller still waits; dead ones are removed and returned in ``dead``.
         The engine's known load becomes the rank loads after the batch.
+
+        With prefix affinity and ``now_ns`` given, the batch is taken from the tier's first
+        ``affinity.scan`` live requests ordered by the blocks this engine holds of each
+        (longest first, FIFO among equals), then the rest FIFO -- unless the tier's head
+        has waited ``affinity.max_wait_ns`` or longer, then FIFO (a fairness override).
+        Taken requests' blocks are recorded as held by the engine (approximate index).
         """
         eng = self._engines.get(engine_id)
         if eng is None:
@@ -496,11 +519,40 @@ class PrefillBalancer:
         live: list[Queued] = []
         dead: list[Queued] = []
 
-        def costs() -> Iterator[int]:
-            for item in queue.values():
+        aff = self.affinity
+        jumped: set[str] = set()
+
+        def candidates() -> Iterator[Queued]:
+            it = iter(list(queue.values()) if aff is not None else queue.values())
+            if aff is not None and now_ns is not None:
+                window: list[Queued] = []
+                for item in it:
+                    if alive is not None and not alive(item):
+                        dead.append(item)
+                        continue
+                    window.append(item)
+                    if len(window) >= aff.scan:
+                        break
+                if window and now_ns - window[0].enqueued_ns >= aff.max_wait_ns:
+                    aff.overrides += 1
+                    yield from window
+                else:
+                    idx = aff.index
+                    ranked = sorted(
+                        range(len(window)),
+                        key=lambda i: (-idx.match(engine_id, window[i].blocks), i))
+                    for pos, i in enumerate(ranked):
+                        if i != pos:
+                            jumped.add(window[i].request_id)
+                        yield window[i]
+            for item in it:
                 if alive is not None and not alive(item):
                     dead.append(item)
                     continue
+                yield item
+
+        def costs() -> Iterator[int]:
+            for item in candidates():
                 live.append(item)
                 yield self.cost_for(item, engine_id)
 
@@ -522,6 +574,10 @@ class PrefillBalancer:
         plan = assign_ranks(loads, item_costs)
         for it in chosen:
             self.remove(it.request_id)
+            if aff is not None and it.blocks:
+                aff.taken(engine_id, it.tier, it.blocks)
+                if it.request_id in jumped:
+                    aff.hits += 1
         eng.load_ns = sum(plan.loads_ns)
         return Taken(
             tier=tier,
