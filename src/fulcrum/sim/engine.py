@@ -552,7 +552,7 @@ class Simulator:
                 if bal.source_tier(eid, loads) == tier:
                     offers.append(e)
                     quotas.append(Offer(eid, self._remaining(e), loads))
-            i = bal.choose_puller(tier, quotas)
+            i = bal.choose_puller(tier, quotas, now_ns=self.now)
             if i < 0 or not self._take(offers[i]):
                 return
 

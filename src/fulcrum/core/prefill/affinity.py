@@ -184,8 +184,8 @@ class Affinity:
     the fairness bound; ``scan`` how many queued requests a pull considers;
     ``approximate``: record what the balancer hands each engine as held (False: exact
     mode, the engines' KV events alone update the index).
-    ``hits`` counts requests a pull took out of FIFO order for their prefix;
-    ``overrides`` pulls that went FIFO because the head waited past the bound;
+    ``hits`` counts requests taken under affinity by an engine holding part of their
+    prefix; ``overrides`` pulls that went FIFO because the head waited past the bound;
     ``tier_blocks[t]`` = [hit blocks, looked-up blocks] of the requests taken from tier
     ``t`` (the block hit ratio per tier; per engine: ``index.cache(e)``)."""
 

@@ -450,11 +450,18 @@ class PrefillBalancer:
                 return t
         return own
 
-    def can_take(self, tier: int, offer: Offer) -> bool:
-        """True when the offering engine may take ``tier``'s head now."""
+    def can_take(self, tier: int, offer: Offer, now_ns: int | None = None) -> bool:
+        """True when the offering engine may take ``tier``'s head now (with prefix
+        affinity and ``now_ns``: the first request it would take, see :meth:`take`)."""
         head = self.head(tier)
         if head is None:
             return False
+        if now_ns is not None and self.affinity is not None:
+            order = self._affinity_order(tier, offer.engine_id, now_ns)
+            if order is not None:
+                if not order:
+                    return False
+                head = order[0]
         loads = offer.rank_loads_ns
         h = self.config.rank_horizon_ns
         if h is not None and min(loads, default=0) >= h:
@@ -463,19 +470,73 @@ class PrefillBalancer:
         cost = self.cost_for(head, offer.engine_id)
         return select_batch((cost,), offer.remaining_ns, cap, idle=not any(loads)) >= 1
 
-    def choose_puller(self, tier: int, offers: Sequence[Offer]) -> int:
+    def choose_puller(self, tier: int, offers: Sequence[Offer],
+                      now_ns: int | None = None) -> int:
         """Index in ``offers`` (engines offering to pull on ``tier``, in the shell's
         deterministic order) of the engine that takes the work now, among those that can
         take the head: under late binding the one whose least-loaded rank is emptiest
         (ties: most remaining quota, then first), else the most remaining quota (ties:
-        first); -1 when none can (or nothing is queued)."""
-        able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
+        first); -1 when none can (or nothing is queued). With prefix affinity and
+        ``now_ns`` (head within the fairness bound), the engine holding the longest prefix
+        of the head comes first."""
+        able = [i for i, o in enumerate(offers) if self.can_take(tier, o, now_ns)]
         if not able:
             return -1
+        aff = self.affinity
+        head = self.head(tier)
+        if (aff is not None and now_ns is not None and head is not None and head.blocks
+                and now_ns - head.enqueued_ns < aff.max_wait_ns and len(able) > 1):
+            held = {i: aff.index.match(offers[i].engine_id, head.blocks) for i in able}
+            top = max(held.values())
+            if top > 0:
+                able = [i for i in able if held[i] == top]
         if self.config.rank_horizon_ns is not None:
             return min(able, key=lambda i: (
                 min(offers[i].rank_loads_ns, default=0), -offers[i].remaining_ns, i))
         return able[pick_engine([offers[i].remaining_ns for i in able])]
+
+    def _affinity_order(
+        self, tier: int, engine_id: str, now_ns: int,
+        alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
+    ) -> list[Queued] | None:
+        """The requests ``engine_id`` may take from ``tier`` under prefix affinity, in the
+        order it takes them; None when affinity does not apply (off, or the tier's head
+        waited past the fairness bound: FIFO). Among the tier's first ``affinity.scan``
+        live requests: those another engine that may serve the tier holds a longer prefix
+        of wait for it (until they waited ``max_wait_ns``); the rest go longest held prefix
+        first, FIFO among equals. Dead requests met are appended to ``dead``."""
+        aff = self.affinity
+        if aff is None:
+            return None
+        queue = self._tiers[tier].queue
+        window: list[Queued] = []
+        for item in queue.values():
+            if alive is not None and not alive(item):
+                if dead is not None:
+                    dead.append(item)
+                continue
+            window.append(item)
+            if len(window) >= aff.scan:
+                break
+        if not window:
+            return None
+        if now_ns - window[0].enqueued_ns >= aff.max_wait_ns:
+            return None
+        idx = aff.index
+        wc = self.config.rules.work_conserving
+        others = [
+            e.engine_id for e in self._engines.values()
+            if e.engine_id != engine_id and (e.tier == tier or (wc and e.tier > tier))
+        ]
+        ranked: list[tuple[int, int, Queued]] = []
+        for i, item in enumerate(window):
+            mine = idx.match(engine_id, item.blocks) if item.blocks else 0
+            if (item.blocks and now_ns - item.enqueued_ns < aff.max_wait_ns
+                    and any(idx.match(o, item.blocks) > mine for o in others)):
+                continue  # its holder serves it (until the fairness bound)
+            ranked.append((-mine, i, item))
+        ranked.sort(key=lambda x: (x[0], x[1]))
+        return [x[2] for x in ranked]
 
     def take(
         self,
@@ -520,32 +581,15 @@ class PrefillBalancer:
         dead: list[Queued] = []
 
         aff = self.affinity
-        jumped: set[str] = set()
+
+        order = None if now_ns is None else self._affinity_order(
+            tier, engine_id, now_ns, alive, dead)
 
         def candidates() -> Iterator[Queued]:
-            it = iter(list(queue.values()) if aff is not None else queue.values())
-            if aff is not None and now_ns is not None:
-                window: list[Queued] = []
-                for item in it:
-                    if alive is not None and not alive(item):
-                        dead.append(item)
-                        continue
-                    window.append(item)
-                    if len(window) >= aff.scan:
-                        break
-                if window and now_ns - window[0].enqueued_ns >= aff.max_wait_ns:
-                    aff.overrides += 1
-                    yield from window
-                else:
-                    idx = aff.index
-                    ranked = sorted(
-                        range(len(window)),
-                        key=lambda i: (-idx.match(engine_id, window[i].blocks), i))
-                    for pos, i in enumerate(ranked):
-                        if i != pos:
-                            jumped.add(window[i].request_id)
-                        yield window[i]
-            for item in it:
+            if order is not None:
+                yield from order
+                return
+            for item in queue.values():
                 if alive is not None and not alive(item):
                     dead.append(item)
                     continue
@@ -572,11 +616,12 @@ class PrefillBalancer:
             return Taken(tier=tier, dead=tuple(dead))
         item_costs = [self.cost_for(it, engine_id) for it in chosen]
         plan = assign_ranks(loads, item_costs)
+        if aff is not None and now_ns is not None and order is None:
+            aff.overrides += 1  # the head waited past the fairness bound: FIFO
         for it in chosen:
             self.remove(it.request_id)
             if aff is not None and it.blocks:
-                aff.taken(engine_id, it.tier, it.blocks)
-                if it.request_id in jumped:
+                if aff.taken(engine_id, it.tier, it.blocks) and order is not None:
                     aff.hits += 1
         eng.load_ns = sum(plan.loads_ns)
         return Taken(
