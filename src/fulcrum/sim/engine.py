@@ -71,11 +71,10 @@ from fulcrum.core.prefill.balancer import (
 )
 from fulcrum.sim import baselines
 from fulcrum.sim.cache import PER_ENGINE, BlockCache, block_hit_ratio, engine_caches
-from fulcrum.sim.workload import BLOCK_TOKENS
 from fulcrum.sim.cluster import Cluster
 from fulcrum.sim.experts import EplbGroup, Popularity, eplb_policy
 from fulcrum.sim.policies import FULCRUM, DecodeChooser, PolicySet, VisionChooser
-from fulcrum.sim.workload import Request
+from fulcrum.sim.workload import BLOCK_TOKENS, Request
 
 _PREFILL_DONE: Final = 1
 _DECODE_DONE: Final = 2

@@ -621,8 +621,8 @@ class PrefillBalancer:
         for it in chosen:
             self.remove(it.request_id)
             if aff is not None and it.blocks:
-                if aff.taken(engine_id, it.tier, it.blocks) and order is not None:
-                    aff.hits += 1
+                hit = aff.taken(engine_id, it.tier, it.blocks)
+                aff.hits += int(bool(hit) and order is not None)
         eng.load_ns = sum(plan.loads_ns)
         return Taken(
             tier=tier,

@@ -1,0 +1,104 @@
+"""Prefix affinity through the daemon (issue 15): a conversation's later turns go to the
+engine holding its prefix while it has quota, to the other engine past the fairness bound."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from fulcrum.client.prefix import block_hashes
+from fulcrum.metrics import REGISTRY
+from fulcrum.v1 import prefill_pb2
+from tests.service.prefill_helpers import prefill_daemon, pull_request, register, until
+
+S = 1_000_000_000
+WAIT_MS = 5_000
+
+CONFIG = {"prefill": {"cache_model": "per_engine", "affinity_max_wait_ms": WAIT_MS,
+                      "engine_cache_blocks": 1_000, "pull_wait_ms": 0}}
+
+
+def _metric(name: str, **labels: str) -> float:
+    v = REGISTRY.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+def _submit(rid: str, tokens: list[int]) -> prefill_pb2.SubmitRequest:
+    return prefill_pb2.SubmitRequest(
+        request_id=rid, total_tokens=len(tokens), max_wait_ms=20_000,
+        block_hashes=block_hashes(tokens),
+    )
+
+
+async def test_later_turns_follow_the_prefix_until_the_fairness_bound() -> None:
+    async with prefill_daemon(CONFIG) as (d, c, state):
+        now = [d.app.clock()]
+        state._clock = lambda: now[0]  # the test drives the daemon's clock
+        inc = {e: await register(c, e, dp_ranks=1) for e in ("a", "b")}
+        state.rebalance(now[0])
+        hits0 = _metric("fulcrum_prefill_affinity_decisions_total", decision="affinity_hit")
+        over0 = _metric("fulcrum_prefill_affinity_decisions_total",
+                        decision="fairness_override")
+
+        conv = list(range(2_100))  # the shared prefix: 4 full blocks of 512 tokens
+        turn1 = asyncio.ensure_future(c.prefill.Submit(_submit("t1", conv)))
+        await until(lambda: state.is_queued("t1"))
+        got = await c.prefill.Pull(pull_request("a", inc["a"], 100 * S, [0], wait_ms=0))
+        assert [r.request_id for r in got.requests] == ["t1"]
+        assert (await turn1).engine_id == "a"
+
+        # Turn 2 shares the prefix: b (idle) pulls first and gets nothing, a takes it.
+        turn2 = asyncio.ensure_future(c.prefill.Submit(_submit("t2", conv + [7] * 600)))
+        await until(lambda: state.is_queued("t2"))
+        got = await c.prefill.Pull(pull_request("b", inc["b"], 100 * S, [0], wait_ms=0))
+        assert not got.requests
+        got = await c.prefill.Pull(pull_request("a", inc["a"], 100 * S, [0], wait_ms=0))
+        assert [r.request_id for r in got.requests] == ["t2"]
+        reply = await turn2
+        assert reply.engine_id == "a"
+        # Charged at a's own cost: the 4 held blocks are not recomputed.
+        assert reply.predicted_cost_ns == state.model_cost_ns(2_700 - 2_048, 2_048)
+
+        # Turn 3: a is busy (does not pull). b waits for a until the bound, then takes it.
+        turn3 = asyncio.ensure_future(c.prefill.Submit(_submit("t3", conv + [7] * 900)))
+        await until(lambda: state.is_queued("t3"))
+        now[0] += WAIT_MS * 1_000_000 - 1
+        got = await c.prefill.Pull(pull_request("b", inc["b"], 100 * S, [0], wait_ms=0))
+        assert not got.requests
+        now[0] += 1
+        got = await c.prefill.Pull(pull_request("b", inc["b"], 100 * S, [0], wait_ms=0))
+        assert [r.request_id for r in got.requests] == ["t3"]
+        assert (await turn3).engine_id == "b"
+
+        assert _metric("fulcrum_prefill_affinity_decisions_total",
+                       decision="affinity_hit") == hits0 + 1
+        assert _metric("fulcrum_prefill_affinity_decisions_total",
+                       decision="fairness_override") == over0 + 1
+        assert _metric("fulcrum_prefill_prefix_engine_hit_blocks_total", engine="a") == 4
+        assert _metric("fulcrum_prefill_prefix_engine_lookup_blocks_total", engine="a") == 9
+        # a holds t2's 5 full blocks (t1's 4 among them), b t3's 5 (the same 5 hashes).
+        assert _metric("fulcrum_prefill_prefix_index_blocks") == 5 + 5
+
+
+async def test_too_many_block_hashes_is_invalid_argument() -> None:
+    config = {"prefill": {**CONFIG["prefill"], "max_block_hashes": 4}}
+    async with prefill_daemon(config) as (_, c, state):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.prefill.Submit(_submit("x", list(range(512 * 5))))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "block_hashes" in (err.value.details() or "")
+        assert not state.is_queued("x")
+
+
+def test_block_hashes_are_chained_and_stable() -> None:
+    a = block_hashes(list(range(1_100)))
+    b = block_hashes(list(range(1_024)) + [5] * 600)
+    assert len(a) == 2 and len(b) == 3
+    assert a == b[:2]
+    assert block_hashes([1] * 512)[0] != block_hashes([2] * 512)[0]
+    # Stable across processes: a fixed value, not Python's salted hash().
+    assert block_hashes([0] * 512) == [9124900054286956167]
+    two = block_hashes([2, 3], block_tokens=2)
+    assert block_hashes(list(range(4)), block_tokens=2)[1] != two[0]  # chained
