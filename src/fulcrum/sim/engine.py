@@ -482,7 +482,7 @@ class Simulator:
             if self.affinity is not None and blocks:
                 cost = self.affinity.expected_cost(int(self.inp[rid]), blocks)
             item = Queued(str(rid), int(self.inp[rid]), int(self.cached[rid]),
-                          bal.tier_of(int(self.inp[rid])), cost, self.now, blocks)
+                          bal.tier_for(int(self.inp[rid]), blocks), cost, self.now, blocks)
             red = bal.enqueue(item)
             self._trace(("submit", self.now, item.request_id, item.total, item.cached,
                          tuple(bal.engines_per_tier())))

@@ -252,6 +252,30 @@ class PrefillBalancer:
         """Tier index of a request of ``total_tokens`` context (tokens)."""
         return tier_of(total_tokens, self.bounds)
 
+    def tier_for(self, total_tokens: int, blocks: Sequence[int] = ()) -> int:
+        """The tier a request is queued in. Without prefix affinity (or blocks): by total
+        context (:meth:`tier_of`). With it, a conversation's later turn that has grown past
+        its tier's bound joins the tier of the engine holding its longest prefix when its
+        cost on that engine is no more than a fresh prompt at that tier's upper bound
+        costs (the tier's promise -- no long compute on a short tier's engine -- holds,
+        and the holder can take it)."""
+        tier = tier_of(total_tokens, self.bounds)
+        aff = self.affinity
+        if aff is None or not blocks or tier == 0:
+            return tier
+        best, held = None, 0
+        for e in self._engines.values():
+            if 0 <= e.tier < tier:
+                m = aff.index.match(e.engine_id, blocks)
+                if m > held or (m == held and best is not None and e.tier < best.tier):
+                    best, held = e, m
+        if best is None or held == 0:
+            return tier
+        bound = self.bounds[best.tier]
+        if aff.cost_on(best.engine_id, total_tokens, blocks) <= aff.cost_ns(bound, 0):
+            return best.tier
+        return tier
+
     def engines_per_tier(self) -> list[int]:
         """Engines assigned to each tier now."""
         return list(self._counts)
