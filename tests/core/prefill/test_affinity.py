@@ -211,3 +211,28 @@ def test_affinity_keeps_queue_accounting_and_fairness(seq: list[tuple[str, list[
         if head is not None and now - head.enqueued_ns >= 3 and taken.items:
             assert taken.items[0] is head
         assert bal.queued_ns(0) == sum(i.cost_ns for i in bal.queued(0))
+
+
+def test_grown_turn_joins_its_holders_shorter_tier_when_it_fits() -> None:
+    bal = PrefillBalancer(BalancerConfig(
+        bounds=(1_000,), batch_cap_ns=(1000 * S, 1000 * S), backlog_rounds=1.0,
+        hysteresis=0.0, max_batch_requests=4,
+    ))
+    aff = Affinity(PrefixIndex(block_tokens=100), cost)
+    bal.affinity = aff
+    bal.enqueue(Queued("s0", 10, 0, 0, 1, 0))
+    bal.enqueue(Queued("s1", 2_000, 0, 1, 1, 0))
+    for e in ("a", "b"):
+        aff.index.add_engine(e, 1_000)
+        bal.add_engine(e, 1)
+    short = next(e for e in ("a", "b") if bal.engine_tier(e) == 0)
+    long_ = next(e for e in ("a", "b") if bal.engine_tier(e) == 1)
+    blocks = tuple(range(10))
+    assert bal.tier_for(1_050, blocks) == 1  # nobody holds it: by length
+    aff.index.record(long_, blocks[:9])
+    assert bal.tier_for(1_050, blocks) == 1  # the holder serves the long tier already
+    aff.index.record(short, blocks[:9])
+    assert bal.tier_for(1_050, blocks) == 0  # cost(150, 900) fits tier 0
+    assert bal.tier_for(1_050, ()) == 1
+    # A turn whose miss on the holder costs more than a fresh 1,000-token prompt stays.
+    assert bal.tier_for(2_500, (*blocks, *range(100, 115))) == 1
