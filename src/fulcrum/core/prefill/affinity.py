@@ -50,7 +50,7 @@ MAX_REQUEST_BLOCKS: Final = 1 << 16
 DEFAULT_MAX_WAIT_NS: Final = 2_000_000_000
 """Default fairness bound (ns): once a tier's head waited this long, pulls take FIFO."""
 
-DEFAULT_SCAN: Final = 256
+DEFAULT_SCAN: Final = 32
 """Queued requests a pull looks at for affinity (bounds the work of one pull)."""
 
 

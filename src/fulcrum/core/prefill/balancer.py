@@ -486,6 +486,9 @@ class PrefillBalancer:
                 if not order:
                     return False
                 head = order[0]
+        return self._can_take_item(tier, offer, head)
+
+    def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
         loads = offer.rank_loads_ns
         h = self.config.rank_horizon_ns
         if h is not None and min(loads, default=0) >= h:
@@ -503,38 +506,43 @@ class PrefillBalancer:
         first); -1 when none can (or nothing is queued). With prefix affinity and
         ``now_ns`` (head within the fairness bound), the engine holding the longest prefix
         of the head comes first."""
-        able = [i for i, o in enumerate(offers) if self.can_take(tier, o, now_ns)]
-        if not able:
-            return -1
-        aff = self.affinity
-        head = self.head(tier)
-        if (aff is not None and now_ns is not None and head is not None and head.blocks
-                and now_ns - head.enqueued_ns < aff.max_wait_ns and len(able) > 1):
-            held = {i: aff.index.match(offers[i].engine_id, head.blocks) for i in able}
-            top = max(held.values())
+        w = None if now_ns is None else self._affinity_window(tier, now_ns)
+        if w is None:
+            able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
+        else:
+            assert now_ns is not None
+            firsts: dict[int, Queued] = {}
+            for i, o in enumerate(offers):
+                order = self._order_for(o.engine_id, now_ns, *w)
+                if order and self._can_take_item(tier, o, order[0]):
+                    firsts[i] = order[0]
+            able = list(firsts)
+            # The engine holding the longest prefix of the work it would take comes first.
+            pos = {id(it): j for j, it in enumerate(w[0])}
+            held = {i: w[1][pos[id(firsts[i])]].get(offers[i].engine_id, 0) for i in able}
+            top = max(held.values(), default=0)
             if top > 0:
                 able = [i for i in able if held[i] == top]
+        if not able:
+            return -1
         if self.config.rank_horizon_ns is not None:
             return min(able, key=lambda i: (
                 min(offers[i].rank_loads_ns, default=0), -offers[i].remaining_ns, i))
         return able[pick_engine([offers[i].remaining_ns for i in able])]
 
-    def _affinity_order(
-        self, tier: int, engine_id: str, now_ns: int,
+    def _affinity_window(
+        self, tier: int, now_ns: int,
         alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
-    ) -> list[Queued] | None:
-        """The requests ``engine_id`` may take from ``tier`` under prefix affinity, in the
-        order it takes them; None when affinity does not apply (off, or the tier's head
-        waited past the fairness bound: FIFO). Among the tier's first ``affinity.scan``
-        live requests: those another engine that may serve the tier holds a longer prefix
-        of wait for it (until they waited ``max_wait_ns``); the rest go longest held prefix
-        first, FIFO among equals. Dead requests met are appended to ``dead``."""
+    ) -> tuple[list[Queued], list[dict[str, int]]] | None:
+        """The tier's first ``affinity.scan`` live requests and, for each, the leading
+        blocks every engine that may serve the tier holds (computed once per decision);
+        None when affinity does not apply (off, nothing queued, or the head waited past
+        the fairness bound: FIFO). Dead requests met are appended to ``dead``."""
         aff = self.affinity
         if aff is None:
             return None
-        queue = self._tiers[tier].queue
         window: list[Queued] = []
-        for item in queue.values():
+        for item in self._tiers[tier].queue.values():
             if alive is not None and not alive(item):
                 if dead is not None:
                     dead.append(item)
@@ -542,25 +550,43 @@ class PrefillBalancer:
             window.append(item)
             if len(window) >= aff.scan:
                 break
-        if not window:
+        if not window or now_ns - window[0].enqueued_ns >= aff.max_wait_ns:
             return None
-        if now_ns - window[0].enqueued_ns >= aff.max_wait_ns:
-            return None
-        idx = aff.index
         wc = self.config.rules.work_conserving
-        others = [
-            e.engine_id for e in self._engines.values()
-            if e.engine_id != engine_id and (e.tier == tier or (wc and e.tier > tier))
+        serving = [e.engine_id for e in self._engines.values()
+                   if e.tier == tier or (wc and e.tier > tier)]
+        idx = aff.index
+        held = [
+            {e: m for e in serving if (m := idx.match(e, it.blocks))} if it.blocks else {}
+            for it in window
         ]
+        return window, held
+
+    def _order_for(self, engine_id: str, now_ns: int, window: list[Queued],
+                   held: list[dict[str, int]]) -> list[Queued]:
+        """``engine_id``'s take order over an affinity window: requests another serving
+        engine holds a longer prefix of wait for it (until they waited ``max_wait_ns``);
+        the rest go longest held prefix first, FIFO among equals."""
+        aff = self.affinity
+        assert aff is not None
         ranked: list[tuple[int, int, Queued]] = []
-        for i, item in enumerate(window):
-            mine = idx.match(engine_id, item.blocks) if item.blocks else 0
-            if (item.blocks and now_ns - item.enqueued_ns < aff.max_wait_ns
-                    and any(idx.match(o, item.blocks) > mine for o in others)):
+        for i, (item, h) in enumerate(zip(window, held, strict=True)):
+            mine = h.get(engine_id, 0)
+            if (h and now_ns - item.enqueued_ns < aff.max_wait_ns
+                    and max(h.values()) > mine):
                 continue  # its holder serves it (until the fairness bound)
             ranked.append((-mine, i, item))
         ranked.sort(key=lambda x: (x[0], x[1]))
         return [x[2] for x in ranked]
+
+    def _affinity_order(
+        self, tier: int, engine_id: str, now_ns: int,
+        alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
+    ) -> list[Queued] | None:
+        """The requests ``engine_id`` may take from ``tier`` under prefix affinity, in the
+        order it takes them (see :meth:`take`); None when affinity does not apply."""
+        w = self._affinity_window(tier, now_ns, alive, dead)
+        return None if w is None else self._order_for(engine_id, now_ns, *w)
 
     def take(
         self,
