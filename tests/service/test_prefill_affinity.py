@@ -102,3 +102,31 @@ def test_block_hashes_are_chained_and_stable() -> None:
     assert block_hashes([0] * 512) == [9124900054286956167]
     two = block_hashes([2, 3], block_tokens=2)
     assert block_hashes(list(range(4)), block_tokens=2)[1] != two[0]  # chained
+
+
+def test_reload_switches_the_cache_model_and_reregistration_drops_the_cache() -> None:
+    from fulcrum.config.prefill import PrefillSettings
+    from fulcrum.config.server import FleetSettings
+    from fulcrum.core.types import MemberKind, PrefillEngineShape
+    from fulcrum.state.fleet import Fleet
+    from fulcrum.state.prefill import PrefillState
+
+    now = [1]
+    fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
+    state = PrefillState(PrefillSettings(round_period_ms=3_600_000), fleet, lambda: now[0])
+    fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
+    fleet.register("a", PrefillEngineShape(dp_ranks=1), now[0])
+    assert state.balancer.affinity is None
+    per = PrefillSettings(round_period_ms=3_600_000, cache_model="per_engine",
+                          engine_cache_blocks=3, affinity_max_wait_ms=7)
+    assert state.apply_settings(per)
+    aff = state.balancer.affinity
+    assert aff is not None and aff.max_wait_ns == 7_000_000
+    cache = aff.index.cache("a")
+    assert cache is not None and cache.capacity_blocks == 3
+    aff.index.record("a", [1, 2, 3, 4])
+    assert aff.index.size() == 3  # bounded by the engine's capacity
+    fleet.register("a", PrefillEngineShape(dp_ranks=1), now[0])  # re-registration
+    assert aff.index.match("a", [2, 3, 4]) == 0
+    assert state.apply_settings(PrefillSettings(round_period_ms=3_600_000))
+    assert state.balancer.affinity is None
