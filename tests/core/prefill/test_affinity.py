@@ -236,3 +236,19 @@ def test_grown_turn_joins_its_holders_shorter_tier_when_it_fits() -> None:
     assert bal.tier_for(1_050, ()) == 1
     # A turn whose miss on the holder costs more than a fresh 1,000-token prompt stays.
     assert bal.tier_for(2_500, (*blocks, *range(100, 115))) == 1
+
+
+def test_memoised_match_follows_every_change() -> None:
+    idx = PrefixIndex()
+    idx.add_engine("a", 3)
+    memo: dict[str, tuple[int, int, int]] = {}
+    assert idx.match_memo("a", [1, 2], memo) == 0
+    idx.record("a", [1, 2])
+    assert idx.match_memo("a", [1, 2], memo) == 2
+    idx.evicted("a", [2])
+    assert idx.match_memo("a", [1, 2], memo) == 1
+    idx.record("a", [3, 4, 5])  # evicts 1
+    assert idx.match_memo("a", [1, 2], memo) == 0
+    idx.stored("a", [1])
+    idx.add_engine("a", 3)  # re-registered: a new, empty cache
+    assert idx.match_memo("a", [1, 2], memo) == 0

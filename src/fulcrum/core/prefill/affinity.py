@@ -63,12 +63,17 @@ class EngineCache:
     blocks: OrderedDict[int, None] = field(default_factory=OrderedDict)
     hit_blocks: int = 0
     lookup_blocks: int = 0
+    #: Bumped on every change of ``blocks``: a match memoised at this version still holds.
+    version: int = 0
+    #: Unique per cache object of an index (a re-registered engine gets a new one).
+    uid: int = 0
 
     def evict_to(self, cap: int) -> None:
         """Drop least recently used blocks until at most ``cap`` remain."""
         b = self.blocks
         while len(b) > cap:
             b.popitem(last=False)
+            self.version += 1
 
 
 class PrefixIndex:
@@ -79,6 +84,7 @@ class PrefixIndex:
             raise ValueError("block_tokens: must be >= 1")
         self.block_tokens = block_tokens
         self._engines: dict[str, EngineCache] = {}
+        self._uids = 0
 
     # -- engines --------------------------------------------------------------------------
 
@@ -93,7 +99,8 @@ class PrefixIndex:
             old.capacity_blocks = capacity_blocks
             old.evict_to(capacity_blocks)
             return
-        self._engines[engine_id] = EngineCache(capacity_blocks)
+        self._uids += 1
+        self._engines[engine_id] = EngineCache(capacity_blocks, uid=self._uids)
 
     def remove_engine(self, engine_id: str) -> None:
         """Forget an engine (it left)."""
@@ -165,9 +172,25 @@ class PrefixIndex:
         if c is not None:
             for h in blocks:
                 c.blocks.pop(h, None)
+            c.version += 1
+
+    def match_memo(self, engine_id: str, blocks: Sequence[int],
+                   memo: dict[str, tuple[int, int, int]]) -> int:
+        """:meth:`match`, memoised in ``memo`` (engine id -> (cache identity, version,
+        match)): recomputed only when that engine's cache changed since."""
+        c = self._engines.get(engine_id)
+        if c is None:
+            return 0
+        hit = memo.get(engine_id)
+        if hit is not None and hit[0] == c.uid and hit[1] == c.version:
+            return hit[2]
+        m = self.match(engine_id, blocks)
+        memo[engine_id] = (c.uid, c.version, m)
+        return m
 
     @staticmethod
     def _insert(c: EngineCache, blocks: Iterable[int]) -> None:
+        c.version += 1
         held = c.blocks
         for h in blocks:
             if h in held:

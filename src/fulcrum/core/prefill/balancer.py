@@ -151,6 +151,8 @@ class Queued:
     cost_ns: int
     enqueued_ns: int
     blocks: tuple[int, ...] = ()
+    #: Prefix matches per engine memoised by the affinity index (bounded by engines).
+    held: dict[str, tuple[int, int, int]] = field(default_factory=dict, repr=False)
 
 
 @dataclass(slots=True, eq=False)
@@ -557,7 +559,8 @@ class PrefillBalancer:
                    if e.tier == tier or (wc and e.tier > tier)]
         idx = aff.index
         held = [
-            {e: m for e in serving if (m := idx.match(e, it.blocks))} if it.blocks else {}
+            {e: m for e in serving if (m := idx.match_memo(e, it.blocks, it.held))}
+            if it.blocks else {}
             for it in window
         ]
         return window, held
