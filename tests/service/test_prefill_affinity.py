@@ -130,3 +130,30 @@ def test_reload_switches_the_cache_model_and_reregistration_drops_the_cache() ->
     assert aff.index.match("a", [2, 3, 4]) == 0
     assert state.apply_settings(PrefillSettings(round_period_ms=3_600_000))
     assert state.balancer.affinity is None
+
+
+async def test_registered_cache_capacity_and_survival() -> None:
+    from fulcrum.v1 import fleet_pb2
+
+    def reg(blocks: int, survived: bool = False) -> fleet_pb2.RegisterRequest:
+        return fleet_pb2.RegisterRequest(
+            member_id="e", prefill_engine=fleet_pb2.PrefillEngineShape(
+                dp_ranks=1, prefix_cache_blocks=blocks, prefix_cache_survived=survived))
+
+    async with prefill_daemon(CONFIG) as (_, c, state):
+        await c.fleet.Register(reg(2))
+        aff = state.balancer.affinity
+        assert aff is not None
+        cache = aff.index.cache("e")
+        assert cache is not None and cache.capacity_blocks == 2  # registered, not default
+        aff.index.record("e", [1, 2])
+        await c.fleet.Register(reg(2, survived=True))
+        assert aff.index.match("e", [1, 2]) == 2  # the engine says its cache survived
+        await c.fleet.Register(reg(0))
+        assert aff.index.match("e", [1, 2]) == 0  # dropped by default
+        cache = aff.index.cache("e")
+        assert cache is not None and cache.capacity_blocks == 1_000  # the configured default
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.fleet.Register(reg(1 << 25))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prefix_cache_blocks" in (err.value.details() or "")

@@ -571,7 +571,8 @@ class PrefillState:
             member.member_id, member.incarnation, shape.dp_ranks
         )
         log.info("prefill_engine_joined", engine_id=member.member_id, dp_ranks=shape.dp_ranks)
-        self.prefix.join(member.member_id)
+        self.prefix.join(member.member_id, shape.prefix_cache_blocks,
+                         cache_survived=shape.prefix_cache_survived)
         self._redistributed(self.balancer.add_engine(member.member_id, shape.dp_ranks))
 
     def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
@@ -585,7 +586,7 @@ class PrefillState:
         self._end_waiters(eng)
         log.info("prefill_engine_left", engine_id=member.member_id, reason=reason)
         red = self.balancer.remove_engine(member.member_id)
-        self.prefix.leave(member.member_id)
+        self.prefix.leave(member.member_id, replaced=reason == "replaced")
         if red is not None:
             self._redistributed(red)
 

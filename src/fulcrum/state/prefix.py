@@ -34,6 +34,8 @@ class PrefixWiring:
         self._seen_tier: dict[int, tuple[int, int]] = {}
         self._seen_hits = 0
         self._seen_overrides = 0
+        #: Prefix-cache capacity each engine registered (blocks; absent: the default).
+        self._registered: dict[str, int] = {}
         self.settings = settings
         self.apply(settings)
 
@@ -56,7 +58,7 @@ class PrefixWiring:
             self._seen_hits = self._seen_overrides = 0
         aff.max_wait_ns = s.affinity_max_wait_ms * (NS_PER_S // 1000)
         for eid in self._bal.engine_ids():
-            aff.index.add_engine(eid, s.engine_cache_blocks, keep=True)
+            aff.index.add_engine(eid, self._capacity(eid), keep=True)
         pm.INDEX_BLOCKS.set(aff.index.size())
 
     def validate(self, blocks: Sequence[int]) -> None:
@@ -78,15 +80,28 @@ class PrefixWiring:
             return plain_ns
         return min(plain_ns, aff.expected_cost(total, blocks, cached))
 
-    def join(self, engine_id: str, *, cache_survived: bool = False) -> None:
-        """An engine (re-)registered: empty believed cache unless it says it survived."""
+    def join(self, engine_id: str, capacity_blocks: int = 0, *,
+             cache_survived: bool = False) -> None:
+        """An engine (re-)registered with a prefix cache of ``capacity_blocks`` blocks (0:
+        ``engine_cache_blocks``): empty believed cache unless it says it survived."""
+        if capacity_blocks > 0:
+            self._registered[engine_id] = capacity_blocks
+        else:
+            self._registered.pop(engine_id, None)
         aff = self._bal.affinity
         if aff is not None:
-            aff.index.add_engine(engine_id, self.settings.engine_cache_blocks,
-                                 keep=cache_survived)
+            aff.index.add_engine(engine_id, self._capacity(engine_id), keep=cache_survived)
 
-    def leave(self, engine_id: str) -> None:
-        """An engine left: forget its cache and its metric series."""
+    def _capacity(self, engine_id: str) -> int:
+        return self._registered.get(engine_id, self.settings.engine_cache_blocks)
+
+    def leave(self, engine_id: str, *, replaced: bool = False) -> None:
+        """An engine left: forget its cache and its metric series. ``replaced``: a new
+        incarnation registers at once, and its :meth:`join` decides (kept only when it
+        says its cache survived)."""
+        if replaced:
+            return
+        self._registered.pop(engine_id, None)
         aff = self._bal.affinity
         if aff is not None:
             aff.index.remove_engine(engine_id)
