@@ -157,3 +157,67 @@ async def test_registered_cache_capacity_and_survival() -> None:
             await c.fleet.Register(reg(1 << 25))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "prefix_cache_blocks" in (err.value.details() or "")
+
+
+async def test_simulator_and_daemon_make_the_same_affinity_decisions() -> None:
+    """The simulator's per-engine run, replayed through the daemon's prefill state with
+    the same block hashes on a fake clock, takes the same requests onto the same ranks."""
+    from fulcrum.config.prefill import PrefillSettings
+    from fulcrum.config.server import FleetSettings
+    from fulcrum.core.types import MemberKind, PrefillEngineShape
+    from fulcrum.sim.cluster import Cluster
+    from fulcrum.sim.engine import simulate
+    from fulcrum.sim.policies import get_policy_set
+    from fulcrum.state.fleet import Fleet
+    from fulcrum.state.prefill import PrefillState
+    from tests.sim.test_sim_prefix import conversations
+
+    cluster = Cluster().with_overrides(
+        prefill={"engines": 4, "ranks_per_engine": 2},
+        decode={"instances": 1, "gpus_per_instance": 4},
+        vision={"machines": 1, "gpus_per_machine": 2},
+        cache={"mode": "per_engine", "capacity_blocks": 400},
+    )
+    reqs = sorted(conversations(5, n_conv=16, turns=6), key=lambda r: (r.arrival_ns, r.rid))
+    events: list[tuple[object, ...]] = []
+    res = simulate(cluster, get_policy_set("default"), reqs, seed=0, trace=events.append)
+    assert res.block_hit_ratio > 0.3
+
+    now = [0]
+    fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
+    state = PrefillState(
+        PrefillSettings(round_period_ms=3_600_000, max_queued_per_tier=100_000,
+                        cache_model="per_engine", engine_cache_blocks=100,
+                        affinity_max_wait_ms=2_000),
+        fleet, lambda: now[0])
+    fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
+    tasks: dict[str, asyncio.Task[object]] = {}
+    batches = 0
+    try:
+        for ev in events:
+            kind, now[0] = str(ev[0]), int(ev[1])
+            if kind == "join":
+                fleet.register(str(ev[2]), PrefillEngineShape(dp_ranks=int(ev[3])),
+                               now[0])
+            elif kind == "submit":
+                rid, total, cached = str(ev[2]), int(ev[3]), int(ev[4])
+                tasks[rid] = asyncio.ensure_future(state.submit(
+                    rid, total, cached, 3600 * S, reqs[int(rid)].hash_ids))
+                await asyncio.sleep(0)
+                assert tuple(state.engines_per_tier()) == ev[5], ev
+            elif kind == "pull":
+                _, _, eid, remaining, loads, ids, ranks = ev
+                batch = await state.pull(str(eid), 0, int(remaining),
+                                         list(loads), 0, 0)
+                assert tuple(it.request_id for it in batch.items) == ids, ev
+                assert tuple(it.dp_rank for it in batch.items) == ranks, ev
+                batches += bool(ids)
+            elif kind == "round":
+                state.tick(now[0])
+                assert tuple(state.engines_per_tier()) == ev[2], ev
+        aff = state.balancer.affinity
+        assert aff is not None and aff.hits > 0
+        assert batches >= 20
+    finally:
+        for task in tasks.values():
+            task.cancel()
