@@ -311,7 +311,7 @@ class PrefillState:
         now = self._clock()
         loop = asyncio.get_running_loop()
         blocks = self.prefix.blocks(block_hashes)
-        tier = self.balancer.tier_for(total, blocks) if blocks else tier
+        tier = self.prefix.tier(total, blocks, tier)
         item = Queued(
             request_id=request_id,
             total=total,

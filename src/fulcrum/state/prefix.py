@@ -73,6 +73,17 @@ class PrefixWiring:
         """The blocks a queued request carries (none under the global cache model)."""
         return tuple(int(h) for h in raw) if self._bal.affinity is not None else ()
 
+    def tier(self, total: int, blocks: Sequence[int], tier: int) -> int:
+        """The tier to queue in: the holder's shorter tier when the balancer says so
+        (:meth:`PrefillBalancer.tier_for`) and that tier's queue is below its bound, else
+        ``tier`` (by length; its bound was checked at validation)."""
+        if not blocks:
+            return tier
+        t = self._bal.tier_for(total, blocks)
+        if t != tier and self._bal.queue_depth(t) >= self.settings.max_queued_per_tier:
+            return tier
+        return t
+
     def cost(self, total: int, cached: int, blocks: Sequence[int], plain_ns: int) -> int:
         """Queued cost (ns): the expected per-engine cost under affinity, else ``plain_ns``."""
         aff = self._bal.affinity
