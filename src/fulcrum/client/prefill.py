@@ -38,6 +38,7 @@ async def submit_prefill(
     *,
     max_wait_ms: int = 0,
     timeout_s: float | None = None,
+    block_hashes: Sequence[int] = (),
 ) -> PrefillPlacement:
     """Submit a prefill request and wait until an engine pulls it.
 
@@ -50,6 +51,7 @@ async def submit_prefill(
             total_tokens=total_tokens,
             cached_tokens=cached_tokens,
             max_wait_ms=max_wait_ms,
+            block_hashes=block_hashes,
         ),
         timeout=timeout_s,
     )

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import itertools
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from fulcrum.config.base import Section
 from fulcrum.core.cost import DEFAULT_COST_MODEL, DEFAULT_STEP_BUDGET_NS, MAX_CHUNK_TOKENS
+from fulcrum.core.prefill.affinity import (
+    DEFAULT_BLOCK_TOKENS,
+    MAX_CAPACITY_BLOCKS,
+    MAX_REQUEST_BLOCKS,
+)
 from fulcrum.core.prefill.balancer import DEFAULT as DEFAULT_RULES
 from fulcrum.core.prefill.balancer import RULE_SETS
 from fulcrum.core.prefill.tiers import (
@@ -143,6 +149,44 @@ class PrefillSettings(Section):
         le=1_000,
         description="keep the current engine split while every tier is within this many "
         "engines of its proportional share",
+    )
+
+    # -- prefix affinity (issue 15; see fulcrum.core.prefill.affinity) -------------------
+    cache_model: Literal["global", "per_engine"] = Field(
+        "global",
+        description="KV-cache model of this prefill pool: 'global' (one pool every engine "
+        "loads from; submits give cached_tokens) or 'per_engine' (each engine caches its "
+        "own prefixes; submits give block_hashes and work goes to the engine holding the "
+        "longest prefix, within affinity_max_wait_ms)",
+    )
+    block_tokens: int = Field(
+        DEFAULT_BLOCK_TOKENS,
+        ge=1,
+        le=1 << 20,
+        description="tokens per KV block of the block hashes (needs a restart: clients "
+        "hash with it)",
+        json_schema_extra={"restart_only": True},
+    )
+    engine_cache_blocks: int = Field(
+        20_000,
+        ge=0,
+        le=MAX_CAPACITY_BLOCKS,
+        description="prefix-cache capacity of each engine, blocks (sizes the per-engine "
+        "LRU of the prefix index, about 100 bytes per block and engine)",
+    )
+    affinity_max_wait_ms: int = Field(
+        2_000,
+        ge=0,
+        le=3_600_000,
+        description="fairness bound of prefix affinity, ms: a request waits for the engine "
+        "holding its prefix at most this long, and once a tier's head waited this long "
+        "pulls are FIFO again",
+    )
+    max_block_hashes: int = Field(
+        MAX_REQUEST_BLOCKS,
+        ge=1,
+        le=MAX_REQUEST_BLOCKS,
+        description="most block hashes one submit may carry",
     )
 
     @model_validator(mode="after")

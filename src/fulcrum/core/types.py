@@ -23,10 +23,14 @@ class PrefillEngineShape:
     """A prefill engine: one DP group of ``dp_ranks`` GPUs.
 
     ``step_quota_ns``: budget of one prefill step (compute_quota_limit), ns; 0 = default.
+    ``prefix_cache_blocks``: capacity of its own prefix cache, blocks; 0 = default.
+    ``prefix_cache_survived``: it re-registers with its prefix cache intact.
     """
 
     dp_ranks: int
     step_quota_ns: int = 0
+    prefix_cache_blocks: int = 0
+    prefix_cache_survived: bool = False
 
     @property
     def gpus(self) -> int:

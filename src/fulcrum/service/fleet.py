@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import structlog
 
+from fulcrum.core.prefill.affinity import MAX_CAPACITY_BLOCKS
 from fulcrum.core.types import (
     DecodeInstanceLoad,
     DecodeInstanceShape,
@@ -62,7 +63,12 @@ def shape_from_pb(request: pb.RegisterRequest, max_gpus: int) -> MemberShape:
     which = request.WhichOneof("shape")
     if which == "prefill_engine":
         p = request.prefill_engine
-        return PrefillEngineShape(dp_ranks=p.dp_ranks, step_quota_ns=p.step_quota_ns)
+        if p.prefix_cache_blocks > MAX_CAPACITY_BLOCKS:
+            raise InvalidArgument("prefill_engine.prefix_cache_blocks",
+                                  f"must be <= {MAX_CAPACITY_BLOCKS}")
+        return PrefillEngineShape(dp_ranks=p.dp_ranks, step_quota_ns=p.step_quota_ns,
+                                  prefix_cache_blocks=p.prefix_cache_blocks,
+                                  prefix_cache_survived=p.prefix_cache_survived)
     if which == "decode_instance":
         gpus = request.decode_instance.gpus
         _bound("decode_instance.gpus", len(gpus), max_gpus)

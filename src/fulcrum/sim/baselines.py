@@ -17,6 +17,21 @@ and ``least_requests`` -- with the textbook rules over a per-target array ``coun
   a deliberately bad policy that idles every other engine, kept to check that a
   yardstick does not reward it (prefill only; elsewhere ``least_requests``).
 
+Prefix-aware push routers (per-engine prefix caches, :data:`PREFIX_NAMES`; prefill only,
+elsewhere they mean ``least_requests``) keep the same approximate prefix index the
+daemon keeps (:class:`fulcrum.core.prefill.affinity.PrefixIndex`: the blocks of what the
+router sent each engine, LRU at the engine's cache capacity) and choose an *engine*, then
+its least-work rank:
+
+* ``prefix_load``: the highest ``3 x prefix + 2 x load`` score, ``prefix`` = the request's
+  leading blocks the engine holds / its blocks, ``load`` = 1 - the engine's outstanding
+  work / the most loaded engine's (the way llm-d's scheduler sums a weighted prefix-cache
+  scorer and a load scorer; ties to the lowest index);
+* ``cache_aware``: SGLang's cache-aware rule -- when the load is imbalanced (most minus
+  least outstanding work above ``8 x step budget`` and most above 1.5 x least), the
+  least-work engine; else the engine with the longest held prefix when it covers at least
+  half the request's blocks; else the least-work engine.
+
 A push router does not see the engines' queues. :class:`PushRouter` gives it what a real
 one has: its own assignments plus load reports (per DP rank: requests and outstanding
 predicted ns) that each engine sends after every step and that reach the router
@@ -27,10 +42,13 @@ own queue exactly.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
+
+from fulcrum.core.prefill.affinity import PrefixIndex
 
 ROUND_ROBIN: Final = "round_robin"
 RANDOM: Final = "random"
@@ -38,8 +56,19 @@ LEAST_REQUESTS: Final = "least_requests"
 POWER_OF_TWO: Final = "power_of_two"
 LEAST_WORK: Final = "least_work"
 ONE_ENGINE: Final = "one_engine"
-NAMES: Final = (ROUND_ROBIN, RANDOM, LEAST_REQUESTS, POWER_OF_TWO, LEAST_WORK, ONE_ENGINE)
+PREFIX_LOAD: Final = "prefix_load"
+CACHE_AWARE: Final = "cache_aware"
+PREFIX_NAMES: Final = (PREFIX_LOAD, CACHE_AWARE)
+"""Prefix-aware push routers (need block hashes and per-engine caches)."""
+NAMES: Final = (ROUND_ROBIN, RANDOM, LEAST_REQUESTS, POWER_OF_TWO, LEAST_WORK, ONE_ENGINE,
+                *PREFIX_NAMES)
 """Every baseline name (prefill push routers)."""
+
+PREFIX_WEIGHT: Final = 3.0
+LOAD_WEIGHT: Final = 2.0
+IMBALANCE_STEPS: Final = 8.0
+IMBALANCE_RATIO: Final = 1.5
+MATCH_THRESHOLD: Final = 0.5
 
 DEFAULT_STALENESS_NS: Final = 50_000_000
 """Default age of the load reports a push router sees (ns): 50 ms."""
@@ -58,7 +87,7 @@ def choose(
         return i, (i + 1) % n
     if name == RANDOM:
         return int(rng.integers(n)), cursor
-    if name in (LEAST_REQUESTS, LEAST_WORK, ONE_ENGINE):
+    if name in (LEAST_REQUESTS, LEAST_WORK, ONE_ENGINE, *PREFIX_NAMES):
         return int(counts.argmin()), cursor
     if name == POWER_OF_TWO:
         if n == 1:
@@ -161,3 +190,40 @@ class PushRouter:
         e, r = divmod(i, self.ranks)
         self._pending[e].append((now_ns, r, float(cost_ns)))
         return i
+
+    def route_prefix(
+        self, now_ns: int, index: PrefixIndex, total: int, blocks: Sequence[int],
+        cost_ns: Callable[[int, int], int], step_ns: float,
+    ) -> tuple[int, int]:
+        """Prefix-aware push (``prefix_load`` / ``cache_aware``, module docstring): the
+        global DP rank and the predicted cost (ns) on the chosen engine. ``index``: the
+        router's own belief of the engines' caches (engine ids ``"0"``, ``"1"``, ...),
+        updated here with the request's blocks; ``cost_ns(q, c)``: the cost model;
+        ``step_ns``: the step budget (the imbalance threshold's unit)."""
+        engines = len(self._reports)
+        views = [self._view(now_ns, e) for e in range(engines)]
+        work = np.array([float(w.sum()) for _, w in views])
+        n = max(1, len(blocks))
+        match = [index.match(str(e), blocks) for e in range(engines)]
+        least = int(work.argmin())
+        if self.name == PREFIX_LOAD:
+            top = float(work.max())
+            load = 1.0 - work / top if top > 0 else np.ones(engines)
+            score = [PREFIX_WEIGHT * match[e] / n + LOAD_WEIGHT * float(load[e])
+                     for e in range(engines)]
+            e = max(range(engines), key=lambda x: (score[x], -x))
+        else:
+            hi, lo = float(work.max()), float(work.min())
+            best = max(range(engines), key=lambda x: (match[x], -work[x], -x))
+            if hi - lo > IMBALANCE_STEPS * step_ns and hi > IMBALANCE_RATIO * lo:
+                e = least
+            elif blocks and match[best] / n >= MATCH_THRESHOLD:
+                e = best
+            else:
+                e = least
+        r = int(views[e][1].argmin())
+        c = index.cached_tokens(match[e], total)
+        cost = cost_ns(total - c, c)
+        index.record(str(e), blocks)
+        self._pending[e].append((now_ns, r, float(cost)))
+        return e * self.ranks + r, cost

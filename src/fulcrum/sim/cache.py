@@ -5,6 +5,12 @@ their ``hash_id``. A request's cached prefix is its longest run of leading block
 in the store; after the lookup every block of the request is touched (hits) or inserted
 (misses), evicting the least recently used blocks beyond ``capacity_blocks``.
 ``capacity_blocks = 0`` disables caching; ``None`` is unbounded.
+
+Two cache models (``cache.mode`` of the cluster): ``global``, one store every engine
+loads from (the lookup happens on arrival); ``per_engine``, one store per prefill engine
+holding ``capacity_blocks / engines`` blocks (the same total), looked up when the request
+reaches the engine that runs it (:func:`engine_caches`). Both count tokens
+(:attr:`BlockCache.hit_ratio`) and blocks (:func:`block_hit_ratio`).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from fulcrum.sim.workload import BLOCK_TOKENS
 class BlockCache:
     """LRU set of block ids (the simulator's only mutable cache state)."""
 
-    __slots__ = ("_blocks", "capacity_blocks", "hit_tokens", "lookup_tokens")
+    __slots__ = ("_blocks", "capacity_blocks", "hit_blocks", "hit_tokens", "lookup_blocks",
+                 "lookup_tokens")
 
     def __init__(self, capacity_blocks: int | None) -> None:
         if capacity_blocks is not None and capacity_blocks < 0:
@@ -27,6 +34,8 @@ class BlockCache:
         self._blocks: OrderedDict[int, None] = OrderedDict()
         self.hit_tokens = 0
         self.lookup_tokens = 0
+        self.hit_blocks = 0
+        self.lookup_blocks = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -41,6 +50,7 @@ class BlockCache:
         computed (it produces the first output token).
         """
         self.lookup_tokens += input_tokens
+        self.lookup_blocks += len(hash_ids)
         if self.capacity_blocks == 0 or not hash_ids:
             return 0
         blocks = self._blocks
@@ -55,6 +65,7 @@ class BlockCache:
                 blocks.move_to_end(h)
             else:
                 blocks[h] = None
+        self.hit_blocks += hits
         cap = self.capacity_blocks
         if cap is not None:
             while len(blocks) > cap:
@@ -67,3 +78,22 @@ class BlockCache:
     def hit_ratio(self) -> float:
         """Cached tokens / looked-up tokens so far (0 when nothing was looked up)."""
         return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+GLOBAL = "global"
+PER_ENGINE = "per_engine"
+MODES = (GLOBAL, PER_ENGINE)
+"""Cache models: one global pool, or one cache per prefill engine."""
+
+
+def engine_caches(capacity_blocks: int | None, engines: int) -> list[BlockCache]:
+    """Per-engine caches of ``capacity_blocks // engines`` blocks each (None: unbounded)."""
+    per = None if capacity_blocks is None else capacity_blocks // max(1, engines)
+    return [BlockCache(per) for _ in range(engines)]
+
+
+def block_hit_ratio(caches: Sequence[BlockCache]) -> float:
+    """Leading blocks found / blocks looked up, over ``caches`` (0 when none looked up)."""
+    hit = sum(c.hit_blocks for c in caches)
+    look = sum(c.lookup_blocks for c in caches)
+    return hit / look if look else 0.0

@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge synthetic agent sessions / surge into the trace")
     p.add_argument("--cache-blocks", type=int,
                    help="prefix-cache capacity in 512-token blocks (0 disables)")
+    p.add_argument("--cache-mode", choices=("global", "per_engine"),
+                   help="prefix-cache model: one global pool, or one cache per prefill "
+                   "engine of --cache-blocks / engines blocks (prefix-aware baselines: "
+                   "prefix_load, cache_aware)")
     p.add_argument("--size-fleets", action="store_true",
                    help="size decode and VE fleets to the workload (about 48 requests/GPU)")
     p.add_argument("--drain", type=float, default=1800.0,
@@ -174,7 +178,7 @@ class GoodputJob:
 
 def _figures(summary: Mapping[str, Any] | None) -> dict[str, Any]:
     keys = ("prefill_utilisation", "decode_utilisation", "ttft_by_tier", "tpot_p50_s",
-            "tpot_p99_s", "finished", "unfinished")
+            "tpot_p99_s", "finished", "unfinished", "block_hit_ratio")
     if summary is None:
         return {k: None for k in keys}
     out = {}
@@ -356,6 +360,8 @@ def main(argv: list[str]) -> int:
         cluster = load_cluster(args.cluster)
         if args.cache_blocks is not None:
             cluster = cluster.with_overrides(cache={"capacity_blocks": args.cache_blocks})
+        if args.cache_mode is not None:
+            cluster = cluster.with_overrides(cache={"mode": args.cache_mode})
         if args.print_cluster:
             sys.stdout.write(dump_cluster(cluster))
             return 0

@@ -42,7 +42,7 @@ MoE model on H800-class GPUs (our decision; the published guide gives no cluster
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -142,9 +142,13 @@ class ExpertModel(_Section):
 
 
 class CacheModel(_Section):
-    """Shared prefix-cache store (LRU)."""
+    """Prefix-cache store (LRU): ``mode`` ``global`` (one pool) or ``per_engine`` (each
+    prefill engine caches ``capacity_blocks / engines`` blocks; Fulcrum routes by prefix
+    affinity with the fairness bound ``affinity_max_wait_s``)."""
 
     capacity_blocks: int | None = Field(100_000, ge=0)
+    mode: Literal["global", "per_engine"] = "global"
+    affinity_max_wait_s: float = Field(2.0, ge=0)
 
 
 class Cluster(_Section):

@@ -26,6 +26,15 @@ Request path (all times ns on the virtual clock):
    the MoE stretch ``moe_fraction * d1 * mean conc * (moe_lb - 1)``; ideal: the mean.
    Each step adds one token per request; a request finishes after ``output - 1`` steps.
 
+Cache models (``cluster.cache.mode``): ``global`` looks the prefix up in one pool on
+arrival; ``per_engine`` gives each prefill engine its own LRU cache (same total size) and
+looks the request up when it reaches the engine that runs it, by the trace's hash ids.
+Then Fulcrum's balancer carries the request's blocks and, unless the policy set turns
+affinity off, a prefix index (:class:`fulcrum.core.prefill.affinity.Affinity`) that
+prices each request per engine; a request's queued cost is the expected one (at the
+longest prefix any engine is believed to hold). Push baselines route with the cost of a
+fresh prompt, or (prefix-aware ones) with their own prefix index.
+
 The fleet starts cold: the prefill engines join at t = 0 (an even split across tiers
 until the first round closes), as a deployment starts.
 
@@ -52,6 +61,7 @@ from fulcrum.core.cost import CostModel
 from fulcrum.core.decode import DecodeParams
 from fulcrum.core.prefill import chunks as core_chunks
 from fulcrum.core.prefill import tiers as core_tiers
+from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
 from fulcrum.core.prefill.balancer import (
     BalancerConfig,
     Offer,
@@ -60,11 +70,11 @@ from fulcrum.core.prefill.balancer import (
     rules_by_name,
 )
 from fulcrum.sim import baselines
-from fulcrum.sim.cache import BlockCache
+from fulcrum.sim.cache import PER_ENGINE, BlockCache, block_hit_ratio, engine_caches
 from fulcrum.sim.cluster import Cluster
 from fulcrum.sim.experts import EplbGroup, Popularity, eplb_policy
 from fulcrum.sim.policies import FULCRUM, DecodeChooser, PolicySet, VisionChooser
-from fulcrum.sim.workload import Request
+from fulcrum.sim.workload import BLOCK_TOKENS, Request
 
 _PREFILL_DONE: Final = 1
 _DECODE_DONE: Final = 2
@@ -163,6 +173,7 @@ class SimResult:
     window_ns: tuple[int, int] = (0, 0)
     decode_rejected: int = 0
     start_ns: int = 0
+    block_hit_ratio: float = 0.0
 
     @property
     def span_ns(self) -> int:
@@ -242,6 +253,10 @@ class Simulator:
         self.images_left: list[int] = [0] * n
         self.decode_gpu: list[int] = [-1] * n
         self.cache = BlockCache(cluster.cache.capacity_blocks)
+        self.per_engine = cluster.cache.mode == PER_ENGINE
+        self.engine_caches = (
+            engine_caches(cluster.cache.capacity_blocks, p.engines) if self.per_engine else []
+        )
 
         # -- prefill -----------------------------------------------------------------------
         self.n_engines = p.engines
@@ -279,6 +294,24 @@ class Simulator:
         ))
         #: Optional observer of the balancer calls (tests replay them through the daemon).
         self.trace: Callable[[tuple[object, ...]], None] | None = trace
+        # Per-engine caches: Fulcrum's prefix index (same capacity as each engine's cache),
+        # a prefix-aware push router's own index.
+        self.affinity: Affinity | None = None
+        self.router_index: PrefixIndex | None = None
+        per_cap = (self.engine_caches[0].capacity_blocks if self.engine_caches else None)
+        index_cap = min(per_cap if per_cap is not None else 1 << 24, 1 << 24)
+        if self.per_engine and self.fulcrum_prefill and policy.affinity:
+            self.affinity = Affinity(
+                PrefixIndex(BLOCK_TOKENS), self._cost,
+                max_wait_ns=int(cluster.cache.affinity_max_wait_s * 1e9),
+            )
+            self.balancer.affinity = self.affinity
+            for eid in self.engine_ids:
+                self.affinity.index.add_engine(eid, index_cap)
+        if self.per_engine and policy.prefill in baselines.PREFIX_NAMES:
+            self.router_index = PrefixIndex(BLOCK_TOKENS)
+            for e in range(p.engines):
+                self.router_index.add_engine(str(e), index_cap)
         if self.fulcrum_prefill:
             for eid in self.engine_ids:
                 self.balancer.add_engine(eid, p.ranks_per_engine)
@@ -388,9 +421,14 @@ class Simulator:
         return self._result()
 
     # -- arrival and vision -----------------------------------------------------------------
+    def _cost(self, q: int, c: int) -> int:
+        return self.model.cost_ns(q, c)
+
     def _arrive(self, rid: int) -> None:
         r = self.reqs[rid]
-        c0 = self.cache.lookup_and_insert(r.hash_ids, r.input_tokens)
+        # Per-engine caches: looked up when the request reaches its engine (_enqueue);
+        # until then it is priced as a fresh prompt (or by the balancer's affinity).
+        c0 = 0 if self.per_engine else self.cache.lookup_and_insert(r.hash_ids, r.input_tokens)
         self.cached[rid] = c0
         q = r.input_tokens - c0
         self.quota[rid] = self.model.cost_ns(q, c0)
@@ -439,8 +477,12 @@ class Simulator:
     def _prefill_ready(self, rid: int) -> None:
         if self.fulcrum_prefill:
             bal = self.balancer
+            blocks = tuple(self.reqs[rid].hash_ids) if self.per_engine else ()
+            cost = self.quota[rid]
+            if self.affinity is not None and blocks:
+                cost = self.affinity.expected_cost(int(self.inp[rid]), blocks)
             item = Queued(str(rid), int(self.inp[rid]), int(self.cached[rid]),
-                          bal.tier_of(int(self.inp[rid])), self.quota[rid], self.now)
+                          bal.tier_for(int(self.inp[rid]), blocks), cost, self.now, blocks)
             red = bal.enqueue(item)
             self._trace(("submit", self.now, item.request_id, item.total, item.cached,
                          tuple(bal.engines_per_tier())))
@@ -450,13 +492,23 @@ class Simulator:
                 self._pull(item.tier)
         else:
             assert self.router is not None
-            rank = self.router.route(self.now, self.quota[rid])
+            if self.router_index is not None:
+                rank, _ = self.router.route_prefix(
+                    self.now, self.router_index, int(self.inp[rid]),
+                    self.reqs[rid].hash_ids, self._cost, float(self.step_limit))
+            else:
+                rank = self.router.route(self.now, self.quota[rid])
             e, r = divmod(rank, self.n_ranks)
             self._enqueue(e, r, rid)
             self._kick_engine(e)
 
     def _enqueue(self, e: int, r: int, rid: int) -> None:
         total = int(self.inp[rid])
+        if self.per_engine:
+            # The engine's own cache: what it really holds decides the cost.
+            c0 = self.engine_caches[e].lookup_and_insert(self.reqs[rid].hash_ids, total)
+            self.cached[rid] = c0
+            self.quota[rid] = self.model.cost_ns(total - c0, c0)
         self.queues[e][r].append(
             core_chunks.PrefillTask(str(rid), int(self.cached[rid]), total)
         )
@@ -478,7 +530,7 @@ class Simulator:
         eid = self.engine_ids[e]
         remaining = self._remaining(e)
         loads = self._loads(e)
-        taken = self.balancer.take(eid, remaining, loads)
+        taken = self.balancer.take(eid, remaining, loads, now_ns=self.now)
         self._trace(("pull", self.now, eid, remaining, tuple(loads),
                      tuple(it.request_id for it in taken.items), taken.ranks))
         for it, r in zip(taken.items, taken.ranks, strict=True):
@@ -499,7 +551,7 @@ class Simulator:
                 if bal.source_tier(eid, loads) == tier:
                     offers.append(e)
                     quotas.append(Offer(eid, self._remaining(e), loads))
-            i = bal.choose_puller(tier, quotas)
+            i = bal.choose_puller(tier, quotas, now_ns=self.now)
             if i < 0 or not self._take(offers[i]):
                 return
 
@@ -726,7 +778,13 @@ class Simulator:
             decode_moe_lb=self.s_dlb,
             prefill_gpus=self.n_engines * self.n_ranks,
             decode_gpus=self.cluster.decode.n_gpus,
-            cache_hit_ratio=self.cache.hit_ratio,
+            cache_hit_ratio=(
+                sum(c.hit_tokens for c in self.engine_caches)
+                / max(1, sum(c.lookup_tokens for c in self.engine_caches))
+                if self.per_engine else self.cache.hit_ratio
+            ),
+            block_hit_ratio=block_hit_ratio(self.engine_caches if self.per_engine
+                                            else [self.cache]),
             end_ns=self.now,
             eplb_rebalances=sum(g.rebalances for g in self.eplb_prefill + self.eplb_decode),
             window_ns=self.window,

@@ -54,6 +54,7 @@ class PolicySet:
     eplb: str
     ideal: bool = False
     rules: str = DEFAULT_RULES
+    affinity: bool = True
 
 
 def policy_sets() -> dict[str, PolicySet]:
@@ -69,6 +70,13 @@ def policy_sets() -> dict[str, PolicySet]:
     }
     for b in baselines.NAMES:
         out[b] = PolicySet(b, b, b, b, eplb)
+    # Per-engine caches: Fulcrum without prefix affinity (the comparison for the fairness
+    # bound); prefix-aware baselines place decode and VE by least requests.
+    out["default_noaffinity"] = PolicySet("default_noaffinity", FULCRUM,
+                                          core_decode.DEFAULT_POLICY,
+                                          core_vision.DEFAULT_POLICY, eplb, affinity=False)
+    for b in baselines.PREFIX_NAMES:
+        out[b] = PolicySet(b, b, baselines.LEAST_REQUESTS, baselines.LEAST_REQUESTS, eplb)
     out["eplb_static"] = PolicySet("eplb_static", FULCRUM, core_decode.DEFAULT_POLICY,
                                    core_vision.DEFAULT_POLICY, STATIC)
     if eplb != "reference":

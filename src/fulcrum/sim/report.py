@@ -123,6 +123,7 @@ def summarize(res: SimResult) -> dict[str, Any]:
         "virtual_s": res.end_ns / 1e9,
         "span_s": res.span_ns / 1e9,
         "cache_hit_ratio": res.cache_hit_ratio,
+        "block_hit_ratio": res.block_hit_ratio,
         "prefill_utilisation": res.prefill_utilisation,
         "decode_utilisation": res.decode_utilisation,
         "ttft_by_tier": by_tier,

@@ -58,6 +58,7 @@ from fulcrum.errors import (
 )
 from fulcrum.metrics import prefill as m
 from fulcrum.state.fleet import Fleet
+from fulcrum.state.prefix import PrefixWiring
 from fulcrum.units import MAX_U64, NS_PER_S
 
 log = structlog.get_logger(__name__)
@@ -210,6 +211,7 @@ class PrefillState:
         #: Test/diagnostic hooks: called with (request_id, outcome, engine_id or "").
         self.outcome_hooks: list[Callable[[str, str, str], None]] = []
         self._m = [_TierMetrics(label) for label in self.labels]
+        self.prefix = PrefixWiring(self.balancer, settings, self.model_cost_ns, self.labels)
         self._log = log.bind()  # resolved once: per-request debug lines cost ~nothing
         for t in range(self.n_tiers):
             self._gauge_tier(t)
@@ -263,6 +265,10 @@ class PrefillState:
             if not w.woken and self.balancer.engine_tier(w.engine.member_id) == tier
         )
 
+    def model_cost_ns(self, q: int, c: int) -> int:
+        """The live cost model (ns, with ``k``) of ``q`` tokens after ``c`` cached."""
+        return min(MAX_U64, self.model.cost_ns(q, c))
+
     def predict_ns(self, total: int, cached: int) -> int:
         """Predicted cost (ns, with ``k``) of prefilling ``total - cached`` tokens after
         ``cached``."""
@@ -297,19 +303,23 @@ class PrefillState:
         return tier
 
     async def submit(
-        self, request_id: str, total: int, cached: int, wait_ns: int
+        self, request_id: str, total: int, cached: int, wait_ns: int,
+        block_hashes: Sequence[int] = (),
     ) -> Delivery:
         """Queue a request and wait until an engine pulls it (or it fails)."""
         tier = self.validate_submit(request_id, total, cached)
         now = self._clock()
         loop = asyncio.get_running_loop()
+        blocks = self.prefix.blocks(block_hashes)
+        tier = self.prefix.tier(total, blocks, tier)
         item = Queued(
             request_id=request_id,
             total=total,
             cached=cached,
             tier=tier,
-            cost_ns=self.predict_ns(total, cached),
+            cost_ns=self.prefix.cost(total, cached, blocks, self.predict_ns(total, cached)),
             enqueued_ns=now,
+            blocks=blocks,
         )
         rec = _Pending(item, loop.create_future())
         self._index[request_id] = rec
@@ -488,7 +498,8 @@ class PrefillState:
             key=lambda w: w.engine.member_id,
         )
         i = bal.choose_puller(
-            tier, [Offer(w.engine.member_id, w.remaining_ns, w.loads) for w in offers]
+            tier, [Offer(w.engine.member_id, w.remaining_ns, w.loads) for w in offers],
+            now_ns=self._clock(),
         )
         if i >= 0:
             self._wake(offers[i], tier)
@@ -509,8 +520,11 @@ class PrefillState:
     def _take(self, eng: _Engine, remaining_ns: int, loads: list[int], limit: int) -> Batch:
         """Let the balancer select and commit a batch for ``eng``; deliver it (may be empty)."""
         taken: Taken = self.balancer.take(
-            eng.member_id, remaining_ns, loads, limit=limit or None, alive=self._alive
+            eng.member_id, remaining_ns, loads, limit=limit or None, alive=self._alive,
+            now_ns=self._clock(),
         )
+        if taken.items:
+            self.prefix.after_take(eng.member_id)
         for item in taken.dead:
             rec = self._index[item.request_id]
             self._forget(rec)
@@ -557,6 +571,8 @@ class PrefillState:
             member.member_id, member.incarnation, shape.dp_ranks
         )
         log.info("prefill_engine_joined", engine_id=member.member_id, dp_ranks=shape.dp_ranks)
+        self.prefix.join(member.member_id, shape.prefix_cache_blocks,
+                         cache_survived=shape.prefix_cache_survived)
         self._redistributed(self.balancer.add_engine(member.member_id, shape.dp_ranks))
 
     def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
@@ -570,6 +586,7 @@ class PrefillState:
         self._end_waiters(eng)
         log.info("prefill_engine_left", engine_id=member.member_id, reason=reason)
         red = self.balancer.remove_engine(member.member_id)
+        self.prefix.leave(member.member_id, replaced=reason == "replaced")
         if red is not None:
             self._redistributed(red)
 
@@ -622,6 +639,7 @@ class PrefillState:
         old = self.settings
         self.balancer.reconfigure(balancer_config(new))
         self.settings = new
+        self.prefix.apply(new)
         if self._samples.maxlen != new.refit.window_samples:
             self._samples = deque(self._samples, maxlen=new.refit.window_samples)
         if new.cost_model != old.cost_model:

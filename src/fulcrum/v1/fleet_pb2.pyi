@@ -55,21 +55,34 @@ class PrefillEngineShape(_message.Message):
 
     DP_RANKS_FIELD_NUMBER: _builtins.int
     STEP_QUOTA_NS_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_BLOCKS_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_SURVIVED_FIELD_NUMBER: _builtins.int
     dp_ranks: _builtins.int
     """Number of DP ranks (GPUs) in the group; 1 to the configured maximum."""
     step_quota_ns: _builtins.int
     """Compute-quota budget of one prefill step, in nanoseconds (0 = the daemon's
     prefill.step_quota_ns); GetCostModel with this engine's id returns it.
     """
+    prefix_cache_blocks: _builtins.int
+    """Capacity of the engine's own prefix cache, in blocks of prefill.block_tokens tokens
+    (0 = the daemon's prefill.engine_cache_blocks); sizes the engine's part of the prefix
+    index under prefill.cache_model per_engine. At most 2^24 (INVALID_ARGUMENT otherwise).
+    """
+    prefix_cache_survived: _builtins.bool
+    """True when the engine re-registers with its prefix cache intact: the daemon keeps
+    what it believes the engine holds (otherwise that is dropped).
+    """
     def __init__(
         self,
         *,
         dp_ranks: _builtins.int = ...,
         step_quota_ns: _builtins.int = ...,
+        prefix_cache_blocks: _builtins.int = ...,
+        prefix_cache_survived: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "step_quota_ns", b"step_quota_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "prefix_cache_blocks", b"prefix_cache_blocks", "prefix_cache_survived", b"prefix_cache_survived", "step_quota_ns", b"step_quota_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -28,6 +28,7 @@ class SubmitRequest(_message.Message):
     TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique id of the request, 1 to 128 printable characters."""
     total_tokens: _builtins.int
@@ -36,6 +37,15 @@ class SubmitRequest(_message.Message):
     """Prefix already in the KV store (cache hit), in tokens; must be < total_tokens."""
     max_wait_ms: _builtins.int
     """Longest time to wait for an engine, in milliseconds (0 = the configured default)."""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The request's prefix as chained block hashes, for a pool whose engines each keep
+        their own prefix cache (prefill.cache_model: per_engine): hash i = blake2b-64 of
+        (hash i-1, token ids of block i), prefill.block_tokens tokens per block (default
+        512; fulcrum.client.prefix computes them). Ignored under the global cache model; at
+        most prefill.max_block_hashes entries (INVALID_ARGUMENT otherwise).
+        """
+
     def __init__(
         self,
         *,
@@ -43,10 +53,11 @@ class SubmitRequest(_message.Message):
         total_tokens: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
         max_wait_ms: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "max_wait_ms", b"max_wait_ms", "request_id", b"request_id", "total_tokens", b"total_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "cached_tokens", b"cached_tokens", "max_wait_ms", b"max_wait_ms", "request_id", b"request_id", "total_tokens", b"total_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

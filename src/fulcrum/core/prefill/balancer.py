@@ -32,8 +32,13 @@ Rule sets (:class:`Rules`) choose between the published design (``published``) a
 improvements the simulator measured (``default``: late binding to the least-loaded rank,
 work-conserving tiers); see BENCHMARKS.md.
 
-Extension points (later issues): per-engine costs (prefix affinity) go through
-:meth:`PrefillBalancer.cost_for`; a leased batch returns to the head of its tier with
+Prefix affinity (:mod:`fulcrum.core.prefill.affinity`, optional: ``affinity``): a
+request carrying chained block hashes costs each engine its own miss tokens
+(:meth:`PrefillBalancer.cost_for`), its queued cost is the expected one (at the longest
+prefix any engine holds, set by the shell), and a pull takes the requests the engine holds
+the longest prefixes for first, unless the tier's head waited past the fairness bound.
+
+Extension points (later issues): a leased batch returns to the head of its tier with
 :meth:`requeue_front`; shells keep their own per-request data (futures, leases) keyed by
 request id.
 """
@@ -48,6 +53,7 @@ from typing import Final
 
 import numpy as np
 
+from fulcrum.core.prefill.affinity import Affinity
 from fulcrum.core.prefill.batch import pick_engine, select_batch
 from fulcrum.core.prefill.ranks import assign_ranks
 from fulcrum.core.prefill.tiers import (
@@ -135,7 +141,8 @@ class BalancerConfig:
 
 @dataclass(slots=True, eq=False)
 class Queued:
-    """A queued request: tokens, tier, predicted cost (ns, with ``k``), enqueue time (ns)."""
+    """A queued request: tokens, tier, predicted cost (ns, with ``k``), enqueue time (ns),
+    and its prefix as chained block hashes (empty: none given)."""
 
     request_id: str
     total: int
@@ -143,6 +150,9 @@ class Queued:
     tier: int
     cost_ns: int
     enqueued_ns: int
+    blocks: tuple[int, ...] = ()
+    #: Prefix matches per engine memoised by the affinity index (bounded by engines).
+    held: dict[str, tuple[int, int, int]] = field(default_factory=dict, repr=False)
 
 
 @dataclass(slots=True, eq=False)
@@ -227,6 +237,8 @@ class PrefillBalancer:
         self._counts = [0] * self.n_tiers
         self.last_demand_ns: list[float] = [0.0] * self.n_tiers
         self.moves_total = 0
+        #: Prefix affinity (None: every engine pays ``Queued.cost_ns``).
+        self.affinity: Affinity | None = None
 
     # -- configuration --------------------------------------------------------------------
 
@@ -241,6 +253,30 @@ class PrefillBalancer:
     def tier_of(self, total_tokens: int) -> int:
         """Tier index of a request of ``total_tokens`` context (tokens)."""
         return tier_of(total_tokens, self.bounds)
+
+    def tier_for(self, total_tokens: int, blocks: Sequence[int] = ()) -> int:
+        """The tier a request is queued in. Without prefix affinity (or blocks): by total
+        context (:meth:`tier_of`). With it, a conversation's later turn that has grown past
+        its tier's bound joins the tier of the engine holding its longest prefix when its
+        cost on that engine is no more than a fresh prompt at that tier's upper bound
+        costs (the tier's promise -- no long compute on a short tier's engine -- holds,
+        and the holder can take it)."""
+        tier = tier_of(total_tokens, self.bounds)
+        aff = self.affinity
+        if aff is None or not blocks or tier == 0:
+            return tier
+        best, held = None, 0
+        for e in self._engines.values():
+            if 0 <= e.tier < tier:
+                m = aff.index.match(e.engine_id, blocks)
+                if m > held or (m == held and best is not None and e.tier < best.tier):
+                    best, held = e, m
+        if best is None or held == 0:
+            return tier
+        bound = self.bounds[best.tier]
+        if aff.cost_on(best.engine_id, total_tokens, blocks) <= aff.cost_ns(bound, 0):
+            return best.tier
+        return tier
 
     def engines_per_tier(self) -> list[int]:
         """Engines assigned to each tier now."""
@@ -281,8 +317,14 @@ class PrefillBalancer:
         return next(iter(q.values())) if q else None
 
     def cost_for(self, item: Queued, engine_id: str) -> int:
-        """Quota (ns) ``item`` costs ``engine_id`` (the same for every engine here)."""
-        return item.cost_ns
+        """Quota (ns) ``item`` costs ``engine_id``: with prefix affinity and block hashes,
+        its miss tokens on that engine priced by the cost model (never above a global
+        pool's ``cached`` would give); else ``item.cost_ns`` for every engine."""
+        aff = self.affinity
+        if aff is None or not item.blocks:
+            return item.cost_ns
+        return min(item.cost_ns if item.cached else aff.cost_ns(item.total, 0),
+                   aff.cost_on(engine_id, item.total, item.blocks))
 
     # -- queue ----------------------------------------------------------------------------
 
@@ -434,11 +476,21 @@ class PrefillBalancer:
                 return t
         return own
 
-    def can_take(self, tier: int, offer: Offer) -> bool:
-        """True when the offering engine may take ``tier``'s head now."""
+    def can_take(self, tier: int, offer: Offer, now_ns: int | None = None) -> bool:
+        """True when the offering engine may take ``tier``'s head now (with prefix
+        affinity and ``now_ns``: the first request it would take, see :meth:`take`)."""
         head = self.head(tier)
         if head is None:
             return False
+        if now_ns is not None and self.affinity is not None:
+            order = self._affinity_order(tier, offer.engine_id, now_ns)
+            if order is not None:
+                if not order:
+                    return False
+                head = order[0]
+        return self._can_take_item(tier, offer, head)
+
+    def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
         loads = offer.rank_loads_ns
         h = self.config.rank_horizon_ns
         if h is not None and min(loads, default=0) >= h:
@@ -447,19 +499,97 @@ class PrefillBalancer:
         cost = self.cost_for(head, offer.engine_id)
         return select_batch((cost,), offer.remaining_ns, cap, idle=not any(loads)) >= 1
 
-    def choose_puller(self, tier: int, offers: Sequence[Offer]) -> int:
+    def choose_puller(self, tier: int, offers: Sequence[Offer],
+                      now_ns: int | None = None) -> int:
         """Index in ``offers`` (engines offering to pull on ``tier``, in the shell's
         deterministic order) of the engine that takes the work now, among those that can
         take the head: under late binding the one whose least-loaded rank is emptiest
         (ties: most remaining quota, then first), else the most remaining quota (ties:
-        first); -1 when none can (or nothing is queued)."""
-        able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
+        first); -1 when none can (or nothing is queued). With prefix affinity and
+        ``now_ns`` (head within the fairness bound), the engine holding the longest prefix
+        of the head comes first."""
+        w = None if now_ns is None else self._affinity_window(tier, now_ns)
+        if w is None:
+            able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
+        else:
+            assert now_ns is not None
+            firsts: dict[int, Queued] = {}
+            for i, o in enumerate(offers):
+                order = self._order_for(o.engine_id, now_ns, *w)
+                if order and self._can_take_item(tier, o, order[0]):
+                    firsts[i] = order[0]
+            able = list(firsts)
+            # The engine holding the longest prefix of the work it would take comes first.
+            pos = {id(it): j for j, it in enumerate(w[0])}
+            held = {i: w[1][pos[id(firsts[i])]].get(offers[i].engine_id, 0) for i in able}
+            top = max(held.values(), default=0)
+            if top > 0:
+                able = [i for i in able if held[i] == top]
         if not able:
             return -1
         if self.config.rank_horizon_ns is not None:
             return min(able, key=lambda i: (
                 min(offers[i].rank_loads_ns, default=0), -offers[i].remaining_ns, i))
         return able[pick_engine([offers[i].remaining_ns for i in able])]
+
+    def _affinity_window(
+        self, tier: int, now_ns: int,
+        alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
+    ) -> tuple[list[Queued], list[dict[str, int]]] | None:
+        """The tier's first ``affinity.scan`` live requests and, for each, the leading
+        blocks every engine that may serve the tier holds (computed once per decision);
+        None when affinity does not apply (off, nothing queued, or the head waited past
+        the fairness bound: FIFO). Dead requests met are appended to ``dead``."""
+        aff = self.affinity
+        if aff is None:
+            return None
+        window: list[Queued] = []
+        for item in self._tiers[tier].queue.values():
+            if alive is not None and not alive(item):
+                if dead is not None:
+                    dead.append(item)
+                continue
+            window.append(item)
+            if len(window) >= aff.scan:
+                break
+        if not window or now_ns - window[0].enqueued_ns >= aff.max_wait_ns:
+            return None
+        wc = self.config.rules.work_conserving
+        serving = [e.engine_id for e in self._engines.values()
+                   if e.tier == tier or (wc and e.tier > tier)]
+        idx = aff.index
+        held = [
+            {e: m for e in serving if (m := idx.match_memo(e, it.blocks, it.held))}
+            if it.blocks else {}
+            for it in window
+        ]
+        return window, held
+
+    def _order_for(self, engine_id: str, now_ns: int, window: list[Queued],
+                   held: list[dict[str, int]]) -> list[Queued]:
+        """``engine_id``'s take order over an affinity window: requests another serving
+        engine holds a longer prefix of wait for it (until they waited ``max_wait_ns``);
+        the rest go longest held prefix first, FIFO among equals."""
+        aff = self.affinity
+        assert aff is not None
+        ranked: list[tuple[int, int, Queued]] = []
+        for i, (item, h) in enumerate(zip(window, held, strict=True)):
+            mine = h.get(engine_id, 0)
+            if (h and now_ns - item.enqueued_ns < aff.max_wait_ns
+                    and max(h.values()) > mine):
+                continue  # its holder serves it (until the fairness bound)
+            ranked.append((-mine, i, item))
+        ranked.sort(key=lambda x: (x[0], x[1]))
+        return [x[2] for x in ranked]
+
+    def _affinity_order(
+        self, tier: int, engine_id: str, now_ns: int,
+        alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
+    ) -> list[Queued] | None:
+        """The requests ``engine_id`` may take from ``tier`` under prefix affinity, in the
+        order it takes them (see :meth:`take`); None when affinity does not apply."""
+        w = self._affinity_window(tier, now_ns, alive, dead)
+        return None if w is None else self._order_for(engine_id, now_ns, *w)
 
     def take(
         self,
@@ -469,6 +599,7 @@ class PrefillBalancer:
         *,
         limit: int | None = None,
         alive: Callable[[Queued], bool] | None = None,
+        now_ns: int | None = None,
     ) -> Taken:
         """A pull by ``engine_id``: select, assign ranks and remove a batch (may be empty).
 
@@ -477,6 +608,12 @@ class PrefillBalancer:
         ``max_batch_requests`` applies too). ``alive``: the shell's check that a queued
         request's caller still waits; dead ones are removed and returned in ``dead``.
         The engine's known load becomes the rank loads after the batch.
+
+        With prefix affinity and ``now_ns`` given, the batch is taken from the tier's first
+        ``affinity.scan`` live requests ordered by the blocks this engine holds of each
+        (longest first, FIFO among equals), then the rest FIFO -- unless the tier's head
+        has waited ``affinity.max_wait_ns`` or longer, then FIFO (a fairness override).
+        Taken requests' blocks are recorded as held by the engine (approximate index).
         """
         eng = self._engines.get(engine_id)
         if eng is None:
@@ -496,11 +633,23 @@ class PrefillBalancer:
         live: list[Queued] = []
         dead: list[Queued] = []
 
-        def costs() -> Iterator[int]:
+        aff = self.affinity
+
+        order = None if now_ns is None else self._affinity_order(
+            tier, engine_id, now_ns, alive, dead)
+
+        def candidates() -> Iterator[Queued]:
+            if order is not None:
+                yield from order
+                return
             for item in queue.values():
                 if alive is not None and not alive(item):
                     dead.append(item)
                     continue
+                yield item
+
+        def costs() -> Iterator[int]:
+            for item in candidates():
                 live.append(item)
                 yield self.cost_for(item, engine_id)
 
@@ -520,8 +669,13 @@ class PrefillBalancer:
             return Taken(tier=tier, dead=tuple(dead))
         item_costs = [self.cost_for(it, engine_id) for it in chosen]
         plan = assign_ranks(loads, item_costs)
+        if aff is not None and now_ns is not None and order is None:
+            aff.overrides += 1  # the head waited past the fairness bound: FIFO
         for it in chosen:
             self.remove(it.request_id)
+            if aff is not None and it.blocks:
+                hit = aff.taken(engine_id, it.tier, it.blocks)
+                aff.hits += int(bool(hit) and order is not None)
         eng.load_ns = sum(plan.loads_ns)
         return Taken(
             tier=tier,

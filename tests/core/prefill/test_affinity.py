@@ -1,0 +1,254 @@
+"""Prefix index and prefix affinity inside the pull (issue 15)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
+from fulcrum.core.prefill.balancer import BalancerConfig, PrefillBalancer, Queued
+
+S = 1_000_000_000
+
+
+def cost(q: int, c: int) -> int:
+    """A cost model: 1 ms per computed token plus 1 ms fixed (ns)."""
+    return 1_000_000 * q + 1_000_000
+
+
+# -- index ---------------------------------------------------------------------------------
+
+
+def test_match_is_the_leading_run() -> None:
+    idx = PrefixIndex(block_tokens=4)
+    idx.add_engine("a", 100)
+    idx.record("a", [1, 2, 3])
+    assert idx.match("a", [1, 2, 3, 4]) == 3
+    assert idx.match("a", [1, 9, 3]) == 1
+    assert idx.match("a", [9, 1, 2]) == 0
+    assert idx.match("unknown", [1]) == 0
+    assert idx.cached_tokens(3, 100) == 12
+    assert idx.cached_tokens(3, 12) == 11  # the last token is always computed
+
+
+def test_lru_bounded_by_capacity() -> None:
+    idx = PrefixIndex()
+    idx.add_engine("a", 3)
+    idx.record("a", [1, 2])
+    idx.record("a", [3])
+    idx.record("a", [1])  # touch 1: 2 is now the oldest
+    idx.record("a", [4])
+    c = idx.cache("a")
+    assert c is not None and list(c.blocks) == [3, 1, 4]
+    assert idx.size() == 3
+
+
+def test_zero_capacity_holds_nothing() -> None:
+    idx = PrefixIndex()
+    idx.add_engine("a", 0)
+    assert idx.record("a", [1, 2]) == 0
+    assert idx.size() == 0
+
+
+def test_reregistration_drops_unless_kept() -> None:
+    idx = PrefixIndex()
+    idx.add_engine("a", 10)
+    idx.record("a", [1, 2, 3])
+    idx.add_engine("a", 10, keep=True)
+    assert idx.match("a", [1, 2, 3]) == 3
+    idx.add_engine("a", 2, keep=True)  # kept content trimmed to the new capacity
+    assert idx.size() == 2
+    idx.add_engine("a", 10)
+    assert idx.match("a", [1, 2, 3]) == 0
+
+
+def test_exact_mode_events() -> None:
+    idx = PrefixIndex()
+    idx.add_engine("a", 10)
+    idx.stored("a", [5, 6])
+    assert idx.match("a", [5, 6]) == 2
+    idx.evicted("a", [6])
+    assert idx.match("a", [5, 6]) == 1
+
+
+def test_capacity_validated() -> None:
+    idx = PrefixIndex()
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        idx.add_engine("a", -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    cap=st.integers(0, 8),
+    reqs=st.lists(st.lists(st.integers(0, 12), max_size=6), max_size=40),
+)
+def test_index_never_exceeds_capacity_and_hits_are_held(cap: int, reqs: list[list[int]]) -> None:
+    idx = PrefixIndex()
+    idx.add_engine("a", cap)
+    for blocks in reqs:
+        m = idx.match("a", blocks)
+        c = idx.cache("a")
+        assert c is not None
+        assert all(b in c.blocks for b in blocks[:m])
+        assert idx.record("a", blocks) == m
+        assert len(c.blocks) <= cap
+
+
+# -- balancer ------------------------------------------------------------------------------
+
+
+def _bal(max_wait_ns: int = 10 * S, engines: tuple[str, ...] = ("a", "b")) -> PrefillBalancer:
+    bal = PrefillBalancer(BalancerConfig(
+        bounds=(1_000_000,), batch_cap_ns=(1000 * S, 1000 * S), backlog_rounds=1.0,
+        hysteresis=0.0, max_batch_requests=1,
+    ))
+    aff = Affinity(PrefixIndex(block_tokens=100), cost, max_wait_ns=max_wait_ns)
+    bal.affinity = aff
+    bal.enqueue(Queued("seed", 10, 0, 0, 1, 0))  # demand in tier 0 only
+    for e in engines:
+        aff.index.add_engine(e, 1000)
+        bal.add_engine(e, 1)
+    bal.remove("seed")
+    for e in engines:  # both serve tier 0 (nothing else has demand)
+        assert bal.engine_tier(e) == 0
+    return bal
+
+
+def _item(rid: str, blocks: tuple[int, ...], t: int, bal: PrefillBalancer) -> Queued:
+    total = 100 * len(blocks) + 50
+    aff = bal.affinity
+    assert aff is not None
+    return Queued(rid, total, 0, 0, aff.expected_cost(total, blocks), t, blocks)
+
+
+def test_cost_is_per_engine_miss_tokens() -> None:
+    bal = _bal()
+    aff = bal.affinity
+    assert aff is not None
+    aff.index.record("a", (1, 2))
+    it = _item("r", (1, 2, 3), 0, bal)
+    assert bal.cost_for(it, "a") == cost(350 - 200, 200)
+    assert bal.cost_for(it, "b") == cost(350, 0)
+    assert it.cost_ns == cost(350 - 200, 200)  # expected cost: where affinity sends it
+
+
+def test_pull_takes_the_longest_held_prefix_first() -> None:
+    bal = _bal()
+    aff = bal.affinity
+    assert aff is not None
+    aff.index.record("a", (7, 8))
+    bal.enqueue(_item("r0", (1,), 0, bal))
+    bal.enqueue(_item("r1", (7, 8, 9), 1, bal))
+    taken = bal.take("a", 100 * S, [0], now_ns=2)
+    assert [i.request_id for i in taken.items] == ["r1"]
+    assert aff.hits == 1
+    assert aff.index.match("a", (7, 8, 9)) == 3  # recorded as held
+    # Without a clock the pull is FIFO (the published behaviour).
+    bal.enqueue(_item("r2", (7, 8, 9), 3, bal))
+    assert [i.request_id for i in bal.take("a", 100 * S, [0]).items] == ["r0"]
+
+
+def test_request_waits_for_its_holder_until_the_fairness_bound() -> None:
+    bal = _bal(max_wait_ns=5 * S)
+    aff = bal.affinity
+    assert aff is not None
+    aff.index.record("a", (7, 8))
+    bal.enqueue(_item("r", (7, 8, 9), 0, bal))
+    # b pulls while a holds the prefix: r waits for a.
+    assert not bal.take("b", 100 * S, [0], now_ns=1 * S).items
+    assert not bal.can_take(0, _offer("b"), now_ns=1 * S)
+    assert bal.choose_puller(0, [_offer("b"), _offer("a")], now_ns=1 * S) == 1
+    # Past the bound, FIFO wins: b takes it.
+    assert bal.can_take(0, _offer("b"), now_ns=5 * S)
+    taken = bal.take("b", 100 * S, [0], now_ns=5 * S)
+    assert [i.request_id for i in taken.items] == ["r"]
+    assert aff.overrides == 1
+    assert taken.quota_ns == cost(350, 0)  # charged at b's own cost
+
+
+def _offer(e: str):  # type: ignore[no-untyped-def]
+    from fulcrum.core.prefill.balancer import Offer
+
+    return Offer(e, 100 * S, (0,))
+
+
+def test_choose_puller_prefers_the_holder() -> None:
+    bal = _bal()
+    aff = bal.affinity
+    assert aff is not None
+    aff.index.record("b", (4,))
+    bal.enqueue(_item("r", (4, 5), 0, bal))
+    assert bal.choose_puller(0, [_offer("a"), _offer("b")], now_ns=1) == 1
+    assert bal.choose_puller(0, [_offer("a"), _offer("b")]) in (0, 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seq=st.lists(
+        st.tuples(st.sampled_from(["a", "b", "sub"]), st.lists(st.integers(0, 5), max_size=4)),
+        max_size=40,
+    )
+)
+def test_affinity_keeps_queue_accounting_and_fairness(seq: list[tuple[str, list[int]]]) -> None:
+    """Every submitted request is taken at most once; queued quota stays exact; no pull
+    leaves a request queued past the bound while taking a younger one."""
+    bal = _bal(max_wait_ns=3)
+    now = 0
+    seen: set[str] = set()
+    n = 0
+    for op, blocks in seq:
+        now += 1
+        if op == "sub":
+            bal.enqueue(_item(f"r{n}", tuple(blocks), now, bal))
+            n += 1
+            continue
+        head = bal.head(0)
+        taken = bal.take(op, 100 * S, [0], now_ns=now)
+        for it in taken.items:
+            assert it.request_id not in seen
+            seen.add(it.request_id)
+        if head is not None and now - head.enqueued_ns >= 3 and taken.items:
+            assert taken.items[0] is head
+        assert bal.queued_ns(0) == sum(i.cost_ns for i in bal.queued(0))
+
+
+def test_grown_turn_joins_its_holders_shorter_tier_when_it_fits() -> None:
+    bal = PrefillBalancer(BalancerConfig(
+        bounds=(1_000,), batch_cap_ns=(1000 * S, 1000 * S), backlog_rounds=1.0,
+        hysteresis=0.0, max_batch_requests=4,
+    ))
+    aff = Affinity(PrefixIndex(block_tokens=100), cost)
+    bal.affinity = aff
+    bal.enqueue(Queued("s0", 10, 0, 0, 1, 0))
+    bal.enqueue(Queued("s1", 2_000, 0, 1, 1, 0))
+    for e in ("a", "b"):
+        aff.index.add_engine(e, 1_000)
+        bal.add_engine(e, 1)
+    short = next(e for e in ("a", "b") if bal.engine_tier(e) == 0)
+    long_ = next(e for e in ("a", "b") if bal.engine_tier(e) == 1)
+    blocks = tuple(range(10))
+    assert bal.tier_for(1_050, blocks) == 1  # nobody holds it: by length
+    aff.index.record(long_, blocks[:9])
+    assert bal.tier_for(1_050, blocks) == 1  # the holder serves the long tier already
+    aff.index.record(short, blocks[:9])
+    assert bal.tier_for(1_050, blocks) == 0  # cost(150, 900) fits tier 0
+    assert bal.tier_for(1_050, ()) == 1
+    # A turn whose miss on the holder costs more than a fresh 1,000-token prompt stays.
+    assert bal.tier_for(2_500, (*blocks, *range(100, 115))) == 1
+
+
+def test_memoised_match_follows_every_change() -> None:
+    idx = PrefixIndex()
+    idx.add_engine("a", 3)
+    memo: dict[str, tuple[int, int, int]] = {}
+    assert idx.match_memo("a", [1, 2], memo) == 0
+    idx.record("a", [1, 2])
+    assert idx.match_memo("a", [1, 2], memo) == 2
+    idx.evicted("a", [2])
+    assert idx.match_memo("a", [1, 2], memo) == 1
+    idx.record("a", [3, 4, 5])  # evicts 1
+    assert idx.match_memo("a", [1, 2], memo) == 0
+    idx.stored("a", [1])
+    idx.add_engine("a", 3)  # re-registered: a new, empty cache
+    assert idx.match_memo("a", [1, 2], memo) == 0
