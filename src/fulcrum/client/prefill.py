@@ -1,11 +1,13 @@
 """Typed async helpers of the prefill balancer for the entrypoint and for engines.
 
-* :func:`submit_prefill` -- the entrypoint's call: resolves when an engine has pulled the
-  request, with the engine, DP rank, tier, predicted cost (ns) and time waited (ns).
-* :class:`PrefillEngine` -- the engine side: pull batches by remaining quota, keep one
-  FIFO queue per DP rank in a :class:`~fulcrum.client.planner.ChunkPlanner` that sizes
-  chunks with the daemon's cost model (refreshed when its version changes), and report
-  measured step times for the online refit.
+* :func:`submit_prefill` -- the entrypoint's call: resolves when an engine has
+  acknowledged the request, with the engine, DP rank, tier, predicted cost (ns) and time
+  waited (ns). Idempotent: retrying the same id and lengths returns the same outcome.
+* :class:`PrefillEngine` -- the engine side: pull batches by remaining quota, acknowledge
+  them (a pulled batch is leased; only acknowledged requests are the engine's to run),
+  keep one FIFO queue per DP rank in a :class:`~fulcrum.client.planner.ChunkPlanner` that
+  sizes chunks with the daemon's cost model (refreshed when its version changes), and
+  report measured step times for the online refit.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ async def submit_prefill(
     max_wait_ms: int = 0,
     timeout_s: float | None = None,
 ) -> PrefillPlacement:
-    """Submit a prefill request and wait until an engine pulls it.
+    """Submit a prefill request and wait until an engine acknowledges it.
 
     Raises ``grpc.aio.AioRpcError`` with DEADLINE_EXCEEDED (no engine in time),
-    RESOURCE_EXHAUSTED (tier queue full), ALREADY_EXISTS, INVALID_ARGUMENT or UNAVAILABLE.
+    RESOURCE_EXHAUSTED (tier queue full), ALREADY_EXISTS (another request uses this id),
+    INVALID_ARGUMENT or UNAVAILABLE (no live engine, or draining: retry after the
+    ``retry-after-ms`` trailer). A retry with the same id and lengths is safe: it returns
+    the original outcome instead of a second delivery.
     """
     reply = await client.prefill.Submit(
         pb.SubmitRequest(
@@ -65,12 +70,15 @@ async def submit_prefill(
 
 @dataclass(frozen=True, slots=True)
 class PulledBatch:
-    """A pulled batch: the tier it came from and its requests (FIFO)."""
+    """A pulled and acknowledged batch: the tier it came from, its requests (FIFO; only
+    those the daemon confirmed are the engine's to run) and ``rejected``, the ids whose
+    lease had already ended (the engine must not run them)."""
 
     tier: int
     tier_name: str
     requests: tuple[pb.PulledRequest, ...]
     quota_ns: int
+    rejected: tuple[str, ...] = ()
 
 
 class PrefillEngine:
@@ -113,7 +121,8 @@ class PrefillEngine:
         max_wait_ms: int = 0,
         max_requests: int = 0,
     ) -> PulledBatch:
-        """Pull a batch (long poll); its requests join their ranks' FIFO queues."""
+        """Pull a batch (long poll) and acknowledge it at once (:meth:`ack`): the
+        requests the daemon confirms join their ranks' FIFO queues."""
         if self.model_version == 0:
             await self.refresh_model()
         reply = await self._client.prefill.Pull(
@@ -126,15 +135,32 @@ class PrefillEngine:
                 max_requests=max_requests,
             )
         )
-        for r in reply.requests:
+        rejected: set[str] = set()
+        if reply.requests and reply.lease_ms:
+            rejected = set(await self.ack([r.request_id for r in reply.requests]))
+        accepted = tuple(r for r in reply.requests if r.request_id not in rejected)
+        for r in accepted:
             self.planner.add(
                 r.dp_rank, PrefillTask(r.request_id, int(r.cached_tokens), int(r.total_tokens))
             )
         if reply.cost_model_version != self.model_version:
             await self.refresh_model()
         return PulledBatch(
-            reply.tier, reply.tier_name, tuple(reply.requests), int(reply.batch_quota_ns)
+            reply.tier, reply.tier_name, accepted,
+            sum(int(r.predicted_cost_ns) for r in accepted), tuple(sorted(rejected)),
         )
+
+    async def ack(self, request_ids: Sequence[str]) -> list[str]:
+        """Acknowledge leased requests; returns the ids refused (lease ended: the request
+        went elsewhere or its submitter left), which the engine must not run."""
+        reply = await self._client.prefill.Ack(
+            pb.AckRequest(
+                engine_id=self.engine_id,
+                incarnation=self.incarnation,
+                request_ids=list(request_ids),
+            )
+        )
+        return list(reply.rejected_request_ids)
 
     def step(self, budgets_ns: Sequence[float] | None = None) -> StepPlan:
         """Plan and commit one prefill step; ``budgets_ns`` per rank (default: the daemon's

@@ -122,6 +122,33 @@ class PrefillSettings(Section):
     max_pull_wait_ms: int = Field(
         30_000, ge=0, le=3_600_000, description="longest long-poll time a pull may ask, ms"
     )
+    lease_ms: int = Field(
+        5_000,
+        ge=1,
+        le=3_600_000,
+        description="lease of a pulled batch, ms: requests not acknowledged by their engine "
+        "within it go back to the head of their tier and are delivered elsewhere",
+    )
+    retention_ms: int = Field(
+        300_000,
+        ge=0,
+        le=86_400_000,
+        description="how long an acknowledged request's outcome is kept, ms: a re-submit of "
+        "the same id and lengths within it gets that outcome instead of a second delivery",
+    )
+    max_retained: int = Field(
+        100_000,
+        ge=0,
+        le=10_000_000,
+        description="bound of the retained-outcome table, requests (oldest evicted first)",
+    )
+    no_engine_retry_after_ms: int = Field(
+        1_000,
+        ge=1,
+        le=3_600_000,
+        description="retry-after-ms hint of a submit refused UNAVAILABLE because no live "
+        "prefill engine is registered, ms",
+    )
     round_period_ms: int = Field(
         1_000, ge=1, le=3_600_000, description="period of engine redistribution rounds, ms"
     )

@@ -70,6 +70,11 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             raise InvalidArgument(
                 "rank_loads_ns", f"must have at most {bound} entries (one per DP rank)"
             )
+        if len(request.ack_request_ids) > s.max_batch_requests:
+            raise InvalidArgument(
+                "ack_request_ids",
+                f"must have at most {s.max_batch_requests} entries (max_batch_requests)",
+            )
         wait = wait_ns(request.max_wait_ms, s.pull_wait_ms, s.max_pull_wait_ms)
         batch = await self._state.pull(
             request.engine_id,
@@ -78,8 +83,25 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             [int(x) for x in request.rank_loads_ns],
             self._cap_wait(wait, context),
             int(request.max_requests),
+            lease=not request.ack_on_reply,
+            ack_ids=[require_id(x, "ack_request_ids") for x in request.ack_request_ids],
         )
         return self._reply(batch)
+
+    async def Ack(
+        self, request: pb.AckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AckResponse:
+        require_id(request.engine_id, "engine_id")
+        limit = self._state.settings.max_batch_requests
+        if len(request.request_ids) > limit:  # bounded before anything is converted
+            raise InvalidArgument(
+                "request_ids", f"must have at most {limit} entries (max_batch_requests)"
+            )
+        ids = [require_id(x, "request_ids") for x in request.request_ids]
+        reply = self._state.ack(request.engine_id, int(request.incarnation), ids)
+        return pb.AckResponse(
+            accepted=reply.accepted, rejected_request_ids=list(reply.rejected)
+        )
 
     def _reply(self, batch: Batch) -> pb.PullResponse:
         st = self._state
@@ -98,6 +120,8 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             ],
             batch_quota_ns=batch.quota_ns,
             cost_model_version=st.model_version,
+            rejected_request_ids=list(batch.rejected),
+            lease_ms=batch.lease_ms,
         )
 
     async def ReportStepTimes(
