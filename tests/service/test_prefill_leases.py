@@ -189,3 +189,30 @@ async def test_rank_imbalance_is_observed_per_tier() -> None:
         assert child._sum.get() - before == pytest.approx(1.5)  # max/mean = 3/2
         await c.prefill.Pull(leased("e1", inc, wait_ms=1, loads=[0, 0]))  # idle: not observed
         assert child._sum.get() - before == pytest.approx(1.5)
+
+
+async def test_register_heartbeat_and_pull_replies_carry_the_assignment() -> None:
+    async with prefill_daemon() as (_, c, st):
+        reg = await c.fleet.Register(fleet_pb2.RegisterRequest(
+            member_id="e1",
+            prefill_engine=fleet_pb2.PrefillEngineShape(dp_ranks=2, step_quota_ns=S // 2)))
+        a = reg.prefill
+        assert (a.tier, a.tier_name) == (0, "<16K")
+        assert (a.tier_horizon_ns, a.step_quota_ns) == (2 * S, S // 2)
+        hb = await c.fleet.Heartbeat(
+            fleet_pb2.HeartbeatRequest(member_id="e1", incarnation=reg.incarnation))
+        assert hb.prefill == a
+        reply = await c.prefill.Pull(leased("e1", reg.incarnation, wait_ms=1))
+        assert reply.assignment == a
+        # The documented quota: an idle engine offers ranks x horizon, and takes a fresh
+        # 16K-token prompt (more than one 1 s step budget) with it.
+        quota = sum(max(0, a.tier_horizon_ns - load) for load in (0, 0))
+        sub = asyncio.ensure_future(c.prefill.Submit(submit_request("big", 16_000)))
+        await until(lambda: st.is_queued("big"))
+        got = await c.prefill.Pull(
+            leased("e1", reg.incarnation, wait_ms=1, remaining=quota, loads=[0, 0]))
+        assert [r.request_id for r in got.requests] == ["big"]
+        assert got.requests[0].predicted_cost_ns > S
+        await c.prefill.Ack(prefill_pb2.AckRequest(
+            engine_id="e1", incarnation=reg.incarnation, request_ids=["big"]))
+        assert (await sub).engine_id == "e1"

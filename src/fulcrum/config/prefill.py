@@ -91,6 +91,13 @@ class PrefillSettings(Section):
         "(n bounds make n+1 tiers; needs a restart)",
         json_schema_extra={"restart_only": True},
     )
+    tier_horizon_ns: list[int] = Field(
+        default_factory=lambda: [2 * _S, 8 * _S, 30 * _S, 120 * _S],
+        min_length=1,
+        description="horizon of each tier, ns (one entry per tier, shortest first): how much "
+        "queued work one DP rank of an engine of that tier may hold; an engine offers "
+        "remaining_quota_ns = sum over its ranks of max(0, horizon - rank load)",
+    )
     tier_batch_cap_ns: list[int] = Field(
         default_factory=lambda: [8 * _S, 32 * _S, 128 * _S, 512 * _S],
         min_length=1,
@@ -181,6 +188,12 @@ class PrefillSettings(Section):
             raise ValueError(
                 f"tier_batch_cap_ns: must have {len(bounds) + 1} entries (one per tier)"
             )
+        if len(self.tier_horizon_ns) != len(bounds) + 1:
+            raise ValueError(
+                f"tier_horizon_ns: must have {len(bounds) + 1} entries (one per tier)"
+            )
+        if any(h <= 0 for h in self.tier_horizon_ns):
+            raise ValueError("tier_horizon_ns: must be > 0")
         if any(c <= 0 for c in self.tier_batch_cap_ns):
             raise ValueError("tier_batch_cap_ns: must be > 0")
         if self.submit_wait_ms > self.max_submit_wait_ms:

@@ -14,6 +14,7 @@ from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
 from fulcrum.state.prefill import Batch, PrefillState, wait_ns
+from fulcrum.v1 import fleet_pb2
 from fulcrum.v1 import prefill_pb2 as pb
 from fulcrum.v1 import prefill_pb2_grpc as pb_grpc
 
@@ -86,7 +87,7 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             lease=not request.ack_on_reply,
             ack_ids=[require_id(x, "ack_request_ids") for x in request.ack_request_ids],
         )
-        return self._reply(batch)
+        return self._reply(batch, request.engine_id)
 
     async def Ack(
         self, request: pb.AckRequest, context: grpc.aio.ServicerContext
@@ -103,9 +104,10 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             accepted=reply.accepted, rejected_request_ids=list(reply.rejected)
         )
 
-    def _reply(self, batch: Batch) -> pb.PullResponse:
+    def _reply(self, batch: Batch, engine_id: str) -> pb.PullResponse:
         st = self._state
         return pb.PullResponse(
+            assignment=assignment_pb(st, engine_id),
             tier=max(batch.tier, 0),
             tier_name=st.labels[batch.tier] if batch.tier >= 0 else "",
             requests=[
@@ -161,6 +163,16 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             step_quota_ns=step_quota_ns,
             max_chunk_tokens=st.settings.max_chunk_tokens,
         )
+
+
+def assignment_pb(state: PrefillState, engine_id: str) -> fleet_pb2.PrefillAssignment:
+    """The engine's tier, horizon and step budget as sent in Register, Heartbeat and Pull
+    replies."""
+    a = state.assignment(engine_id)
+    return fleet_pb2.PrefillAssignment(
+        tier=a.tier, tier_name=a.tier_name, tier_horizon_ns=a.horizon_ns,
+        step_quota_ns=a.step_quota_ns,
+    )
 
 
 def register(server: grpc.aio.Server, app: App) -> list[str]:

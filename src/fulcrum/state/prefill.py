@@ -160,11 +160,24 @@ class _Pending:
         return self.item.tier
 
 
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """What a prefill engine needs for its quota: tier (-1: none), tier name, the tier's
+    horizon (ns of queued work per DP rank) and its step budget (ns). An engine offers
+    ``remaining_quota_ns = sum_r max(0, horizon_ns - rank_load_r)``."""
+
+    tier: int
+    tier_name: str
+    horizon_ns: int
+    step_quota_ns: int
+
+
 @dataclass(slots=True, eq=False)
 class _Engine:
     member_id: str
     incarnation: int
     dp_ranks: int
+    step_quota_ns: int = 0
     waiters: list[_Waiter] = field(default_factory=list)
 
 
@@ -308,6 +321,16 @@ class PrefillState:
             1 for w in self._waiters
             if not w.woken and self.balancer.engine_tier(w.engine.member_id) == tier
         )
+
+    def assignment(self, engine_id: str) -> Assignment:
+        """The engine's tier, horizon and step budget now (see :class:`Assignment`)."""
+        tier = self.engine_tier(engine_id)
+        eng = self._engines.get(engine_id)
+        own = eng.step_quota_ns if eng is not None else 0
+        s = self.settings
+        horizon = s.tier_horizon_ns[tier] if tier >= 0 else 0
+        return Assignment(tier, self.labels[tier] if tier >= 0 else "", horizon,
+                          own or s.step_quota_ns)
 
     def predict_ns(self, total: int, cached: int) -> int:
         """Predicted cost (ns, with ``k``) of prefilling ``total - cached`` tokens after
@@ -813,7 +836,7 @@ class PrefillState:
             # A new incarnation has lost what the old one held: deliver it elsewhere.
             self._requeue(self.leases.drop_engine(member.member_id), "engine_left")
         self._engines[member.member_id] = _Engine(
-            member.member_id, member.incarnation, shape.dp_ranks
+            member.member_id, member.incarnation, shape.dp_ranks, shape.step_quota_ns or 0
         )
         log.info("prefill_engine_joined", engine_id=member.member_id, dp_ranks=shape.dp_ranks)
         self._redistributed(self.balancer.add_engine(member.member_id, shape.dp_ranks))

@@ -4,6 +4,7 @@ isort:skip_file
 """
 
 from collections import abc as _abc
+from fulcrum.v1 import fleet_pb2 as _fleet_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
@@ -115,7 +116,12 @@ class PullRequest(_message.Message):
     that quotes it also counts as a heartbeat. 0 skips the check (and the heartbeat).
     """
     remaining_quota_ns: _builtins.int
-    """Compute quota the engine can still take, in nanoseconds."""
+    """Compute quota the engine can still take, in nanoseconds:
+      sum over its DP ranks r of max(0, tier_horizon_ns - rank_loads_ns[r])
+    with tier_horizon_ns from the Register/Heartbeat/Pull replies (PrefillAssignment;
+    defaults 2/8/30/120 s for the four default tiers). 0 takes nothing. Not the step
+    budget: a 1 s step budget would never admit a fresh 16K-token prompt (about 1.2 s).
+    """
     max_wait_ms: _builtins.int
     """Longest time to wait while the queue is empty, in milliseconds (0 = configured default)."""
     max_requests: _builtins.int
@@ -273,6 +279,7 @@ class PullResponse(_message.Message):
     COST_MODEL_VERSION_FIELD_NUMBER: _builtins.int
     REJECTED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    ASSIGNMENT_FIELD_NUMBER: _builtins.int
     tier: _builtins.int
     """Tier the engine serves this round."""
     tier_name: _builtins.str
@@ -297,6 +304,10 @@ class PullResponse(_message.Message):
         NOT run these requests (lease expired and reassigned, or submitter gone).
         """
 
+    @_builtins.property
+    def assignment(self) -> _fleet_pb2.PrefillAssignment:
+        """The engine's tier, horizon and step budget now (inputs of remaining_quota_ns)."""
+
     def __init__(
         self,
         *,
@@ -307,10 +318,11 @@ class PullResponse(_message.Message):
         cost_model_version: _builtins.int = ...,
         rejected_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         lease_ms: _builtins.int = ...,
+        assignment: _fleet_pb2.PrefillAssignment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_quota_ns", b"batch_quota_ns", "cost_model_version", b"cost_model_version", "lease_ms", b"lease_ms", "rejected_request_ids", b"rejected_request_ids", "requests", b"requests", "tier", b"tier", "tier_name", b"tier_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "batch_quota_ns", b"batch_quota_ns", "cost_model_version", b"cost_model_version", "lease_ms", b"lease_ms", "rejected_request_ids", b"rejected_request_ids", "requests", b"requests", "tier", b"tier", "tier_name", b"tier_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
