@@ -77,6 +77,7 @@ OUTCOMES = (
 #: Lease outcomes (label values of ``fulcrum_prefill_leases``): acknowledged, expired
 #: (re-queued), engine_left (re-queued), cancelled (submitter gone while leased).
 LEASE_OUTCOMES = ("acknowledged", "expired", "engine_left", "cancelled", "rejected_ack")
+_LEASES = {o: m.LEASES.labels(o) for o in LEASE_OUTCOMES}
 
 
 def balancer_config(settings: PrefillSettings) -> BalancerConfig:
@@ -206,6 +207,7 @@ class _TierMetrics:
         "depth",
         "engines",
         "imbalance",
+        "leased_quota",
         "outcomes",
         "predicted",
         "pulls_batch",
@@ -219,6 +221,7 @@ class _TierMetrics:
         self.quota = m.QUEUED_QUOTA.labels(label)
         self.engines = m.ENGINES.labels(label)
         self.imbalance = m.RANK_IMBALANCE.labels(label)
+        self.leased_quota = m.LEASED_QUOTA.labels(label)
         self.demand = m.DEMAND.labels(label)
         self.predicted = m.PREDICTED_COST.labels(label)
         self.wait = m.WAIT.labels(label)
@@ -461,7 +464,7 @@ class PrefillState:
         """Take a request out of its queue or lease without delivering it."""
         self.balancer.remove(rec.request_id)
         if self.leases.release(rec.request_id) is not None:
-            m.LEASES.labels("cancelled").inc()
+            _LEASES["cancelled"].inc()
             self._gauge_leases(rec.tier)
         self._forget(rec)
         if error is not None and not rec.future.done():
@@ -559,14 +562,14 @@ class PrefillState:
             )
             self._resolve(rec, delivery)
         if res.accepted:
-            m.LEASES.labels("acknowledged").inc(len(res.accepted))
+            _LEASES["acknowledged"].inc(len(res.accepted))
         rejected = tuple(
             rid for rid in res.rejected
             if (d := self.retained(rid)) is None or d.engine_id != eng.member_id
         )  # a retried acknowledgement (lost reply) of a request this engine holds is fine
         res = AckResult(res.accepted, rejected)
         if res.rejected:
-            m.LEASES.labels("rejected_ack").inc(len(res.rejected))
+            _LEASES["rejected_ack"].inc(len(res.rejected))
             self._log.info("prefill_ack_rejected", engine_id=eng.member_id,
                            n=len(res.rejected))
         for t in tiers:
@@ -596,7 +599,7 @@ class PrefillState:
         those whose wait ran out, drop those whose callers left)."""
         if not leases:
             return
-        m.LEASES.labels(reason).inc(len(leases))
+        _LEASES[reason].inc(len(leases))
         back = []
         tiers: set[int] = set()
         for x in leases:
@@ -999,16 +1002,16 @@ class PrefillState:
 
     def _gauge_leases(self, tier: int) -> None:
         m.LEASED.set(len(self.leases))
-        m.LEASED_QUOTA.labels(self.labels[tier]).set(self.leases.leased_ns[tier] / NS_PER_S)
+        self._m[tier].leased_quota.set(self.leases.leased_ns[tier] / NS_PER_S)
 
     def _note_imbalance(self, engine_id: str, loads: Sequence[int]) -> None:
         """Observe max/mean of the rank loads a pull reports (not for idle engines), in
         the tier the engine serves."""
-        if len(loads) < 2:
+        if len(loads) < 2 or not any(loads):
             return
         total = sum(loads)
         tier = self.engine_tier(engine_id)
-        if total <= 0 or tier < 0:
+        if tier < 0:
             return
         self._m[tier].imbalance.observe(max(loads) * len(loads) / total)
 
