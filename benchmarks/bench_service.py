@@ -407,10 +407,13 @@ def run(quick: bool) -> str:
         "those chunks and the ratio is the median of the per-chunk ratios, so that a "
         "change of machine load cancels out. "
         "Streams are strict ping-pong (one request, wait for its reply). "
-        "Submit + Pull (one phase, right after its Ping): 8 submitters against 2 engines "
-        "(4 DP ranks each) long-polling with `max_requests = 1`; a Submit returns when an "
-        "engine has pulled it, so its latency includes the hand-off. The Pull row "
-        "shares that phase's daemon CPU. "
+        "Submit + Pull + ack (one phase, right after its Ping): 8 submitters against 2 "
+        "engines (4 DP ranks each) long-polling with `max_requests = 1`, each pull "
+        "acknowledging the previous batch (`ack_request_ids`, acknowledged delivery); a "
+        "Submit returns when its engine has acknowledged it, so its latency includes the "
+        "pull, the lease and the acknowledgement on the engine's next pull (the "
+        "unacknowledged hand-off measured 0.49x before issue 13). The Pull row shares "
+        "that phase's daemon CPU. "
         f"ReportLoad: {WORKERS} EP8 groups, one caller each, step ranges in order.",
         "",
         md_table(["call", "calls/s", "p50 (ms)", "p99 (ms)", "daemon CPU/call (us)",

@@ -172,6 +172,10 @@ describe("prefill engine and submitter", () => {
     err = await errorOf(pull({ rank_loads_ns: ["0"] }));
     assert.equal(err.code, Status.INVALID_ARGUMENT);
     assert.match(err.details, /^rank_loads_ns/);
+    // A leased pull must say how loaded its ranks are (no guessing "idle").
+    err = await errorOf(pull({ rank_loads_ns: [] }));
+    assert.equal(err.code, Status.INVALID_ARGUMENT);
+    assert.match(err.details, /^rank_loads_ns: required/);
     assert.equal(await codeOf(pull({ incarnation: "1" })), Status.FAILED_PRECONDITION);
     assert.equal(await codeOf(pull({ engine_id: "nobody" })), Status.NOT_FOUND);
   });

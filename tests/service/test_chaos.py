@@ -130,6 +130,7 @@ class Engine:
                         engine_id=self.member_id,
                         incarnation=self.session.incarnation,
                         remaining_quota_ns=10**12,
+                        rank_loads_ns=[0, 0],
                         max_wait_ms=200,
                         ack_request_ids=acks,
                     ),

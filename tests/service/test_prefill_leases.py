@@ -25,7 +25,7 @@ S = 1_000_000_000
 def leased(engine: str, inc: int, wait_ms: int = 5_000, ack: list[str] | None = None,
            loads: list[int] | None = None, remaining: int = 100 * S,
            ) -> prefill_pb2.PullRequest:
-    return pull_request(engine, inc, remaining, loads=loads, wait_ms=wait_ms,
+    return pull_request(engine, inc, remaining, loads=loads or [0, 0], wait_ms=wait_ms,
                         ack_on_reply=False, ack=ack)
 
 
@@ -216,3 +216,17 @@ async def test_register_heartbeat_and_pull_replies_carry_the_assignment() -> Non
         await c.prefill.Ack(prefill_pb2.AckRequest(
             engine_id="e1", incarnation=reg.incarnation, request_ids=["big"]))
         assert (await sub).engine_id == "e1"
+
+
+async def test_leased_pull_without_rank_loads_is_refused() -> None:
+    async with prefill_daemon() as (_, c, st):
+        inc = await register(c, "e1", dp_ranks=2)
+        sub = asyncio.ensure_future(c.prefill.Submit(submit_request("r1", 1000)))
+        await until(lambda: st.is_queued("r1"))
+        bad = pull_request("e1", inc, 100 * S, loads=[], wait_ms=1, ack_on_reply=False)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.prefill.Pull(bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith("rank_loads_ns: required")
+        assert st.is_queued("r1")  # nothing changed
+        sub.cancel()

@@ -111,7 +111,7 @@ async def _scenario(script: list[tuple[Any, ...]]) -> None:
             await asyncio.sleep(0)
         elif kind == "lpull":
             try:
-                batch = await state.pull(op[1], 0, op[2] * S // 4, [], 0, 0, lease=True)
+                batch = await state.pull(op[1], 0, op[2] * S // 4, [0, 0], 0, 0, lease=True)
                 record(op[1], batch)
             except NotFound:
                 pass

@@ -645,6 +645,12 @@ class PrefillState:
         ``lease``: the batch is leased (acknowledged delivery); otherwise handing it over
         acknowledges it."""
         eng = self.validate_pull(engine_id, incarnation, rank_loads_ns)
+        if lease and not rank_loads_ns:
+            raise InvalidArgument(
+                "rank_loads_ns",
+                f"required with acknowledged delivery: {eng.dp_ranks} entries, one per DP "
+                "rank (0 for an idle rank); only ack_on_reply pulls may omit it",
+            )
         if len(ack_ids) > self.settings.max_batch_requests:
             raise InvalidArgument(
                 "ack_request_ids",

@@ -97,7 +97,14 @@ Global___SubmitResponse: _TypeAlias = SubmitResponse  # noqa: Y015
 
 @_typing.final
 class PullRequest(_message.Message):
-    """PullRequest is an engine asking for work."""
+    """PullRequest is an engine asking for work. Its remaining_quota_ns is computed as
+      remaining_quota_ns = sum over its DP ranks r of max(0, tier_horizon_ns - rank_loads_ns[r])
+    with tier_horizon_ns the horizon of the engine's tier from the Register, Heartbeat and
+    Pull replies (PrefillAssignment; defaults 2/8/30/120 s for the four default tiers) and
+    rank_loads_ns[r] the predicted cost (ns) rank r still has queued. 0 takes nothing. It is
+    not the step budget: a 1 s step budget would never admit a fresh 16K-token prompt
+    (about 1.2 s).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -116,12 +123,7 @@ class PullRequest(_message.Message):
     that quotes it also counts as a heartbeat. 0 skips the check (and the heartbeat).
     """
     remaining_quota_ns: _builtins.int
-    """Compute quota the engine can still take, in nanoseconds:
-      sum over its DP ranks r of max(0, tier_horizon_ns - rank_loads_ns[r])
-    with tier_horizon_ns from the Register/Heartbeat/Pull replies (PrefillAssignment;
-    defaults 2/8/30/120 s for the four default tiers). 0 takes nothing. Not the step
-    budget: a 1 s step budget would never admit a fresh 16K-token prompt (about 1.2 s).
-    """
+    """Compute quota the engine can still take, in nanoseconds."""
     max_wait_ms: _builtins.int
     """Longest time to wait while the queue is empty, in milliseconds (0 = configured default)."""
     max_requests: _builtins.int
@@ -133,8 +135,10 @@ class PullRequest(_message.Message):
     """
     @_builtins.property
     def rank_loads_ns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Outstanding quota load of each DP rank, in nanoseconds; one entry per rank, or none
-        (all zero). The engine is idle when every entry is zero.
+        """Outstanding quota load of each DP rank, in nanoseconds; one entry per rank. Required
+        for a leased pull (INVALID_ARGUMENT naming rank_loads_ns otherwise): the daemon does
+        not guess "idle"; an ack_on_reply pull may omit it (read as all zero). The engine is
+        idle when every entry is zero.
         """
 
     @_builtins.property

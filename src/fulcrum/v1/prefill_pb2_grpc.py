@@ -87,7 +87,7 @@ class PrefillBalancerServiceServicer:
         total_tokens or cached_tokens) reuses an id in flight; INVALID_ARGUMENT when
         cached_tokens >= total_tokens or a length is out of range; UNAVAILABLE with a
         `retry-after-ms` trailer (prefill.no_engine_retry_after_ms) when no live prefill
-        engine is registered, and when the daemon drains. A cancelled call is removed from
+        engine is registered; UNAVAILABLE when the daemon drains. A cancelled call is removed from
         the queue and never handed to an engine (an engine that acknowledges it later is told
         in rejected_request_ids).
         """
