@@ -92,9 +92,9 @@ class PrefillSettings(Section):
         json_schema_extra={"restart_only": True},
     )
     tier_horizon_ns: list[int] = Field(
-        default_factory=lambda: [2 * _S, 8 * _S, 30 * _S, 120 * _S],
-        min_length=1,
-        description="horizon of each tier, ns (one entry per tier, shortest first): how much "
+        default_factory=list,
+        description="horizon of each tier, ns (one entry per tier, shortest first; empty = "
+        "2/8/30/120 s for four tiers, else a quarter of each tier's batch cap): how much "
         "queued work one DP rank of an engine of that tier may hold; an engine offers "
         "remaining_quota_ns = sum over its ranks of max(0, horizon - rank load)",
     )
@@ -179,6 +179,14 @@ class PrefillSettings(Section):
         "engines of its proportional share",
     )
 
+    def horizons_ns(self) -> list[int]:
+        """The horizon of each tier (ns): ``tier_horizon_ns``, or its default."""
+        if self.tier_horizon_ns:
+            return list(self.tier_horizon_ns)
+        if len(self.tier_batch_cap_ns) == 4:
+            return [2 * _S, 8 * _S, 30 * _S, 120 * _S]
+        return [max(1, c // 4) for c in self.tier_batch_cap_ns]
+
     @model_validator(mode="after")
     def _consistent(self) -> PrefillSettings:
         bounds = self.tier_bounds
@@ -188,7 +196,7 @@ class PrefillSettings(Section):
             raise ValueError(
                 f"tier_batch_cap_ns: must have {len(bounds) + 1} entries (one per tier)"
             )
-        if len(self.tier_horizon_ns) != len(bounds) + 1:
+        if self.tier_horizon_ns and len(self.tier_horizon_ns) != len(bounds) + 1:
             raise ValueError(
                 f"tier_horizon_ns: must have {len(bounds) + 1} entries (one per tier)"
             )

@@ -331,7 +331,7 @@ class PrefillState:
         eng = self._engines.get(engine_id)
         own = eng.step_quota_ns if eng is not None else 0
         s = self.settings
-        horizon = s.tier_horizon_ns[tier] if tier >= 0 else 0
+        horizon = s.horizons_ns()[tier] if tier >= 0 else 0
         return Assignment(tier, self.labels[tier] if tier >= 0 else "", horizon,
                           own or s.step_quota_ns)
 
