@@ -9,8 +9,9 @@ call's throughput as a ratio to its no-op.
 
 Calls: decode ``PlaceDecode`` and ``PlaceDecodeStream`` (64 GPUs), VE ``PlaceImages``
 and ``PlaceImagesStream`` (one 1280x800 screenshot, 64 GPUs), prefill ``Submit`` (the
-entrypoint; it resolves when an engine pulls the request) with ``Pull`` (the engine's
-long poll) as one hand-off, and EPLB ``ReportLoad`` / ``GetMap``. The balancer sections
+entrypoint; it resolves when an engine acknowledges the request) with ``Pull`` (the
+engine's long poll, acknowledging the previous batch) as one hand-off, and EPLB
+``ReportLoad`` / ``GetMap``. The balancer sections
 also give calls/s of some of these from their own runs; this table is the one place with
 latency percentiles and daemon CPU per call for all of them, in one setup.
 
@@ -306,13 +307,18 @@ async def _bench(
         pulls = 0
 
         async def puller(eid: str, inc: int) -> None:
+            # Acknowledged delivery: each pull acknowledges the previous batch (no extra
+            # call); a Submit resolves on that acknowledgement.
             nonlocal pulls
-            while not stop.is_set():
+            acks: list[str] = []
+            while not stop.is_set() or acks:
                 t = time.perf_counter()
-                await c.prefill.Pull(ppb.PullRequest(
+                reply = await c.prefill.Pull(ppb.PullRequest(
                     engine_id=eid, incarnation=inc,
                     remaining_quota_ns=1 << 50, rank_loads_ns=[0, 0, 0, 0],
-                    max_wait_ms=50, max_requests=1))
+                    max_wait_ms=0 if stop.is_set() else 50, max_requests=1,
+                    ack_request_ids=acks))
+                acks = [r.request_id for r in reply.requests]
                 pull_lat.append(time.perf_counter() - t)
                 pulls += 1
 
@@ -325,8 +331,8 @@ async def _bench(
 
         ref = await noop(False)
         pullers = [asyncio.create_task(puller(e, i)) for e, i in engines]
-        progress("service: Submit + Pull")
-        sub = await _measure("Submit + Pull", pid, per // 2, submit)
+        progress("service: Submit + Pull + ack")
+        sub = await _measure("Submit + Pull + ack", pid, per // 2, submit)
         stop.set()
         await asyncio.gather(*pullers)
         pull_fig = Figures("Pull (during the above)", pulls, sub.wall_s, pull_lat, sub.cpu_s)
@@ -401,10 +407,13 @@ def run(quick: bool) -> str:
         "those chunks and the ratio is the median of the per-chunk ratios, so that a "
         "change of machine load cancels out. "
         "Streams are strict ping-pong (one request, wait for its reply). "
-        "Submit + Pull (one phase, right after its Ping): 8 submitters against 2 engines "
-        "(4 DP ranks each) long-polling with `max_requests = 1`; a Submit returns when an "
-        "engine has pulled it, so its latency includes the hand-off. The Pull row "
-        "shares that phase's daemon CPU. "
+        "Submit + Pull + ack (one phase, right after its Ping): 8 submitters against 2 "
+        "engines (4 DP ranks each) long-polling with `max_requests = 1`, each pull "
+        "acknowledging the previous batch (`ack_request_ids`, acknowledged delivery); a "
+        "Submit returns when its engine has acknowledged it, so its latency includes the "
+        "pull, the lease and the acknowledgement on the engine's next pull (the "
+        "unacknowledged hand-off measured 0.49x before issue 13). The Pull row shares "
+        "that phase's daemon CPU. "
         f"ReportLoad: {WORKERS} EP8 groups, one caller each, step ranges in order.",
         "",
         md_table(["call", "calls/s", "p50 (ms)", "p99 (ms)", "daemon CPU/call (us)",

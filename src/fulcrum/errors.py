@@ -58,9 +58,14 @@ class FailedPrecondition(FulcrumError):
 
 
 class Unavailable(FulcrumError):
-    """The daemon is draining or the resource is temporarily out of service; retry."""
+    """The daemon is draining or the resource is temporarily out of service; retry
+    (after ``retry_after_ms`` when set)."""
 
     code_name = "UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after_ms: int = 0) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class DeadlineExceeded(FulcrumError):

@@ -1,10 +1,10 @@
-// A prefill engine (one DP group) and a submitter (the entrypoint), from the protos alone,
-// with the CURRENT protocol (docs/protocol.md: "Prefill engine", "Entrypoint").
-//
-// Issue 13 changes this sequence: a pulled batch will be leased and the engine will
-// acknowledge what it accepted; Submit will resolve on the acknowledgement, and Submit
-// with no live engine for the tier will fail fast with UNAVAILABLE. The tests marked
-// "(today)" pin the behaviour that will change.
+// A prefill engine (one DP group) and a submitter (the entrypoint), from the protos alone
+// (docs/protocol.md: "Prefill engine", "Entrypoint"), with acknowledged delivery: a pulled
+// batch is leased to the engine, the engine acknowledges what it accepted (Ack, or
+// ack_request_ids on its next Pull), and Submit resolves on the acknowledgement, naming
+// the engine that actually runs the request. A request whose lease runs out goes to
+// another engine; the late acknowledgement is refused. Submit is idempotent, and fails
+// fast with UNAVAILABLE (retry-after-ms) when no prefill engine is registered.
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 
@@ -33,7 +33,9 @@ let daemon;
 let api;
 
 before(async () => {
-  daemon = await startDaemon({ config: { fleet: { heartbeat_timeout_ms: 60_000 } } });
+  daemon = await startDaemon({
+    config: { fleet: { heartbeat_timeout_ms: 60_000 }, prefill: { lease_ms: 500 } },
+  });
   api = connect(daemon.address);
 });
 
@@ -43,6 +45,7 @@ after(async () => {
 });
 
 const ENGINE = "pf-a";
+const OTHER = "pf-b";
 const STEP_NS = "1000000000"; // 1 s step budget
 
 describe("prefill engine and submitter", () => {
@@ -82,10 +85,22 @@ describe("prefill engine and submitter", () => {
     assert.ok(BigInt(cm.version) >= 1n);
   });
 
-  test("a long-polling pull receives a submitted request; Submit names engine and rank", async () => {
+  const ack = (ids, engine = ENGINE, inc = incarnation) =>
+    call(api.prefill, "Ack", { engine_id: engine, incarnation: inc, request_ids: ids });
+
+  test("a pulled request is leased; Submit resolves on the Ack, naming engine and rank", async () => {
     const pulled = pull();
-    const placed = await submit("p-1", 1000);
+    const placing = submit("p-1", 1000);
     const batch = await pulled;
+    assert.ok(batch.lease_ms > 0);
+    let settled = false;
+    placing.then(() => (settled = true), () => (settled = true));
+    await new Promise((r) => setImmediate(r));
+    assert.equal(settled, false); // not before the acknowledgement
+    const acked = await ack(["p-1"]);
+    assert.equal(acked.accepted, 1);
+    assert.deepEqual(acked.rejected_request_ids, []);
+    const placed = await placing;
     assert.equal(batch.requests.length, 1);
     const [r] = batch.requests;
     assert.equal(r.request_id, "p-1");
@@ -107,6 +122,9 @@ describe("prefill engine and submitter", () => {
       batch.requests.map((r) => r.request_id),
       ["b-1", "b-2", "b-3"],
     );
+    // Acknowledged on the next pull (no extra call).
+    const next = await pull({ ack_request_ids: ["b-1", "b-2", "b-3"], max_wait_ms: 1 });
+    assert.deepEqual(next.rejected_request_ids, []);
     const placed = await Promise.all(submits);
     assert.deepEqual(
       placed.map((p) => p.dp_rank),
@@ -128,7 +146,14 @@ describe("prefill engine and submitter", () => {
     assert.equal(batch.requests.length, 0);
   });
 
-  test("refusals: bad lengths, duplicate queued id, bad pulls", async () => {
+  test("a re-submit of an acknowledged id returns the same outcome, no second delivery", async () => {
+    const again = await submit("p-1", 1000);
+    assert.equal(again.engine_id, ENGINE);
+    const batch = await pull({ max_wait_ms: 100 });
+    assert.equal(batch.requests.length, 0);
+  });
+
+  test("refusals: bad lengths, id reused by another request, bad pulls", async () => {
     let err = await errorOf(submit("x-1", 100, { cached_tokens: "100" }));
     assert.equal(err.code, Status.INVALID_ARGUMENT);
     assert.match(err.details, /^cached_tokens/);
@@ -137,8 +162,8 @@ describe("prefill engine and submitter", () => {
     assert.match(err.details, /^total_tokens/);
     const first = submit("x-3", 1000, { max_wait_ms: 1000 });
     await queued(1);
-    // Nobody pulls: a second submit of the same id while it is queued is refused...
-    err = await errorOf(submit("x-3", 1000));
+    // Nobody pulls: another request (other lengths) reusing the queued id is refused...
+    err = await errorOf(submit("x-3", 2000));
     assert.equal(err.code, Status.ALREADY_EXISTS);
     // ...and the queued one runs out of its own wait (the daemon's answer, not ours).
     err = await errorOf(first);
@@ -147,6 +172,10 @@ describe("prefill engine and submitter", () => {
     err = await errorOf(pull({ rank_loads_ns: ["0"] }));
     assert.equal(err.code, Status.INVALID_ARGUMENT);
     assert.match(err.details, /^rank_loads_ns/);
+    // A leased pull must say how loaded its ranks are (no guessing "idle").
+    err = await errorOf(pull({ rank_loads_ns: [] }));
+    assert.equal(err.code, Status.INVALID_ARGUMENT);
+    assert.match(err.details, /^rank_loads_ns: required/);
     assert.equal(await codeOf(pull({ incarnation: "1" })), Status.FAILED_PRECONDITION);
     assert.equal(await codeOf(pull({ engine_id: "nobody" })), Status.NOT_FOUND);
   });
@@ -170,13 +199,15 @@ describe("prefill engine and submitter", () => {
     assert.match(err.details, /^samples\[0\]\.q/);
   });
 
-  test("(today) with no engine, Submit waits out its max_wait_ms: DEADLINE_EXCEEDED", async () => {
+  test("with no engine, Submit fails fast: UNAVAILABLE with retry-after-ms", async () => {
     await call(api.fleet, "Deregister", { member_id: ENGINE, incarnation });
-    const err = await errorOf(submit("n-1", 1000, { max_wait_ms: 300 }));
-    assert.equal(err.code, Status.DEADLINE_EXCEEDED);
+    const err = await errorOf(submit("n-1", 1000, { max_wait_ms: 10_000 }));
+    assert.equal(err.code, Status.UNAVAILABLE);
+    assert.match(err.details, /no live prefill engine/);
+    assert.ok(Number(err.metadata.get("retry-after-ms")[0]) > 0);
   });
 
-  test("(today) a deregistered engine's pull is NOT_FOUND: register again", async () => {
+  test("a deregistered engine's pull is NOT_FOUND: register again", async () => {
     assert.equal(await codeOf(pull({ max_wait_ms: 0 })), Status.NOT_FOUND);
     const reg = await call(api.fleet, "Register", {
       member_id: ENGINE,
@@ -185,16 +216,51 @@ describe("prefill engine and submitter", () => {
     assert.ok(BigInt(reg.incarnation) > BigInt(incarnation));
     incarnation = reg.incarnation;
     const pulled = pull();
-    const placed = await submit("n-2", 1000);
+    const placing = submit("n-2", 1000);
     assert.equal((await pulled).requests[0].request_id, "n-2");
-    assert.equal(placed.engine_id, ENGINE);
+    await ack(["n-2"]);
+    assert.equal((await placing).engine_id, ENGINE);
   });
 
-  test.skip(
-    "partition: an engine frozen then killed after a pull loses no request " +
-      "(needs acknowledged delivery, issue 13: today Submit resolves when the pull " +
-      "reply is committed, so a partitioned engine's requests are reported delivered " +
-      "and never reassigned)",
-    () => {},
-  );
+  test("partition: an engine frozen after a pull loses no request; the submitter learns the real engine once", async () => {
+    const other = await call(api.fleet, "Register", {
+      member_id: OTHER,
+      prefill_engine: { dp_ranks: 2, step_quota_ns: STEP_NS },
+    });
+    // pf-a pulls the request, then freezes: no Ack, no Pull.
+    const frozen = pull();
+    const placing = submit("part-1", 1000, { max_wait_ms: 10_000 });
+    const held = await frozen;
+    assert.deepEqual(held.requests.map((r) => r.request_id), ["part-1"]);
+    // pf-b long-polls: once pf-a's lease runs out, the request comes back at the head
+    // of its tier and pf-b gets it.
+    const theirs = await call(
+      api.prefill,
+      "Pull",
+      {
+        engine_id: OTHER,
+        incarnation: other.incarnation,
+        remaining_quota_ns: STEP_NS,
+        rank_loads_ns: ["0", "0"],
+        max_wait_ms: 5_000,
+      },
+      { deadlineMs: 15_000 },
+    );
+    assert.deepEqual(theirs.requests.map((r) => r.request_id), ["part-1"]);
+    assert.equal((await ack(["part-1"], OTHER, other.incarnation)).accepted, 1);
+    const placed = await placing;
+    assert.equal(placed.engine_id, OTHER); // the engine that actually runs it
+    assert.equal(placed.dp_rank, theirs.requests[0].dp_rank);
+    // pf-a thaws and acknowledges late: refused, it must not run the request.
+    const late = await ack(["part-1"]);
+    assert.equal(late.accepted, 0);
+    assert.deepEqual(late.rejected_request_ids, ["part-1"]);
+    // ... and is killed (here: deregistered). The submitter's answer stays the same.
+    await call(api.fleet, "Deregister", { member_id: ENGINE, incarnation });
+    const again = await submit("part-1", 1000);
+    assert.equal(again.engine_id, OTHER);
+    const m = await metrics(daemon);
+    assert.ok(sample(m, 'fulcrum_prefill_leases_total{outcome="expired"}') >= 1);
+    assert.ok(sample(m, 'fulcrum_prefill_leases_total{outcome="rejected_ack"}') >= 1);
+  });
 });

@@ -120,11 +120,14 @@ test("every member notices a daemon restart and registers again", async () => {
   // The submitter resubmits; the re-registered engine pulls it.
   const pulled = call(api.prefill, "Pull", {
     engine_id: "pf-r", incarnation: after.pf, remaining_quota_ns: "1000000000",
-    max_wait_ms: 5_000,
+    rank_loads_ns: ["0"], max_wait_ms: 5_000,
   });
-  const placed = await call(api.prefill, "Submit", { request_id: "q-1", total_tokens: "1000" });
-  assert.equal(placed.engine_id, "pf-r");
+  const placing = call(api.prefill, "Submit", { request_id: "q-1", total_tokens: "1000" });
   assert.equal((await pulled).requests[0].request_id, "q-1");
+  // Acknowledged delivery (issue 13): the Submit resolves on the engine's Ack.
+  await call(api.prefill, "Ack", { engine_id: "pf-r", incarnation: after.pf, request_ids: ["q-1"] });
+  const placed = await placing;
+  assert.equal(placed.engine_id, "pf-r");
   const text = await metrics(daemon);
   assert.equal(sample(text, 'fulcrum_fleet_members{kind="prefill_engine"}'), 1);
 });

@@ -61,8 +61,14 @@ def pull_request(
     loads: list[int] | None = None,
     wait_ms: int = 5_000,
     max_requests: int = 0,
+    ack_on_reply: bool = True,
+    ack: list[str] | None = None,
 ) -> prefill_pb2.PullRequest:
+    """A pull; ``ack_on_reply`` (the default of these balancing tests) skips the lease:
+    the lease tests (test_prefill_leases.py) set it False and acknowledge."""
     return prefill_pb2.PullRequest(
+        ack_on_reply=ack_on_reply,
+        ack_request_ids=ack or [],
         engine_id=engine_id,
         incarnation=incarnation,
         remaining_quota_ns=remaining_ns,

@@ -6,10 +6,15 @@ accounting is back to zero.
   (a crash: the member lapses), a restart registers the same id with a new incarnation;
 - the daemon is drained and stopped (SIGTERM semantics), then a new one starts on the same
   port; engines re-register through their next heartbeat on their own;
-- invariants: each submit has one final outcome at its caller; no request reaches two
-  engines; an engine only receives requests whose submit answered OK naming that engine;
-  an OK submit that no engine saw was handed to an engine that was killed; the daemon
-  records one outcome per request; queues, queued quota and fleet end empty.
+- engines acknowledge each batch on their next pull (acknowledged delivery, issue 13); a
+  *freeze* stops an engine right after it pulled a batch (it still heartbeats: a
+  partition of its pull path): its lease runs out, the batch goes to another engine; it
+  then thaws, acknowledges late, is told the requests were reassigned, and is killed;
+- invariants: each submit has one final outcome at its caller; no request is run by two
+  engines (an engine runs what the daemon accepted its acknowledgement of); every OK
+  submit names the engine that actually runs the request, and every request an engine
+  runs answered its submitter OK naming it; the daemon records one outcome per request;
+  queues, leases, queued quota and fleet end empty.
 
 Bounded: waits are polls on conditions with deadlines; the seed fixes every choice.
 """
@@ -61,6 +66,8 @@ class Ledger:
 
     outcomes: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     received: dict[str, list[str]] = field(default_factory=dict)  # request -> engines
+    reassigned: dict[str, list[str]] = field(default_factory=dict)  # late acks refused
+    in_doubt: dict[str, str] = field(default_factory=dict)  # ack in flight at a kill/stop
     server: dict[str, list[str]] = field(default_factory=dict)  # request -> daemon outcomes
     killed: set[str] = field(default_factory=set)
     submitted: int = 0
@@ -95,6 +102,10 @@ class Engine:
             )
         self.session = MemberSession(self.client, register)
         self.task: asyncio.Task[None] | None = None
+        self.pending: list[str] = []  # pulled, to acknowledge on the next pull
+        self.freeze_next = False
+        self.frozen = asyncio.Event()
+        self.thaw = asyncio.Event()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -112,21 +123,39 @@ class Engine:
 
     async def _pull_loop(self) -> None:
         while True:
+            acks = list(self.pending)
             try:
                 reply = await self.client.prefill.Pull(
                     prefill_pb2.PullRequest(
                         engine_id=self.member_id,
                         incarnation=self.session.incarnation,
                         remaining_quota_ns=10**12,
+                        rank_loads_ns=[0, 0],
                         max_wait_ms=200,
+                        ack_request_ids=acks,
                     ),
                     timeout=2.0,
                 )
-            except grpc.aio.AioRpcError:
+            except asyncio.CancelledError:
+                for rid in acks:  # killed with its acknowledgement on the wire
+                    self.ledger.in_doubt[rid] = self.member_id
+                raise
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    self.pending.clear()  # a new incarnation: what it held went elsewhere
                 await asyncio.sleep(0.02)  # re-registration is the session's job
                 continue
-            for item in reply.requests:
-                self.ledger.received.setdefault(item.request_id, []).append(self.member_id)
+            refused = set(reply.rejected_request_ids)
+            for rid in acks:  # the daemon accepted these: this engine runs them
+                if rid in refused:
+                    self.ledger.reassigned.setdefault(rid, []).append(self.member_id)
+                else:
+                    self.ledger.received.setdefault(rid, []).append(self.member_id)
+            self.pending = [item.request_id for item in reply.requests]
+            if self.freeze_next and self.pending:
+                self.freeze_next = False
+                self.frozen.set()
+                await self.thaw.wait()
 
     async def kill(self) -> None:
         """A crash: stop pulling and heartbeating, without deregistering."""
@@ -206,7 +235,7 @@ def chaos_settings(port: int) -> Settings:
                 "heartbeat_timeout_ms": 400,
                 "sweep_interval_ms": 20,
             },
-            "prefill": {"round_period_ms": 100, "submit_wait_ms": 1500},
+            "prefill": {"round_period_ms": 100, "submit_wait_ms": 1500, "lease_ms": 300},
         }
     )
 
@@ -224,6 +253,21 @@ async def start_daemon(port: int, ledger: Ledger) -> Daemon:
 
     state.outcome_hooks.append(record)
     return daemon
+
+
+async def freeze(eng: Engine, daemon: Daemon, ledger: Ledger) -> None:
+    """Freeze ``eng`` right after it pulls a batch; wait until its lease ran out; thaw it
+    and wait for its late acknowledgement (refused: the batch went elsewhere)."""
+    eng.freeze_next = True
+    await wait_for(eng.frozen.is_set, f"{eng.member_id} to pull a batch and freeze")
+    held = list(eng.pending)
+    state = daemon.app.components["prefill"]
+    await wait_for(lambda: not state.leases.held_by(eng.member_id), "lease expiry")
+    eng.thaw.set()
+    await wait_for(
+        lambda: all(eng.member_id in ledger.reassigned.get(r, []) for r in held),
+        "the late acknowledgement to be refused",
+    )
 
 
 async def test_engines_and_daemon_restart_under_load() -> None:
@@ -247,13 +291,23 @@ async def test_engines_and_daemon_restart_under_load() -> None:
     workers += [asyncio.ensure_future(decode_worker(entry, ids, ledger, stop, held))
                 for _ in range(2)]
     restarts = 0
+    freezes = 0
     try:
         for _ in range(ROUNDS):
             target = ledger.finished + 20
             await wait_for(lambda t=target: ledger.finished >= t, "submits to progress")
-            action = rng.choice(["kill", "kill", "restart_engine", "restart_daemon"])
+            action = rng.choice(["kill", "freeze", "restart_engine", "restart_daemon"])
             alive = sorted(set(engines) - set(down))
-            if action == "kill" and len(down) < len(engines) - 2:
+            prefill_alive = [n for n in alive if not engines[n].decode]
+            if action == "freeze" and len(prefill_alive) >= 2:
+                # Frozen right after a pull: its lease runs out and the batch goes to
+                # another engine; thawed, it acknowledges late and is refused; killed.
+                name = rng.choice(prefill_alive)
+                await freeze(engines[name], daemon, ledger)
+                await engines[name].kill()
+                down.append(name)
+                freezes += 1
+            elif action in ("kill", "freeze") and len(down) < len(engines) - 2:
                 name = rng.choice(alive)
                 await engines[name].kill()
                 down.append(name)
@@ -270,6 +324,13 @@ async def test_engines_and_daemon_restart_under_load() -> None:
             engines[name] = Engine(address, name, ledger)
             await engines[name].start()
         down.clear()
+        if freezes == 0:  # the seed did not pick it: freeze one engine anyway
+            name = next(n for n in engines if not engines[n].decode)
+            await freeze(engines[name], daemon, ledger)
+            await engines[name].kill()
+            engines[name] = Engine(address, name, ledger)
+            await engines[name].start()
+            freezes += 1
         if restarts == 0:  # the seed did not pick it: restart the daemon once anyway
             await daemon.drain_and_stop()
             daemon = await start_daemon(port, ledger)
@@ -297,7 +358,7 @@ async def test_engines_and_daemon_restart_under_load() -> None:
         await entry.close()
 
     # -- invariants ---------------------------------------------------------------------
-    assert restarts >= 1 and ledger.killed
+    assert restarts >= 1 and freezes >= 1 and ledger.killed
     assert not held
     bad = {"INTERNAL", "UNKNOWN"}
     assert not bad & (set(_codes(ledger)) | set(ledger.decode_codes) | set(ledger.release_codes))
@@ -305,15 +366,21 @@ async def test_engines_and_daemon_restart_under_load() -> None:
     assert ledger.finished == ledger.submitted, "a submit ended without an outcome"
     assert all(len(o) == 1 for o in ledger.outcomes.values())
     doubles = {r: e for r, e in ledger.received.items() if len(e) > 1}
-    assert not doubles, f"requests pulled by two engines: {doubles}"
+    assert not doubles, f"requests run by two engines: {doubles}"
     for rid, (engine,) in ledger.received.items():
         code, named = ledger.outcomes[rid][0]
         assert (code, named) == ("OK", engine), (rid, engine, ledger.outcomes[rid])
+    # Every OK names the engine that actually runs the request: none was lost on an
+    # engine that was frozen or killed after its pull. The only OKs no engine recorded
+    # are acknowledgements the daemon accepted from an engine killed (or stopped) while
+    # that call was on the wire: the engine had accepted the request, and it was the
+    # engine named.
     unseen = [
         (rid, o[0][1]) for rid, o in ledger.outcomes.items()
         if o[0][0] == "OK" and rid not in ledger.received
     ]
-    assert all(engine in ledger.killed for _, engine in unseen), unseen
+    assert all(ledger.in_doubt.get(rid) == engine for rid, engine in unseen), unseen
+    assert ledger.reassigned, "no late acknowledgement was refused"
     ok = sum(1 for o in ledger.outcomes.values() if o[0][0] == "OK")
     assert ok > ledger.finished // 2, {c: n for c, n in _codes(ledger).items()}
     # the daemon recorded one outcome per request (per daemon life: a request refused
@@ -325,6 +392,8 @@ async def test_engines_and_daemon_restart_under_load() -> None:
     try:
         await wait_for(lambda: sum(state.queue_depths()) == 0, "queues empty")
         assert sum(state.queued_ns()) == 0
+        await wait_for(lambda: len(state.leases) == 0, "leases ended")
+        assert state.leases.leased_ns == [0] * state.n_tiers
         await wait_for(lambda: daemon.app.fleet.count() == 0, "fleet empty")
         assert all(n == 0 for n in state.engines_per_tier())
     finally:

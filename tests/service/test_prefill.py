@@ -41,11 +41,21 @@ async def test_submit_validation_errors() -> None:
 
 async def test_deadline_duplicate_and_queue_bound() -> None:
     async with prefill_daemon({"prefill": {"max_queued_per_tier": 2}}) as (_, c, st):
-        # No engine at all: the submit waits its max_wait and fails.
+        # No engine at all: the submit fails fast (issue 13), with a retry hint.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.prefill.Submit(submit_request("late", 1000, wait_ms=50_000))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        trailing = dict(err.value.trailing_metadata() or ())
+        assert trailing.get("retry-after-ms") == "1000"
+        assert st.queue_depths() == [0, 0, 0, 0]
+        # An engine that never pulls: the submit waits its max_wait and fails.
+        inc0 = await register(c, "e0")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await c.prefill.Submit(submit_request("late", 1000, wait_ms=50))
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert st.queue_depths() == [0, 0, 0, 0]
+        await c.fleet.Deregister(fleet_pb2.DeregisterRequest(member_id="e0", incarnation=inc0))
+        await register(c, "e0")  # a fresh engine with no demand history
 
         first = asyncio.ensure_future(c.prefill.Submit(submit_request("dup", 1000)))
         await until(lambda: st.queue_depths()[0] == 1)
@@ -66,10 +76,18 @@ async def test_deadline_duplicate_and_queue_bound() -> None:
         first.cancel()
         await until(lambda: st.queue_depths()[0] == 1)
         incs = {e: await register(c, e) for e in ("e1", "e2")}
-        assert sorted(st.engines_per_tier()) == [0, 0, 1, 1]  # one per tier with demand
+        counts = st.engines_per_tier()
+        assert counts[0] >= 1 and counts[1] >= 1  # every tier with demand has an engine
+        got = 0
         for engine, inc in incs.items():
             reply = await c.prefill.Pull(pull_request(engine, inc, 100 * S, wait_ms=1))
-            assert len(reply.requests) == 1 and reply.tier == st.engine_tier(engine)
+            assert not reply.requests or reply.tier <= st.engine_tier(engine)  # never longer
+            got += len(reply.requests)
+        if got < 2:  # e0 holds one of the tiers
+            e0 = st._engines["e0"].incarnation
+            reply = await c.prefill.Pull(pull_request("e0", e0, 100 * S, wait_ms=1))
+            got += len(reply.requests)
+        assert got == 2
         assert (await second).tier == 0
         assert (await third).tier == 1
         with pytest.raises(asyncio.CancelledError):

@@ -89,7 +89,8 @@ async def replay(events: list[tuple[Any, ...]], rules: str) -> dict[str, int]:
                 seen["round"] += 1
             else:  # pragma: no cover - a new event kind must be replayed too
                 raise AssertionError(f"unknown event {kind!r}")
-        await asyncio.sleep(0)
+        for _ in range(3):  # a submit awaits its (shielded, shareable) outcome: two hops
+            await asyncio.sleep(0)
         for rid, task in tasks.items():
             assert task.done(), rid  # every request the simulator ran was delivered
             assert task.result().engine_id

@@ -1,6 +1,8 @@
-"""PrefillState without gRPC: random interleavings of submits, cancels, pulls (immediate
-and long-polling), rounds, engine joins and leaves, then a drain. Every request must end
-exactly once and be handed to at most one engine, once."""
+"""PrefillState without gRPC: random interleavings of submits (and duplicate re-submits),
+cancels, pulls (immediate and long-polling, acknowledged on reply or leased),
+acknowledgements (in time, late, partial), lease expiries, rounds, engine joins and
+leaves, then a drain. Every request must end exactly once; the submitter learns the one
+engine whose acknowledgement was accepted, and no other engine is allowed to run it."""
 
 from __future__ import annotations
 
@@ -40,6 +42,14 @@ ops = st.lists(
         st.tuples(st.just("yield"), st.integers(1, 5)),
         st.tuples(st.just("leave"), st.sampled_from(ENGINES)),
         st.tuples(st.just("join"), st.sampled_from(ENGINES)),
+        st.tuples(st.just("lpull"), st.sampled_from(ENGINES[:2]), st.integers(1, 400)),
+        st.tuples(st.just("lpull"), st.sampled_from(ENGINES[:2]), st.integers(1, 400)),
+        st.tuples(st.just("lpull"), st.sampled_from(ENGINES), st.integers(0, 400)),
+        st.tuples(st.just("ack"), st.sampled_from(ENGINES[:2]), st.integers(0, 3)),
+        st.tuples(st.just("ack"), st.sampled_from(ENGINES[:2]), st.integers(0, 3)),
+        st.tuples(st.just("ack"), st.sampled_from(ENGINES[:2]), st.integers(0, 3)),
+        st.tuples(st.just("lease_end"), st.sampled_from(ENGINES)),
+        st.tuples(st.just("resubmit"), st.integers(0, 40)),
     ),
     min_size=5,
     max_size=80,
@@ -56,15 +66,29 @@ async def _scenario(script: list[tuple[Any, ...]]) -> None:
     fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
     outcomes: dict[str, list[tuple[str, str]]] = defaultdict(list)
     state.outcome_hooks.append(lambda rid, out, eng: outcomes[rid].append((out, eng)))
-    received: dict[str, list[str]] = defaultdict(list)
+    received: dict[str, list[str]] = defaultdict(list)  # engines that may run it
+    leased: dict[str, list[str]] = defaultdict(list)  # engine -> ids it holds unacknowledged
     submits: list[tuple[str, asyncio.Task[Delivery]]] = []
+    lengths: dict[str, tuple[int, int]] = {}
+    dups: list[tuple[str, asyncio.Task[Delivery]]] = []
     pulls: list[tuple[str, asyncio.Task[Batch]]] = []
     for e in ENGINES[:2]:
         fleet.register(e, PrefillEngineShape(dp_ranks=2), clock())
 
     def record(engine: str, batch: Batch) -> None:
+        if batch.lease_ms:
+            leased[engine].extend(item.request_id for item in batch.items)
+            return
         for item in batch.items:
             received[item.request_id].append(engine)
+
+    accepted_by: dict[str, list[str]] = defaultdict(list)
+
+    def acked(engine: str, ids: list[str], rejected: tuple[str, ...]) -> None:
+        for rid in ids:
+            if rid not in rejected:
+                received[rid].append(engine)
+                accepted_by[engine].append(rid)
 
     for op in script:
         kind = op[0]
@@ -74,7 +98,40 @@ async def _scenario(script: list[tuple[Any, ...]]) -> None:
             cached = int(total * op[2])
             task = asyncio.ensure_future(state.submit(rid, total, cached, 3600 * S))
             submits.append((rid, task))
+            lengths[rid] = (total, cached)
             await asyncio.sleep(0)
+        elif kind == "resubmit" and submits:
+            rid, first = submits[op[1] % len(submits)]
+            if rid not in state._index or first.done() or first.cancelling():
+                continue  # only a re-submit of a request in flight is a duplicate here
+            total, cached = lengths[rid]
+            dups.append(
+                (rid, asyncio.ensure_future(state.submit(rid, total, cached, 3600 * S)))
+            )
+            await asyncio.sleep(0)
+        elif kind == "lpull":
+            try:
+                batch = await state.pull(op[1], 0, op[2] * S // 4, [0, 0], 0, 0, lease=True)
+                record(op[1], batch)
+            except NotFound:
+                pass
+        elif kind == "ack":
+            ids = leased.pop(op[1], [])
+            hold = 1 if op[2] == 1 else 0  # sometimes hold one back (acknowledged late)
+            keep, ids = ids[:hold], ids[hold:]
+            if keep:
+                leased[op[1]] = keep
+            try:
+                reply = state.ack(op[1], 0, ids)
+                acked(op[1], ids, reply.rejected)
+                if op[2] == 3 and accepted_by[op[1]]:
+                    # A retried acknowledgement (its reply was lost): still accepted, once.
+                    again = state.ack(op[1], 0, accepted_by[op[1]])
+                    assert again.rejected == ()
+            except NotFound:
+                pass
+        elif kind == "lease_end":
+            state._lease_timer(state.leases.held_by(op[1]))  # as if its lease ran out now
         elif kind == "cancel" and submits:
             submits[op[1] % len(submits)][1].cancel()
         elif kind == "expire" and submits:
@@ -109,7 +166,13 @@ async def _scenario(script: list[tuple[Any, ...]]) -> None:
         }:
             fleet.register(op[1], PrefillEngineShape(dp_ranks=2), clock())
 
-    # Flush: live engines follow the demand and drain the queues (idle, ample quota).
+    # Late acknowledgements of everything still held (refused when the lease ended),
+    # then the leases run out; then live engines drain the queues (idle, ample quota).
+    for engine, ids in list(leased.items()):
+        with contextlib.suppress(NotFound):
+            acked(engine, ids, state.ack(engine, 0, ids).rejected)
+    state._lease_timer(list(state.leases._by_id.values()))
+    assert len(state.leases) == 0 and state.leases.leased_ns == [0] * state.n_tiers
     for _ in range(state.n_tiers + 1):
         await asyncio.sleep(0)
         state.rebalance(clock(), reason="round")
@@ -131,14 +194,21 @@ async def _scenario(script: list[tuple[Any, ...]]) -> None:
             views[rid] = "deadline_exceeded"
         except Unavailable:
             views[rid] = "unavailable"
+    for rid, task in dups:  # a re-submit learns the request's one outcome
+        try:
+            delivery = await task
+            assert outcomes[rid] == [("delivered", delivery.engine_id)]
+            assert views[rid] in ("delivered:" + delivery.engine_id, "cancelled")
+        except (DeadlineExceeded, Unavailable):
+            assert [o for o, _ in outcomes[rid]] in (["deadline_exceeded"], ["unavailable"])
 
     assert state.queue_depths() == [0] * state.n_tiers
     assert all(state.waiting_pulls(t) == 0 for t in range(state.n_tiers))
     assert state._woken == [0] * state.n_tiers
     for rid, view in views.items():
         ends = outcomes.get(rid, [])
-        if not ends:  # cancelled before it was queued
-            assert view == "cancelled" and rid not in received
+        if not ends:  # cancelled before it was queued, or refused: no engine
+            assert view in ("cancelled", "unavailable") and rid not in received
             continue
         assert len(ends) == 1, f"{rid} ended {ends}"
         outcome, engine = ends[0]
@@ -151,7 +221,21 @@ async def _scenario(script: list[tuple[Any, ...]]) -> None:
     assert set(received) <= set(views)
 
 
-@settings(max_examples=120, deadline=None)
+def test_lease_scenarios_by_hand() -> None:
+    """Leased pulls acknowledged, re-acknowledged (a lost reply), late after expiry,
+    by an engine that left: each request still ends once, on the engine that runs it."""
+    for script in (
+        [("submit", 2000, 0.0), ("lpull", "e0", 400), ("ack", "e0", 3)],
+        [("submit", 2000, 0.0), ("lpull", "e0", 400), ("lease_end", "e0"),
+         ("lpull", "e1", 400), ("ack", "e0", 0), ("ack", "e1", 3)],
+        [("submit", 2000, 0.0), ("submit", 2000, 0.5), ("lpull", "e0", 400),
+         ("leave", "e0"), ("lpull", "e1", 400), ("ack", "e1", 1), ("resubmit", 0)],
+        [("submit", 20_000, 0.0), ("lpull", "e1", 400), ("cancel", 0), ("ack", "e1", 0)],
+    ):
+        asyncio.run(_scenario(script))
+
+
+@settings(max_examples=150, deadline=None)
 @given(ops)
 def test_random_interleavings_end_every_request_exactly_once(
     script: list[tuple[Any, ...]],

@@ -97,6 +97,13 @@ class PrefillSettings(Section):
         "(n bounds make n+1 tiers; needs a restart)",
         json_schema_extra={"restart_only": True},
     )
+    tier_horizon_ns: list[int] = Field(
+        default_factory=list,
+        description="horizon of each tier, ns (one entry per tier, shortest first; empty = "
+        "2/8/30/120 s for four tiers, else a quarter of each tier's batch cap): how much "
+        "queued work one DP rank of an engine of that tier may hold; an engine offers "
+        "remaining_quota_ns = sum over its ranks of max(0, horizon - rank load)",
+    )
     tier_batch_cap_ns: list[int] = Field(
         default_factory=lambda: [8 * _S, 32 * _S, 128 * _S, 512 * _S],
         min_length=1,
@@ -127,6 +134,33 @@ class PrefillSettings(Section):
     )
     max_pull_wait_ms: int = Field(
         30_000, ge=0, le=3_600_000, description="longest long-poll time a pull may ask, ms"
+    )
+    lease_ms: int = Field(
+        5_000,
+        ge=1,
+        le=3_600_000,
+        description="lease of a pulled batch, ms: requests not acknowledged by their engine "
+        "within it go back to the head of their tier and are delivered elsewhere",
+    )
+    retention_ms: int = Field(
+        300_000,
+        ge=0,
+        le=86_400_000,
+        description="how long an acknowledged request's outcome is kept, ms: a re-submit of "
+        "the same id and lengths within it gets that outcome instead of a second delivery",
+    )
+    max_retained: int = Field(
+        100_000,
+        ge=0,
+        le=10_000_000,
+        description="bound of the retained-outcome table, requests (oldest evicted first)",
+    )
+    no_engine_retry_after_ms: int = Field(
+        1_000,
+        ge=1,
+        le=3_600_000,
+        description="retry-after-ms hint of a submit refused UNAVAILABLE because no live "
+        "prefill engine is registered, ms",
     )
     round_period_ms: int = Field(
         1_000, ge=1, le=3_600_000, description="period of engine redistribution rounds, ms"
@@ -189,6 +223,14 @@ class PrefillSettings(Section):
         description="most block hashes one submit may carry",
     )
 
+    def horizons_ns(self) -> list[int]:
+        """The horizon of each tier (ns): ``tier_horizon_ns``, or its default."""
+        if self.tier_horizon_ns:
+            return list(self.tier_horizon_ns)
+        if len(self.tier_batch_cap_ns) == 4:
+            return [2 * _S, 8 * _S, 30 * _S, 120 * _S]
+        return [max(1, c // 4) for c in self.tier_batch_cap_ns]
+
     @model_validator(mode="after")
     def _consistent(self) -> PrefillSettings:
         bounds = self.tier_bounds
@@ -198,6 +240,12 @@ class PrefillSettings(Section):
             raise ValueError(
                 f"tier_batch_cap_ns: must have {len(bounds) + 1} entries (one per tier)"
             )
+        if self.tier_horizon_ns and len(self.tier_horizon_ns) != len(bounds) + 1:
+            raise ValueError(
+                f"tier_horizon_ns: must have {len(bounds) + 1} entries (one per tier)"
+            )
+        if any(h <= 0 for h in self.tier_horizon_ns):
+            raise ValueError("tier_horizon_ns: must be > 0")
         if any(c <= 0 for c in self.tier_batch_cap_ns):
             raise ValueError("tier_batch_cap_ns: must be > 0")
         if self.submit_wait_ms > self.max_submit_wait_ms:

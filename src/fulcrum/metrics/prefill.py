@@ -60,9 +60,37 @@ MOVES = Counter(
 )
 SUBMITS = Counter(
     "fulcrum_prefill_submits",
-    "Prefill submits by tier and outcome (delivered, cancelled, deadline_exceeded, "
-    "unavailable, queue_full).",
+    "Prefill submits by tier and outcome (delivered = acknowledged by an engine, cancelled, "
+    "deadline_exceeded, unavailable, queue_full, no_engine, duplicate = a re-submit "
+    "answered with the request's one outcome).",
     ["tier", "outcome"],
+    registry=REGISTRY,
+)
+LEASES = Counter(
+    "fulcrum_prefill_leases",
+    "Leased requests by how their lease ended: acknowledged, expired (re-queued), "
+    "engine_left (re-queued), cancelled (submitter gone or drain), rejected_ack (an "
+    "acknowledgement refused: not leased to that engine any more).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+LEASED = Gauge(
+    "fulcrum_prefill_leased_requests",
+    "Requests pulled by an engine and not yet acknowledged.",
+    registry=REGISTRY,
+)
+LEASED_QUOTA = Gauge(
+    "fulcrum_prefill_leased_quota_seconds",
+    "Predicted quota of leased (pulled, unacknowledged) requests, by tier, seconds.",
+    ["tier"],
+    registry=REGISTRY,
+)
+RANK_IMBALANCE = Histogram(
+    "fulcrum_prefill_rank_imbalance",
+    "max/mean of the DP-rank loads each pull reports (1 = balanced; idle engines and "
+    "single-rank engines not observed), by the tier the engine serves.",
+    ["tier"],
+    buckets=(1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0, 16.0),
     registry=REGISTRY,
 )
 BATCH_REQUESTS = Histogram(

@@ -105,6 +105,7 @@ METHOD_RULES: Final[dict[str, Rule]] = {
     # prefill: the entrypoint submits, engines pull and report for their own engine id
     "/fulcrum.v1.PrefillBalancerService/Submit": _rule(ENTRYPOINT),
     "/fulcrum.v1.PrefillBalancerService/Pull": _rule(ENGINE, id_field="engine_id"),
+    "/fulcrum.v1.PrefillBalancerService/Ack": _rule(ENGINE, id_field="engine_id"),
     "/fulcrum.v1.PrefillBalancerService/ReportStepTimes": _rule(ENGINE, id_field="engine_id"),
     "/fulcrum.v1.PrefillBalancerService/GetCostModel": _ANY,
     # decode and VE placement: the entrypoint

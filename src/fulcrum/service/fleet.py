@@ -27,6 +27,7 @@ from fulcrum.gateway.registry import AddressBook, validate_addresses
 from fulcrum.metrics import FLEET_EVENTS, FLEET_MEMBERS
 from fulcrum.service.app import App
 from fulcrum.service.paging import page_size_of, page_token_of
+from fulcrum.service.prefill import assignment_pb
 from fulcrum.units import NS_PER_MS
 from fulcrum.v1 import fleet_pb2 as pb
 from fulcrum.v1 import fleet_pb2_grpc as pb_grpc
@@ -176,14 +177,27 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
             incarnation=member.incarnation,
             heartbeat_interval_ms=fs.heartbeat_interval_ms,
             heartbeat_timeout_ms=fs.heartbeat_timeout_ms,
+            prefill=self._prefill_assignment(member),
         )
+
+    def _prefill_assignment(self, member: Member) -> pb.PrefillAssignment | None:
+        """A prefill engine's tier, horizon and step budget (issue 13); None otherwise."""
+        state = self._app.components.get("prefill")
+        if member.kind is not MemberKind.PREFILL_ENGINE or state is None:
+            return None
+        return assignment_pb(state, member.member_id)
 
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
         load = load_from_pb(request, self._fleet.settings.max_gpus_per_member)
-        self._fleet.heartbeat(request.member_id, request.incarnation, load, self._app.clock())
-        return pb.HeartbeatResponse(heartbeat_timeout_ms=self._fleet.settings.heartbeat_timeout_ms)
+        member = self._fleet.heartbeat(
+            request.member_id, request.incarnation, load, self._app.clock()
+        )
+        return pb.HeartbeatResponse(
+            heartbeat_timeout_ms=self._fleet.settings.heartbeat_timeout_ms,
+            prefill=self._prefill_assignment(member),
+        )
 
     async def Deregister(
         self, request: pb.DeregisterRequest, context: grpc.aio.ServicerContext

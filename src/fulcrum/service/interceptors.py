@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import structlog
 
-from fulcrum.errors import FulcrumError, ResourceExhausted
+from fulcrum.errors import FulcrumError, ResourceExhausted, Unavailable
 from fulcrum.logs import RefusalSummary
 from fulcrum.metrics import RPC_DURATION, RPC_IN_FLIGHT, RPC_REQUESTS, STREAM_MESSAGES
 from fulcrum.service.admission import Admission, bind, class_of, handler_started
@@ -203,7 +203,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if isinstance(err, FulcrumError):
             code = status_of(err)
             trailing: tuple[tuple[str, str], ...] = ()
-            if isinstance(err, ResourceExhausted) and err.retry_after_ms:
+            if isinstance(err, ResourceExhausted | Unavailable) and err.retry_after_ms:
                 trailing = ((RETRY_AFTER_KEY, str(err.retry_after_ms)),)
             log.debug("call_refused", method=call.method, code=code.name, reason=err.message)
             await self._finish(call, code)

@@ -14,6 +14,7 @@ from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
 from fulcrum.state.prefill import Batch, PrefillState, wait_ns
+from fulcrum.v1 import fleet_pb2
 from fulcrum.v1 import prefill_pb2 as pb
 from fulcrum.v1 import prefill_pb2_grpc as pb_grpc
 
@@ -72,6 +73,11 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             raise InvalidArgument(
                 "rank_loads_ns", f"must have at most {bound} entries (one per DP rank)"
             )
+        if len(request.ack_request_ids) > s.max_batch_requests:
+            raise InvalidArgument(
+                "ack_request_ids",
+                f"must have at most {s.max_batch_requests} entries (max_batch_requests)",
+            )
         wait = wait_ns(request.max_wait_ms, s.pull_wait_ms, s.max_pull_wait_ms)
         batch = await self._state.pull(
             request.engine_id,
@@ -80,12 +86,30 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             [int(x) for x in request.rank_loads_ns],
             self._cap_wait(wait, context),
             int(request.max_requests),
+            lease=not request.ack_on_reply,
+            ack_ids=[require_id(x, "ack_request_ids") for x in request.ack_request_ids],
         )
-        return self._reply(batch)
+        return self._reply(batch, request.engine_id)
 
-    def _reply(self, batch: Batch) -> pb.PullResponse:
+    async def Ack(
+        self, request: pb.AckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AckResponse:
+        require_id(request.engine_id, "engine_id")
+        limit = self._state.settings.max_batch_requests
+        if len(request.request_ids) > limit:  # bounded before anything is converted
+            raise InvalidArgument(
+                "request_ids", f"must have at most {limit} entries (max_batch_requests)"
+            )
+        ids = [require_id(x, "request_ids") for x in request.request_ids]
+        reply = self._state.ack(request.engine_id, int(request.incarnation), ids)
+        return pb.AckResponse(
+            accepted=reply.accepted, rejected_request_ids=list(reply.rejected)
+        )
+
+    def _reply(self, batch: Batch, engine_id: str) -> pb.PullResponse:
         st = self._state
         return pb.PullResponse(
+            assignment=assignment_pb(st, engine_id),
             tier=max(batch.tier, 0),
             tier_name=st.labels[batch.tier] if batch.tier >= 0 else "",
             requests=[
@@ -100,6 +124,8 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             ],
             batch_quota_ns=batch.quota_ns,
             cost_model_version=st.model_version,
+            rejected_request_ids=list(batch.rejected),
+            lease_ms=batch.lease_ms,
         )
 
     async def ReportStepTimes(
@@ -139,6 +165,16 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             step_quota_ns=step_quota_ns,
             max_chunk_tokens=st.settings.max_chunk_tokens,
         )
+
+
+def assignment_pb(state: PrefillState, engine_id: str) -> fleet_pb2.PrefillAssignment:
+    """The engine's tier, horizon and step budget as sent in Register, Heartbeat and Pull
+    replies."""
+    a = state.assignment(engine_id)
+    return fleet_pb2.PrefillAssignment(
+        tier=a.tier, tier_name=a.tier_name, tier_horizon_ns=a.horizon_ns,
+        step_quota_ns=a.step_quota_ns,
+    )
 
 
 def register(server: grpc.aio.Server, app: App) -> list[str]:

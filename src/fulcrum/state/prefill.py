@@ -28,7 +28,7 @@ cost model, adopted only when better by the configured margin.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +46,7 @@ from fulcrum.core.prefill.balancer import (
     Taken,
     rules_by_name,
 )
+from fulcrum.core.prefill.leases import AckResult, Lease, LeaseTable, requeue_order
 from fulcrum.core.prefill.tiers import tier_label
 from fulcrum.core.types import Member, MemberKind, MemberLoad, PrefillEngineShape
 from fulcrum.errors import (
@@ -64,7 +65,20 @@ from fulcrum.units import MAX_U64, NS_PER_S
 log = structlog.get_logger(__name__)
 
 #: Outcomes of a submitted request (label values of ``fulcrum_prefill_submits``).
-OUTCOMES = ("delivered", "cancelled", "deadline_exceeded", "unavailable", "queue_full")
+OUTCOMES = (
+    "delivered",
+    "cancelled",
+    "deadline_exceeded",
+    "unavailable",
+    "queue_full",
+    "no_engine",
+    "duplicate",
+)
+
+#: Lease outcomes (label values of ``fulcrum_prefill_leases``): acknowledged, expired
+#: (re-queued), engine_left (re-queued), cancelled (submitter gone while leased).
+LEASE_OUTCOMES = ("acknowledged", "expired", "engine_left", "cancelled", "rejected_ack")
+_LEASES = {o: m.LEASES.labels(o) for o in LEASE_OUTCOMES}
 
 
 def balancer_config(settings: PrefillSettings) -> BalancerConfig:
@@ -105,20 +119,39 @@ class PulledItem:
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """A pulled batch, FIFO order; ``quota_ns`` is the sum of predicted costs."""
+    """A pulled batch, FIFO order; ``quota_ns`` is the sum of predicted costs;
+    ``rejected`` the acknowledgements of the pull that were refused; ``lease_ms`` the
+    batch's lease (0: not leased)."""
 
     tier: int
     items: tuple[PulledItem, ...]
     quota_ns: int
+    rejected: tuple[str, ...] = ()
+    lease_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AckReply:
+    """Result of an acknowledgement: how many were accepted, and the ids refused (the
+    engine must not run them)."""
+
+    accepted: int
+    rejected: tuple[str, ...]
 
 
 @dataclass(slots=True, eq=False)
 class _Pending:
-    """The daemon's side of a queued request: its caller's future and its timer."""
+    """The daemon's side of an in-flight request (queued or leased): the future its
+    callers wait on (one per request id: a duplicate submit joins it), its wait timer,
+    and whether that wait ran out while the request was leased (``overdue``: it fails
+    instead of being re-queued when its lease ends unacknowledged)."""
 
     item: Queued
     future: asyncio.Future[Delivery]
     timer: asyncio.TimerHandle | None = None
+    callers: int = 1
+    overdue: bool = False
+    pulled_ns: int = 0
 
     @property
     def request_id(self) -> str:
@@ -129,11 +162,24 @@ class _Pending:
         return self.item.tier
 
 
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """What a prefill engine needs for its quota: tier (-1: none), tier name, the tier's
+    horizon (ns of queued work per DP rank) and its step budget (ns). An engine offers
+    ``remaining_quota_ns = sum_r max(0, horizon_ns - rank_load_r)``."""
+
+    tier: int
+    tier_name: str
+    horizon_ns: int
+    step_quota_ns: int
+
+
 @dataclass(slots=True, eq=False)
 class _Engine:
     member_id: str
     incarnation: int
     dp_ranks: int
+    step_quota_ns: int = 0
     waiters: list[_Waiter] = field(default_factory=list)
 
 
@@ -161,6 +207,8 @@ class _TierMetrics:
         "demand",
         "depth",
         "engines",
+        "imbalance",
+        "leased_quota",
         "outcomes",
         "predicted",
         "pulls_batch",
@@ -173,6 +221,8 @@ class _TierMetrics:
         self.depth = m.QUEUE_DEPTH.labels(label)
         self.quota = m.QUEUED_QUOTA.labels(label)
         self.engines = m.ENGINES.labels(label)
+        self.imbalance = m.RANK_IMBALANCE.labels(label)
+        self.leased_quota = m.LEASED_QUOTA.labels(label)
         self.demand = m.DEMAND.labels(label)
         self.predicted = m.PREDICTED_COST.labels(label)
         self.wait = m.WAIT.labels(label)
@@ -202,7 +252,11 @@ class PrefillState:
         cm = settings.cost_model
         self.model = CostModel(a=cm.a, b=cm.b, k=cm.k)
         self.model_version = 1
-        self._index: dict[str, _Pending] = {}
+        self._index: dict[str, _Pending] = {}  # in flight: queued or leased
+        self.leases = LeaseTable(self.n_tiers)
+        #: Acknowledged requests kept for idempotent re-submits:
+        #: id -> (total, cached, delivery, expiry ns); insertion order, bounded.
+        self._done: OrderedDict[str, tuple[int, int, Delivery, int]] = OrderedDict()
         self._engines: dict[str, _Engine] = {}
         self._waiters: list[_Waiter] = []
         self._woken = [0] * self.n_tiers  # woken waiters not yet run, per tier
@@ -256,7 +310,15 @@ class PrefillState:
 
     def is_queued(self, request_id: str) -> bool:
         """True while ``request_id`` waits in a tier queue."""
-        return request_id in self._index
+        return self.balancer.get(request_id) is not None
+
+    def is_leased(self, request_id: str) -> bool:
+        """True while ``request_id`` is leased to an engine (pulled, not acknowledged)."""
+        return request_id in self.leases
+
+    def in_flight(self) -> int:
+        """Requests queued or leased."""
+        return len(self._index)
 
     def waiting_pulls(self, tier: int) -> int:
         """Pulls currently long-polling (not woken) by engines of ``tier``."""
@@ -268,6 +330,16 @@ class PrefillState:
     def model_cost_ns(self, q: int, c: int) -> int:
         """The live cost model (ns, with ``k``) of ``q`` tokens after ``c`` cached."""
         return min(MAX_U64, self.model.cost_ns(q, c))
+
+    def assignment(self, engine_id: str) -> Assignment:
+        """The engine's tier, horizon and step budget now (see :class:`Assignment`)."""
+        tier = self.engine_tier(engine_id)
+        eng = self._engines.get(engine_id)
+        own = eng.step_quota_ns if eng is not None else 0
+        s = self.settings
+        horizon = s.horizons_ns()[tier] if tier >= 0 else 0
+        return Assignment(tier, self.labels[tier] if tier >= 0 else "", horizon,
+                          own or s.step_quota_ns)
 
     def predict_ns(self, total: int, cached: int) -> int:
         """Predicted cost (ns, with ``k``) of prefilling ``total - cached`` tokens after
@@ -293,6 +365,12 @@ class PrefillState:
         if request_id in self._index:
             raise AlreadyExists(f"request_id: {request_id!r} is already queued")
         tier = self.tier_of(total)
+        if not self._engines:
+            self._m[tier].outcomes["no_engine"].inc()
+            raise Unavailable(
+                "prefill: no live prefill engine is registered; retry later",
+                retry_after_ms=self.settings.no_engine_retry_after_ms,
+            )
         if self.balancer.queue_depth(tier) >= self.settings.max_queued_per_tier:
             self._m[tier].outcomes["queue_full"].inc()
             raise ResourceExhausted(
@@ -302,11 +380,55 @@ class PrefillState:
             )
         return tier
 
+    def _same(self, rec: _Pending, total: int, cached: int) -> bool:
+        return rec.item.total == total and rec.item.cached == cached
+
+    def retained(self, request_id: str) -> Delivery | None:
+        """The acknowledged outcome kept for ``request_id`` (within the retention window),
+        or None."""
+        entry = self._done.get(request_id)
+        if entry is None:
+            return None
+        if entry[3] <= self._clock():
+            del self._done[request_id]
+            return None
+        return entry[2]
+
+    def _retain(self, rec: _Pending, delivery: Delivery) -> None:
+        s = self.settings
+        now = self._clock()
+        done = self._done
+        done.pop(rec.request_id, None)
+        done[rec.request_id] = (rec.item.total, rec.item.cached, delivery,
+                                now + s.retention_ms * 1_000_000)
+        while done and (len(done) > s.max_retained or next(iter(done.values()))[3] <= now):
+            done.popitem(last=False)
+
     async def submit(
         self, request_id: str, total: int, cached: int, wait_ns: int,
         block_hashes: Sequence[int] = (),
     ) -> Delivery:
-        """Queue a request and wait until an engine pulls it (or it fails)."""
+        """Queue a request and wait until an engine acknowledges it (or it fails).
+
+        Idempotent: the same id with the same lengths joins the request in flight, or
+        gets the retained outcome of an acknowledged one; another request reusing an id in
+        flight is ALREADY_EXISTS."""
+        rec0 = self._index.get(request_id)
+        if rec0 is not None:
+            if not self._same(rec0, total, cached):
+                raise AlreadyExists(
+                    f"request_id: {request_id!r} is in flight with other total_tokens or "
+                    "cached_tokens"
+                )
+            self._m[rec0.tier].outcomes["duplicate"].inc()
+            return await self._wait(rec0, joined=True)
+        entry = self._done.get(request_id)
+        if entry is not None:
+            kept = self.retained(request_id)
+            if kept is not None and entry[0] == total and entry[1] == cached:
+                self._m[kept.tier].outcomes["duplicate"].inc()
+                return kept
+            self._done.pop(request_id, None)  # a new request reusing an id: forget
         tier = self.validate_submit(request_id, total, cached)
         now = self._clock()
         loop = asyncio.get_running_loop()
@@ -332,16 +454,28 @@ class PrefillState:
             self._redistributed(red)
         else:
             self._dispatch(tier)
+        return await self._wait(rec, joined=False)
+
+    async def _wait(self, rec: _Pending, *, joined: bool) -> Delivery:
+        """Wait on a request's outcome; the last caller to go cancels it."""
+        if joined:
+            rec.callers += 1
         try:
-            return await rec.future
+            return await asyncio.shield(rec.future)
         except asyncio.CancelledError:
-            if self._index.get(request_id) is rec:
+            rec.callers -= 1
+            if rec.callers <= 0 and self._index.get(rec.request_id) is rec:
+                if not rec.future.done():
+                    rec.future.cancel()
                 self._drop(rec, "cancelled")
             raise
 
     def _drop(self, rec: _Pending, outcome: str, error: Exception | None = None) -> None:
-        """Take a request out of its queue without delivering it."""
+        """Take a request out of its queue or lease without delivering it."""
         self.balancer.remove(rec.request_id)
+        if self.leases.release(rec.request_id) is not None:
+            _LEASES["cancelled"].inc()
+            self._gauge_leases(rec.tier)
         self._forget(rec)
         if error is not None and not rec.future.done():
             rec.future.set_exception(error)
@@ -364,6 +498,12 @@ class PrefillState:
             return
         if rec.future.done():  # its caller is gone
             self._drop(rec, "cancelled")
+            return
+        if rec.request_id in self.leases:
+            # An engine holds it: its acknowledgement decides (exactly once); should the
+            # lease end unacknowledged, the request fails instead of going back.
+            rec.overdue = True
+            rec.timer = None
             return
         waited_ms = (self._clock() - rec.item.enqueued_ns) // 1_000_000
         self._drop(
@@ -402,6 +542,101 @@ class PrefillState:
             )
         return eng
 
+    # -- acknowledgements and leases -------------------------------------------------------
+
+    def ack(self, engine_id: str, incarnation: int, request_ids: Sequence[str]) -> AckReply:
+        """``engine_id`` accepted these leased requests: each resolves its submit with this
+        engine and its DP rank. Ids not leased to it (expired and re-queued, submitter
+        gone, unknown) are refused: the engine must not run them."""
+        limit = self.settings.max_batch_requests
+        if len(request_ids) > limit:
+            raise InvalidArgument(
+                "ack_request_ids", f"must have at most {limit} entries (max_batch_requests)"
+            )
+        eng = self._engine_for_pull(engine_id, incarnation)
+        return self._ack(eng, request_ids)
+
+    def _ack(self, eng: _Engine, request_ids: Sequence[str]) -> AckReply:
+        if not request_ids:
+            return AckReply(0, ())
+        res = self.leases.ack(eng.member_id, request_ids, self._clock())
+        tiers: set[int] = set()
+        for lease in res.accepted:
+            rec = self._index[lease.request_id]
+            self._forget(rec)
+            item = lease.item
+            tiers.add(item.tier)
+            delivery = Delivery(
+                eng.member_id, lease.dp_rank, item.tier, item.cost_ns,
+                max(0, rec.pulled_ns - item.enqueued_ns),
+            )
+            self._resolve(rec, delivery)
+        if res.accepted:
+            _LEASES["acknowledged"].inc(len(res.accepted))
+        rejected = tuple(
+            rid for rid in res.rejected
+            if (d := self.retained(rid)) is None or d.engine_id != eng.member_id
+        )  # a retried acknowledgement (lost reply) of a request this engine holds is fine
+        res = AckResult(res.accepted, rejected)
+        if res.rejected:
+            _LEASES["rejected_ack"].inc(len(res.rejected))
+            self._log.info("prefill_ack_rejected", engine_id=eng.member_id,
+                           n=len(res.rejected))
+        for t in tiers:
+            self._gauge_leases(t)
+        return AckReply(len(res.accepted), res.rejected)
+
+    def _resolve(self, rec: _Pending, delivery: Delivery) -> None:
+        """Resolve a submit (exactly once) and keep its outcome for re-submits."""
+        if not rec.future.done():
+            rec.future.set_result(delivery)
+        self._retain(rec, delivery)
+        tm = self._m[delivery.tier if 0 <= delivery.tier < self.n_tiers else rec.tier]
+        tm.wait.observe(delivery.waited_ns / NS_PER_S)
+        self._m[rec.tier].outcomes["delivered"].inc()
+        for hook in self.outcome_hooks:
+            hook(rec.request_id, "delivered", delivery.engine_id)
+
+    def _lease_timer(self, leases: list[Lease]) -> None:
+        """A batch's lease ran out: unacknowledged requests go back to the head."""
+        current = [x for x in leases if self.leases.get(x.request_id) is x]
+        for x in current:
+            self.leases.release(x.request_id)
+        self._requeue(current, "expired")
+
+    def _requeue(self, leases: Sequence[Lease], reason: str) -> None:
+        """Put unacknowledged leased requests back at the head of their tiers (or fail
+        those whose wait ran out, drop those whose callers left)."""
+        if not leases:
+            return
+        _LEASES[reason].inc(len(leases))
+        back = []
+        tiers: set[int] = set()
+        for x in leases:
+            rec = self._index.get(x.request_id)
+            tiers.add(x.item.tier)
+            if rec is None:
+                continue
+            if rec.future.done():
+                self._forget(rec)
+                self._outcome(rec, "cancelled")
+            elif rec.overdue:
+                self._forget(rec)
+                rec.future.set_exception(DeadlineExceeded(
+                    "prefill: no engine acknowledged the request in time "
+                    f"(tier {self.labels[rec.tier]}; its lease ended: {reason})"
+                ))
+                self._outcome(rec, "deadline_exceeded")
+            else:
+                back.append(x)
+        self.balancer.requeue_front(requeue_order(back))
+        self._log.info("prefill_leases_requeued", reason=reason, n=len(back),
+                       engine_id=leases[0].engine_id)
+        for t in tiers:
+            self._gauge_tier(t)
+            self._gauge_leases(t)
+        self._dispatch_all()
+
     async def pull(
         self,
         engine_id: str,
@@ -410,12 +645,50 @@ class PrefillState:
         rank_loads_ns: Sequence[int],
         wait_ns: int,
         max_requests: int,
+        *,
+        lease: bool = False,
+        ack_ids: Sequence[str] = (),
     ) -> Batch:
-        """An engine's pull: a batch now, or after a long poll of up to ``wait_ns``."""
+        """An engine's pull: a batch now, or after a long poll of up to ``wait_ns``.
+
+        ``ack_ids`` are acknowledged first (refusals come back in ``Batch.rejected``).
+        ``lease``: the batch is leased (acknowledged delivery); otherwise handing it over
+        acknowledges it."""
         eng = self.validate_pull(engine_id, incarnation, rank_loads_ns)
+        if lease and not rank_loads_ns:
+            raise InvalidArgument(
+                "rank_loads_ns",
+                f"required with acknowledged delivery: {eng.dp_ranks} entries, one per DP "
+                "rank (0 for an idle rank); only ack_on_reply pulls may omit it",
+            )
+        if len(ack_ids) > self.settings.max_batch_requests:
+            raise InvalidArgument(
+                "ack_request_ids",
+                f"must have at most {self.settings.max_batch_requests} entries "
+                "(max_batch_requests)",
+            )
+        rejected = self._ack(eng, ack_ids).rejected
+        batch = await self._pull(eng, engine_id, incarnation, remaining_ns, rank_loads_ns,
+                                 wait_ns, max_requests, lease)
+        if rejected:
+            batch = Batch(batch.tier, batch.items, batch.quota_ns, rejected, batch.lease_ms)
+        return batch
+
+    async def _pull(
+        self,
+        eng: _Engine,
+        engine_id: str,
+        incarnation: int,
+        remaining_ns: int,
+        rank_loads_ns: Sequence[int],
+        wait_ns: int,
+        max_requests: int,
+        lease: bool,
+    ) -> Batch:
         loads = [int(x) for x in rank_loads_ns] if rank_loads_ns else [0] * eng.dp_ranks
+        self._note_imbalance(engine_id, loads)
         limit = max_requests if max_requests > 0 else 0
-        batch = self._take(eng, remaining_ns, loads, limit)
+        batch = self._take(eng, remaining_ns, loads, limit, lease)
         if batch.items or wait_ns <= 0 or self.draining:
             return self._pulled(batch)
         loop = asyncio.get_running_loop()
@@ -425,22 +698,26 @@ class PrefillState:
         self._waiters.append(waiter)
         try:
             self._dispatch_all()
+            refresh_s = self._fleet.settings.heartbeat_timeout_ms / 2000
             while True:
                 timeout = deadline - loop.time()
                 if timeout <= 0:
                     break
                 try:
-                    async with asyncio.timeout(timeout):
+                    async with asyncio.timeout(min(timeout, refresh_s)):
                         await waiter.event.wait()
                 except TimeoutError:
-                    break
+                    # A parked pull keeps its engine alive (it quoted its incarnation).
+                    if incarnation and self._engines.get(engine_id) is eng:
+                        self._engine_for_pull(engine_id, incarnation)
+                    continue
                 waiter.event.clear()
                 woken_for = self._unwake(waiter)
                 if self._engines.get(engine_id) is not eng:
                     raise NotFound(f"engine_id: {engine_id!r} left the fleet")
                 if self.draining:
                     break
-                batch = self._take(eng, remaining_ns, loads, limit)
+                batch = self._take(eng, remaining_ns, loads, limit, lease)
                 if batch.items:
                     return self._pulled(batch)
                 if woken_for >= 0:
@@ -517,8 +794,13 @@ class PrefillState:
     def _alive(self, item: Queued) -> bool:
         return not self._index[item.request_id].future.done()
 
-    def _take(self, eng: _Engine, remaining_ns: int, loads: list[int], limit: int) -> Batch:
-        """Let the balancer select and commit a batch for ``eng``; deliver it (may be empty)."""
+    def _take(
+        self, eng: _Engine, remaining_ns: int, loads: list[int], limit: int, lease: bool
+    ) -> Batch:
+        """Let the balancer select and commit a batch for ``eng``; lease it (``lease``) or
+        deliver it (may be empty). An engine offering no quota takes nothing."""
+        if remaining_ns <= 0:
+            return Batch(tier=self.engine_tier(eng.member_id), items=(), quota_ns=0)
         taken: Taken = self.balancer.take(
             eng.member_id, remaining_ns, loads, limit=limit or None, alive=self._alive,
             now_ns=self._clock(),
@@ -534,25 +816,32 @@ class PrefillState:
             return Batch(tier=tier, items=(), quota_ns=0)
         now = self._clock()
         items = []
-        tm = self._m[tier]
+        lease_ms = self.settings.lease_ms if lease else 0
         for item, rank in zip(taken.items, taken.ranks, strict=True):
             rec = self._index[item.request_id]
-            self._forget(rec)
-            waited = max(0, now - item.enqueued_ns)
-            rec.future.set_result(
-                Delivery(eng.member_id, rank, tier, item.cost_ns, waited)
-            )
+            rec.pulled_ns = now
             items.append(
                 PulledItem(item.request_id, item.total, item.cached, rank, item.cost_ns)
             )
-            tm.wait.observe(waited / NS_PER_S)
-            for hook in self.outcome_hooks:
-                hook(item.request_id, "delivered", eng.member_id)
-        tm.outcomes["delivered"].inc(len(items))
+            if not lease:
+                self._forget(rec)
+                self._resolve(rec, Delivery(
+                    eng.member_id, rank, tier, item.cost_ns, max(0, now - item.enqueued_ns)
+                ))
+        if lease:
+            leased = self.leases.lease(
+                eng.member_id, taken.items, taken.ranks, now + lease_ms * 1_000_000
+            )
+            asyncio.get_running_loop().call_later(
+                lease_ms / 1000, self._lease_timer, leased
+            )
+            for t in {it.tier for it in taken.items}:
+                self._gauge_leases(t)
         self._gauge_tier(tier)
         self._log.debug("prefill_batch", engine_id=eng.member_id, tier=tier, n=len(items))
         self._dispatch_all()
-        return Batch(tier=tier, items=tuple(items), quota_ns=min(taken.quota_ns, MAX_U64))
+        return Batch(tier=tier, items=tuple(items), quota_ns=min(taken.quota_ns, MAX_U64),
+                     lease_ms=lease_ms)
 
     # -- engines and rounds ----------------------------------------------------------------
 
@@ -567,8 +856,10 @@ class PrefillState:
         old = self._engines.get(member.member_id)
         if old is not None:
             self._end_waiters(old)
+            # A new incarnation has lost what the old one held: deliver it elsewhere.
+            self._requeue(self.leases.drop_engine(member.member_id), "engine_left")
         self._engines[member.member_id] = _Engine(
-            member.member_id, member.incarnation, shape.dp_ranks
+            member.member_id, member.incarnation, shape.dp_ranks, shape.step_quota_ns or 0
         )
         log.info("prefill_engine_joined", engine_id=member.member_id, dp_ranks=shape.dp_ranks)
         self.prefix.join(member.member_id, shape.prefix_cache_blocks,
@@ -587,6 +878,7 @@ class PrefillState:
         log.info("prefill_engine_left", engine_id=member.member_id, reason=reason)
         red = self.balancer.remove_engine(member.member_id)
         self.prefix.leave(member.member_id, replaced=reason == "replaced")
+        self._requeue(self.leases.drop_engine(member.member_id), "engine_left")
         if red is not None:
             self._redistributed(red)
 
@@ -731,6 +1023,21 @@ class PrefillState:
         return True
 
     # -- metrics ---------------------------------------------------------------------------
+
+    def _gauge_leases(self, tier: int) -> None:
+        m.LEASED.set(len(self.leases))
+        self._m[tier].leased_quota.set(self.leases.leased_ns[tier] / NS_PER_S)
+
+    def _note_imbalance(self, engine_id: str, loads: Sequence[int]) -> None:
+        """Observe max/mean of the rank loads a pull reports (not for idle engines), in
+        the tier the engine serves."""
+        if len(loads) < 2 or not any(loads):
+            return
+        total = sum(loads)
+        tier = self.engine_tier(engine_id)
+        if tier < 0:
+            return
+        self._m[tier].imbalance.observe(max(loads) * len(loads) / total)
 
     def _gauge_tier(self, tier: int) -> None:
         tm = self._m[tier]

@@ -222,26 +222,77 @@ class RegisterResponse(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_FIELD_NUMBER: _builtins.int
     incarnation: _builtins.int
     """Incarnation of this admission; heartbeats must quote it. Grows on every re-register."""
     heartbeat_interval_ms: _builtins.int
     """Interval at which the member should heartbeat, in milliseconds."""
     heartbeat_timeout_ms: _builtins.int
     """Lapse after which the member leaves placement, in milliseconds."""
+    @_builtins.property
+    def prefill(self) -> Global___PrefillAssignment:
+        """For a prefill engine: its tier, horizon and step budget (the inputs of its
+        remaining_quota_ns, see PrefillAssignment). Unset for other kinds.
+        """
+
     def __init__(
         self,
         *,
         incarnation: _builtins.int = ...,
         heartbeat_interval_ms: _builtins.int = ...,
         heartbeat_timeout_ms: _builtins.int = ...,
+        prefill: Global___PrefillAssignment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prefill", b"prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "incarnation", b"incarnation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_ms", b"heartbeat_interval_ms", "heartbeat_timeout_ms", b"heartbeat_timeout_ms", "incarnation", b"incarnation", "prefill", b"prefill"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterResponse: _TypeAlias = RegisterResponse  # noqa: Y015
+
+@_typing.final
+class PrefillAssignment(_message.Message):
+    """PrefillAssignment tells a prefill engine what it needs to compute the quota it offers:
+      remaining_quota_ns = sum over its DP ranks r of max(0, tier_horizon_ns - load_r)
+    where load_r is rank r's queued work (predicted cost, ns, of what it still has to
+    prefill; the same numbers it reports as rank_loads_ns). An idle engine of D ranks offers
+    D x tier_horizon_ns; an engine whose every rank holds a horizon of work offers 0 and
+    gets nothing. step_quota_ns is the budget of ONE prefill step (chunk planning), never
+    the pull quota. Sent in Register and Heartbeat replies and in every PullResponse.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    TIER_NAME_FIELD_NUMBER: _builtins.int
+    TIER_HORIZON_NS_FIELD_NUMBER: _builtins.int
+    STEP_QUOTA_NS_FIELD_NUMBER: _builtins.int
+    tier: _builtins.int
+    """Tier the engine serves (0 = shortest); -1 before it has one."""
+    tier_name: _builtins.str
+    """Tier name, such as "<16K"; empty before it has one."""
+    tier_horizon_ns: _builtins.int
+    """Horizon of the tier: how much queued work one DP rank may hold, in nanoseconds
+    (prefill.tier_horizon_ns).
+    """
+    step_quota_ns: _builtins.int
+    """Budget of one prefill step, in nanoseconds (the engine's own, else prefill.step_quota_ns)."""
+    def __init__(
+        self,
+        *,
+        tier: _builtins.int = ...,
+        tier_name: _builtins.str = ...,
+        tier_horizon_ns: _builtins.int = ...,
+        step_quota_ns: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["step_quota_ns", b"step_quota_ns", "tier", b"tier", "tier_horizon_ns", b"tier_horizon_ns", "tier_name", b"tier_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillAssignment: _TypeAlias = PrefillAssignment  # noqa: Y015
 
 @_typing.final
 class DecodeGpuLoad(_message.Message):
@@ -364,16 +415,22 @@ class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_FIELD_NUMBER: _builtins.int
     heartbeat_timeout_ms: _builtins.int
     """Deadline of the next heartbeat, in milliseconds from now."""
+    @_builtins.property
+    def prefill(self) -> Global___PrefillAssignment:
+        """For a prefill engine: its current tier, horizon and step budget."""
+
     def __init__(
         self,
         *,
         heartbeat_timeout_ms: _builtins.int = ...,
+        prefill: Global___PrefillAssignment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prefill", b"prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout_ms", b"heartbeat_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_timeout_ms", b"heartbeat_timeout_ms", "prefill", b"prefill"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,6 +4,7 @@ isort:skip_file
 """
 
 from collections import abc as _abc
+from fulcrum.v1 import fleet_pb2 as _fleet_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
@@ -107,7 +108,14 @@ Global___SubmitResponse: _TypeAlias = SubmitResponse  # noqa: Y015
 
 @_typing.final
 class PullRequest(_message.Message):
-    """PullRequest is an engine asking for work."""
+    """PullRequest is an engine asking for work. Its remaining_quota_ns is computed as
+      remaining_quota_ns = sum over its DP ranks r of max(0, tier_horizon_ns - rank_loads_ns[r])
+    with tier_horizon_ns the horizon of the engine's tier from the Register, Heartbeat and
+    Pull replies (PrefillAssignment; defaults 2/8/30/120 s for the four default tiers) and
+    rank_loads_ns[r] the predicted cost (ns) rank r still has queued. 0 takes nothing. It is
+    not the step budget: a 1 s step budget would never admit a fresh 16K-token prompt
+    (about 1.2 s).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -117,6 +125,8 @@ class PullRequest(_message.Message):
     RANK_LOADS_NS_FIELD_NUMBER: _builtins.int
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
     MAX_REQUESTS_FIELD_NUMBER: _builtins.int
+    ACK_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    ACK_ON_REPLY_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """The engine's member id (registered through FleetService)."""
     incarnation: _builtins.int
@@ -129,10 +139,24 @@ class PullRequest(_message.Message):
     """Longest time to wait while the queue is empty, in milliseconds (0 = configured default)."""
     max_requests: _builtins.int
     """Largest number of requests to take (0 = no limit beyond the tier's cap)."""
+    ack_on_reply: _builtins.bool
+    """True: the reply itself acknowledges the batch (no lease). Only for engines that
+    cannot acknowledge: a reply lost on the way, or an engine dying before it ran the
+    batch, loses those requests.
+    """
     @_builtins.property
     def rank_loads_ns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Outstanding quota load of each DP rank, in nanoseconds; one entry per rank, or none
-        (all zero). The engine is idle when every entry is zero.
+        """Outstanding quota load of each DP rank, in nanoseconds; one entry per rank. Required
+        for a leased pull (INVALID_ARGUMENT naming rank_loads_ns otherwise): the daemon does
+        not guess "idle"; an ack_on_reply pull may omit it (read as all zero). The engine is
+        idle when every entry is zero.
+        """
+
+    @_builtins.property
+    def ack_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Requests of earlier batches the engine accepted (acknowledged before anything is
+        taken); at most prefill.max_batch_requests ids. Those it may not run come back in
+        PullResponse.rejected_request_ids.
         """
 
     def __init__(
@@ -144,14 +168,80 @@ class PullRequest(_message.Message):
         rank_loads_ns: _abc.Iterable[_builtins.int] | None = ...,
         max_wait_ms: _builtins.int = ...,
         max_requests: _builtins.int = ...,
+        ack_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        ack_on_reply: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "max_requests", b"max_requests", "max_wait_ms", b"max_wait_ms", "rank_loads_ns", b"rank_loads_ns", "remaining_quota_ns", b"remaining_quota_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_on_reply", b"ack_on_reply", "ack_request_ids", b"ack_request_ids", "engine_id", b"engine_id", "incarnation", b"incarnation", "max_requests", b"max_requests", "max_wait_ms", b"max_wait_ms", "rank_loads_ns", b"rank_loads_ns", "remaining_quota_ns", b"remaining_quota_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullRequest: _TypeAlias = PullRequest  # noqa: Y015
+
+@_typing.final
+class AckRequest(_message.Message):
+    """AckRequest acknowledges requests of batches leased to an engine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    """The engine's member id."""
+    incarnation: _builtins.int
+    """The incarnation returned by Register (0 skips the check); a stale one gets
+    FAILED_PRECONDITION.
+    """
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ids of the leased requests the engine accepted (at most prefill.max_batch_requests)."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        incarnation: _builtins.int = ...,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "request_ids", b"request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckRequest: _TypeAlias = AckRequest  # noqa: Y015
+
+@_typing.final
+class AckResponse(_message.Message):
+    """AckResponse says which acknowledgements were refused."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    REJECTED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.int
+    """Number of requests acknowledged (their submitters now hold this engine's name)."""
+    @_builtins.property
+    def rejected_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Requests the engine must NOT run: their lease expired (re-queued and delivered
+        elsewhere), the submitter is gone, or they were never leased to this engine.
+        """
+
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.int = ...,
+        rejected_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "rejected_request_ids", b"rejected_request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckResponse: _TypeAlias = AckResponse  # noqa: Y015
 
 @_typing.final
 class PulledRequest(_message.Message):
@@ -202,6 +292,9 @@ class PullResponse(_message.Message):
     REQUESTS_FIELD_NUMBER: _builtins.int
     BATCH_QUOTA_NS_FIELD_NUMBER: _builtins.int
     COST_MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    REJECTED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
+    ASSIGNMENT_FIELD_NUMBER: _builtins.int
     tier: _builtins.int
     """Tier the engine serves this round."""
     tier_name: _builtins.str
@@ -212,9 +305,23 @@ class PullResponse(_message.Message):
     """Version of the cost model in force; call GetCostModel when it differs from the
     version the engine plans chunks with.
     """
+    lease_ms: _builtins.int
+    """Lease of this batch, in milliseconds: acknowledge its requests within it, or they
+    go back to the head of their tier (0 when the batch is empty or ack_on_reply).
+    """
     @_builtins.property
     def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___PulledRequest]:
         """The batch, in FIFO order."""
+
+    @_builtins.property
+    def rejected_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Acknowledgements of this pull's ack_request_ids that were refused: the engine must
+        NOT run these requests (lease expired and reassigned, or submitter gone).
+        """
+
+    @_builtins.property
+    def assignment(self) -> _fleet_pb2.PrefillAssignment:
+        """The engine's tier, horizon and step budget now (inputs of remaining_quota_ns)."""
 
     def __init__(
         self,
@@ -224,10 +331,13 @@ class PullResponse(_message.Message):
         requests: _abc.Iterable[Global___PulledRequest] | None = ...,
         batch_quota_ns: _builtins.int = ...,
         cost_model_version: _builtins.int = ...,
+        rejected_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        lease_ms: _builtins.int = ...,
+        assignment: _fleet_pb2.PrefillAssignment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_quota_ns", b"batch_quota_ns", "cost_model_version", b"cost_model_version", "requests", b"requests", "tier", b"tier", "tier_name", b"tier_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "batch_quota_ns", b"batch_quota_ns", "cost_model_version", b"cost_model_version", "lease_ms", b"lease_ms", "rejected_request_ids", b"rejected_request_ids", "requests", b"requests", "tier", b"tier", "tier_name", b"tier_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -49,6 +49,11 @@ class PrefillBalancerServiceStub:
                 request_serializer=fulcrum_dot_v1_dot_prefill__pb2.PullRequest.SerializeToString,
                 response_deserializer=fulcrum_dot_v1_dot_prefill__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.Ack = channel.unary_unary(
+                '/fulcrum.v1.PrefillBalancerService/Ack',
+                request_serializer=fulcrum_dot_v1_dot_prefill__pb2.AckRequest.SerializeToString,
+                response_deserializer=fulcrum_dot_v1_dot_prefill__pb2.AckResponse.FromString,
+                _registered_method=True)
         self.ReportStepTimes = channel.unary_unary(
                 '/fulcrum.v1.PrefillBalancerService/ReportStepTimes',
                 request_serializer=fulcrum_dot_v1_dot_prefill__pb2.ReportStepTimesRequest.SerializeToString,
@@ -70,12 +75,21 @@ class PrefillBalancerServiceServicer:
     """
 
     def Submit(self, request, context):
-        """Submit queues a prefill request and resolves when an engine has pulled it.
-        DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED when the tier's
-        queue is at its bound; ALREADY_EXISTS when the id is already queued;
-        INVALID_ARGUMENT when cached_tokens >= total_tokens or a length is out of range;
-        UNAVAILABLE when the daemon drains. A cancelled call is removed from the queue and
-        never handed to an engine.
+        """Submit queues a prefill request and resolves when an engine has ACKNOWLEDGED it
+        (acknowledged delivery): the reply names the engine and DP rank that actually run it,
+        exactly once. A pulled batch is leased to its engine for prefill.lease_ms; requests
+        not acknowledged in time, or held by an engine that lapses or leaves, go back to the
+        head of their tier and are delivered elsewhere. Idempotent: the same request_id with
+        the same total_tokens and cached_tokens, while in flight or within
+        prefill.idempotency.retention_ms after it was acknowledged, returns the same outcome
+        (one delivery). DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED
+        when the tier's queue is at its bound; ALREADY_EXISTS when a DIFFERENT request (other
+        total_tokens or cached_tokens) reuses an id in flight; INVALID_ARGUMENT when
+        cached_tokens >= total_tokens or a length is out of range; UNAVAILABLE with a
+        `retry-after-ms` trailer (prefill.no_engine_retry_after_ms) when no live prefill
+        engine is registered; UNAVAILABLE when the daemon drains. A cancelled call is removed from
+        the queue and never handed to an engine (an engine that acknowledges it later is told
+        in rejected_request_ids).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,7 +105,22 @@ class PrefillBalancerServiceServicer:
         shorter tier (the reply's tier says which). NOT_FOUND (naming engine_id) for unknown
         or lapsed engines and for members that are not prefill engines; such a refused pull
         is not a heartbeat. INVALID_ARGUMENT when rank_loads_ns has more entries than
-        fleet.max_gpus_per_member or not one per DP rank.
+        fleet.max_gpus_per_member or not one per DP rank. The returned batch is LEASED to the
+        engine for lease_ms: acknowledge what it accepted in ack_request_ids of its next Pull
+        or with Ack (or set ack_on_reply). A parked pull that quotes the incarnation keeps
+        its engine alive (it is refreshed every half fleet.heartbeat_timeout_ms).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ack(self, request, context):
+        """Ack acknowledges requests of batches leased to the engine: each acknowledged request
+        resolves its Submit with this engine and its DP rank. Requests whose lease expired
+        (they were re-queued or delivered elsewhere) or whose submitter is gone come back in
+        rejected_request_ids: the engine must NOT run them. NOT_FOUND / FAILED_PRECONDITION
+        as for Pull; INVALID_ARGUMENT when request_ids has more than
+        prefill.max_batch_requests entries.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,6 +154,11 @@ def add_PrefillBalancerServiceServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=fulcrum_dot_v1_dot_prefill__pb2.PullRequest.FromString,
                     response_serializer=fulcrum_dot_v1_dot_prefill__pb2.PullResponse.SerializeToString,
+            ),
+            'Ack': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ack,
+                    request_deserializer=fulcrum_dot_v1_dot_prefill__pb2.AckRequest.FromString,
+                    response_serializer=fulcrum_dot_v1_dot_prefill__pb2.AckResponse.SerializeToString,
             ),
             'ReportStepTimes': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportStepTimes,
@@ -196,6 +230,33 @@ class PrefillBalancerService:
             '/fulcrum.v1.PrefillBalancerService/Pull',
             fulcrum_dot_v1_dot_prefill__pb2.PullRequest.SerializeToString,
             fulcrum_dot_v1_dot_prefill__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fulcrum.v1.PrefillBalancerService/Ack',
+            fulcrum_dot_v1_dot_prefill__pb2.AckRequest.SerializeToString,
+            fulcrum_dot_v1_dot_prefill__pb2.AckResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,12 +39,21 @@ class PrefillBalancerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PrefillBalancerServiceAsyncStub: ...
     Submit: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.SubmitRequest, _prefill_pb2.SubmitResponse]
-    """Submit queues a prefill request and resolves when an engine has pulled it.
-    DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED when the tier's
-    queue is at its bound; ALREADY_EXISTS when the id is already queued;
-    INVALID_ARGUMENT when cached_tokens >= total_tokens or a length is out of range;
-    UNAVAILABLE when the daemon drains. A cancelled call is removed from the queue and
-    never handed to an engine.
+    """Submit queues a prefill request and resolves when an engine has ACKNOWLEDGED it
+    (acknowledged delivery): the reply names the engine and DP rank that actually run it,
+    exactly once. A pulled batch is leased to its engine for prefill.lease_ms; requests
+    not acknowledged in time, or held by an engine that lapses or leaves, go back to the
+    head of their tier and are delivered elsewhere. Idempotent: the same request_id with
+    the same total_tokens and cached_tokens, while in flight or within
+    prefill.idempotency.retention_ms after it was acknowledged, returns the same outcome
+    (one delivery). DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED
+    when the tier's queue is at its bound; ALREADY_EXISTS when a DIFFERENT request (other
+    total_tokens or cached_tokens) reuses an id in flight; INVALID_ARGUMENT when
+    cached_tokens >= total_tokens or a length is out of range; UNAVAILABLE with a
+    `retry-after-ms` trailer (prefill.no_engine_retry_after_ms) when no live prefill
+    engine is registered; UNAVAILABLE when the daemon drains. A cancelled call is removed from
+    the queue and never handed to an engine (an engine that acknowledges it later is told
+    in rejected_request_ids).
     """
     Pull: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.PullRequest, _prefill_pb2.PullResponse]
     """Pull hands an engine a FIFO batch from its tier, within its remaining quota and the
@@ -56,7 +65,18 @@ class PrefillBalancerServiceStub:
     shorter tier (the reply's tier says which). NOT_FOUND (naming engine_id) for unknown
     or lapsed engines and for members that are not prefill engines; such a refused pull
     is not a heartbeat. INVALID_ARGUMENT when rank_loads_ns has more entries than
-    fleet.max_gpus_per_member or not one per DP rank.
+    fleet.max_gpus_per_member or not one per DP rank. The returned batch is LEASED to the
+    engine for lease_ms: acknowledge what it accepted in ack_request_ids of its next Pull
+    or with Ack (or set ack_on_reply). A parked pull that quotes the incarnation keeps
+    its engine alive (it is refreshed every half fleet.heartbeat_timeout_ms).
+    """
+    Ack: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.AckRequest, _prefill_pb2.AckResponse]
+    """Ack acknowledges requests of batches leased to the engine: each acknowledged request
+    resolves its Submit with this engine and its DP rank. Requests whose lease expired
+    (they were re-queued or delivered elsewhere) or whose submitter is gone come back in
+    rejected_request_ids: the engine must NOT run them. NOT_FOUND / FAILED_PRECONDITION
+    as for Pull; INVALID_ARGUMENT when request_ids has more than
+    prefill.max_batch_requests entries.
     """
     ReportStepTimes: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.ReportStepTimesRequest, _prefill_pb2.ReportStepTimesResponse]
     """ReportStepTimes feeds measured step times into the online cost-model fit.
@@ -77,12 +97,21 @@ class PrefillBalancerServiceAsyncStub(PrefillBalancerServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Submit: _aio.UnaryUnaryMultiCallable[_prefill_pb2.SubmitRequest, _prefill_pb2.SubmitResponse]  # type: ignore[assignment]
-    """Submit queues a prefill request and resolves when an engine has pulled it.
-    DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED when the tier's
-    queue is at its bound; ALREADY_EXISTS when the id is already queued;
-    INVALID_ARGUMENT when cached_tokens >= total_tokens or a length is out of range;
-    UNAVAILABLE when the daemon drains. A cancelled call is removed from the queue and
-    never handed to an engine.
+    """Submit queues a prefill request and resolves when an engine has ACKNOWLEDGED it
+    (acknowledged delivery): the reply names the engine and DP rank that actually run it,
+    exactly once. A pulled batch is leased to its engine for prefill.lease_ms; requests
+    not acknowledged in time, or held by an engine that lapses or leaves, go back to the
+    head of their tier and are delivered elsewhere. Idempotent: the same request_id with
+    the same total_tokens and cached_tokens, while in flight or within
+    prefill.idempotency.retention_ms after it was acknowledged, returns the same outcome
+    (one delivery). DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED
+    when the tier's queue is at its bound; ALREADY_EXISTS when a DIFFERENT request (other
+    total_tokens or cached_tokens) reuses an id in flight; INVALID_ARGUMENT when
+    cached_tokens >= total_tokens or a length is out of range; UNAVAILABLE with a
+    `retry-after-ms` trailer (prefill.no_engine_retry_after_ms) when no live prefill
+    engine is registered; UNAVAILABLE when the daemon drains. A cancelled call is removed from
+    the queue and never handed to an engine (an engine that acknowledges it later is told
+    in rejected_request_ids).
     """
     Pull: _aio.UnaryUnaryMultiCallable[_prefill_pb2.PullRequest, _prefill_pb2.PullResponse]  # type: ignore[assignment]
     """Pull hands an engine a FIFO batch from its tier, within its remaining quota and the
@@ -94,7 +123,18 @@ class PrefillBalancerServiceAsyncStub(PrefillBalancerServiceStub):
     shorter tier (the reply's tier says which). NOT_FOUND (naming engine_id) for unknown
     or lapsed engines and for members that are not prefill engines; such a refused pull
     is not a heartbeat. INVALID_ARGUMENT when rank_loads_ns has more entries than
-    fleet.max_gpus_per_member or not one per DP rank.
+    fleet.max_gpus_per_member or not one per DP rank. The returned batch is LEASED to the
+    engine for lease_ms: acknowledge what it accepted in ack_request_ids of its next Pull
+    or with Ack (or set ack_on_reply). A parked pull that quotes the incarnation keeps
+    its engine alive (it is refreshed every half fleet.heartbeat_timeout_ms).
+    """
+    Ack: _aio.UnaryUnaryMultiCallable[_prefill_pb2.AckRequest, _prefill_pb2.AckResponse]  # type: ignore[assignment]
+    """Ack acknowledges requests of batches leased to the engine: each acknowledged request
+    resolves its Submit with this engine and its DP rank. Requests whose lease expired
+    (they were re-queued or delivered elsewhere) or whose submitter is gone come back in
+    rejected_request_ids: the engine must NOT run them. NOT_FOUND / FAILED_PRECONDITION
+    as for Pull; INVALID_ARGUMENT when request_ids has more than
+    prefill.max_batch_requests entries.
     """
     ReportStepTimes: _aio.UnaryUnaryMultiCallable[_prefill_pb2.ReportStepTimesRequest, _prefill_pb2.ReportStepTimesResponse]  # type: ignore[assignment]
     """ReportStepTimes feeds measured step times into the online cost-model fit.
@@ -118,12 +158,21 @@ class PrefillBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _prefill_pb2.SubmitRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_prefill_pb2.SubmitResponse, _abc.Awaitable[_prefill_pb2.SubmitResponse]]:
-        """Submit queues a prefill request and resolves when an engine has pulled it.
-        DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED when the tier's
-        queue is at its bound; ALREADY_EXISTS when the id is already queued;
-        INVALID_ARGUMENT when cached_tokens >= total_tokens or a length is out of range;
-        UNAVAILABLE when the daemon drains. A cancelled call is removed from the queue and
-        never handed to an engine.
+        """Submit queues a prefill request and resolves when an engine has ACKNOWLEDGED it
+        (acknowledged delivery): the reply names the engine and DP rank that actually run it,
+        exactly once. A pulled batch is leased to its engine for prefill.lease_ms; requests
+        not acknowledged in time, or held by an engine that lapses or leaves, go back to the
+        head of their tier and are delivered elsewhere. Idempotent: the same request_id with
+        the same total_tokens and cached_tokens, while in flight or within
+        prefill.idempotency.retention_ms after it was acknowledged, returns the same outcome
+        (one delivery). DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED
+        when the tier's queue is at its bound; ALREADY_EXISTS when a DIFFERENT request (other
+        total_tokens or cached_tokens) reuses an id in flight; INVALID_ARGUMENT when
+        cached_tokens >= total_tokens or a length is out of range; UNAVAILABLE with a
+        `retry-after-ms` trailer (prefill.no_engine_retry_after_ms) when no live prefill
+        engine is registered; UNAVAILABLE when the daemon drains. A cancelled call is removed from
+        the queue and never handed to an engine (an engine that acknowledges it later is told
+        in rejected_request_ids).
         """
 
     @_abc_1.abstractmethod
@@ -141,7 +190,24 @@ class PrefillBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         shorter tier (the reply's tier says which). NOT_FOUND (naming engine_id) for unknown
         or lapsed engines and for members that are not prefill engines; such a refused pull
         is not a heartbeat. INVALID_ARGUMENT when rank_loads_ns has more entries than
-        fleet.max_gpus_per_member or not one per DP rank.
+        fleet.max_gpus_per_member or not one per DP rank. The returned batch is LEASED to the
+        engine for lease_ms: acknowledge what it accepted in ack_request_ids of its next Pull
+        or with Ack (or set ack_on_reply). A parked pull that quotes the incarnation keeps
+        its engine alive (it is refreshed every half fleet.heartbeat_timeout_ms).
+        """
+
+    @_abc_1.abstractmethod
+    def Ack(
+        self,
+        request: _prefill_pb2.AckRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prefill_pb2.AckResponse, _abc.Awaitable[_prefill_pb2.AckResponse]]:
+        """Ack acknowledges requests of batches leased to the engine: each acknowledged request
+        resolves its Submit with this engine and its DP rank. Requests whose lease expired
+        (they were re-queued or delivered elsewhere) or whose submitter is gone come back in
+        rejected_request_ids: the engine must NOT run them. NOT_FOUND / FAILED_PRECONDITION
+        as for Pull; INVALID_ARGUMENT when request_ids has more than
+        prefill.max_batch_requests entries.
         """
 
     @_abc_1.abstractmethod
