@@ -177,6 +177,14 @@ class PrefillSettings(Section):
         description="balancing rule set: 'default' (the rules the simulator measured best, "
         "see BENCHMARKS.md) or 'published' (the letter of the published design)",
     )
+    min_tier_dwell_ms: int = Field(
+        5_000,
+        ge=0,
+        le=3_600_000,
+        description="an engine a round moved to another tier stays there at least this "
+        "long before a round may move it again, ms (0 = no minimum); joins, leaves and "
+        "tiers left without an engine redistribute regardless",
+    )
     hysteresis: float = Field(
         DEFAULT_HYSTERESIS,
         ge=0,

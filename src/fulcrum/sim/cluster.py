@@ -75,6 +75,7 @@ class PrefillCluster(_Section):
     batch_cap_s: tuple[float, ...] = tuple(c / 1e9 for c in _DAEMON.tier_batch_cap_ns)
     round_s: float = Field(_DAEMON.round_period_ms / 1000, gt=0)
     hysteresis: float = Field(_DAEMON.hysteresis, ge=0)
+    min_tier_dwell_s: float = Field(_DAEMON.min_tier_dwell_ms / 1000, ge=0)
     backlog_rounds: float = Field(_DAEMON.backlog_rounds, ge=1)
     max_batch_requests: int = Field(_DAEMON.max_batch_requests, ge=1)
     moe_fraction: float = Field(0.6, ge=0, le=1)

@@ -291,6 +291,7 @@ class Simulator:
             max_batch_requests=p.max_batch_requests,
             rules=rules_by_name(policy.rules),
             step_quota_ns=int(p.step_budget_ns),
+            min_dwell_ns=int(p.min_tier_dwell_s * 1e9),
         ))
         #: Optional observer of the balancer calls (tests replay them through the daemon).
         self.trace: Callable[[tuple[object, ...]], None] | None = trace
@@ -656,7 +657,7 @@ class Simulator:
 
     def _round(self) -> None:
         """Close a round: the balancer re-splits the engines across tiers."""
-        red = self.balancer.redistribute("round")
+        red = self.balancer.redistribute("round", self.now)
         self._trace(("round", self.now, red.counts))
         self._pull_all()
         if self.pending > 0:

@@ -60,7 +60,7 @@ from fulcrum.errors import (
 from fulcrum.metrics import prefill as m
 from fulcrum.state.fleet import Fleet
 from fulcrum.state.prefix import PrefixWiring
-from fulcrum.units import MAX_U64, NS_PER_S
+from fulcrum.units import MAX_U64, NS_PER_MS, NS_PER_S
 
 log = structlog.get_logger(__name__)
 
@@ -91,6 +91,7 @@ def balancer_config(settings: PrefillSettings) -> BalancerConfig:
         max_batch_requests=settings.max_batch_requests,
         rules=rules_by_name(settings.rules),
         step_quota_ns=settings.step_quota_ns,
+        min_dwell_ns=settings.min_tier_dwell_ms * NS_PER_MS,
     )
 
 
@@ -892,7 +893,7 @@ class PrefillState:
         ``reason="round"`` closes a round (see
         :meth:`fulcrum.core.prefill.balancer.PrefillBalancer.redistribute`).
         """
-        return list(self._redistributed(self.balancer.redistribute(reason)).counts)
+        return list(self._redistributed(self.balancer.redistribute(reason, now_ns)).counts)
 
     def _redistributed(self, red: Redistribution) -> Redistribution:
         """Metrics and logs of a redistribution; wake pulls that may now take work."""

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
+import numpy.typing as npt
 
 from fulcrum.core.prefill.affinity import Affinity
 from fulcrum.core.prefill.batch import pick_engine, select_batch
@@ -124,6 +125,10 @@ class BalancerConfig:
     max_batch_requests: int
     rules: Rules = RULE_SETS[DEFAULT]
     step_quota_ns: int = 1_000_000_000
+    #: Minimum time (ns) an engine stays on the tier a round moved it to before another
+    #: round may move it again (0 = no minimum). Joins, leaves and orphaned tiers
+    #: redistribute regardless: they are not flapping, they are the fleet changing.
+    min_dwell_ns: int = 0
 
     @property
     def rank_horizon_ns(self) -> int | None:
@@ -137,6 +142,8 @@ class BalancerConfig:
             raise ValueError(f"batch_cap_ns: need one cap per tier ({len(self.bounds) + 1})")
         if self.max_batch_requests < 1:
             raise ValueError("max_batch_requests: must be >= 1")
+        if self.min_dwell_ns < 0:
+            raise ValueError("min_dwell_ns: must be >= 0")
 
 
 @dataclass(slots=True, eq=False)
@@ -165,6 +172,8 @@ class EngineEntry:
     dp_ranks: int
     tier: int = -1
     load_ns: int = 0
+    #: When a round last moved the engine to another tier (ns; None: never).
+    moved_at_ns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +209,28 @@ class Redistribution:
     moved: tuple[tuple[str, int, int], ...]
     demand_ns: tuple[float, ...]
     moves: int = 0
+
+
+def _unpinned_targets(
+    counts: npt.NDArray[np.int64], held: npt.NDArray[np.int64], free: int
+) -> npt.NDArray[np.int64]:
+    """Engines per tier (shape (T,)) for the ``free`` unpinned engines, given the target
+    split ``counts`` (T,) and the pinned engines ``held`` (T,) each tier keeps: each tier
+    gets what its target still lacks; where pinned engines leave fewer free engines than
+    that, the tiers furthest from their target in relative terms give first (ties: the
+    longest tier), keeping one engine in every tier whose target has one."""
+    want = np.maximum(counts - held, 0).astype(np.int64)
+    while int(want.sum()) > free:
+        have = held + want
+        # Give up from a tier that keeps >= 1 engine and has the most engines per target.
+        ratio = np.where(
+            (want > 0) & (have > np.minimum(counts, 1)), have / np.maximum(counts, 1), -1.0
+        )
+        if float(ratio.max()) < 0:
+            ratio = np.where(want > 0, have.astype(np.float64), -1.0)
+        t = int(len(ratio) - 1 - np.argmax(ratio[::-1]))
+        want[t] -= 1
+    return np.asarray(want, dtype=np.int64)
 
 
 def _late_binding(costs: Iterator[int], loads: Sequence[int], horizon_ns: int) -> Iterator[int]:
@@ -398,13 +429,18 @@ class PrefillBalancer:
         if eng is not None:
             eng.load_ns = max(0, int(load_ns))
 
-    def redistribute(self, reason: str = "round") -> Redistribution:
+    def redistribute(self, reason: str = "round", now_ns: int | None = None) -> Redistribution:
         """Re-split engines across tiers.
 
         ``reason="round"`` closes a round: each tier's demand is the quota submitted to it
         this round plus its queued quota over ``backlog_rounds`` (ns) and becomes the
         last round's demand. Other reasons (join, leave, orphan) use the larger of the
         last round's demand and the current round's so far.
+
+        Dwell: in a round given ``now_ns``, an engine that a round moved less than
+        ``min_dwell_ns`` ago keeps its tier (it is *pinned*); the other engines are
+        split so that each tier gets as close to its share as the pinned ones allow
+        (:func:`_unpinned_targets`). Moved engines record ``now_ns``.
         """
         cfg = self.config
         current = round_demand(
@@ -428,11 +464,29 @@ class PrefillBalancer:
             hysteresis=cfg.hysteresis,
         )
         loads = {e.engine_id: e.load_ns for e in self._engines.values()}
-        result = assign_engines(list(self._engines), previous, counts, loads)
+        pinned: dict[str, int] = {}
+        if reason == "round" and now_ns is not None and cfg.min_dwell_ns > 0:
+            pinned = {
+                e.engine_id: e.tier
+                for e in self._engines.values()
+                if e.tier >= 0
+                and e.moved_at_ns is not None
+                and now_ns - e.moved_at_ns < cfg.min_dwell_ns
+            }
+        if pinned:
+            held = np.bincount(list(pinned.values()), minlength=len(counts)).astype(np.int64)
+            free = [e for e in self._engines if e not in pinned]
+            targets = _unpinned_targets(counts, held, len(free))
+            result = assign_engines(free, previous, targets, loads)
+            counts = held + targets
+        else:
+            result = assign_engines(list(self._engines), previous, counts, loads)
         moved: list[tuple[str, int, int]] = []
         for engine_id, tier in result.tiers.items():
             eng = self._engines[engine_id]
             if eng.tier != tier:
+                if eng.tier >= 0 and reason == "round" and now_ns is not None:
+                    eng.moved_at_ns = now_ns
                 moved.append((engine_id, eng.tier, tier))
                 eng.tier = tier
         self._counts = [int(x) for x in counts.tolist()]
