@@ -18,6 +18,7 @@ from fulcrum.client import FulcrumClient
 from fulcrum.service.errors import RETRY_AFTER_KEY
 from fulcrum.testing import running_server
 from fulcrum.v1 import decode_pb2, diagnostics_pb2, expert_pb2, fleet_pb2, prefill_pb2, vision_pb2
+from tests.service.prefill_helpers import until
 
 Call = Callable[[FulcrumClient, int], Awaitable[Any]]
 
@@ -380,7 +381,9 @@ async def test_refused_and_malformed_calls_stop_waiting() -> None:
         with pytest.raises(grpc.aio.AioRpcError):
             await c.fleet.Heartbeat(fleet_pb2.HeartbeatRequest(member_id="nobody"))
         assert not admission.waiting
-        assert admission.in_flight == {"control": 0, "placement": 0, "admin": 0}
+        # The client has its answer as soon as the status is sent; the server's handler
+        # task finishes (and leaves in_flight) a moment later: wait for it, bounded.
+        await until(lambda: admission.in_flight == {"control": 0, "placement": 0, "admin": 0})
 
 
 async def test_calls_abandoned_before_their_handler_stop_waiting() -> None:
