@@ -178,7 +178,7 @@ class PrefillSettings(Section):
         "see BENCHMARKS.md) or 'published' (the letter of the published design)",
     )
     min_tier_dwell_ms: int = Field(
-        5_000,
+        2_000,
         ge=0,
         le=3_600_000,
         description="an engine a round moved to another tier stays there at least this "
