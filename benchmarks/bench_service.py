@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # pragma: no cover - direct execution
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import fmt_rate, md_table, percentiles, progress  # noqa: E402
-from fulcrum.client import FulcrumClient, check_health  # noqa: E402
+from benchmarks.common import fmt_rate, md_table, percentiles, progress, wait_healthy  # noqa: E402
+from fulcrum.client import FulcrumClient  # noqa: E402
 from fulcrum.v1 import decode_pb2 as decpb  # noqa: E402
 from fulcrum.v1 import diagnostics_pb2 as dpb  # noqa: E402
 from fulcrum.v1 import expert_pb2 as epb  # noqa: E402
@@ -92,20 +92,7 @@ def daemon_process() -> Iterator[tuple[str, int]]:
         )
         address = f"127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 30.0
-            while True:
-                if proc.poll() is not None:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                    raise RuntimeError(f"daemon exited early: {err[-2000:]}")
-                try:
-                    status = asyncio.run(check_health(address, "", timeout_s=1.0))
-                except Exception:  # not listening yet
-                    status = ""
-                if status == "SERVING":
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("daemon did not become healthy in 30 s")
-                time.sleep(0.1)
+            wait_healthy(proc, address)
             yield address, proc.pid
         finally:
             proc.terminate()

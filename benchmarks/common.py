@@ -11,6 +11,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -194,3 +195,24 @@ async def paired_rates(
         p / q for p, q in zip(out["place_s"], out["ping_s"], strict=True)
     )
     return rates
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], address: str, timeout_s: float = 30.0) -> None:
+    """Poll a daemon started as ``proc`` until its gRPC health answers SERVING on
+    ``address`` (bounded: raise after ``timeout_s``, or at once when it exited)."""
+    from fulcrum.client import check_health
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"daemon exited early: {err[-2000:]}")
+        try:
+            status = asyncio.run(check_health(address, "", timeout_s=1.0))
+        except Exception:  # not listening yet
+            status = ""
+        if status == "SERVING":
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"daemon did not become healthy in {timeout_s:.0f} s")
+        time.sleep(0.1)
