@@ -49,6 +49,9 @@ def test_goodput_json_per_policy(tmp_path: Path, capsys: pytest.CaptureFixture[s
         passed = [p["rate_scale"] for p in r["search"]["runs"] if p["passed"]]
         assert r["goodput_rate_scale"] in passed
         assert len(r["search"]["runs"]) <= 6
+        # Never a rate above the fleet's compute (offered load 1.0, the default cap).
+        assert r["goodput_offered_load"] <= 1.0 + 1e-9
+        assert r["goodput_capped"] == (r["goodput_offered_load"] >= 1.0 - 1e-9)
         fixed = r["at_fixed_load"]
         assert fixed["offered_load"] == pytest.approx(0.3)
         assert set(fixed["ttft_by_tier"]) == {"<16K", "16K-64K"}

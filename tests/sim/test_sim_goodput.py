@@ -197,3 +197,24 @@ def test_bench_sim_uses_the_one_goodput_definition() -> None:
           "finished": 1, "unfinished": 0}
     assert bench_sim.meets_slo(ok)
     assert not bench_sim.meets_slo({**ok, "unfinished": 1})
+
+
+def test_search_stops_at_the_cap_and_says_so() -> None:
+    # Passes at every rate (a burst absorbed whatever its speed): the search stops at
+    # max_scale and reports it as capped, never a rate above it.
+    ev = Recorder(lambda s: summary())
+    res = G.search(ev, SLO, base_rps=2.0, start=0.7, max_scale=1.0, max_runs=8)
+    assert res.capped and res.converged and res.scale == 1.0
+    assert max(ev.calls) == 1.0 and ev.calls == [0.7, pytest.approx(0.98), 1.0]
+    assert res.as_dict()["capped"] is True
+    # Below the cap, a failing rate leaves the search uncapped.
+    res2 = G.search(Recorder(lambda s: summary({"<16K": 3.0 * s / 0.9})), SLO,
+                    base_rps=2.0, start=0.7, max_scale=1.0, max_runs=8)
+    assert not res2.capped and res2.scale is not None and res2.scale <= 0.9
+
+
+def test_default_cap_is_the_fleets_compute() -> None:
+    from benchmarks import bench_sim
+
+    assert G.DEFAULT_MAX_LOAD == 1.0
+    assert bench_sim.RHO_HI == G.DEFAULT_MAX_LOAD

@@ -201,3 +201,28 @@ def test_goodput_of_a_policy_that_starves_a_tier_is_zero() -> None:
     assert goodput(reqs, c, "one_engine", steps=2) == (0.0, 0.0)
     rho, rps = goodput(reqs, c, "default", steps=2)
     assert rho > 0 and rps > 0
+
+
+def test_work_arriving_mid_step_goes_to_the_first_engine_at_a_step_boundary() -> None:
+    # 2 engines x 2 ranks, each rank proposing the time of its work. At t = 0 a
+    # 13,000-token prompt (897 ms of compute) and two 3,300-token prompts (196 ms each)
+    # keep both engines stepping; one engine has an empty rank. At 50 ms a fourth prompt
+    # arrives while both engines are mid-step. Engines pull between steps (the kit's
+    # loop), so it waits in the tier queue -- it is not bound to the empty rank of an
+    # engine in the middle of a step -- and the first engine to reach a step boundary
+    # takes it there.
+    reqs = [req(0, 0, 13_000), req(1, 0, 3_300), req(2, 0, 3_300), req(3, 50 * MS, 3_300)]
+    events: list[tuple[object, ...]] = []
+    res = simulate(tiny(prefill={"engines": 2, "step_floor_fraction": 0.0}),
+                   get_policy_set("default"), reqs, seed=0, trace=events.append)
+    pulls = [ev for ev in events if ev[0] == "pull"]
+    taken_at = {rid: int(ev[1]) for ev in pulls for rid in ev[5]}  # type: ignore[attr-defined, call-overload]
+    assert taken_at["0"] == taken_at["1"] == taken_at["2"] == 0
+    # Step ends: every later pull is an engine at a boundary; the first one after 50 ms
+    # took request 3.
+    boundary = min(int(ev[1]) for ev in pulls if int(ev[1]) > 50 * MS)  # type: ignore[call-overload]
+    assert taken_at["3"] == boundary
+    # e001's first step ends when its lighter rank's 3,300 tokens are done (MIN budget):
+    # k + 3,300^2 + 56e3 * 3,300 = 200.69 ms; request 3 then runs alone on a rank.
+    assert boundary == 200_690_000
+    assert res.first_token_ns[3] == 2 * 200_690_000

@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"lowest offered prefill load searched (default {G.DEFAULT_MIN_LOAD}); "
                         "a policy failing "
                         "there reports goodput 0 and the rate it failed at")
+    g.add_argument("--goodput-max-load", type=float, default=G.DEFAULT_MAX_LOAD,
+                   help=f"highest offered prefill load searched (default {G.DEFAULT_MAX_LOAD}, "
+                        "the fleet's compute: a faster rate is a burst no fleet sustains); "
+                        "a policy passing there reports goodput_capped")
     g.add_argument("--slo-ttft", type=_floats, metavar="S,S,...",
                    help="TTFT p99 SLO per prefill tier, shortest tier first (s; default "
                         "2.5x the unloaded prefill time of the tier's longest prompt)")
@@ -174,6 +178,7 @@ class GoodputJob:
     min_scale: float
     max_runs: int
     rel_tol: float
+    max_scale: float = float("inf")
 
 
 def _figures(summary: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -209,7 +214,7 @@ def run_goodput(job: GoodputJob) -> dict[str, Any]:
     fixed_verdict = G.check(fixed, job.slo)
     res = G.search(evaluate, job.slo, base_rps=job.base_rps, start=job.fixed_scale,
                    min_scale=min(job.min_scale, job.fixed_scale),
-                   max_scale=max(1e3, 100 * job.fixed_scale),
+                   max_scale=max(job.max_scale, job.fixed_scale),
                    max_runs=job.max_runs, rel_tol=job.rel_tol)
     entry: dict[str, Any] = {
         "policy": job.policy,
@@ -220,6 +225,8 @@ def run_goodput(job: GoodputJob) -> dict[str, Any]:
         "fails_at_rps": None if res.lowest_failing is None else (
             res.lowest_failing * job.base_rps
         ),
+        # True: the search passed at --goodput-max-load (goodput is at least that rate).
+        "goodput_capped": res.capped,
     }
     entry.update(_figures(res.summary))
     entry["at_fixed_load"] = {
@@ -314,6 +321,7 @@ def main_goodput(args: argparse.Namespace, cluster: Cluster, names: list[str],
             policy=name, cluster=cluster, requests=tuple(reqs), seed=args.seed,
             drain_s=args.drain, slo=slo, base_rps=base_rps, base_load=base_load,
             fixed_scale=fixed_scale, min_scale=args.goodput_min_load / base_load,
+            max_scale=args.goodput_max_load / base_load,
             max_runs=args.goodput_runs, rel_tol=args.goodput_tol,
         )
         for name in names
@@ -374,6 +382,8 @@ def main(argv: list[str]) -> int:
                              "(--fixed-load sets the like-for-like run)")
         if args.goodput and not 0 < args.goodput_min_load <= args.fixed_load:
             raise ValueError("--goodput-min-load: must be in (0, --fixed-load]")
+        if args.goodput and not args.goodput_max_load >= args.fixed_load:
+            raise ValueError("--goodput-max-load: must be >= --fixed-load")
         if args.jobs < 1:
             raise ValueError(f"--jobs: must be >= 1, got {args.jobs}")
         reqs = load_trace(args)

@@ -10,8 +10,10 @@ Request path (all times ns on the virtual clock):
    request is ready for prefill.
 3. **Prefill.** Fulcrum: the daemon's own balancer object
    (:class:`fulcrum.core.prefill.balancer.PrefillBalancer`) holds the tier queues; when
-   work waits it chooses the engine that takes it, each engine pulls again after each
-   of its steps, and rounds re-split the engines across tiers -- the very calls the
+   work waits it chooses the engine that takes it among the engines with no step
+   running (an engine mid-step pulls at its step boundary, as the kit's engine loop
+   does), each engine pulls again after each of its steps, and rounds re-split the
+   engines across tiers -- the very calls the
    daemon makes. Baselines push each request to one DP rank
    (:class:`fulcrum.sim.baselines.PushRouter`, stale load reports). Every policy runs
    the same engine: it steps while any rank has work; each rank proposes a budget
@@ -542,14 +544,22 @@ class Simulator:
 
     def _pull(self, tier: int) -> None:
         """Work waits in ``tier``: the balancer chooses which engine takes it, until no
-        engine can (each engine offers its remaining quota and whether it is idle)."""
+        engine can (each engine offers its remaining quota and rank loads).
+
+        Only engines with no step running offer, as engines running the kit's loop
+        (:class:`fulcrum.client.prefill.PrefillEngineLoop`) do: an engine pulls once
+        between its steps (without waiting) and parks a long poll only when it has
+        nothing to step, so work that arrives while every engine is mid-step waits in
+        the tier queue for the first engine to reach a step boundary."""
         bal = self.balancer
         while bal.head(tier) is not None:
             offers: list[int] = []
             quotas: list[Offer] = []
             for e, eid in enumerate(self.engine_ids):
+                if self.engine_busy[e]:
+                    continue  # mid-step: it pulls at its step boundary (_prefill_done)
                 loads = self._loads(e)
-                if bal.source_tier(eid, loads) == tier:
+                if bal.source_tier(eid, loads, self.now) == tier:
                     offers.append(e)
                     quotas.append(Offer(eid, self._remaining(e), loads))
             i = bal.choose_puller(tier, quotas, now_ns=self.now)

@@ -19,7 +19,9 @@ gap). It is 0 when even the lowest scale searched fails.
 
 **Search** (:func:`search`): bracket, then bisect, on the rate scale in log space.
 Start at ``start`` (the CLI starts at its fixed-load run, offered prefill load 0.5 by
-default); while runs pass, multiply the scale by ``growth`` (1.4); while they fail,
+default); while runs pass, multiply the scale by ``growth`` (1.4), up to ``max_scale``
+(the CLI and the benchmark: offered load 1.0, the fleet's compute, see
+:data:`DEFAULT_MAX_LOAD`; a search that passes there is ``capped``); while they fail,
 divide it by ``shrink`` (2), down to ``min_scale`` (the CLI: an offered load of 0.25,
 half the fixed load; a run at a low rate is the dearest, since its arrivals span the
 longest virtual time). Then bisect (geometric mean) between the highest passing and
@@ -107,6 +109,16 @@ DEFAULT_REL_TOL: Final = 0.05
 
 DEFAULT_MIN_LOAD: Final = 0.25
 """Default lowest offered prefill load a search tries; below it goodput is reported 0."""
+
+DEFAULT_MAX_LOAD: Final = 1.0
+"""Default highest offered prefill load a search tries: the fleet's compute (offered
+prefill work per second = the prefill ranks' capacity under the cost model, without the
+per-step cost ``k``). A rate above it cannot be sustained by any policy: a finite trace
+window played that fast passes only because the burst ends before the backlog it builds
+breaks an SLO, so its figure rewards burst absorption, not throughput (measured: with no
+cap, a policy that favours the short tiers passed the synthetic mix at offered load 10,
+a tenfold overload). A search that passes at the cap reports ``capped``: goodput is at
+least the fleet's capacity on that window."""
 
 Summary = Mapping[str, Any]
 Evaluate = Callable[[float], Summary]
@@ -253,6 +265,7 @@ class GoodputResult:
     lowest_failing: float | None
     converged: bool
     runs: list[Probe] = field(default_factory=list)
+    capped: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (without the summary)."""
@@ -262,6 +275,7 @@ class GoodputResult:
             "base_rps": self.base_rps,
             "lowest_failing_scale": self.lowest_failing,
             "converged": self.converged,
+            "capped": self.capped,
             "runs": [
                 {"rate_scale": p.scale, "passed": p.passed, "misses": list(p.misses)}
                 for p in self.runs
@@ -363,4 +377,5 @@ def search(
         lowest_failing=hi,
         converged=converged,
         runs=runs,
+        capped=lo is not None and lo >= max_scale,
     )

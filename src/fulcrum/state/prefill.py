@@ -768,16 +768,17 @@ class PrefillState:
         if self._woken[tier] > 0 or not self._waiters or not self._live_head(tier):
             return
         bal = self.balancer
+        now = self._clock()
         offers = sorted(
             (
                 w for w in self._waiters
-                if not w.woken and bal.source_tier(w.engine.member_id, w.loads) == tier
+                if not w.woken and bal.source_tier(w.engine.member_id, w.loads, now) == tier
             ),
             key=lambda w: w.engine.member_id,
         )
         i = bal.choose_puller(
             tier, [Offer(w.engine.member_id, w.remaining_ns, w.loads) for w in offers],
-            now_ns=self._clock(),
+            now_ns=now,
         )
         if i >= 0:
             self._wake(offers[i], tier)

@@ -41,8 +41,9 @@ def test_rule_sets_and_config_checks() -> None:
     assert set(RULE_SETS) == {DEFAULT, PUBLISHED}
     assert RULE_SETS[PUBLISHED].rank_horizon_steps is None
     assert make(PUBLISHED).config.rank_horizon_ns is None
-    assert make(DEFAULT).config.rank_horizon_ns == 2 * S
+    assert make(DEFAULT).config.rank_horizon_ns == S // 4
     assert not RULE_SETS[PUBLISHED].work_conserving
+    assert not RULE_SETS[PUBLISHED].urgency and RULE_SETS[DEFAULT].urgency
     with pytest.raises(ValueError, match="known"):
         rules_by_name("nope")
     with pytest.raises(ValueError, match="batch_cap_ns"):
@@ -82,17 +83,22 @@ def test_published_most_remaining_quota_pulls() -> None:
 def test_default_binds_late_to_the_emptiest_rank() -> None:
     bal = make(DEFAULT, engines=2)
     for i in range(12):
-        bal.enqueue(item(f"r{i}", 1_000, 400_000_000))
+        bal.enqueue(item(f"r{i}", 1_000, 40_000_000))
     offers = [Offer("e0", 9 * S, [S // 10, 2 * S]), Offer("e1", 5 * S, [0, 3 * S])]
     assert bal.choose_puller(0, offers) == 1
     # Late binding: the engine takes only while its least-loaded rank is below the
-    # horizon of two step budgets (2 s). Ranks alternate; after eight both hold 1.6 s
-    # (< 2 s), so the 9th and 10th still fit and an 11th would land on a rank at 2.0 s.
+    # horizon of a quarter step budget (250 ms). Ranks alternate; after six both hold
+    # 120 ms, after eight 160 ms (< 250 ms), ... after twelve 240 ms: all twelve fit.
     taken = bal.take("e0", 100 * S, [0, 0])
-    assert len(taken.items) == 10
-    assert taken.ranks == (0, 1) * 5
-    assert not bal.take("e1", 100 * S, [2 * S, 2 * S]).items  # every rank at the horizon
-    assert bal.take("e1", 100 * S, [2 * S, 2 * S - 1]).ranks == (1,)
+    assert len(taken.items) == 12
+    assert taken.ranks == (0, 1) * 6
+    for i in range(3):
+        bal.enqueue(item(f"s{i}", 1_000, 40_000_000))
+    # A rank at 240 ms takes one more (it lands at 280 ms); then every rank is past the
+    # horizon and the rest waits in the shared queue for the next step boundary.
+    assert bal.take("e0", 100 * S, [240_000_000, 240_000_000]).ranks == (0, 1)
+    assert not bal.take("e1", 100 * S, [S // 4, S // 4]).items  # every rank at the horizon
+    assert bal.take("e1", 100 * S, [S // 4, S // 4 - 1]).ranks == (1,)
 
 
 def test_work_conserving_takes_only_from_shorter_tiers() -> None:
@@ -116,6 +122,40 @@ def test_work_conserving_takes_only_from_shorter_tiers() -> None:
     pub.enqueue(item("short", 1_000, S))
     pub.last_demand_ns = [0, 0, S, 0]
     assert pub.redistribute("round").counts == (1, 0, 0, 0)  # short work still queued
+
+
+def test_urgency_helps_the_tier_whose_head_waited_longest_for_its_scale() -> None:
+    bal = make(DEFAULT, engines=2)
+    bal.last_demand_ns = [S, S, 0, 0]
+    bal.redistribute("join")
+    long_engine = next(e for e in ("e0", "e1") if bal.engine_tier(e) == 1)
+    short_engine = next(e for e in ("e0", "e1") if bal.engine_tier(e) == 0)
+    # Tier scales are the batch caps: 8 s for <16K, 32 s for 16K-64K.
+    bal.enqueue(item("short", 1_000, S // 10, t=0))
+    bal.enqueue(item("mid", 20_000, 5 * S, t=0))
+    # At 1 s both heads waited 1 s: 1/8 of the short tier's scale vs 1/32 of its own.
+    assert bal.source_tier(long_engine, [0, 0], now_ns=S) == 0
+    # Without the time, the old rule: its own tier has work, so its own tier.
+    assert bal.source_tier(long_engine, [0, 0]) == 1
+    # No room (every rank past the horizon): its own tier, whatever waited.
+    assert bal.source_tier(long_engine, [S, S], now_ns=S) == 1
+    # A fresh short head (waited 0) against a mid head that waited: its own tier.
+    bal.remove("short")
+    bal.enqueue(item("short2", 1_000, S // 10, t=S))
+    assert bal.source_tier(long_engine, [0, 0], now_ns=S) == 1
+    # The short tier's engine never takes longer work, however long it waited.
+    bal.remove("short2")
+    assert bal.source_tier(short_engine, [0, 0], now_ns=100 * S) == 0
+    # take() follows the same choice when given the time.
+    bal.enqueue(item("short3", 1_000, S // 10, t=0))
+    assert bal.take(long_engine, 100 * S, [0, 0], now_ns=10 * S).items[0].request_id == "short3"
+    # The published rules keep engines to their tier.
+    pub = make(PUBLISHED, engines=2)
+    pub.last_demand_ns = [S, S, 0, 0]
+    pub.redistribute("join")
+    pub_long = next(e for e in ("e0", "e1") if pub.engine_tier(e) == 1)
+    pub.enqueue(item("short", 1_000, S // 10, t=0))
+    assert pub.source_tier(pub_long, [0, 0], now_ns=100 * S) == 1
 
 
 def test_orphan_redistribution_and_gate() -> None:

@@ -29,8 +29,9 @@ What it owns:
   ``assign_ranks``) and removes it from the queue.
 
 Rule sets (:class:`Rules`) choose between the published design (``published``) and the
-improvements the simulator measured (``default``: late binding to the least-loaded rank,
-work-conserving tiers); see BENCHMARKS.md.
+improvements the simulator measured (``default``: late binding to the least-loaded rank
+at a quarter step budget, tiers that help the shorter tier whose head waited longest for
+its scale); see BENCHMARKS.md.
 
 Prefix affinity (:mod:`fulcrum.core.prefill.affinity`, optional: ``affinity``): a
 request carrying chained block hashes costs each engine its own miss tokens
@@ -85,6 +86,12 @@ class Rules:
     the horizon) whose own tier has nothing queued takes from the nearest shorter tier
     with work (short work ends soon, so the engine is back for its own tier quickly);
     the published design keeps engines to their tier.
+    ``urgency`` (with ``work_conserving``; needs the time, see :meth:`PrefillBalancer.source_tier`):
+    an engine with room takes from whichever of its own tier and the shorter tiers has
+    the head that has waited longest relative to its tier's time scale (the tier's
+    batch cap, ``BalancerConfig.batch_cap_ns``), so a short tier whose engines fall
+    behind is helped before its requests miss their (shorter) latency target, not only
+    once the longer tier's queue is empty.
     ``orphan_gate``: an orphan tier gets an engine at once only when the engines can
     cover every tier with demand.
     """
@@ -93,11 +100,12 @@ class Rules:
     rank_horizon_steps: float | None = None
     work_conserving: bool = False
     orphan_gate: bool = True
+    urgency: bool = False
 
 
 RULE_SETS: Final[dict[str, Rules]] = {
     PUBLISHED: Rules(PUBLISHED),
-    DEFAULT: Rules(DEFAULT, rank_horizon_steps=2.0, work_conserving=True),
+    DEFAULT: Rules(DEFAULT, rank_horizon_steps=0.25, work_conserving=True, urgency=True),
 }
 """Named rule sets: ``published`` (the letter of the design) and ``default``."""
 
@@ -509,21 +517,41 @@ class PrefillBalancer:
             return not any(rank_loads_ns)
         return min(rank_loads_ns, default=0) < h
 
-    def source_tier(self, engine_id: str, rank_loads_ns: Sequence[int]) -> int:
+    def source_tier(self, engine_id: str, rank_loads_ns: Sequence[int],
+                    now_ns: int | None = None) -> int:
         """The tier ``engine_id`` (with these rank loads, ns) takes work from now (-1: none).
 
         Its own tier; under work-conserving rules, an engine with room (:meth:`has_room`)
         whose own tier has nothing queued takes from the nearest *shorter* tier with work.
-        Never from a longer tier: a long prompt would hold a rank of a short tier's
-        engine for minutes, which is what the tiers exist to prevent.
+        Under ``urgency`` rules and given ``now_ns``, an engine with room takes from the
+        tier, among its own and the shorter ones with work, whose head has waited the
+        longest in units of its tier's time scale (``batch_cap_ns``; ties: the engine's
+        own tier, then the longer tier). Never from a longer tier: a long prompt would
+        hold a rank of a short tier's engine for minutes, which is what the tiers exist
+        to prevent.
         """
         eng = self._engines.get(engine_id)
         if eng is None or eng.tier < 0:
             return -1
         own = eng.tier
-        if self._tiers[own].queue or not self.config.rules.work_conserving:
+        rules = self.config.rules
+        if not rules.work_conserving:
             return own
         if not self.has_room(rank_loads_ns):
+            return own
+        if rules.urgency and now_ns is not None:
+            scale = self.config.batch_cap_ns
+            best, most = own, -1.0
+            for t in range(own, -1, -1):
+                q = self._tiers[t].queue
+                if not q:
+                    continue
+                head = next(iter(q.values()))
+                waited = max(0, now_ns - head.enqueued_ns) / max(1, scale[t])
+                if waited > most:
+                    best, most = t, waited
+            return best
+        if self._tiers[own].queue:
             return own
         for t in range(own - 1, -1, -1):
             if self._tiers[t].queue:
@@ -677,7 +705,7 @@ class PrefillBalancer:
             raise ValueError(f"rank_loads_ns: must have {eng.dp_ranks} entries")
         eng.load_ns = sum(loads)
         idle = not any(loads)
-        tier = self.source_tier(engine_id, loads)
+        tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
             return Taken(tier=tier)
         cap = self.config.max_batch_requests
