@@ -127,6 +127,14 @@ PULLS = Counter(
     ["tier", "result"],
     registry=REGISTRY,
 )
+HELPED = Counter(
+    "fulcrum_prefill_helped_requests",
+    "Requests of a tier taken by an engine assigned to a longer tier (work-conserving "
+    "tiers: the shorter tier's head had waited longest for its scale), by the request's "
+    "tier and the engine's tier.",
+    ["tier", "engine_tier"],
+    registry=REGISTRY,
+)
 COST_REL_ERROR = Histogram(
     "fulcrum_prefill_cost_model_relative_error",
     "|predicted - measured| / measured of reported step times under the model in force.",

@@ -816,6 +816,9 @@ class PrefillState:
         tier = taken.tier
         if not taken.items:
             return Batch(tier=tier, items=(), quota_ns=0)
+        own = self.balancer.engine_tier(eng.member_id)
+        if 0 <= own != tier:
+            m.HELPED.labels(self.labels[tier], self.labels[own]).inc(len(taken.items))
         now = self._clock()
         items = []
         lease_ms = self.settings.lease_ms if lease else 0
