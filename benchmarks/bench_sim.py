@@ -112,8 +112,6 @@ HELDOUT = (
          source="synthetic", seed=3),
     Case("synthetic-seed4", "Synthetic agents, seed 4", None, 200.0, 400,
          source="synthetic", seed=4),
-    Case("azure-code-x4", "Azure LLM 2023 code, prompts x4 (up to 30K tokens)", None, None,
-         800, source="azure-code", length_scale=4.0),
     Case("azure-conv-x4", "Azure LLM 2023 conversation, prompts x4 (up to 56K tokens)",
          None, None, 800, source="azure-conv", length_scale=4.0),
 )

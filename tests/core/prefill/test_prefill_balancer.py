@@ -41,7 +41,7 @@ def test_rule_sets_and_config_checks() -> None:
     assert set(RULE_SETS) == {DEFAULT, PUBLISHED}
     assert RULE_SETS[PUBLISHED].rank_horizon_steps is None
     assert make(PUBLISHED).config.rank_horizon_ns is None
-    assert make(DEFAULT).config.rank_horizon_ns == S // 4
+    assert make(DEFAULT).config.rank_horizon_ns == S // 10
     assert not RULE_SETS[PUBLISHED].work_conserving
     assert not RULE_SETS[PUBLISHED].urgency and RULE_SETS[DEFAULT].urgency
     with pytest.raises(ValueError, match="known"):
@@ -87,18 +87,15 @@ def test_default_binds_late_to_the_emptiest_rank() -> None:
     offers = [Offer("e0", 9 * S, [S // 10, 2 * S]), Offer("e1", 5 * S, [0, 3 * S])]
     assert bal.choose_puller(0, offers) == 1
     # Late binding: the engine takes only while its least-loaded rank is below the
-    # horizon of a quarter step budget (250 ms). Ranks alternate; after six both hold
-    # 120 ms, after eight 160 ms (< 250 ms), ... after twelve 240 ms: all twelve fit.
+    # horizon of a tenth of a step budget (100 ms). Ranks alternate at 40 ms each: after
+    # four both hold 80 ms (< 100 ms), so the 5th and 6th still fit; then both hold
+    # 120 ms and the rest waits in the shared queue for the next step boundary.
     taken = bal.take("e0", 100 * S, [0, 0])
-    assert len(taken.items) == 12
-    assert taken.ranks == (0, 1) * 6
-    for i in range(3):
-        bal.enqueue(item(f"s{i}", 1_000, 40_000_000))
-    # A rank at 240 ms takes one more (it lands at 280 ms); then every rank is past the
-    # horizon and the rest waits in the shared queue for the next step boundary.
-    assert bal.take("e0", 100 * S, [240_000_000, 240_000_000]).ranks == (0, 1)
-    assert not bal.take("e1", 100 * S, [S // 4, S // 4]).items  # every rank at the horizon
-    assert bal.take("e1", 100 * S, [S // 4, S // 4 - 1]).ranks == (1,)
+    assert len(taken.items) == 6
+    assert taken.ranks == (0, 1) * 3
+    assert not bal.take("e1", 100 * S, [S // 10, S // 10]).items  # every rank at the horizon
+    assert bal.take("e1", 100 * S, [S // 10, S // 10 - 1]).ranks == (1,)
+    assert bal.take("e1", 100 * S, [90_000_000, 95_000_000]).ranks == (0, 1)
 
 
 def test_work_conserving_takes_only_from_shorter_tiers() -> None:
@@ -124,7 +121,7 @@ def test_work_conserving_takes_only_from_shorter_tiers() -> None:
     assert pub.redistribute("round").counts == (1, 0, 0, 0)  # short work still queued
 
 
-def test_urgency_helps_the_tier_whose_head_waited_longest_for_its_scale() -> None:
+def test_urgency_takes_the_tier_whose_head_waited_longest_for_its_scale() -> None:
     bal = make(DEFAULT, engines=2)
     bal.last_demand_ns = [S, S, 0, 0]
     bal.redistribute("join")
@@ -132,23 +129,31 @@ def test_urgency_helps_the_tier_whose_head_waited_longest_for_its_scale() -> Non
     short_engine = next(e for e in ("e0", "e1") if bal.engine_tier(e) == 0)
     # Tier scales are the batch caps: 8 s for <16K, 32 s for 16K-64K.
     bal.enqueue(item("short", 1_000, S // 10, t=0))
-    bal.enqueue(item("mid", 20_000, 5 * S, t=0))
-    # At 1 s both heads waited 1 s: 1/8 of the short tier's scale vs 1/32 of its own.
+    bal.enqueue(item("mid", 20_000, S, t=0))  # within the short engine's 2 s bound
+    # At 1 s both heads waited 1 s: 1/8 of the short tier's scale vs 1/32 of the mid's.
     assert bal.source_tier(long_engine, [0, 0], now_ns=S) == 0
+    assert bal.source_tier(short_engine, [0, 0], now_ns=S) == 0
     # Without the time, the old rule: its own tier has work, so its own tier.
     assert bal.source_tier(long_engine, [0, 0]) == 1
     # No room (every rank past the horizon): its own tier, whatever waited.
     assert bal.source_tier(long_engine, [S, S], now_ns=S) == 1
-    # A fresh short head (waited 0) against a mid head that waited: its own tier.
+    assert bal.source_tier(short_engine, [S, S], now_ns=100 * S) == 0
+    # A fresh short head (waited 0) against the mid head that waited 1 s: the mid tier,
+    # for both engines (the short tier's engine with room helps the longer tier too).
     bal.remove("short")
     bal.enqueue(item("short2", 1_000, S // 10, t=S))
     assert bal.source_tier(long_engine, [0, 0], now_ns=S) == 1
-    # The short tier's engine never takes longer work, however long it waited.
+    assert bal.source_tier(short_engine, [0, 0], now_ns=S) == 1
+    # Equal urgency: at 4 s a short head queued at 3 s waited 1/8 of its scale, the mid
+    # head 4/32: each engine keeps its own tier.
     bal.remove("short2")
-    assert bal.source_tier(short_engine, [0, 0], now_ns=100 * S) == 0
+    bal.enqueue(item("short2", 1_000, S // 10, t=3 * S))
+    assert bal.source_tier(short_engine, [0, 0], now_ns=4 * S) == 0
+    assert bal.source_tier(long_engine, [0, 0], now_ns=4 * S) == 1
+    # At 10 s: short waited 7/8, mid 10/32: the short tier for both.
+    assert bal.source_tier(long_engine, [0, 0], now_ns=10 * S) == 0
     # take() follows the same choice when given the time.
-    bal.enqueue(item("short3", 1_000, S // 10, t=0))
-    assert bal.take(long_engine, 100 * S, [0, 0], now_ns=10 * S).items[0].request_id == "short3"
+    assert bal.take(long_engine, 100 * S, [0, 0], now_ns=10 * S).items[0].request_id == "short2"
     # The published rules keep engines to their tier.
     pub = make(PUBLISHED, engines=2)
     pub.last_demand_ns = [S, S, 0, 0]
@@ -156,6 +161,28 @@ def test_urgency_helps_the_tier_whose_head_waited_longest_for_its_scale() -> Non
     pub_long = next(e for e in ("e0", "e1") if pub.engine_tier(e) == 1)
     pub.enqueue(item("short", 1_000, S // 10, t=0))
     assert pub.source_tier(pub_long, [0, 0], now_ns=100 * S) == 1
+
+
+def test_urgency_never_lends_a_short_engine_to_a_long_prompt() -> None:
+    bal = make(DEFAULT, engines=2)
+    bal.last_demand_ns = [S, 0, 0, S]
+    bal.redistribute("join")
+    short_engine = next(e for e in ("e0", "e1") if bal.engine_tier(e) == 0)
+    assert bal.helping_bound_ns(0) == 2 * S  # a quarter of the 8 s batch cap
+    # A fresh 300K-token prompt (5 min) waited an hour: the short engine still leaves it.
+    bal.enqueue(item("huge", 300_000, 300 * S, t=0))
+    assert bal.source_tier(short_engine, [0, 0], now_ns=3600 * S) == 0
+    assert not bal.take(short_engine, 100 * S, [0, 0], now_ns=3600 * S).items
+    # A long context whose prefix is cached costs little: it may help with it, and takes
+    # the FIFO prefix only up to the first request over the bound.
+    bal.remove("huge")
+    bal.enqueue(item("cached", 300_000, S, t=0))
+    bal.enqueue(item("cached2", 300_000, S // 2, t=0))
+    bal.enqueue(item("huge2", 300_000, 300 * S, t=0))
+    bal.enqueue(item("cached3", 300_000, S // 2, t=0))
+    assert bal.source_tier(short_engine, [0, 0], now_ns=10 * S) == 3
+    got = bal.take(short_engine, 100 * S, [0, 0], now_ns=10 * S)
+    assert [x.request_id for x in got.items] == ["cached", "cached2"]
 
 
 def test_orphan_redistribution_and_gate() -> None:

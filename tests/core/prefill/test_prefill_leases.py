@@ -101,16 +101,16 @@ def test_late_ack_after_expiry_is_refused_and_requeued_first() -> None:
     leases = LeaseTable(bal.n_tiers)
     bal.add_engine("a", 1)
     for i in range(3):
-        bal.enqueue(Queued(f"r{i}", 1000, 0, 0, S // 10, i))
+        bal.enqueue(Queued(f"r{i}", 1000, 0, 0, S // 40, i))
     taken = bal.take("a", S, [0])
     leases.lease("a", taken.items, taken.ranks, 10)
-    bal.enqueue(Queued("r3", 1000, 0, 0, S // 10, 5))
+    bal.enqueue(Queued("r3", 1000, 0, 0, S // 40, 5))
     assert leases.ack("a", ["r0"], 3).accepted[0].request_id == "r0"
     back = leases.expired(10)
     assert [x.request_id for x in back] == ["r1", "r2"]
     bal.requeue_front(requeue_order(back))
     assert [it.request_id for it in bal.queued(0)] == ["r1", "r2", "r3"]
-    assert bal.queued_ns(0) == 3 * (S // 10)
+    assert bal.queued_ns(0) == 3 * (S // 40)
     res = leases.ack("a", ["r1", "r2", "r1"], 11)
     assert res.accepted == () and res.rejected == ("r1", "r2")
     assert leases.leased_ns == [0, 0, 0]

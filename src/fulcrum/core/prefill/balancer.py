@@ -30,8 +30,8 @@ What it owns:
 
 Rule sets (:class:`Rules`) choose between the published design (``published``) and the
 improvements the simulator measured (``default``: late binding to the least-loaded rank
-at a quarter step budget, tiers that help the shorter tier whose head waited longest for
-its scale); see BENCHMARKS.md.
+at a tenth of a step budget, engines that take from whichever tier's head waited longest
+for its tier's scale); see BENCHMARKS.md.
 
 Prefix affinity (:mod:`fulcrum.core.prefill.affinity`, optional: ``affinity``): a
 request carrying chained block hashes costs each engine its own miss tokens
@@ -87,11 +87,15 @@ class Rules:
     with work (short work ends soon, so the engine is back for its own tier quickly);
     the published design keeps engines to their tier.
     ``urgency`` (with ``work_conserving``; needs the time, see :meth:`PrefillBalancer.source_tier`):
-    an engine with room takes from whichever of its own tier and the shorter tiers has
-    the head that has waited longest relative to its tier's time scale (the tier's
-    batch cap, ``BalancerConfig.batch_cap_ns``), so a short tier whose engines fall
-    behind is helped before its requests miss their (shorter) latency target, not only
-    once the longer tier's queue is empty.
+    an engine with room takes from whichever tier has the head that has waited longest
+    relative to its tier's time scale (the tier's batch cap, ``BalancerConfig.batch_cap_ns``:
+    8 / 32 / 128 / 512 s by default), its own tier on ties. A short tier whose engines
+    fall behind is helped before its requests miss their (shorter) latency target, not
+    only once the longer tier's queue is empty; a long tier's head that has waited four
+    times longer than a short head (for the 4x larger scale) is taken by a short tier's
+    engine with room, instead of waiting for its own tier's engines -- but only work that
+    holds a rank no longer than :meth:`PrefillBalancer.helping_bound_ns` (a quarter of
+    the helping engine's own batch cap), never a long tier's minutes-long prompt.
     ``orphan_gate``: an orphan tier gets an engine at once only when the engines can
     cover every tier with demand.
     """
@@ -105,7 +109,7 @@ class Rules:
 
 RULE_SETS: Final[dict[str, Rules]] = {
     PUBLISHED: Rules(PUBLISHED),
-    DEFAULT: Rules(DEFAULT, rank_horizon_steps=0.25, work_conserving=True, urgency=True),
+    DEFAULT: Rules(DEFAULT, rank_horizon_steps=0.1, work_conserving=True, urgency=True),
 }
 """Named rule sets: ``published`` (the letter of the design) and ``default``."""
 
@@ -522,13 +526,14 @@ class PrefillBalancer:
         """The tier ``engine_id`` (with these rank loads, ns) takes work from now (-1: none).
 
         Its own tier; under work-conserving rules, an engine with room (:meth:`has_room`)
-        whose own tier has nothing queued takes from the nearest *shorter* tier with work.
-        Under ``urgency`` rules and given ``now_ns``, an engine with room takes from the
-        tier, among its own and the shorter ones with work, whose head has waited the
-        longest in units of its tier's time scale (``batch_cap_ns``; ties: the engine's
-        own tier, then the longer tier). Never from a longer tier: a long prompt would
-        hold a rank of a short tier's engine for minutes, which is what the tiers exist
-        to prevent.
+        whose own tier has nothing queued takes from the nearest *shorter* tier with work
+        (never a longer one: without the time there is no measure of how long that
+        work has waited). Under ``urgency`` rules and given ``now_ns``, an engine with room
+        takes from the tier whose head has waited the longest in units of its tier's time
+        scale (``batch_cap_ns``; ties: its own tier, then the shorter tier); a longer tier
+        only when its head costs at most :meth:`helping_bound_ns` of the engine's tier
+        (then it holds one rank briefly, and the MIN step budget keeps the engine's steps
+        as short as its lightest busy rank, so its other ranks keep serving short work).
         """
         eng = self._engines.get(engine_id)
         if eng is None or eng.tier < 0:
@@ -541,12 +546,15 @@ class PrefillBalancer:
             return own
         if rules.urgency and now_ns is not None:
             scale = self.config.batch_cap_ns
+            bound = self.helping_bound_ns(own)
             best, most = own, -1.0
-            for t in range(own, -1, -1):
+            for t in (own, *range(self.n_tiers)):
                 q = self._tiers[t].queue
                 if not q:
                     continue
                 head = next(iter(q.values()))
+                if t > own and self.cost_for(head, engine_id) > bound:
+                    continue  # a long prompt would hold this engine's rank too long
                 waited = max(0, now_ns - head.enqueued_ns) / max(1, scale[t])
                 if waited > most:
                     best, most = t, waited
@@ -557,6 +565,14 @@ class PrefillBalancer:
             if self._tiers[t].queue:
                 return t
         return own
+
+    def helping_bound_ns(self, tier: int) -> int:
+        """Longest predicted cost (ns) of a longer tier's request that an engine of
+        ``tier`` may take under ``urgency`` rules: a quarter of its own tier's batch cap
+        (2 s for <16K with the default 8 s cap, about the tier's horizon), so a short
+        tier's engine never holds a rank for a long tier's minutes-long prompt -- the
+        surge the tiers exist to absorb."""
+        return self.config.batch_cap_ns[tier] // 4
 
     def can_take(self, tier: int, offer: Offer, now_ns: int | None = None) -> bool:
         """True when the offering engine may take ``tier``'s head now (with prefix
@@ -637,8 +653,9 @@ class PrefillBalancer:
         if not window or now_ns - window[0].enqueued_ns >= aff.max_wait_ns:
             return None
         wc = self.config.rules.work_conserving
+        anyone = wc and self.config.rules.urgency
         serving = [e.engine_id for e in self._engines.values()
-                   if e.tier == tier or (wc and e.tier > tier)]
+                   if e.tier == tier or (wc and e.tier > tier) or (anyone and e.tier >= 0)]
         idx = aff.index
         held = [
             {e: m for e in serving if (m := idx.match_memo(e, it.blocks, it.held))}
@@ -730,10 +747,18 @@ class PrefillBalancer:
                     continue
                 yield item
 
+        # Work of a longer tier: only requests that hold a rank no longer than the
+        # engine's own tier allows (see :meth:`helping_bound_ns`), FIFO up to the first
+        # that would.
+        bound = self.helping_bound_ns(eng.tier) if tier > eng.tier >= 0 else None
+
         def costs() -> Iterator[int]:
             for item in candidates():
+                cost = self.cost_for(item, engine_id)
+                if bound is not None and cost > bound:
+                    return
                 live.append(item)
-                yield self.cost_for(item, engine_id)
+                yield cost
 
         horizon = self.config.rank_horizon_ns
         if horizon is not None:
