@@ -237,24 +237,26 @@ async def test_oversize_request_is_served_alone_to_idle_engine() -> None:
 async def test_batch_within_quota_and_cap_fifo_ranks() -> None:
     caps = {"prefill": {"tier_batch_cap_ns": [S, 8 * S, 16 * S, 64 * S]}}
     async with prefill_daemon(caps) as (_, c, st):
-        inc = await register(c, "e1", dp_ranks=2)
+        # 8 ranks: late binding (a rank below a tenth of a step budget) takes one
+        # 0.25 s request per idle rank, so the quota, cap and request limits bind first.
+        inc = await register(c, "e1", dp_ranks=8)
         tasks = [
             asyncio.ensure_future(c.prefill.Submit(submit_request(f"r{i}", 4096)))
             for i in range(8)
         ]
         await until(lambda: st.queue_depths()[0] == 8)
         cost = DEFAULT_COST_MODEL.cost_ns(4096, 0)
-        reply = await c.prefill.Pull(pull_request("e1", inc, 100 * S, [0, 0]))
+        reply = await c.prefill.Pull(pull_request("e1", inc, 100 * S, [0] * 8))
         n = S // cost  # the tier cap binds
         assert [r.request_id for r in reply.requests] == [f"r{i}" for i in range(n)]
-        assert [r.dp_rank for r in reply.requests] == [i % 2 for i in range(n)]
+        assert [r.dp_rank for r in reply.requests] == list(range(n))
         assert reply.batch_quota_ns == n * cost <= S
-        reply = await c.prefill.Pull(pull_request("e1", inc, cost, [0, 0], max_requests=3))
+        reply = await c.prefill.Pull(pull_request("e1", inc, cost, [0] * 8, max_requests=3))
         assert [r.request_id for r in reply.requests] == [f"r{n}"]  # quota binds
-        reply = await c.prefill.Pull(pull_request("e1", inc, 100 * S, [0, 0], max_requests=2))
+        reply = await c.prefill.Pull(pull_request("e1", inc, 100 * S, [0] * 8, max_requests=2))
         assert len(reply.requests) == 2  # max_requests binds
         rest = 8 - n - 3
-        reply = await c.prefill.Pull(pull_request("e1", inc, 100 * S, [0, 0]))
+        reply = await c.prefill.Pull(pull_request("e1", inc, 100 * S, [0] * 8))
         assert len(reply.requests) == rest
         results = await asyncio.gather(*tasks)
         assert {r.engine_id for r in results} == {"e1"}
