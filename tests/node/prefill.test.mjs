@@ -114,7 +114,9 @@ describe("prefill engine and submitter", () => {
   });
 
   test("queued requests come in one FIFO batch, each on the least-loaded rank", async () => {
-    const submits = ["b-1", "b-2", "b-3"].map((id, i) => submit(id, 2000 + i));
+    // Short prompts (about 33 ms each): under the default late binding an engine takes
+    // work only while a rank holds less than a tenth of a step budget (100 ms).
+    const submits = ["b-1", "b-2", "b-3"].map((id, i) => submit(id, 500 + i));
     // The three wait in the queue: the engine is not pulling. Rank 0 reports more work.
     await queued(3);
     const batch = await pull({ rank_loads_ns: ["50000000", "0"] });
