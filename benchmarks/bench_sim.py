@@ -266,6 +266,31 @@ def run_case(case: Case, quick: bool) -> dict[str, Any]:
             "goodput": good, "fixed": fixed, "wall_s": time.perf_counter() - t0}
 
 
+def _goodput_cell(g: tuple[float, float]) -> str:
+    """``(rho, req/s)`` as a table cell; ``>=`` when the search passed at the cap."""
+    return f"{'>= ' if g[0] >= RHO_HI * (1 - 1e-9) else ''}{g[1]:.2f} ({g[0]:.2f})"
+
+
+def _verdict(r: dict[str, Any], title: str) -> str:
+    """One line: the default's goodput against the best baseline's, and the tiers where a
+    baseline has a lower TTFT p99 at the fixed load."""
+    good, fixed = r["goodput"], r["fixed"]
+    base = [n for n in r["names"] if n not in ("default", "published")]
+    best = max(base, key=lambda n: good[n][1])
+    worse = []
+    for t, row in fixed["default"]["ttft_by_tier"].items():
+        mine = row["p99_s"] or 0.0
+        theirs = min((fixed[n]["ttft_by_tier"].get(t, {}).get("p99_s") or 0.0) for n in base)
+        if mine > theirs + 1e-9:
+            worse.append(f"{t} ({mine:.2f} s vs {theirs:.2f} s)")
+    return (
+        f"- {title}: default goodput {good['default'][1]:.2f} req/s vs best baseline "
+        f"{best} {good[best][1]:.2f} ({good['default'][1] / max(good[best][1], 1e-9):.2f}x)"
+        f"; tiers where a baseline has a lower TTFT p99 at rho {FIXED_LOAD}: "
+        f"{', '.join(worse) if worse else 'none'}"
+    )
+
+
 def render(results: list[dict[str, Any]], quick: bool, wall: float) -> str:
     """The markdown section from :func:`run_case` results."""
     names = results[0]["names"] if results else []
@@ -273,8 +298,7 @@ def render(results: list[dict[str, Any]], quick: bool, wall: float) -> str:
     for r in results:
         good, fixed = r["goodput"], r["fixed"]
         good_rows.append([r["case"], f"{r['requests']:,}"]
-                         + [f"{'>= ' if good[n][0] >= RHO_HI * (1 - 1e-9) else ''}"
-                            f"{good[n][1]:.2f} ({good[n][0]:.2f})" for n in names])
+                         + [_goodput_cell(good[n]) for n in names])
         tiers = list(fixed["default"]["ttft_by_tier"])
         rows = []
         for n in names:
@@ -296,21 +320,7 @@ def render(results: list[dict[str, Any]], quick: bool, wall: float) -> str:
         lo = fixed["default"]["loss"]
         loss_rows.append([r["case"], _cell(fixed["default"]["balance_ratio"])]
                          + [_cell(lo[k]) for k in LOSS_KEYS])
-        base = [n for n in names if n not in ("default", "published")]
-        best = max(base, key=lambda n: good[n][1])
-        worse = []
-        for t in tiers:
-            mine = fixed["default"]["ttft_by_tier"][t]["p99_s"] or 0.0
-            theirs = min((fixed[n]["ttft_by_tier"].get(t, {}).get("p99_s") or 0.0)
-                         for n in base)
-            if mine > theirs + 1e-9:
-                worse.append(f"{t} ({mine:.2f} s vs {theirs:.2f} s)")
-        verdicts.append(
-            f"- {r['case']}: default goodput {good['default'][1]:.2f} req/s vs best baseline "
-            f"{best} {good[best][1]:.2f} ({good['default'][1] / max(good[best][1], 1e-9):.2f}x)"
-            f"; tiers where a baseline has a lower TTFT p99 at rho {FIXED_LOAD}: "
-            f"{', '.join(worse) if worse else 'none'}"
-        )
+        verdicts.append(_verdict(r, r["case"]))
     cmd = ".venv/bin/python benchmarks/bench_sim.py" + (" --quick" if quick else "")
     slo = ", ".join(f"{t} {v:g} s" for t, v in SLO_TTFT_P99_S.items())
     out = [
@@ -371,28 +381,9 @@ def render_heldout(results: list[dict[str, Any]]) -> str:
     """The held-out goodput table (same search, SLOs and policies) from :func:`run_case`
     results, with one verdict line per workload."""
     names = results[0]["names"] if results else []
-    rows, verdicts = [], []
-    for r in results:
-        good, fixed = r["goodput"], r["fixed"]
-        rows.append([r["case"], f"{r['requests']:,}"]
-                    + [f"{'>= ' if good[n][0] >= RHO_HI * (1 - 1e-9) else ''}"
-                       f"{good[n][1]:.2f} ({good[n][0]:.2f})" for n in names])
-        base = [n for n in names if n not in ("default", "published")]
-        best = max(base, key=lambda n: good[n][1])
-        worse = []
-        for t, row in fixed["default"]["ttft_by_tier"].items():
-            mine = row["p99_s"] or 0.0
-            theirs = min((fixed[n]["ttft_by_tier"].get(t, {}).get("p99_s") or 0.0)
-                         for n in base)
-            if mine > theirs + 1e-9:
-                worse.append(f"{t} ({mine:.2f} s vs {theirs:.2f} s)")
-        verdicts.append(
-            f"- {r['case']} ({r['label']}): default {good['default'][1]:.2f} req/s vs best "
-            f"baseline {best} {good[best][1]:.2f} "
-            f"({good['default'][1] / max(good[best][1], 1e-9):.2f}x); tiers where a "
-            f"baseline has a lower TTFT p99 at rho {FIXED_LOAD}: "
-            f"{', '.join(worse) if worse else 'none'}"
-        )
+    rows = [[r["case"], f"{r['requests']:,}"] + [_goodput_cell(r["goodput"][n]) for n in names]
+            for r in results]
+    verdicts = [_verdict(r, f"{r['case']} ({r['label']})") for r in results]
     return "\n".join([md_table(["workload", "requests", *names], rows), "", *verdicts]) + "\n"
 
 
