@@ -252,3 +252,42 @@ def test_memoised_match_follows_every_change() -> None:
     idx.stored("a", [1])
     idx.add_engine("a", 3)  # re-registered: a new, empty cache
     assert idx.match_memo("a", [1, 2], memo) == 0
+
+
+def test_late_binding_spares_the_requests_an_engine_holds() -> None:
+    # Default rules: late binding at a tenth of the 1 s step budget. Engine "a" holds
+    # the prefix of "held"; every rank of "a" already has 0.5 s of work, past the
+    # horizon, yet "a" takes "held" (binding it early saves recomputing the prefix),
+    # but not "fresh", which any engine computes alike.
+    bal = _bal(max_wait_ns=10 * S)
+    aff = bal.affinity
+    assert aff is not None
+    aff.index.record("a", (1, 2, 3))
+    bal.enqueue(_item("held", (1, 2, 3, 4), 0, bal))
+    busy = [S // 2]
+    taken = bal.take("a", 100 * S, busy, now_ns=1)
+    assert [x.request_id for x in taken.items] == ["held"]
+    bal.enqueue(_item("fresh", (7, 8), 0, bal))
+    assert not bal.take("a", 100 * S, busy, now_ns=1).items
+    assert bal.take("b", 100 * S, [0], now_ns=1).items[0].request_id == "fresh"
+
+
+def test_urgency_is_off_under_prefix_affinity() -> None:
+    # Two tiers; "b" serves the longer one. The shorter tier's head has waited far longer
+    # for its scale, but with per-engine caches "b" keeps to its own tier while it has
+    # work (mixing tiers on an engine evicts its cache's working set).
+    bal = PrefillBalancer(BalancerConfig(
+        bounds=(1_000,), batch_cap_ns=(8 * S, 32 * S), backlog_rounds=1.0,
+        hysteresis=0.0, max_batch_requests=4,
+    ))
+    bal.affinity = Affinity(PrefixIndex(block_tokens=100), cost)
+    bal.last_demand_ns = [float(S), float(S)]
+    for e in ("a", "b"):
+        bal.affinity.index.add_engine(e, 1000)
+        bal.add_engine(e, 1)
+    long_engine = next(e for e in ("a", "b") if bal.engine_tier(e) == 1)
+    bal.enqueue(Queued("short", 10, 0, 0, S // 10, 0))
+    bal.enqueue(Queued("long", 2_000, 0, 1, S // 10, 9 * S))
+    assert bal.source_tier(long_engine, [0], now_ns=10 * S) == 1
+    bal.affinity = None
+    assert bal.source_tier(long_engine, [0], now_ns=10 * S) == 0
