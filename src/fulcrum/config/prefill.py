@@ -109,7 +109,10 @@ class PrefillSettings(Section):
         min_length=1,
         description="per-batch quota cap of each tier, ns (one entry per tier, shortest "
         "first; each above the cost of a fresh prompt at its tier's upper bound, so only "
-        "outliers run alone); a single request above the cap is served alone by an idle engine",
+        "outliers run alone); a single request above the cap is served alone by an idle engine. "
+        "Under the default rules it is also the tier's time scale: an engine with room takes "
+        "from the tier whose head waited longest for its cap, a longer tier's work only "
+        "within a quarter of its own tier's cap",
     )
     max_batch_requests: int = Field(
         256, ge=1, le=100_000, description="largest number of requests in one pulled batch"
