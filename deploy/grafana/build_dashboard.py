@@ -127,7 +127,7 @@ def build() -> dict[str, Any]:
         unit="reqps")
     b.panel("Pulls by result", [(f"sum by (result) (rate(fulcrum_prefill_pulls_total{{{SEL}}}[$__rate_interval]))",
                                  "{{result}}")], unit="ops")
-    b.panel("Requests helped by a longer tier's engines", [(
+    b.panel("Requests taken by another tier's engines", [(
         f"sum by (tier, engine_tier) (rate(fulcrum_prefill_helped_requests_total{{{SEL}}}[$__rate_interval]))",
         "{{tier}} by {{engine_tier}}")], unit="reqps")
     b.panel("Redistributions and engine moves", [

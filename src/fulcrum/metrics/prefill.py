@@ -129,9 +129,9 @@ PULLS = Counter(
 )
 HELPED = Counter(
     "fulcrum_prefill_helped_requests",
-    "Requests of a tier taken by an engine assigned to a longer tier (work-conserving "
-    "tiers: the shorter tier's head had waited longest for its scale), by the request's "
-    "tier and the engine's tier.",
+    "Requests of a tier taken by an engine assigned to another tier (work-conserving "
+    "tiers: that tier's head had waited longest for its scale), by the request's tier "
+    "and the engine's tier.",
     ["tier", "engine_tier"],
     registry=REGISTRY,
 )

@@ -266,6 +266,8 @@ class PrefillState:
         #: Test/diagnostic hooks: called with (request_id, outcome, engine_id or "").
         self.outcome_hooks: list[Callable[[str, str, str], None]] = []
         self._m = [_TierMetrics(label) for label in self.labels]
+        # [request tier][engine tier] children, resolved once (labels() is slow).
+        self._helped = [[m.HELPED.labels(t, e) for e in self.labels] for t in self.labels]
         self.prefix = PrefixWiring(self.balancer, settings, self.model_cost_ns, self.labels)
         self._log = log.bind()  # resolved once: per-request debug lines cost ~nothing
         for t in range(self.n_tiers):
@@ -818,7 +820,7 @@ class PrefillState:
             return Batch(tier=tier, items=(), quota_ns=0)
         own = self.balancer.engine_tier(eng.member_id)
         if 0 <= own != tier:
-            m.HELPED.labels(self.labels[tier], self.labels[own]).inc(len(taken.items))
+            self._helped[tier][own].inc(len(taken.items))
         now = self._clock()
         items = []
         lease_ms = self.settings.lease_ms if lease else 0
