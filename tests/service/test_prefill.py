@@ -240,11 +240,13 @@ async def test_batch_within_quota_and_cap_fifo_ranks() -> None:
         # 8 ranks: late binding (a rank below a tenth of a step budget) takes one
         # 0.25 s request per idle rank, so the quota, cap and request limits bind first.
         inc = await register(c, "e1", dp_ranks=8)
-        tasks = [
-            asyncio.ensure_future(c.prefill.Submit(submit_request(f"r{i}", 4096)))
-            for i in range(8)
-        ]
-        await until(lambda: st.queue_depths()[0] == 8)
+        # One at a time, so that the queue's FIFO order is r0..r7 (concurrent submits
+        # may reach the daemon in any order).
+        tasks = []
+        for i in range(8):
+            tasks.append(asyncio.ensure_future(c.prefill.Submit(submit_request(f"r{i}", 4096))))
+            depth = i + 1
+            await until(lambda: st.queue_depths()[0] == depth)
         cost = DEFAULT_COST_MODEL.cost_ns(4096, 0)
         reply = await c.prefill.Pull(pull_request("e1", inc, 100 * S, [0] * 8))
         n = S // cost  # the tier cap binds
