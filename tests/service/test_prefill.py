@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -242,11 +243,13 @@ async def test_batch_within_quota_and_cap_fifo_ranks() -> None:
         inc = await register(c, "e1", dp_ranks=8)
         # One at a time, so that the queue's FIFO order is r0..r7 (concurrent submits
         # may reach the daemon in any order).
+        def queued(n: int) -> Callable[[], bool]:
+            return lambda: st.queue_depths()[0] == n
+
         tasks = []
         for i in range(8):
             tasks.append(asyncio.ensure_future(c.prefill.Submit(submit_request(f"r{i}", 4096))))
-            depth = i + 1
-            await until(lambda: st.queue_depths()[0] == depth)
+            await until(queued(i + 1))
         cost = DEFAULT_COST_MODEL.cost_ns(4096, 0)
         reply = await c.prefill.Pull(pull_request("e1", inc, 100 * S, [0] * 8))
         n = S // cost  # the tier cap binds
