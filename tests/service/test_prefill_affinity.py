@@ -49,7 +49,9 @@ async def test_later_turns_follow_the_prefix_until_the_fairness_bound() -> None:
         assert [r.request_id for r in got.requests] == ["t1"]
         assert (await turn1).engine_id == "a"
 
-        # Turn 2 shares the prefix: b (idle) pulls first and gets nothing, a takes it.
+        # Turn 2 shares the prefix. Once a is predicted to have finished t1, b (idle)
+        # pulls first and gets nothing: a finishes it sooner. a takes it.
+        now[0] += state.model_cost_ns(2_100, 0)
         turn2 = asyncio.ensure_future(c.prefill.Submit(_submit("t2", conv + [7] * 600)))
         await until(lambda: state.is_queued("t2"))
         got = await c.prefill.Pull(pull_request("b", inc["b"], 100 * S, [0], wait_ms=0))

@@ -254,28 +254,60 @@ def test_memoised_match_follows_every_change() -> None:
     assert idx.match_memo("a", [1, 2], memo) == 0
 
 
-def test_late_binding_spares_the_requests_an_engine_holds() -> None:
+def test_late_binding_applies_to_held_requests_too() -> None:
     # Default rules: late binding at a tenth of the 1 s step budget. Engine "a" holds
-    # the prefix of "held"; every rank of "a" already has 0.5 s of work, past the
-    # horizon, yet "a" takes "held" (binding it early saves recomputing the prefix),
-    # but not "fresh", which any engine computes alike.
+    # the prefix of "held", but every rank of "a" already has 0.5 s of work, past the
+    # horizon: "a" binds nothing early (issue 21: early binding piled held work on busy
+    # ranks while other engines idled). An idle "b" is predicted to finish it sooner
+    # than "a" (0.5 s busy + 1 block to compute vs 4 blocks now), so "b" takes it.
     bal = _bal(max_wait_ns=10 * S)
     aff = bal.affinity
     assert aff is not None
     aff.index.record("a", (1, 2, 3))
     bal.enqueue(_item("held", (1, 2, 3, 4), 0, bal))
     busy = [S // 2]
-    taken = bal.take("a", 100 * S, busy, now_ns=1)
-    assert [x.request_id for x in taken.items] == ["held"]
-    bal.enqueue(_item("fresh", (7, 8), 0, bal))
     assert not bal.take("a", 100 * S, busy, now_ns=1).items
-    assert bal.take("b", 100 * S, [0], now_ns=1).items[0].request_id == "fresh"
+    assert bal.take("b", 100 * S, [0], now_ns=1).items[0].request_id == "held"
 
 
-def test_urgency_is_off_under_prefix_affinity() -> None:
+def test_request_waits_only_while_its_holder_is_predicted_sooner() -> None:
+    # cost(q, c) = 1 ms per computed token + 1 ms. "a" holds 300 of r's 350 tokens.
+    bal = _bal(max_wait_ns=100 * S)
+    aff = bal.affinity
+    assert aff is not None
+    aff.index.record("a", (7, 8))
+    # "a" pulls with 40 ms on its only rank: free at t = 40 ms + 1 ns.
+    assert not bal.take("a", 100 * S, [40_000_000], now_ns=1).items
+    bal.enqueue(_item("r", (7, 8, 9), 0, bal))
+    # b now: 351 ms from scratch; a: 40 ms left + 51 ms -> r waits for a.
+    assert not bal.take("b", 100 * S, [0], now_ns=1).items
+    # "a" pulls again, now with 400 ms queued on its rank: 400 + 51 > 351, b takes r.
+    assert not bal.take("a", 0, [400_000_000], now_ns=2).items
+    taken = bal.take("b", 100 * S, [0], now_ns=3)
+    assert [i.request_id for i in taken.items] == ["r"]
+    assert taken.quota_ns == cost(350, 0)  # charged at b's own cost
+    assert aff.overrides == 0  # not a fairness override: a prediction
+
+
+def test_a_holders_predicted_load_drains_with_time() -> None:
+    bal = _bal(max_wait_ns=100 * S, engines=("a", "b", "c"))
+    aff = bal.affinity
+    assert aff is not None
+    aff.index.record("a", (7, 8))
+    assert not bal.take("a", 0, [400_000_000], now_ns=0).items
+    bal.enqueue(_item("r", (7, 8, 9), 0, bal))
+    assert bal.take("c", 100 * S, [0], now_ns=1).items  # a busy for 400 ms: c takes it
+    bal.enqueue(_item("r2", (7, 8, 10), 0, bal))
+    # 350 ms later a has 50 ms left: 50 + 51 < 351, so b leaves r2 to a holder.
+    assert not bal.take("b", 100 * S, [0], now_ns=350_000_000).items
+    taken = bal.take("a", 100 * S, [0], now_ns=350_000_001)
+    assert [i.request_id for i in taken.items] == ["r2"]
+
+
+def test_urgency_is_on_under_prefix_affinity() -> None:
     # Two tiers; "b" serves the longer one. The shorter tier's head has waited far longer
-    # for its scale, but with per-engine caches "b" keeps to its own tier while it has
-    # work (mixing tiers on an engine evicts its cache's working set).
+    # for its scale: "b" helps it, with or without per-engine caches (issue 21: the
+    # predicted-finish rule keeps a helper from taking what a holder finishes sooner).
     bal = PrefillBalancer(BalancerConfig(
         bounds=(1_000,), batch_cap_ns=(8 * S, 32 * S), backlog_rounds=1.0,
         hysteresis=0.0, max_batch_requests=4,
@@ -288,6 +320,6 @@ def test_urgency_is_off_under_prefix_affinity() -> None:
     long_engine = next(e for e in ("a", "b") if bal.engine_tier(e) == 1)
     bal.enqueue(Queued("short", 10, 0, 0, S // 10, 0))
     bal.enqueue(Queued("long", 2_000, 0, 1, S // 10, 9 * S))
-    assert bal.source_tier(long_engine, [0], now_ns=10 * S) == 1
+    assert bal.source_tier(long_engine, [0], now_ns=10 * S) == 0
     bal.affinity = None
     assert bal.source_tier(long_engine, [0], now_ns=10 * S) == 0

@@ -95,13 +95,12 @@ class Rules:
     times longer than a short head (for the 4x larger scale) is taken by a short tier's
     engine with room, instead of waiting for its own tier's engines -- but only work that
     holds a rank no longer than :meth:`PrefillBalancer.helping_bound_ns` (a quarter of
-    the helping engine's own batch cap), never a long tier's minutes-long prompt. Off
-    while prefix affinity is on (per-engine caches): engines pulled across tiers by wait
-    mix their caches' working sets and leave held requests waiting for a holder busy on
-    another tier (measured on Mooncake with 16,000 blocks at load 0.7: block hit ratio
-    0.30 with it, 0.50 without); the shorter-only work conservation applies instead.
-    Under prefix affinity late binding also spares the requests an engine holds a
-    prefix of: binding those early saves recomputing the prefix.
+    the helping engine's own batch cap), never a long tier's minutes-long prompt. On
+    under prefix affinity too: there a held request waits for its holder only while the
+    holder is predicted to finish it sooner (:meth:`PrefillBalancer.take`), so a helper
+    never idles for a busy holder, and late binding applies to every request (binding
+    held work early piled it on busy ranks: both cost goodput, see BENCHMARKS.md
+    "Prefix affinity").
     ``orphan_gate``: an orphan tier gets an engine at once only when the engines can
     cover every tier with demand.
     """
@@ -192,6 +191,9 @@ class EngineEntry:
     load_ns: int = 0
     #: When a round last moved the engine to another tier (ns; None: never).
     moved_at_ns: int | None = None
+    #: Load of its least-loaded rank after its latest pull (ns), and when that was (ns).
+    min_rank_ns: int = 0
+    seen_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,21 +253,27 @@ def _unpinned_targets(
     return np.asarray(want, dtype=np.int64)
 
 
-def _late_binding(costs: Iterator[int], loads: Sequence[int], horizon_ns: int,
-                  exempt: Callable[[], bool] = lambda: False) -> Iterator[int]:
+def _late_binding(costs: Iterator[int], loads: Sequence[int],
+                  horizon_ns: int) -> Iterator[int]:
     """The FIFO costs an engine may take under late binding: each goes to the
     least-loaded rank (as core ``assign_ranks`` will place it) while that rank's load is
     below ``horizon_ns``; the first that would land on a rank at or above it ends the
-    prefix -- unless ``exempt()`` (asked after each cost is drawn) says the request is
-    worth binding early (the engine holds its prefix)."""
+    prefix."""
     heap = [(int(x), r) for r, x in enumerate(loads)]
     heapq.heapify(heap)
     for cost in costs:
         load, r = heap[0]
-        if load >= horizon_ns and not exempt():
+        if load >= horizon_ns:
             return
         heapq.heapreplace(heap, (load + int(cost), r))
         yield cost
+
+
+def _seen(eng: EngineEntry, loads: Sequence[int], now_ns: int | None) -> None:
+    """Remember ``eng``'s least-loaded rank load (ns) as of ``now_ns`` (its pull)."""
+    if now_ns is not None:
+        eng.min_rank_ns = min(loads, default=0)
+        eng.seen_ns = now_ns
 
 
 @dataclass(slots=True)
@@ -552,7 +560,7 @@ class PrefillBalancer:
             return own
         if not self.has_room(rank_loads_ns):
             return own
-        if rules.urgency and now_ns is not None and self.affinity is None:
+        if rules.urgency and now_ns is not None:
             scale = self.config.batch_cap_ns
             bound = self.helping_bound_ns(own)
             best, most = own, -1.0
@@ -596,19 +604,10 @@ class PrefillBalancer:
                 head = order[0]
         return self._can_take_item(tier, offer, head)
 
-    def _holds(self, engine_id: str, item: Queued) -> bool:
-        """True when prefix affinity is on and ``engine_id`` holds a prefix of ``item``:
-        then binding it early is worth it (the engine skips recomputing the prefix), and
-        late binding does not hold it back."""
-        aff = self.affinity
-        return aff is not None and bool(item.blocks) and aff.index.match(
-            engine_id, item.blocks) > 0
-
     def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
         loads = offer.rank_loads_ns
         h = self.config.rank_horizon_ns
-        if (h is not None and min(loads, default=0) >= h
-                and not self._holds(offer.engine_id, head)):
+        if h is not None and min(loads, default=0) >= h:
             return False
         cap = self.config.batch_cap_ns[tier]
         cost = self.cost_for(head, offer.engine_id)
@@ -680,19 +679,50 @@ class PrefillBalancer:
         ]
         return window, held
 
+    def _rank_free_ns(self, engine_id: str, now_ns: int) -> int:
+        """Predicted wait (ns) before ``engine_id``'s least-loaded rank is free: that
+        rank's load after its latest pull, drained by the time since (1 ns per ns)."""
+        eng = self._engines.get(engine_id)
+        if eng is None:
+            return 0
+        return max(0, eng.min_rank_ns - max(0, now_ns - eng.seen_ns))
+
+    def _cost_matched(self, item: Queued, matched: int) -> int:
+        """:meth:`cost_for` on an engine known to hold ``matched`` leading blocks of
+        ``item`` (no second index look-up)."""
+        aff = self.affinity
+        assert aff is not None
+        c = aff.index.cached_tokens(matched, item.total)
+        return min(item.cost_ns if item.cached else aff.cost_ns(item.total, 0),
+                   aff.cost_ns(item.total - c, c))
+
+    def _holder_sooner(self, item: Queued, held: dict[str, int], engine_id: str,
+                       mine: int, now_ns: int) -> bool:
+        """True when an engine holding more of ``item``'s prefix than ``engine_id``
+        (``mine`` blocks; ``held``: engine -> leading blocks held) is predicted to finish
+        it first: its rank's remaining work plus its cost there, against ``engine_id``'s
+        least-loaded rank plus its cost here. O(holders), no index look-up."""
+        own = self._rank_free_ns(engine_id, now_ns) + self._cost_matched(item, mine)
+        return any(
+            self._rank_free_ns(e, now_ns) + self._cost_matched(item, m) < own
+            for e, m in held.items() if m > mine and e != engine_id
+        )
+
     def _order_for(self, engine_id: str, now_ns: int, window: list[Queued],
                    held: list[dict[str, int]]) -> list[Queued]:
-        """``engine_id``'s take order over an affinity window: requests another serving
-        engine holds a longer prefix of wait for it (until they waited ``max_wait_ns``);
-        the rest go longest held prefix first, FIFO among equals."""
+        """``engine_id``'s take order over an affinity window. A request waits for an
+        engine holding a longer prefix of it only while that holder is predicted to
+        finish it sooner (:meth:`_holder_sooner`), and never once it has waited
+        ``max_wait_ns``; the rest go longest held prefix first, FIFO among equals."""
         aff = self.affinity
         assert aff is not None
         ranked: list[tuple[int, int, Queued]] = []
         for i, (item, h) in enumerate(zip(window, held, strict=True)):
             mine = h.get(engine_id, 0)
             if (h and now_ns - item.enqueued_ns < aff.max_wait_ns
-                    and max(h.values()) > mine):
-                continue  # its holder serves it (until the fairness bound)
+                    and max(h.values()) > mine
+                    and self._holder_sooner(item, h, engine_id, mine, now_ns)):
+                continue  # its holder is predicted to finish it sooner
             ranked.append((-mine, i, item))
         ranked.sort(key=lambda x: (x[0], x[1]))
         return [x[2] for x in ranked]
@@ -737,6 +767,7 @@ class PrefillBalancer:
         if len(loads) != eng.dp_ranks:
             raise ValueError(f"rank_loads_ns: must have {eng.dp_ranks} entries")
         eng.load_ns = sum(loads)
+        _seen(eng, loads, now_ns)
         idle = not any(loads)
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
@@ -776,12 +807,9 @@ class PrefillBalancer:
                 live.append(item)
                 yield cost
 
-        def held_here() -> bool:
-            return order is not None and self._holds(engine_id, live[-1])
-
         horizon = self.config.rank_horizon_ns
         if horizon is not None:
-            costs_iter: Iterator[int] = _late_binding(costs(), loads, horizon, held_here)
+            costs_iter: Iterator[int] = _late_binding(costs(), loads, horizon)
         else:
             costs_iter = costs()
         n = select_batch(
@@ -803,6 +831,7 @@ class PrefillBalancer:
                 hit = aff.taken(engine_id, it.tier, it.blocks)
                 aff.hits += int(bool(hit) and order is not None)
         eng.load_ns = sum(plan.loads_ns)
+        _seen(eng, plan.loads_ns, now_ns)
         return Taken(
             tier=tier,
             items=tuple(chosen),
