@@ -668,9 +668,12 @@ class PrefillBalancer:
                 break
         if not window or now_ns - window[0].enqueued_ns >= aff.max_wait_ns:
             return None
-        wc = self.config.rules.work_conserving
+        # Who may take it: its tier's engines, longer tiers' under work conservation, and
+        # under urgency any engine with a tier (urgency crosses tiers both ways).
+        rules = self.config.rules
         serving = [e.engine_id for e in self._engines.values()
-                   if e.tier == tier or (wc and e.tier > tier)]
+                   if e.tier == tier or (rules.work_conserving and e.tier > tier)
+                   or (rules.urgency and e.tier >= 0)]
         idx = aff.index
         held = [
             {e: m for e in serving if (m := idx.match_memo(e, it.blocks, it.held))}
