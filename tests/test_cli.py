@@ -3,7 +3,6 @@ YAML, and a busy port (held by a real process) as one line and exit 2."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator

@@ -89,9 +89,9 @@ def busy_port(settings: Any) -> str | None:
             try:
                 sock.bind(infos[0][4])
             except OSError as exc:
-                if port == settings.server.port and host == settings.server.host:
-                    exc = RuntimeError(f"Failed to bind to address {host}:{port}")
-                return bind_failure(exc, settings)
+                is_grpc = (host, port) == (settings.server.host, settings.server.port)
+                error = RuntimeError(f"Failed to bind to address {host}:{port}")
+                return bind_failure(error if is_grpc else exc, settings)
     return None
 
 
