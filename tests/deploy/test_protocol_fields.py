@@ -12,7 +12,7 @@ from pathlib import Path
 from google.protobuf.descriptor import Descriptor
 
 from fulcrum.testing import running_server
-from fulcrum.v1 import (  # noqa: F401 - register every message in the default pool
+from fulcrum.v1 import (
     decode_pb2,
     diagnostics_pb2,
     expert_pb2,
@@ -42,7 +42,10 @@ def _types() -> dict[str, Descriptor]:
 def _split(text: str) -> list[str]:
     items, depth, cur = [], 0, ""
     for ch in text:
-        depth += ch in "{[" and 1 or (-1 if ch in "}]" else 0)
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
         if ch == "," and depth == 0:
             items.append(cur)
             cur = ""

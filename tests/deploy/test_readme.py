@@ -45,3 +45,9 @@ def test_local_links_resolve() -> None:
             if not path.exists() and rel not in PENDING:
                 missing.append(f"{doc.name}: {target}")
     assert missing == []
+
+
+def test_user_facing_docs_name_no_machine_paths() -> None:
+    for doc in [README, ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        found = re.findall(r"/work/|/home/\w+|/root/|/opt/\w+", doc.read_text())
+        assert found == [], f"{doc.name}: {found}"
