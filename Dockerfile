@@ -1,17 +1,14 @@
 # syntax=docker/dockerfile:1
-# Fulcrum daemon image: build a wheel, then install only it and its runtime dependencies
-# into a slim image that runs as a non-root user.
+# Fulcrum daemon image: build the wheel set of pyproject.toml (the package and every runtime
+# dependency it declares), then install only that set, offline, into a slim image that runs
+# as a non-root user. tests/deploy/test_image.py runs the same two stages without Docker.
 
 FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN pip wheel --no-deps --wheel-dir /wheels . \
- && pip wheel --wheel-dir /wheels \
-      "grpcio>=1.85.1" "grpcio-health-checking>=1.85.1" "grpcio-reflection>=1.85.1" \
-      "protobuf>=6.31" "uvloop>=0.19" "prometheus-client>=0.20" "structlog>=24.1" \
-      "pyyaml>=6.0" "pydantic>=2.7" "numpy>=1.26"
+RUN pip wheel --wheel-dir /wheels .
 
 FROM python:3.11-slim-bookworm AS runtime
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 \
@@ -19,7 +16,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN groupadd --system --gid 10001 fulcrum \
  && useradd --system --uid 10001 --gid fulcrum --home-dir /var/lib/fulcrum --create-home fulcrum
 COPY --from=build /wheels /wheels
-RUN pip install --no-index --find-links=/wheels "fulcrum==0.1.0" && rm -rf /wheels
+RUN pip install --no-index --find-links=/wheels "fulcrum-moe==0.1.0" && rm -rf /wheels
 COPY deploy/fulcrum.yaml /etc/fulcrum/fulcrum.yaml
 USER 10001:10001
 WORKDIR /var/lib/fulcrum

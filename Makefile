@@ -1,23 +1,34 @@
 # Fulcrum: every target sets up .venv on first use, so `make run` and `make test` are the
-# only two commands a fresh machine needs.
+# only two commands a fresh machine needs. `make run` installs what running needs (the
+# package and its runtime dependencies); `make test` and `make lint` add the dev extra.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+RUN_STAMP := $(VENV)/.installed-run
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard proto/fulcrum/v1/*.proto)
+# One image tag for `make docker` and deploy/kubernetes (kustomization.yaml `images:`);
+# tests/deploy/test_image.py checks they agree with the package version.
+IMAGE  := fulcrum:0.1.0
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: run test lint proto bench bench-quick docker check-proto clean venv
+.PHONY: run test lint proto bench bench-quick docker check-proto clean venv configref
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
-	touch $(STAMP)
 
-run: $(STAMP)
+$(RUN_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(BIN)/pip install --quiet -e .
+	touch $(RUN_STAMP)
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP) $(RUN_STAMP)
+
+run: $(RUN_STAMP)
 	$(BIN)/fulcrum serve $(ARGS)
 
 test: $(STAMP)
@@ -33,6 +44,9 @@ lint: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m fulcrum.tools.genproto
 
+configref: $(STAMP)
+	$(BIN)/python -m fulcrum.tools.configref --write docs/configuration.md
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py --out BENCHMARKS.md
 
@@ -40,7 +54,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/run.py --quick --out /tmp/BENCHMARKS.quick.md
 
 docker:
-	docker build -t fulcrum:dev .
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -71,3 +71,37 @@ def test_dockerfile_runs_as_non_root_with_health_check() -> None:
     assert "HEALTHCHECK" in text and "fulcrum\", \"health\"" in text
     assert "STOPSIGNAL SIGTERM" in text
     assert text.count("FROM ") >= 2  # multi-stage
+
+
+def _kustomize() -> list[dict[str, object]]:
+    """What ``kubectl apply -k deploy/kubernetes`` applies, for the fields this
+    kustomization uses (resources, labels without selectors, images)."""
+    k = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "kustomization.yaml").read_text())
+    assert set(k) <= {"apiVersion", "kind", "labels", "resources", "images"}, set(k)
+    assert k["kind"] == "Kustomization"
+    images = {i["name"]: i for i in k.get("images", [])}
+    docs: list[dict[str, object]] = []
+    for res in k["resources"]:
+        for doc in yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / res).read_text()):
+            for lab in k.get("labels", []):
+                assert not lab.get("includeSelectors"), "selectors are immutable: keep them"
+                doc["metadata"].setdefault("labels", {}).update(lab["pairs"])
+            for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get(
+                "containers", []
+            ):
+                name = c["image"].split(":")[0]
+                if name in images:
+                    img = images[name]
+                    c["image"] = f'{img.get("newName", name)}:{img["newTag"]}'
+            docs.append(doc)
+    return docs
+
+
+def test_kustomization_lists_every_manifest_and_renders_valid_objects() -> None:
+    k = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "kustomization.yaml").read_text())
+    core = {p.name for p in MANIFESTS if p.name != "inferencepool.yaml"}  # needs its CRD
+    assert set(k["resources"]) == core
+    docs = _kustomize()
+    assert {d["kind"] for d in docs} == {"ConfigMap", "Deployment", "Service"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)

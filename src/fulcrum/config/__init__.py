@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
+from fulcrum.config import checks
 from fulcrum.config.base import Section
 from fulcrum.config.decode import DecodeSettings
 from fulcrum.config.eplb import EplbSettings
@@ -56,12 +57,7 @@ class ConfigError(Exception):
 
 
 def _format(err: ValidationError) -> list[str]:
-    out = []
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        out.append(f"{path}: {msg}")
-    return out
+    return checks.format_errors(err, Settings)
 
 
 def parse_settings(data: Any) -> Settings:
@@ -88,7 +84,11 @@ def load_settings(path: str | Path | None) -> Settings:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError([f"{path}: not valid YAML ({err})"]) from None
-    return parse_settings(data)
+    settings = parse_settings(data)
+    problems = checks.cross_field(settings)  # files only: see fulcrum.config.checks
+    if problems:
+        raise ConfigError(problems)
+    return settings
 
 
 def with_overrides(settings: Settings, overrides: dict[str, Any]) -> Settings:

@@ -1,22 +1,14 @@
 """``fulcrum simulate``: replay a workload through the core policies, side by side.
 
-Examples::
-
-    fulcrum simulate --trace mooncake --load 0.9
-    fulcrum simulate --trace azure-conv --duration 600 --rate-scale 8 --json
-    fulcrum simulate --trace synthetic --policies default,round_robin --out sim-out
-    fulcrum simulate --print-cluster > cluster.yaml   # edit, then --cluster cluster.yaml
-    fulcrum simulate --trace my_trace.csv --limit 4000 --goodput --json
+Short help: ``fulcrum simulate --help``; the full guide (every trace, where it comes from
+and its licence, the goodput search, the cluster file) is docs/simulator.md.
 
 ``--trace`` takes a built-in workload name or a trace file / ServeGen directory in any
-format of :mod:`fulcrum.sim.traces` (told by content, not extension). The summary table
-goes to stdout (or JSON with ``--json``); plots (PNG) go to ``--out``.
-
-``--goodput`` replaces the single run per policy by a goodput search
-(:mod:`fulcrum.sim.goodput`): per policy, the highest arrival rate meeting every TTFT
-(per tier) and TPOT SLO, with utilisation and per-tier TTFT at that rate, plus one run at
-a fixed offered prefill load (``--fixed-load``, default 0.5) for a like-for-like latency
-comparison below saturation. Policies run in parallel over ``--jobs`` processes.
+format of :mod:`fulcrum.sim.traces` (told by content, not extension); with no
+``--trace`` the built-in synthetic workload runs (nothing to download). The summary table
+goes to stdout (or JSON with ``--json``); plots (PNG) go to ``--out``. ``--goodput``
+replaces the single run per policy by a goodput search (:mod:`fulcrum.sim.goodput`),
+policies in parallel over ``--jobs`` processes, with a progress bar on a terminal.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +33,7 @@ from fulcrum.sim import workload as W
 from fulcrum.sim.cluster import Cluster, dump_cluster, load_cluster
 from fulcrum.sim.engine import SimResult, simulate
 from fulcrum.sim.policies import get_policy_set, policy_sets
+from fulcrum.sim.progress import SearchProgress
 from fulcrum.sim.report import format_table, plot_runs, summarize, to_json
 
 DEFAULT_POLICIES = "default,least_work,round_robin,random,least_requests,power_of_two,ideal"
@@ -58,84 +51,90 @@ def _floats(text: str) -> list[float]:
         ) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``fulcrum simulate``."""
-    p = argparse.ArgumentParser(
-        prog="fulcrum simulate",
-        description="Trace-replay simulator: every policy against the ideal.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=(
-            "Built-in traces (mooncake, azure-code, azure-conv, servegen) are read from\n"
-            "$FULCRUM_TRACES, or else <repo>/../shared/traces\n"
-            f"(here: {W.traces_dir()}).\n\n"
-            "Trace files are recognised by content: Mooncake JSONL or the minimal JSONL\n"
-            "(one object a line: timestamp in ms, input_length, output_length in tokens,\n"
-            "optional hash_ids of 512-token prefix blocks), Azure LLM inference CSV\n"
-            "(2023/2024: TIMESTAMP, ContextTokens, GeneratedTokens), BurstGPT CSV\n"
-            "(Timestamp in s, Request tokens, Response tokens), ServeGen client data\n"
-            "(a directory of chunk-N-trace.csv + chunk-N-dataset.json, or one of them;\n"
-            "language, reasoning or multimodal). See fulcrum.sim.traces."
-        ),
-    )
-    p.add_argument("--trace", default="mooncake",
-                   help=f"workload: {', '.join(scenarios.TRACES)}, or a trace file or ServeGen "
-                        "directory in any supported format (see below)")
-    p.add_argument("--cluster", type=Path, help="cluster YAML (see --print-cluster)")
+EXAMPLES = """\
+examples:
+  fulcrum simulate                                  # built-in synthetic workload
+  fulcrum simulate --trace my_trace.jsonl --load 0.9
+  fulcrum simulate --trace synthetic --policies default,round_robin --out sim-out
+  fulcrum simulate --print-cluster > cluster.yaml   # edit, then --cluster cluster.yaml
+  fulcrum simulate --trace my_trace.csv --limit 4000 --goodput --json
+
+Traces: a file or ServeGen directory (Mooncake or minimal JSONL, Azure LLM inference CSV,
+BurstGPT CSV, ServeGen), told by content; or a built-in name: mooncake, azure-code,
+azure-conv and servegen are read from $FULCRUM_TRACES, or else <repo>/../shared/traces
+(here: {here}).
+Where each trace comes from, its licence, and every option: docs/simulator.md.
+"""
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default="synthetic", metavar="NAME|PATH",
+                   help=f"workload: {', '.join(scenarios.TRACES)} or a trace path "
+                        "(default synthetic)")
+    p.add_argument("--cluster", metavar="FILE", type=Path,
+                   help="cluster YAML (see --print-cluster)")
     p.add_argument("--print-cluster", action="store_true",
                    help="print the cluster in force as YAML and exit")
-    p.add_argument("--policies", default=None,
-                   help=f"comma-separated policy sets (known: {', '.join(policy_sets())}; "
-                        f"default {DEFAULT_POLICIES}; with --goodput {GOODPUT_POLICIES})")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--start", type=float, default=0.0, help="trace window start (s)")
-    p.add_argument("--duration", type=float, help="trace window length (s, before scaling)")
-    p.add_argument("--limit", type=int, help="at most this many requests")
-    p.add_argument("--rate-scale", type=float, help="arrival rate multiplier")
-    p.add_argument("--load", type=float,
-                   help="offered prefill load rho (sets the rate scale; see scenarios)")
-    p.add_argument("--length-scale", type=float, default=1.0, help="input length multiplier")
+    p.add_argument("--policies", default=None, metavar="A,B",
+                   help=f"policy sets to compare ({len(policy_sets())} known; see "
+                        "docs/simulator.md)")
+    p.add_argument("--seed", metavar="N", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--start", metavar="S", type=float, default=0.0, help="trace window start, s")
+    p.add_argument("--duration", metavar="S", type=float,
+                   help="trace window length, s (before scaling)")
+    p.add_argument("--limit", metavar="N", type=int, help="at most this many requests")
+    p.add_argument("--rate-scale", metavar="X", type=float, help="arrival rate multiplier")
+    p.add_argument("--load", metavar="RHO", type=float,
+                   help="offered prefill load (sets the rate scale)")
+    p.add_argument("--length-scale", metavar="X", type=float, default=1.0,
+                   help="input length multiplier")
     p.add_argument("--mix-synthetic", action="store_true",
-                   help="merge synthetic agent sessions / surge into the trace")
-    p.add_argument("--cache-blocks", type=int,
-                   help="prefix-cache capacity in 512-token blocks (0 disables)")
-    p.add_argument("--cache-mode", choices=("global", "per_engine"),
-                   help="prefix-cache model: one global pool, or one cache per prefill "
-                   "engine of --cache-blocks / engines blocks (prefix-aware baselines: "
-                   "prefix_load, cache_aware)")
+                   help="merge synthetic agent sessions and a surge into the trace")
+    p.add_argument("--cache-blocks", metavar="N", type=int,
+                   help="prefix cache, 512-token blocks (0: off)")
+    p.add_argument("--cache-mode", choices=("global", "per_engine"), help="prefix cache model")
     p.add_argument("--size-fleets", action="store_true",
-                   help="size decode and VE fleets to the workload (about 48 requests/GPU)")
-    p.add_argument("--drain", type=float, default=1800.0,
+                   help="size decode and VE fleets to the workload")
+    p.add_argument("--drain", metavar="S", type=float, default=1800.0,
                    help="virtual seconds allowed after the last arrival")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--out", type=Path, help="folder for PNG plots (and summary.json)")
+    p.add_argument("--out", metavar="DIR", type=Path,
+                   help="folder for PNG plots and the JSON summary")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    g = p.add_argument_group("goodput (see fulcrum.sim.goodput)")
-    g.add_argument("--goodput", action="store_true",
-                   help="search each policy's goodput: highest arrival rate meeting every SLO")
-    g.add_argument("--fixed-load", type=float, default=0.5,
-                   help="offered prefill load of the like-for-like latency run (default 0.5; "
-                        "keep it below every policy's saturation)")
-    g.add_argument("--goodput-min-load", type=float, default=G.DEFAULT_MIN_LOAD,
-                   help=f"lowest offered prefill load searched (default {G.DEFAULT_MIN_LOAD}); "
-                        "a policy failing "
-                        "there reports goodput 0 and the rate it failed at")
-    g.add_argument("--goodput-max-load", type=float, default=G.DEFAULT_MAX_LOAD,
-                   help=f"highest offered prefill load searched (default {G.DEFAULT_MAX_LOAD}, "
-                        "the fleet's compute: a faster rate is a burst no fleet sustains); "
-                        "a policy passing there reports goodput_capped")
+
+
+def _add_goodput_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("goodput (highest arrival rate meeting every SLO)")
+    g.add_argument("--goodput", action="store_true", help="search each policy's goodput")
+    g.add_argument("--fixed-load", metavar="RHO", type=float, default=0.5,
+                   help="offered load of the like-for-like latency run (default 0.5)")
+    g.add_argument("--goodput-min-load", metavar="RHO", type=float, default=G.DEFAULT_MIN_LOAD,
+                   help=f"lowest offered load searched (default {G.DEFAULT_MIN_LOAD})")
+    g.add_argument("--goodput-max-load", metavar="RHO", type=float, default=G.DEFAULT_MAX_LOAD,
+                   help=f"highest offered load searched (default {G.DEFAULT_MAX_LOAD})")
     g.add_argument("--slo-ttft", type=_floats, metavar="S,S,...",
-                   help="TTFT p99 SLO per prefill tier, shortest tier first (s; default "
-                        "2.5x the unloaded prefill time of the tier's longest prompt)")
-    g.add_argument("--slo-tpot", type=float, default=G.DEFAULT_TPOT_SLO_S,
-                   help=f"TPOT p99 SLO (s per output token; default {G.DEFAULT_TPOT_SLO_S})")
-    g.add_argument("--goodput-runs", type=int, default=G.DEFAULT_MAX_RUNS,
-                   help="at most this many runs per policy, the fixed-load run included "
-                        f"(default {G.DEFAULT_MAX_RUNS})")
-    g.add_argument("--goodput-tol", type=float, default=G.DEFAULT_REL_TOL,
-                   help="stop when highest pass / lowest fail rate is within 1 + this "
-                        f"(default {G.DEFAULT_REL_TOL})")
-    g.add_argument("--jobs", type=int, default=2,
-                   help="processes running policies in parallel (default 2)")
+                   help="TTFT p99 SLO per prefill tier, s (default: 2.5x unloaded)")
+    g.add_argument("--slo-tpot", metavar="S", type=float, default=G.DEFAULT_TPOT_SLO_S,
+                   help=f"TPOT p99 SLO, s per token (default {G.DEFAULT_TPOT_SLO_S})")
+    g.add_argument("--goodput-runs", metavar="N", type=int, default=G.DEFAULT_MAX_RUNS,
+                   help=f"runs per policy at most (default {G.DEFAULT_MAX_RUNS})")
+    g.add_argument("--goodput-tol", metavar="X", type=float, default=G.DEFAULT_REL_TOL,
+                   help=f"bisection tolerance (default {G.DEFAULT_REL_TOL})")
+    g.add_argument("--jobs", metavar="N", type=int, default=2, help="worker processes (default 2)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``fulcrum simulate`` (short help; docs/simulator.md)."""
+    p = argparse.ArgumentParser(
+        prog="fulcrum simulate",
+        usage="fulcrum simulate [--trace NAME|PATH] [--goodput] [options]",
+        description="Trace-replay simulator: every policy against the ideal.",
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(
+            prog, max_help_position=30, width=100),
+        epilog=EXAMPLES.format(here=W.traces_dir()),
+    )
+    _add_workload_args(p)
+    _add_goodput_args(p)
     return p
 
 
@@ -179,6 +178,8 @@ class GoodputJob:
     max_runs: int
     rel_tol: float
     max_scale: float = float("inf")
+    progress: Any = None
+    """A :class:`fulcrum.sim.progress.SearchProgress` queue, or None (no progress)."""
 
 
 def _figures(summary: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -212,10 +213,17 @@ def run_goodput(job: GoodputJob) -> dict[str, Any]:
     # The fixed-load run doubles as the search's first probe.
     fixed = evaluate(job.fixed_scale)
     fixed_verdict = G.check(fixed, job.slo)
+    on_probe = None
+    if job.progress is not None:
+        q = job.progress
+
+        def on_probe(k: int, scale: float, passed: bool) -> None:
+            SearchProgress.report(q, job.policy, k, scale * job.base_rps, passed)
+
     res = G.search(evaluate, job.slo, base_rps=job.base_rps, start=job.fixed_scale,
                    min_scale=min(job.min_scale, job.fixed_scale),
                    max_scale=max(job.max_scale, job.fixed_scale),
-                   max_runs=job.max_runs, rel_tol=job.rel_tol)
+                   max_runs=job.max_runs, rel_tol=job.rel_tol, on_probe=on_probe)
     entry: dict[str, Any] = {
         "policy": job.policy,
         "goodput_rps": res.goodput_rps,
@@ -244,27 +252,33 @@ def run_goodput(job: GoodputJob) -> dict[str, Any]:
 
 
 def _run_jobs(jobs: Sequence[GoodputJob], workers: int, quiet: bool) -> list[dict[str, Any]]:
-    def note(e: dict[str, Any]) -> None:
-        if not quiet:
-            sys.stderr.write(
-                f"  {e['policy']}: goodput {e['goodput_rps']:.3g} req/s "
-                f"({len(e['search']['runs'])} runs incl. the fixed load, {e['wall_s']:.0f} s wall, "
-                f"{e['cpu_s']:.0f} s CPU)\n"
-            )
+    """Every job, over ``workers`` processes; a progress bar when stderr is a terminal."""
+    parallel = workers > 1 and len(jobs) > 1
+    bar = None
+    if not quiet and jobs and sys.stderr.isatty():
+        bar = SearchProgress(len(jobs), jobs[0].max_runs, sys.stderr, processes=parallel)
+        jobs = [replace(j, progress=bar.queue) for j in jobs]
 
-    if workers <= 1 or len(jobs) <= 1:
-        out = []
-        for j in jobs:
-            out.append(run_goodput(j))
-            note(out[-1])
-        return out
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
-        futures = [pool.submit(run_goodput, j) for j in jobs]
-        out = []
-        for f in futures:
-            out.append(f.result())
-            note(out[-1])
-        return out
+    def note(e: dict[str, Any]) -> dict[str, Any]:
+        line = (f"  {e['policy']}: goodput {e['goodput_rps']:.3g} req/s "
+                f"({len(e['search']['runs'])} runs incl. the fixed load, {e['wall_s']:.0f} s "
+                f"wall, {e['cpu_s']:.0f} s CPU)\n")
+        if bar is not None:
+            bar.done(e["policy"], len(e["search"]["runs"]))
+            bar.write(line)
+        elif not quiet:
+            sys.stderr.write(line)
+        return e
+
+    try:
+        if not parallel:
+            return [note(run_goodput(j)) for j in jobs]
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
+            futures = [pool.submit(run_goodput, j) for j in jobs]
+            return [note(f.result()) for f in futures]
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _slo(args: argparse.Namespace, cluster: Cluster) -> G.Slo:
@@ -361,77 +375,62 @@ def main_goodput(args: argparse.Namespace, cluster: Cluster, names: list[str],
     return 0
 
 
-def main(argv: list[str]) -> int:
-    """Entry point; returns the process exit code."""
-    args = build_parser().parse_args(argv)
-    try:
-        cluster = load_cluster(args.cluster)
-        if args.cache_blocks is not None:
-            cluster = cluster.with_overrides(cache={"capacity_blocks": args.cache_blocks})
-        if args.cache_mode is not None:
-            cluster = cluster.with_overrides(cache={"mode": args.cache_mode})
-        if args.print_cluster:
-            sys.stdout.write(dump_cluster(cluster))
-            return 0
-        if args.policies is None:
-            args.policies = GOODPUT_POLICIES if args.goodput else DEFAULT_POLICIES
-        names = [n.strip() for n in args.policies.split(",") if n.strip()]
-        sets = [get_policy_set(n) for n in names]
-        if args.goodput and (args.load is not None or args.rate_scale is not None):
-            raise ValueError("--goodput: the search sets the rate; drop --load / --rate-scale "
-                             "(--fixed-load sets the like-for-like run)")
-        if args.goodput and not 0 < args.goodput_min_load <= args.fixed_load:
-            raise ValueError("--goodput-min-load: must be in (0, --fixed-load]")
-        if args.goodput and not args.goodput_max_load >= args.fixed_load:
-            raise ValueError("--goodput-max-load: must be >= --fixed-load")
-        if args.jobs < 1:
-            raise ValueError(f"--jobs: must be >= 1, got {args.jobs}")
-        reqs = load_trace(args)
-        if args.mix_synthetic:
-            import numpy as np
+def _check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for a combination ``fulcrum simulate`` refuses."""
+    if args.load is not None and args.rate_scale is not None:
+        raise ValueError("--load and --rate-scale: give one, not both")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs: must be >= 1, got {args.jobs}")
+    if not args.goodput:
+        return
+    if args.load is not None or args.rate_scale is not None:
+        raise ValueError("--goodput: the search sets the rate; drop --load / --rate-scale "
+                         "(--fixed-load sets the like-for-like run)")
+    if not 0 < args.goodput_min_load <= args.fixed_load:
+        raise ValueError("--goodput-min-load: must be in (0, --fixed-load]")
+    if not args.goodput_max_load >= args.fixed_load:
+        raise ValueError("--goodput-max-load: must be >= --fixed-load")
 
-            from fulcrum.sim.synthetic import SyntheticSpec, generate
 
-            span = max(1.0, W.duration_ns(reqs) / 1e9)
-            reqs = W.merge(reqs, generate(SyntheticSpec(duration_s=span),
-                                          np.random.default_rng(args.seed + 1)))
-        if args.length_scale != 1.0:
-            reqs = W.scale_length(reqs, args.length_scale)
-        if args.load is not None and args.rate_scale is not None:
-            raise ValueError("--load and --rate-scale: give one, not both")
-        scale = 1.0
-        if args.load is not None:
-            reqs, scale = scenarios.scale_to_load(reqs, cluster, args.load)
-        elif args.rate_scale is not None:
-            scale = args.rate_scale
-            reqs = W.scale_rate(reqs, scale)
-        if args.size_fleets and not args.goodput:
-            cluster = scenarios.size_vision(reqs, scenarios.size_decode(reqs, cluster), )
-    except (ValueError, OSError) as exc:
-        sys.stderr.write(f"fulcrum simulate: {_one_line(exc)}\n")
-        return 2
-    if not reqs:
-        sys.stderr.write("fulcrum simulate: the workload holds no request\n")
-        return 2
-    if args.goodput:
-        meta = {"trace": args.trace, "requests": len(reqs), "length_scale": args.length_scale,
-                "seed": args.seed, "prefill_gpus": cluster.prefill.n_ranks,
-                "policies": names, "jobs": args.jobs}
-        try:
-            return main_goodput(args, cluster, names, reqs, meta)
-        except ValueError as exc:
-            sys.stderr.write(f"fulcrum simulate: {_one_line(exc)}\n")
-            return 2
+def _cluster(args: argparse.Namespace) -> Cluster:
+    cluster = load_cluster(args.cluster)
+    if args.cache_blocks is not None:
+        cluster = cluster.with_overrides(cache={"capacity_blocks": args.cache_blocks})
+    if args.cache_mode is not None:
+        cluster = cluster.with_overrides(cache={"mode": args.cache_mode})
+    return cluster
+
+
+def _workload(args: argparse.Namespace, cluster: Cluster) -> tuple[list[W.Request], float]:
+    """The requests to run (windowed, mixed, scaled) and the rate scale applied."""
+    reqs = load_trace(args)
+    if args.mix_synthetic:
+        from fulcrum.sim.synthetic import SyntheticSpec, generate
+
+        span = max(1.0, W.duration_ns(reqs) / 1e9)
+        reqs = W.merge(reqs, generate(SyntheticSpec(duration_s=span),
+                                      np.random.default_rng(args.seed + 1)))
+    if args.length_scale != 1.0:
+        reqs = W.scale_length(reqs, args.length_scale)
+    scale = 1.0
+    if args.load is not None:
+        reqs, scale = scenarios.scale_to_load(reqs, cluster, args.load)
+    elif args.rate_scale is not None:
+        scale = args.rate_scale
+        reqs = W.scale_rate(reqs, scale)
+    return reqs, scale
+
+
+def _run_plain(args: argparse.Namespace, cluster: Cluster, names: list[str],
+               reqs: list[W.Request], scale: float) -> int:
+    """One run per policy set; prints the table (or JSON) and writes ``--out``."""
+    if args.size_fleets:
+        cluster = scenarios.size_vision(reqs, scenarios.size_decode(reqs, cluster))
     rho = scenarios.offered_load(reqs, cluster)
     meta = {
-        "trace": args.trace,
-        "requests": len(reqs),
-        "rate_scale": scale,
-        "length_scale": args.length_scale,
-        "offered_prefill_load": rho,
-        "seed": args.seed,
-        "prefill_gpus": cluster.prefill.n_ranks,
-        "decode_gpus": cluster.decode.n_gpus,
+        "trace": args.trace, "requests": len(reqs), "rate_scale": scale,
+        "length_scale": args.length_scale, "offered_prefill_load": rho, "seed": args.seed,
+        "prefill_gpus": cluster.prefill.n_ranks, "decode_gpus": cluster.decode.n_gpus,
         "ve_gpus": cluster.vision.n_gpus,
     }
     if not args.quiet:
@@ -441,7 +440,7 @@ def main(argv: list[str]) -> int:
             f" {cluster.vision.n_gpus} VE GPUs\n"
         )
     results: list[SimResult] = []
-    for ps in sets:
+    for ps in (get_policy_set(n) for n in names):
         t0 = time.perf_counter()
         results.append(
             simulate(cluster, ps, reqs, seed=args.seed, drain_s=args.drain,
@@ -450,10 +449,8 @@ def main(argv: list[str]) -> int:
         if not args.quiet:
             sys.stderr.write(f"  {ps.name}: {time.perf_counter() - t0:.1f} s wall\n")
     summaries = [summarize(r) for r in results]
-    if args.json:
-        sys.stdout.write(to_json(summaries, meta) + "\n")
-    else:
-        sys.stdout.write(format_table(summaries) + "\n")
+    out = to_json(summaries, meta) if args.json else format_table(summaries)
+    sys.stdout.write(out + "\n")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "summary.json").write_text(to_json(summaries, meta) + "\n")
@@ -461,6 +458,34 @@ def main(argv: list[str]) -> int:
             if not args.quiet:
                 sys.stderr.write(f"wrote {path}\n")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """Entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        cluster = _cluster(args)
+        if args.print_cluster:
+            sys.stdout.write(dump_cluster(cluster))
+            return 0
+        if args.policies is None:
+            args.policies = GOODPUT_POLICIES if args.goodput else DEFAULT_POLICIES
+        names = [n.strip() for n in args.policies.split(",") if n.strip()]
+        for n in names:
+            get_policy_set(n)
+        _check_args(args)
+        reqs, scale = _workload(args, cluster)
+        if not reqs:
+            raise ValueError("the workload holds no request")
+        if not args.goodput:
+            return _run_plain(args, cluster, names, reqs, scale)
+        meta = {"trace": args.trace, "requests": len(reqs), "length_scale": args.length_scale,
+                "seed": args.seed, "prefill_gpus": cluster.prefill.n_ranks,
+                "policies": names, "jobs": args.jobs}
+        return main_goodput(args, cluster, names, reqs, meta)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"fulcrum simulate: {_one_line(exc)}\n")
+        return 2
 
 
 def _one_line(exc: BaseException) -> str:

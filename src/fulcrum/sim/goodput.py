@@ -296,6 +296,77 @@ def base_rate(arrivals_ns: Sequence[int]) -> float:
     return (len(arrivals_ns) - 1) / (span / 1e9)
 
 
+OnProbe = Callable[[int, float, bool], None]
+"""Progress callback of :func:`search`: (probes run so far, rate scale, passed)."""
+
+
+def _check_search_args(base_rps: float, start: float, growth: float, shrink: float,
+                       rel_tol: float, max_runs: int, min_scale: float,
+                       max_scale: float) -> None:
+    if not (base_rps > 0 and math.isfinite(base_rps)):
+        raise ValueError(f"goodput: base_rps must be > 0, got {base_rps}")
+    if not (growth > 1 and shrink > 1):
+        raise ValueError(f"goodput: growth and shrink must be > 1, got {growth}, {shrink}")
+    if not rel_tol > 0:
+        raise ValueError(f"goodput: rel_tol must be > 0, got {rel_tol}")
+    if max_runs < 1:
+        raise ValueError(f"goodput: max_runs must be >= 1, got {max_runs}")
+    if not (0 < min_scale <= start <= max_scale):
+        raise ValueError(f"goodput: need 0 < min_scale <= start <= max_scale, got {start}")
+
+
+@dataclass(slots=True)
+class _Search:
+    """The probes of one search so far; ``lo`` highest passing, ``hi`` lowest failing."""
+
+    evaluate: Evaluate
+    slo: Slo
+    max_runs: int
+    on_probe: OnProbe | None
+    runs: list[Probe] = field(default_factory=list)
+    summaries: dict[float, Summary] = field(default_factory=dict)
+    lo: float | None = None
+    hi: float | None = None
+
+    @property
+    def budget_left(self) -> bool:
+        return len(self.runs) < self.max_runs
+
+    def probe(self, scale: float) -> bool:
+        summary = self.evaluate(scale)
+        verdict = check(summary, self.slo)
+        self.runs.append(Probe(scale, verdict.passed, verdict.misses))
+        self.summaries[scale] = summary
+        if verdict.passed:
+            self.lo = scale if self.lo is None else max(self.lo, scale)
+        else:
+            self.hi = scale if self.hi is None else min(self.hi, scale)
+        if self.on_probe is not None:
+            self.on_probe(len(self.runs), scale, verdict.passed)
+        return verdict.passed
+
+    def bracket(self, start: float, growth: float, shrink: float, min_scale: float,
+                max_scale: float) -> None:
+        """Grow from a passing start until a failure or ``max_scale``; shrink from a
+        failing one until a pass or ``min_scale``."""
+        s = start
+        if self.probe(s):
+            while self.budget_left and s < max_scale:
+                s = min(s * growth, max_scale)
+                if not self.probe(s):
+                    return
+        else:
+            while self.budget_left and s > min_scale:
+                s = max(s / shrink, min_scale)
+                if self.probe(s):
+                    return
+
+    def bisect(self, rel_tol: float) -> None:
+        while (self.lo is not None and self.hi is not None and self.hi / self.lo > 1 + rel_tol
+               and self.budget_left):
+            self.probe(math.sqrt(self.lo * self.hi))
+
+
 def search(
     evaluate: Evaluate,
     slo: Slo,
@@ -308,6 +379,7 @@ def search(
     max_runs: int = DEFAULT_MAX_RUNS,
     min_scale: float = 1e-3,
     max_scale: float = 1e3,
+    on_probe: OnProbe | None = None,
 ) -> GoodputResult:
     """Highest verified rate scale meeting ``slo`` (module docstring).
 
@@ -315,55 +387,15 @@ def search(
     returns its summary (keys ``ttft_by_tier``, ``tpot_p99_s``, ``finished``,
     ``unfinished``). At most ``max_runs`` evaluations; each scale is evaluated once.
     When even ``min_scale`` fails, ``scale`` is None, ``goodput_rps`` 0 and
-    ``lowest_failing`` says below which rate the goodput lies.
+    ``lowest_failing`` says below which rate the goodput lies. ``on_probe`` (optional)
+    hears of each evaluation as it ends (progress display).
     """
-    if not (base_rps > 0 and math.isfinite(base_rps)):
-        raise ValueError(f"goodput: base_rps must be > 0, got {base_rps}")
-    if not (growth > 1 and shrink > 1):
-        raise ValueError(f"goodput: growth and shrink must be > 1, got {growth}, {shrink}")
-    if not rel_tol > 0:
-        raise ValueError(f"goodput: rel_tol must be > 0, got {rel_tol}")
-    if max_runs < 1:
-        raise ValueError(f"goodput: max_runs must be >= 1, got {max_runs}")
-    if not (0 < min_scale <= start <= max_scale):
-        raise ValueError(f"goodput: need 0 < min_scale <= start <= max_scale, got {start}")
-
-    runs: list[Probe] = []
-    summaries: dict[float, Summary] = {}
-
-    def probe(scale: float) -> bool:
-        summary = evaluate(scale)
-        verdict = check(summary, slo)
-        runs.append(Probe(scale, verdict.passed, verdict.misses))
-        summaries[scale] = summary
-        return verdict.passed
-
-    lo: float | None = None  # highest passing scale
-    hi: float | None = None  # lowest failing scale
-    s = start
-    if probe(s):
-        lo = s
-        while len(runs) < max_runs and lo < max_scale:
-            s = min(lo * growth, max_scale)
-            if probe(s):
-                lo = s
-            else:
-                hi = s
-                break
-    else:
-        hi = s
-        while len(runs) < max_runs and hi > min_scale:
-            s = max(hi / shrink, min_scale)
-            if probe(s):
-                lo = s
-                break
-            hi = s
-    while lo is not None and hi is not None and hi / lo > 1 + rel_tol and len(runs) < max_runs:
-        mid = math.sqrt(lo * hi)
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
+    _check_search_args(base_rps, start, growth, shrink, rel_tol, max_runs, min_scale,
+                       max_scale)
+    st = _Search(evaluate, slo, max_runs, on_probe)
+    st.bracket(start, growth, shrink, min_scale, max_scale)
+    st.bisect(rel_tol)
+    lo, hi = st.lo, st.hi
     converged = (
         (lo is not None and hi is not None and hi / lo <= 1 + rel_tol)
         or (lo is not None and hi is None and lo >= max_scale)
@@ -373,9 +405,9 @@ def search(
         scale=lo,
         goodput_rps=0.0 if lo is None else lo * base_rps,
         base_rps=base_rps,
-        summary=None if lo is None else summaries[lo],
+        summary=None if lo is None else st.summaries[lo],
         lowest_failing=hi,
         converged=converged,
-        runs=runs,
+        runs=st.runs,
         capped=lo is not None and lo >= max_scale,
     )

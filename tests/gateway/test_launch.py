@@ -1,0 +1,95 @@
+"""``fulcrum gateway --worker-urls ...`` end to end: the command as a user runs it (a
+subprocess), stand-in OpenAI-compatible engines, the real Envoy it starts; requests
+through the printed URL reach the engines; SIGTERM stops Envoy and the daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from fulcrum.config import parse_settings
+from fulcrum.gateway import launch
+from fulcrum.gateway.testing import http_request, upstreams
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[2]
+FULCRUM = [sys.executable, "-m", "fulcrum.cli"]
+
+
+async def _line_with(proc: asyncio.subprocess.Process, word: str, seen: list[str]) -> str:
+    assert proc.stdout is not None
+    for _ in range(500):  # bounded: the daemon logs a few lines before the URL
+        raw = await asyncio.wait_for(proc.stdout.readline(), 60)
+        if not raw:
+            break
+        seen.append(raw.decode())
+        if word in seen[-1]:
+            return seen[-1]
+    raise AssertionError(f"no {word!r} in output: {''.join(seen)[-2000:]}")
+
+
+async def test_one_command_routes_requests_and_stops_on_sigterm() -> None:
+    async with upstreams(2) as ups:
+        urls = [f"http://127.0.0.1:{u.port}" for u in ups]
+        proc = await asyncio.create_subprocess_exec(
+            *FULCRUM, "gateway", "--worker-urls", *urls, "--port", "0", "--grpc-port", "0",
+            "--metrics-port", "0", stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, cwd="/",
+        )
+        seen: list[str] = []
+        try:
+            line = await _line_with(proc, "send requests to", seen)
+            found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+            assert found, line
+            port = int(found.group(1))
+            found_admin = re.search(r"Envoy admin 127\.0\.0\.1:(\d+)", line)
+            assert found_admin, line
+            admin = int(found_admin.group(1))
+            for i in range(4):
+                body = json.dumps({"model": "m", "prompt": "hi " * (i + 1), "max_tokens": 4})
+                r = await http_request(port, "POST", "/v1/completions", body.encode())
+                assert r.status == 200, r.body
+                assert json.loads(r.body)["port"] in {u.port for u in ups}
+            assert sum(len(u.received) for u in ups) == 4
+            # Fulcrum picked them: the picker's header reached the engine.
+            assert all("x-gateway-destination-endpoint" in rec.headers
+                       for u in ups for rec in u.received)
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        assert "fulcrum gateway: stopped" in out.decode()
+        with pytest.raises(OSError):  # Envoy is gone too
+            await http_request(admin, "GET", "/ready")
+
+
+async def test_an_engine_url_it_cannot_use_is_one_line_and_exit_2() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *FULCRUM, "gateway", "--worker-urls", "ftp://127.0.0.1:1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert err.decode().count("\n") == 1 and "http://HOST:PORT" in err.decode()
+
+
+def test_overrides_make_a_valid_pool_and_scrape_switch() -> None:
+    addrs = [launch.engine_address("http://localhost:8000"), ("10.0.0.2", 8001)]
+    assert addrs[0] == ("127.0.0.1", 8000) or addrs[0][1] == 8000
+    s = parse_settings(launch.gateway_overrides(addrs, scrape=True, grpc_port=0,
+                                                metrics_port=None))
+    assert s.gateway.enabled and s.gateway.scrape.enabled
+    assert [e.addresses() for e in s.gateway.pool.decode][1] == ["10.0.0.2:8001"]
+
+
+def test_the_packaged_envoy_bootstrap_is_the_example() -> None:
+    packaged = ROOT / "src" / "fulcrum" / "gateway" / "envoy.yaml"
+    assert packaged.read_text() == (ROOT / "deploy" / "envoy" / "envoy.yaml").read_text(), (
+        "cp deploy/envoy/envoy.yaml src/fulcrum/gateway/envoy.yaml"
+    )
