@@ -9,6 +9,7 @@ registered and the ext_proc server listens; NOT_SERVING while draining), and ``"
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,15 @@ class Gateway:
         log.info("gateway_stopped")
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def build(app: Any) -> Gateway | None:
     """Build the picker from ``app.settings.gateway`` (None when it is off). Needs the
     decode balancer built first (``app.components["decode"]``)."""
@@ -152,6 +162,15 @@ def build(app: Any) -> Gateway | None:
     server = grpc.aio.server(options=options)
     add_to_server(server, picker)
     port = server.add_insecure_port(f"{gs.host}:{gs.port}")
+    if not _loopback(gs.host):
+        log.warning(
+            "gateway_listens_without_tls",
+            host=gs.host,
+            port=port,
+            hint="the ext_proc port has no TLS: anyone who reaches it can route requests "
+            "and hold placements; keep it on loopback or a private network "
+            "(docs/gateway-limits.md)",
+        )
     health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
