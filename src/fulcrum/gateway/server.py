@@ -115,6 +115,20 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _warn_if_plaintext(host: str, port: int) -> None:
+    """A warning at start when the ext_proc port (always plaintext) is not loopback."""
+    if _loopback(host):
+        return
+    log.warning(
+        "gateway_listens_without_tls",
+        host=host,
+        port=port,
+        hint="the ext_proc port has no TLS: anyone who reaches it can route requests "
+        "and hold placements; keep it on loopback or a private network "
+        "(docs/gateway-limits.md)",
+    )
+
+
 def build(app: Any) -> Gateway | None:
     """Build the picker from ``app.settings.gateway`` (None when it is off). Needs the
     decode balancer built first (``app.components["decode"]``)."""
@@ -162,15 +176,7 @@ def build(app: Any) -> Gateway | None:
     server = grpc.aio.server(options=options)
     add_to_server(server, picker)
     port = server.add_insecure_port(f"{gs.host}:{gs.port}")
-    if not _loopback(gs.host):
-        log.warning(
-            "gateway_listens_without_tls",
-            host=gs.host,
-            port=port,
-            hint="the ext_proc port has no TLS: anyone who reaches it can route requests "
-            "and hold placements; keep it on loopback or a private network "
-            "(docs/gateway-limits.md)",
-        )
+    _warn_if_plaintext(gs.host, port)
     health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, health_server)

@@ -87,24 +87,29 @@ def render_envoy_config(
             raise ValueError("envoy template: failure_mode_allow line not found")
         cfg = cfg.replace(line, line.replace("true", "false"), 1)
     if subset_from_header:
-        anchor = "                  # 2. Ask the picker.\n"
-        extra = (
-            "                  - name: envoy.filters.http.header_to_metadata\n"
-            "                    typed_config:\n"
-            '                      "@type": type.googleapis.com/envoy.extensions.filters.'
-            "http.header_to_metadata.v3.Config\n"
-            "                      request_rules:\n"
-            "                        - header: x-test-subset\n"
-            "                          remove: true\n"
-            "                          on_header_present:\n"
-            "                            metadata_namespace: envoy.lb.subset_hint\n"
-            "                            key: x-gateway-destination-endpoint-subset\n"
-            "                            type: STRING\n"
-        )
-        if anchor not in cfg:
-            raise ValueError("envoy template: ext_proc anchor comment not found")
-        cfg = cfg.replace(anchor, extra + anchor, 1)
+        cfg = _with_subset_filter(cfg)
     return cfg
+
+
+def _with_subset_filter(cfg: str) -> str:
+    """Tests: copy the header ``x-test-subset`` into the subset-hint metadata."""
+    anchor = "                  # 2. Ask the picker.\n"
+    extra = (
+        "                  - name: envoy.filters.http.header_to_metadata\n"
+        "                    typed_config:\n"
+        '                      "@type": type.googleapis.com/envoy.extensions.filters.'
+        "http.header_to_metadata.v3.Config\n"
+        "                      request_rules:\n"
+        "                        - header: x-test-subset\n"
+        "                          remove: true\n"
+        "                          on_header_present:\n"
+        "                            metadata_namespace: envoy.lb.subset_hint\n"
+        "                            key: x-gateway-destination-endpoint-subset\n"
+        "                            type: STRING\n"
+    )
+    if anchor not in cfg:
+        raise ValueError("envoy template: ext_proc anchor comment not found")
+    return cfg.replace(anchor, extra + anchor, 1)
 
 
 #: ``processing_mode`` of the lean setup: what the pick and the release need, no more.
