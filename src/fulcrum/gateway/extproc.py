@@ -34,7 +34,6 @@ One ext_proc stream per HTTP request (Gateway API Inference Extension, proposal 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import time
@@ -64,6 +63,7 @@ from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.adapter import DecodeAdapter, NoEligibleEndpoint, Placement
 from fulcrum.gateway.body import BodyTooDeep, RequestShape, TokenCounter, parse_body
 from fulcrum.gateway.prefill import PrefillProxy
+from fulcrum.service.streams import drain
 
 log = structlog.get_logger(__name__)
 
@@ -81,11 +81,6 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 #: Bodies larger than this are parsed in a worker thread (JSON parsing runs at roughly
 #: 100-300 MB/s: 256 KiB is about 1-3 ms on the loop), bytes.
 OFFLOAD_BYTES = 256 * 1024
-
-#: After an immediate response, the longest the picker reads what a client still sends
-#: (s) and the most messages it reads (see :func:`_drain`).
-DRAIN_S = 1.0
-DRAIN_MESSAGES = 10_000
 
 #: Cached destination answers (distinct primary + fallbacks values x 2 phases).
 _CACHE_MAX = 8192
@@ -690,26 +685,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         except _Refused as refused:
             stream.close()  # release before answering: the refusal is final
             yield picker.immediate(refused.refusal)
-            await _drain(it)
+            await drain(it)
         finally:
             stream.close()
             if admitted:
                 picker.streams -= 1
                 gm.STREAMS.set(picker.streams)
-
-
-async def _drain(it: AsyncIterator[ep.ProcessingRequest]) -> None:
-    """After an immediate response: read (and drop) what the client still sends until it
-    half-closes, at most ``DRAIN_S`` or ``DRAIN_MESSAGES``. A status sent while the client
-    is still writing reaches a grpc-python client as INTERNAL "Internal error from Core"
-    (its failed write overrides the status); Envoy half-closes at once."""
-    with contextlib.suppress(TimeoutError, grpc.RpcError, asyncio.CancelledError):
-        async with asyncio.timeout(DRAIN_S):
-            n = 0
-            async for _ in it:
-                n += 1
-                if n >= DRAIN_MESSAGES:
-                    return
 
 
 def add_to_server(server: grpc.aio.Server, picker: Picker) -> str:
