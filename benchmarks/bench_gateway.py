@@ -163,11 +163,15 @@ def serve_noop(port: int, upstream_ports: list[int]) -> None:
     class Noop(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         async def Process(self, it, context):  # type: ignore[no-untyped-def]
             chunks: list[bytes] = []
+            buffered = False
             async for req in it:
                 kind = req.WhichOneof("request")
-                if kind == "request_body" and req.HasField("protocol_config") and (
-                    req.protocol_config.request_body_mode == BUFFERED
-                ):  # lean: headers skipped, the pick rides on the body answer
+                if req.HasField("protocol_config"):
+                    buffered = req.protocol_config.request_body_mode == BUFFERED
+                if buffered and kind == "request_headers":  # lean: pick on the body
+                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+                    continue
+                if buffered and kind == "request_body":
                     common, md = dest(next(addrs))
                     yield ep.ProcessingResponse(
                         request_body=ep.BodyResponse(response=common), dynamic_metadata=md
@@ -395,8 +399,8 @@ def run(quick: bool) -> str:
         "prompt, max_tokens 64). Added latency = client latency - 20 ms. CPU counts Envoy "
         "and the picker process (not the load generator nor the upstreams). Full mode: the "
         "bootstrap as shipped (headers, FULL_DUPLEX_STREAMED bodies both ways, trailers); "
-        "lean: `render_envoy_config(lean=True)` (one buffered-body message per request, "
-        "release on stream close).\n\n"
+        "lean: `render_envoy_config(lean=True)` (request headers and the buffered body, "
+        "nothing from the response; release on stream close).\n\n"
         f"{table}\n\n"
         f"Aim: Fulcrum EPP >= 0.8x the no-op picker's throughput: **{verdict}** "
         f"({ratio(epp.rate, noop.rate)}). Aim: CPU per request, lean <= 0.6x full mode: "

@@ -22,9 +22,9 @@ One ext_proc stream per HTTP request (Gateway API Inference Extension, proposal 
   ``metadata_context["envoy.lb"]["x-gateway-destination-endpoint-served"]`` (or the
   ``upstream.address`` attribute); the placement is released when the response ends
   (end of stream on headers, body or trailers) or, at the latest, when the ext_proc stream
-  closes (client gone, upstream reset, Envoy done). In the lean mode (request headers
-  skipped, BUFFERED body, nothing from the response: one message per request) the
-  release is the stream's close, which Envoy sends at the end of the HTTP stream.
+  closes (client gone, upstream reset, Envoy done). In the lean mode (request headers,
+  a BUFFERED body, nothing from the response: two messages per request) the release is
+  the stream's close, which Envoy sends at the end of the HTTP stream.
 - one request per stream (:class:`_Stream`, a method per phase): at most one pick; a
   message out of order or a second end of stream is an immediate 400 that releases what
   the stream held. Bounds: ``gateway.max_streams`` and ``gateway.max_pending_bytes``
