@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from fulcrum.config import Settings
+from fulcrum.config.gateway import GatewaySettings
 from fulcrum.gateway.adapter import DecodeAdapter, PrefillAdapter
 from fulcrum.gateway.body import load_tokenizer
 from fulcrum.gateway.extproc import SERVICE, Picker, add_to_server
@@ -129,6 +130,20 @@ def _warn_if_plaintext(host: str, port: int) -> None:
     )
 
 
+def _extproc_server(gs: GatewaySettings, picker: Picker) -> tuple[grpc.aio.Server, int]:
+    """The ext_proc server, bound (messages up to ``max_body_bytes`` + 1 MiB)."""
+    options = [
+        ("grpc.max_receive_message_length", gs.max_body_bytes + (1 << 20)),
+        ("grpc.max_send_message_length", gs.max_body_bytes + (1 << 20)),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    add_to_server(server, picker)
+    port = server.add_insecure_port(f"{gs.host}:{gs.port}")
+    _warn_if_plaintext(gs.host, port)
+    return server, port
+
+
 def build(app: Any) -> Gateway | None:
     """Build the picker from ``app.settings.gateway`` (None when it is off). Needs the
     decode balancer built first (``app.components["decode"]``)."""
@@ -168,15 +183,7 @@ def build(app: Any) -> Gateway | None:
             scraper.apply_settings(new.gateway)
 
     app.reload_hooks.append(reload)
-    options = [
-        ("grpc.max_receive_message_length", gs.max_body_bytes + (1 << 20)),
-        ("grpc.max_send_message_length", gs.max_body_bytes + (1 << 20)),
-        ("grpc.so_reuseport", 0),
-    ]
-    server = grpc.aio.server(options=options)
-    add_to_server(server, picker)
-    port = server.add_insecure_port(f"{gs.host}:{gs.port}")
-    _warn_if_plaintext(gs.host, port)
+    server, port = _extproc_server(gs, picker)
     health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
