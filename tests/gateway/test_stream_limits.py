@@ -267,3 +267,89 @@ async def test_fuzz_message_sequences(gw: Daemon, seqs: list[list[tuple[str, boo
         assert picker.pending_bytes == 0
     finally:
         picker.pick_hooks.clear()
+
+
+# -- reload: every picker key classed reloadable is applied (row 11) -------------------
+
+
+async def _reloaded(d: Daemon, **gw: object) -> None:
+    new = with_overrides(d.app.settings, {"gateway": gw})
+    assert d.reload(new) == "applied"
+
+
+async def _answer(stub: object, *msgs: ep.ProcessingRequest) -> ep.ProcessingResponse:
+    s = Stream(stub)  # type: ignore[arg-type]
+    for m in msgs:
+        await s.send(m)
+    r = await s.recv()
+    await s.close()
+    return r
+
+
+async def test_reload_fallbacks_and_metadata_namespace(gw: Daemon) -> None:
+    ch, stub = await with_stub(gw)
+    async with ch:
+        await _reloaded(gw, fallbacks=2, metadata_namespace="x.ns")
+        r = await _answer(stub, headers_msg(eos=True))
+        (h,) = r.request_headers.response.header_mutation.set_headers
+        assert len(h.header.raw_value.decode().split(",")) == 3
+        assert "x.ns" in r.dynamic_metadata.fields
+
+
+async def test_reload_subset_namespace(gw: Daemon) -> None:
+    from google.protobuf import struct_pb2
+
+    ch, stub = await with_stub(gw)
+    async with ch:
+        await _reloaded(gw, subset_namespace="x.sub")
+        m = headers_msg(eos=True)
+        m.metadata_context.filter_metadata["x.sub"].fields[
+            "x-gateway-destination-endpoint-subset"
+        ].CopyFrom(struct_pb2.Value(string_value="10.0.0.1:8003"))
+        for _ in range(3):
+            r = await _answer(stub, m)
+            (h,) = r.request_headers.response.header_mutation.set_headers
+            assert h.header.raw_value == b"10.0.0.1:8003"
+        await wait_for(lambda: held(gw) == 0, what="released")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "code"),
+    [
+        ("max_body_bytes", 2048, 413),
+        ("max_pending_bytes", 2048, 429),
+        ("max_streams", 1, 429),
+        ("max_body_ms", 50, 503),
+    ],
+)
+async def test_reload_applies_each_stream_bound(
+    gw: Daemon, key: str, value: int, code: int
+) -> None:
+    ch, stub = await with_stub(gw)
+    async with ch:
+        await _reloaded(gw, **{key: value})
+        keep = Stream(stub)
+        await keep.send(headers_msg())  # one open stream, body pending
+        await wait_for(lambda: gw.gateway.picker.streams >= 1, what="stream open")
+        s = Stream(stub)
+        await s.send(headers_msg())
+        await s.send(body_msg(b"x" * 3000, False))
+        assert (await immediate(s)).status.code == code
+        await s.close()
+        await keep.close()
+
+
+async def test_reload_retry_after(gw: Daemon) -> None:
+    ch, stub = await with_stub(gw)
+    async with ch:
+        await _reloaded(gw, max_in_flight=1, retry_after_s=7)
+        first = Stream(stub)
+        await first.send(headers_msg(eos=True))
+        await first.recv()
+        r = (await _answer(stub, headers_msg(eos=True))).immediate_response
+        assert r.status.code == 429
+        assert any(
+            h.header.key == "retry-after" and h.header.raw_value == b"7"
+            for h in r.headers.set_headers
+        )
+        await first.close()
