@@ -79,6 +79,7 @@ async def gateway_stack(
     subset_from_header: bool = False,
     request_body_mode: str = "FULL_DUPLEX_STREAMED",
     with_pool: bool = True,
+    lean: bool = False,
 ) -> AsyncIterator[Stack]:
     async with upstreams(4) as ups:
         ports = [u.port for u in ups]
@@ -104,6 +105,7 @@ async def gateway_stack(
                     failure_mode_allow=failure_mode_allow,
                     subset_from_header=subset_from_header,
                     request_body_mode=request_body_mode,
+                    lean=lean,
                 )
             )
             st = Stack(daemon, g, ups, env)

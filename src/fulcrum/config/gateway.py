@@ -83,12 +83,14 @@ class PoolSettings(Section):
         default_factory=list,
         max_length=4096,
         description="decode engines (the picked endpoint is a decode DP rank)",
+        json_schema_extra={"restart_only": True},
     )
     prefill: list[PoolEngine] = Field(
         default_factory=list,
         max_length=4096,
         description="prefill engines (P/D: their rank goes in x-prefiller-host-port; "
         "max_concurrency and max_kv_tokens unused)",
+        json_schema_extra={"restart_only": True},
     )
 
     @model_validator(mode="after")
@@ -206,10 +208,30 @@ class GatewaySettings(Section):
     retry_after_s: int = Field(
         1, ge=0, le=3600, description="retry-after header of a 429 answer, seconds"
     )
+    max_streams: int = Field(
+        8192,
+        ge=1,
+        le=1_000_000,
+        description="ext_proc streams open at once (one per HTTP request in the gateway); "
+        "a stream beyond it is answered 429 at its first message",
+    )
+    max_pending_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024,
+        le=1 << 36,
+        description="request body bytes held by all streams still assembling a body; "
+        "a chunk beyond it: 429, bytes",
+    )
+    max_body_ms: int = Field(
+        60_000,
+        ge=1,
+        le=3_600_000,
+        description="longest time from a stream's opening to its complete request "
+        "(headers, body, trailers); beyond it: 503 and the stream ends, ms",
+    )
     pool: PoolSettings = Field(
         default_factory=PoolSettings,
-        description="static pool",
-        json_schema_extra={"restart_only": True},
+        description="static pool (restart-only: its engines are registered at start)",
     )
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     prefill: PrefillProxySettings = Field(default_factory=PrefillProxySettings)

@@ -19,8 +19,40 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 #: ``count(text) -> tokens``: a tokenizer's token count of a text.
 TokenCounter = Callable[[str], int]
+
+#: Deepest JSON nesting of a body (arrays and objects); deeper: :class:`BodyTooDeep`.
+MAX_JSON_DEPTH = 128
+#: Bytes scanned at once by :func:`json_depth`.
+_SCAN_CHUNK = 1 << 20
+
+class BodyTooDeep(ValueError):
+    """A body nested deeper than :data:`MAX_JSON_DEPTH` (answered 400)."""
+
+
+def json_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> int:
+    """The nesting depth of a JSON text, or 0 when it cannot exceed ``limit`` (fewer
+    brackets than that). Linear and vectorised: escaped backslashes and quotes are dropped
+    (``bytes.replace``), quotes toggle "inside a string", the depth is a running sum of the
+    brackets outside strings (numpy)."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return 0
+    text = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    deepest = depth = quotes = 0
+    for at in range(0, len(text), _SCAN_CHUNK):  # bounded scratch memory
+        codes = np.frombuffer(text, dtype=np.uint8, count=min(_SCAN_CHUNK, len(text) - at),
+                              offset=at)
+        q = np.cumsum(codes == 0x22, dtype=np.int32) + quotes
+        step = ((codes == 0x5B) | (codes == 0x7B)).astype(np.int32)
+        step -= (codes == 0x5D) | (codes == 0x7D)
+        step[(q & 1) == 1] = 0
+        run = np.cumsum(step) + depth
+        deepest = max(deepest, int(run.max()))
+        depth, quotes = int(run[-1]), int(q[-1])
+    return deepest
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,17 +120,22 @@ def parse_body(
     default_max_tokens: int,
     counter: TokenCounter | None = None,
 ) -> RequestShape:
-    """Estimate a request's prompt and output lengths (tokens) from its body.
+    """Estimate a request's prompt and output lengths (tokens) from its body. Raises
+    :class:`BodyTooDeep` for JSON nested deeper than :data:`MAX_JSON_DEPTH`.
 
     ``path`` is the HTTP ``:path`` (query string ignored): chat bodies are recognised by
     their ``messages`` key whatever the path, completion bodies by ``prompt``.
     """
     if not body:
         return RequestShape(0, default_max_tokens, parsed=False)
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise BodyTooDeep(f"request body: JSON nested deeper than {MAX_JSON_DEPTH}")
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         obj = None
+    except RecursionError:  # pragma: no cover - the depth scan comes first
+        raise BodyTooDeep(f"request body: JSON nested deeper than {MAX_JSON_DEPTH}") from None
     if not isinstance(obj, dict):
         return RequestShape(
             math.ceil(len(body) / chars_per_token), default_max_tokens, parsed=False

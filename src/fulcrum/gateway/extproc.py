@@ -22,7 +22,13 @@ One ext_proc stream per HTTP request (Gateway API Inference Extension, proposal 
   ``metadata_context["envoy.lb"]["x-gateway-destination-endpoint-served"]`` (or the
   ``upstream.address`` attribute); the placement is released when the response ends
   (end of stream on headers, body or trailers) or, at the latest, when the ext_proc stream
-  closes (client gone, upstream reset, Envoy done).
+  closes (client gone, upstream reset, Envoy done). In the lean mode (request headers,
+  a BUFFERED body, nothing from the response: two messages per request) the release is
+  the stream's close, which Envoy sends at the end of the HTTP stream.
+- one request per stream (:class:`_Stream`, a method per phase): at most one pick; a
+  message out of order or a second end of stream is an immediate 400 that releases what
+  the stream held. Bounds: ``gateway.max_streams`` and ``gateway.max_pending_bytes``
+  (429), ``gateway.max_body_ms`` (503), JSON nesting (400). See docs/gateway-limits.md.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
+import numpy as np
 import structlog
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -54,8 +61,9 @@ from fulcrum.errors import (
 )
 from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.adapter import DecodeAdapter, NoEligibleEndpoint, Placement
-from fulcrum.gateway.body import RequestShape, TokenCounter, parse_body
+from fulcrum.gateway.body import BodyTooDeep, RequestShape, TokenCounter, parse_body
 from fulcrum.gateway.prefill import PrefillProxy
+from fulcrum.service.streams import drain
 
 log = structlog.get_logger(__name__)
 
@@ -164,8 +172,11 @@ class Picker:
         self._max_request_kv = max_request_kv
         self.counter = counter
         self._ids = itertools.count(1)
-        self.in_flight = 0
+        #: request id -> the placement a stream holds (one at most per stream).
+        self._held: dict[str, Placement] = {}
         self.streams = 0
+        #: Request body bytes held by streams still assembling one, bytes.
+        self.pending_bytes = 0
         self._picked = gm.PICKS.labels(adapter.policy_name, "picked")
         self._policy = adapter.policy_name
         self._answers: dict[tuple[str, str, str], ep.ProcessingResponse] = {}
@@ -174,6 +185,11 @@ class Picker:
         self.pick_hooks: list[Callable[[str, Placement], None]] = []
         #: Test hook: called with (request_id, reason) after each release.
         self.release_hooks: list[Callable[[str, str], None]] = []
+
+    @property
+    def in_flight(self) -> int:
+        """Requests holding a placement: derived from the held placements."""
+        return len(self._held)
 
     def apply_settings(self, settings: GatewaySettings) -> None:
         """Reload: every key but the restart-only ones (enabled, host, ports, pool)."""
@@ -230,6 +246,10 @@ class Picker:
             self._count("no_endpoint")
             return Refusal(503, "no_endpoint", f"gateway: {err}")
         except ResourceExhausted as err:
+            never = _never_fits(self.adapter, kv, subset)
+            if never is not None:
+                self._count("bad_request")
+                return Refusal(400, "bad_request", never)
             self._count("shed")
             retry = max(s.retry_after_s, -(-err.retry_after_ms // 1000))
             return Refusal(429, "shed", err.message, retry)
@@ -238,8 +258,8 @@ class Picker:
             return Refusal(400, "bad_request", err.message)
         if self.prefill is not None:
             placement = replace(placement, prompt_tokens=shape.prompt_tokens)
-        self.in_flight += 1
-        gm.IN_FLIGHT.set(self.in_flight)
+        self._held[request_id] = placement
+        gm.IN_FLIGHT.set(len(self._held))
         self._count("picked")
         gm.PICK_SECONDS.observe(time.perf_counter() - t0)
         for hook in self.pick_hooks:
@@ -294,8 +314,8 @@ class Picker:
         """End a request's placement (once per pick)."""
         if self.prefill is not None:
             self.prefill.finished(placement.request_id)
-        self.in_flight -= 1
-        gm.IN_FLIGHT.set(self.in_flight)
+        self._held.pop(placement.request_id, None)
+        gm.IN_FLIGHT.set(len(self._held))
         held = self.adapter.release(placement.request_id, self._clock())
         self._releases[reason if held else "not_held"].inc()
         for hook in self.release_hooks:
@@ -388,6 +408,250 @@ _EMPTY_REQ_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse
 _EMPTY_RESP_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
 
+#: Phases of one stream: waiting for the request, reading its body, picked (waiting for
+#: the response), reading the response, done (anything more is out of order).
+_START, _BODY, _PICKED, _RESPONSE, _DONE = range(5)
+
+Out = tuple[ep.ProcessingResponse, ...]
+
+
+class _Refused(Exception):
+    """Ends a stream with an immediate response."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+def _refuse(reason: str, code: int, message: str, retry_after_s: int = 0) -> _Refused:
+    gm.REFUSED.labels(reason).inc()
+    return _Refused(Refusal(code, reason, message, retry_after_s))
+
+
+def _path(req: ep.ProcessingRequest) -> str:
+    for h in req.request_headers.headers.headers:
+        if h.key == ":path":
+            return _header_value(h)
+    return ""
+
+
+class _Stream:
+    """One ext_proc stream (one HTTP request): its phase, its body so far and its one pick.
+    A method per phase returns the answers to send; :class:`_Refused` ends the stream."""
+
+    __slots__ = (
+        "_chunks", "_deadline", "_duplex", "_pending", "_pending_headers", "_picker",
+        "_resp_duplex", "_settings", "path", "phase", "placement", "subset",
+    )
+
+    def __init__(self, picker: Picker, now: float) -> None:
+        self._picker = picker
+        self._settings = s = picker.settings
+        self._deadline = now + s.max_body_ms / 1000
+        self._duplex = self._resp_duplex = self._pending_headers = False
+        self._chunks: list[bytes] = []
+        self._pending = 0  # body bytes counted in picker.pending_bytes
+        self.phase = _START
+        self.placement: Placement | None = None
+        self.path = ""
+        self.subset: list[str] | None = None
+
+    async def next(self, it: AsyncIterator[ep.ProcessingRequest]) -> ep.ProcessingRequest:
+        """The next message; while the request is incomplete, within ``max_body_ms`` of
+        the stream's opening (else 503). StopAsyncIteration at the end of the stream."""
+        if self.phase > _BODY:
+            return await anext(it)
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                return await anext(it)
+        except TimeoutError:
+            ms = self._settings.max_body_ms
+            raise _refuse(
+                "body_timeout", 503, f"request not complete within {ms} ms (gateway.max_body_ms)"
+            ) from None
+
+    async def handle(self, req: ep.ProcessingRequest) -> Out:
+        kind = req.WhichOneof("request")
+        if kind == "request_headers":
+            return await self.request_headers(req)
+        if kind == "request_body":
+            return await self.request_body(req)
+        if kind == "request_trailers":
+            return await self.request_trailers()
+        if kind in ("response_headers", "response_body", "response_trailers"):
+            return self.response(req, kind)
+        raise self._out_of_order(str(kind))
+
+    def _out_of_order(self, kind: str) -> _Refused:
+        phases = ("start", "request body", "picked", "response", "done")
+        return _refuse(
+            "out_of_order", 400, f"ext_proc: {kind} out of order (stream {phases[self.phase]}; "
+            "one request per stream, one end of stream per direction)"
+        )
+
+    def _begin(self, req: ep.ProcessingRequest) -> bool:
+        """The first request message: protocol and subset hint. True if body mode NONE."""
+        self.subset = subset_hint(req, self._settings.subset_namespace)
+        if not req.HasField("protocol_config"):
+            return False
+        pc = req.protocol_config
+        self._duplex = pc.request_body_mode == _FULL_DUPLEX
+        self._resp_duplex = pc.response_body_mode == _FULL_DUPLEX
+        return bool(pc.request_body_mode == _BODY_NONE)
+
+    # -- request phases ----------------------------------------------------------------
+
+    async def request_headers(self, req: ep.ProcessingRequest) -> Out:
+        if self.phase != _START:
+            raise self._out_of_order("request_headers")
+        body_none = self._begin(req)
+        self.path = _path(req)
+        if req.request_headers.end_of_stream or body_none:
+            return (self._picker.destination(await self._pick(b""), "request_headers"),)
+        self.phase = _BODY
+        if self._duplex:
+            self._pending_headers = True  # answered once the body is complete
+            return ()
+        return (_EMPTY_REQ_HEADERS,)
+
+    async def request_body(self, req: ep.ProcessingRequest) -> Out:
+        if self.phase == _START:  # request headers skipped (processing_mode SKIP)
+            self._begin(req)
+            self.phase = _BODY
+        elif self.phase != _BODY:
+            raise self._out_of_order("request_body")
+        b = req.request_body
+        if b.body:
+            self._add(b.body)
+        if not b.end_of_stream:
+            return () if self._duplex else (_EMPTY_REQ_BODY,)
+        return await self._body_done(eos=True)
+
+    async def request_trailers(self) -> Out:
+        if self.phase != _BODY:
+            raise self._out_of_order("request_trailers")
+        # A request with trailers: its body ended without end_of_stream.
+        return (*await self._body_done(eos=False), _EMPTY_REQ_TRAILERS)
+
+    def _add(self, chunk: bytes) -> None:
+        s, picker = self._settings, self._picker
+        if self._pending + len(chunk) > s.max_body_bytes:
+            gm.PICKS.labels(picker.adapter.policy_name, "too_large").inc()
+            raise _Refused(Refusal(
+                413, "too_large",
+                f"request body over {s.max_body_bytes} bytes (gateway.max_body_bytes)",
+            ))
+        if picker.pending_bytes + len(chunk) > s.max_pending_bytes:
+            raise _refuse(
+                "pending_bytes", 429, f"gateway: {s.max_pending_bytes} body bytes pending "
+                "(gateway.max_pending_bytes)", s.retry_after_s,
+            )
+        self._chunks.append(chunk)
+        self._pending += len(chunk)
+        picker.pending_bytes += len(chunk)
+
+    def close(self) -> None:
+        """The stream ended: give back its pending bytes and its placement."""
+        self._picker.pending_bytes -= self._pending
+        self._pending = 0
+        self._chunks = []
+        if self.placement is not None:
+            self._picker.release(self.placement, "stream_closed")
+            self.placement = None
+
+    async def _body_done(self, eos: bool) -> Out:
+        chunks = self._chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        self._picker.pending_bytes -= self._pending
+        self._pending = 0
+        placement = await self._pick(body)
+        if not self._duplex:
+            return (self._picker.destination(placement, "request_body"),)
+        head: Out = ()
+        if self._pending_headers:
+            self._pending_headers = False
+            head = (self._picker.destination(placement, "request_headers"),)
+        return (*head, _streamed_request_body(body, eos))
+
+    async def _pick(self, body: bytes) -> Placement:
+        """The one pick of the stream (or the refusal that ends it)."""
+        try:
+            out = await self._picker.pick_full(body, self.path, self.subset)
+        except BodyTooDeep as err:
+            raise _refuse("too_deep", 400, str(err)) from None
+        if isinstance(out, Refusal):
+            raise _Refused(out)
+        self.placement = out
+        self.phase = _PICKED
+        return out
+
+    # -- response phases ---------------------------------------------------------------
+
+    def response(self, req: ep.ProcessingRequest, kind: str) -> Out:
+        """Response messages: after the pick, or Envoy's own local reply to a request
+        still being read (413 over its buffer limit) with nothing picked."""
+        placement = self.placement
+        if self.phase == _BODY and placement is None:
+            self.phase = _PICKED  # a local reply: answered, nothing to release
+        if self.phase not in (_PICKED, _RESPONSE):
+            raise self._out_of_order(kind)
+        if kind == "response_headers":
+            if self.phase != _PICKED:
+                raise self._out_of_order(kind)
+            if placement is not None:
+                self._started(req, placement)
+            out, eos = _EMPTY_RESP_HEADERS, req.response_headers.end_of_stream
+        elif kind == "response_body":
+            rb = req.response_body
+            out = _streamed_response_body(rb) if self._resp_duplex else _EMPTY_RESP_BODY
+            eos = rb.end_of_stream
+        else:
+            out, eos = _EMPTY_RESP_TRAILERS, True
+        self.phase = _DONE if eos else _RESPONSE
+        if eos and placement is not None:
+            self.placement = None
+            self._picker.release(placement, "response_end")
+        return (out,)
+
+    def _started(self, req: ep.ProcessingRequest, placement: Placement) -> None:
+        self._picker.response_started(placement)
+        served = served_endpoint(req, self._settings.metadata_namespace)
+        if served and served != placement.address:
+            gm.SERVED_ELSEWHERE.inc()
+
+
+def _streamed_response_body(rb: ep.HttpBody) -> ep.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED response: the chunk handed back as it came."""
+    return ep.ProcessingResponse(
+        response_body=ep.BodyResponse(
+            response=ep.CommonResponse(
+                body_mutation=ep.BodyMutation(
+                    streamed_response=ep.StreamedBodyResponse(
+                        body=rb.body, end_of_stream=rb.end_of_stream
+                    )
+                )
+            )
+        )
+    )
+
+
+def _never_fits(adapter: DecodeAdapter, kv: int, subset: list[str] | None) -> str | None:
+    """Why no allowed live rank could ever hold ``kv`` tokens (None when one could)."""
+    view = adapter._state.view
+    caps = np.where(view.live, view.max_kv_tokens, 0)
+    allowed = adapter._allowed(subset)
+    if allowed is not None:
+        caps = caps[: allowed.shape[0]][allowed] if allowed.dtype == np.bool_ else caps[allowed]
+    cap = int(caps.max()) if caps.size else 0
+    if cap == 0 or kv <= cap:
+        return None
+    return (
+        f"prompt + max_tokens: estimated {kv} tokens, more than any endpoint can hold "
+        f"({cap} tokens: the largest max_kv_tokens of a live rank)"
+    )
+
+
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     """One ``Process`` stream per HTTP request (see the module docstring)."""
 
@@ -398,131 +662,35 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
     ) -> AsyncIterator[ep.ProcessingResponse]:
         picker = self._picker
-        settings = picker.settings
-        placement: Placement | None = None
-        picker.streams += 1
-        gm.STREAMS.set(picker.streams)
-        duplex = False
-        resp_duplex = False
-        body_none = False
-        pending_headers = False
-        path = ""
-        subset: list[str] | None = None
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async for req in request_iterator:
-                kind = req.WhichOneof("request")
-                if kind == "request_headers":
-                    if req.HasField("protocol_config"):
-                        pc = req.protocol_config
-                        duplex = pc.request_body_mode == _FULL_DUPLEX
-                        resp_duplex = pc.response_body_mode == _FULL_DUPLEX
-                        body_none = pc.request_body_mode == _BODY_NONE
-                    hs = req.request_headers
-                    for h in hs.headers.headers:
-                        if h.key == ":path":
-                            path = _header_value(h)
-                            break
-                    subset = subset_hint(req, settings.subset_namespace)
-                    if hs.end_of_stream or body_none:
-                        out = await picker.pick_full(b"", path, subset)
-                        if isinstance(out, Refusal):
-                            yield picker.immediate(out)
-                            return
-                        placement = out
-                        yield picker.destination(out, "request_headers")
-                    elif duplex:
-                        pending_headers = True  # answered once the body is complete
-                    else:
-                        yield _EMPTY_REQ_HEADERS
-                elif kind == "request_body":
-                    b = req.request_body
-                    if b.body:
-                        size += len(b.body)
-                        if size > settings.max_body_bytes:
-                            gm.PICKS.labels(picker.adapter.policy_name, "too_large").inc()
-                            yield picker.immediate(
-                                Refusal(
-                                    413,
-                                    "too_large",
-                                    f"request body over {settings.max_body_bytes} bytes "
-                                    "(gateway.max_body_bytes)",
-                                )
-                            )
-                            return
-                        chunks.append(b.body)
-                    if not b.end_of_stream:
-                        if not duplex:
-                            yield _EMPTY_REQ_BODY  # STREAMED mode: one answer per chunk
-                        continue
-                    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                    chunks = []
-                    out = await picker.pick_full(body, path, subset)
-                    if isinstance(out, Refusal):
-                        yield picker.immediate(out)
-                        return
-                    placement = out
-                    if duplex:
-                        if pending_headers:
-                            pending_headers = False
-                            yield picker.destination(out, "request_headers")
-                        yield _streamed_request_body(body, True)
-                    else:
-                        yield picker.destination(out, "request_body")
-                elif kind == "request_trailers":
-                    if duplex and pending_headers:
-                        # A request with trailers: the body ended without end_of_stream.
-                        body = b"".join(chunks)
-                        chunks = []
-                        out = await picker.pick_full(body, path, subset)
-                        if isinstance(out, Refusal):
-                            yield picker.immediate(out)
-                            return
-                        placement = out
-                        pending_headers = False
-                        yield picker.destination(out, "request_headers")
-                        yield _streamed_request_body(body, False)
-                    yield _EMPTY_REQ_TRAILERS
-                elif kind == "response_headers":
-                    if placement is not None:
-                        picker.response_started(placement)
-                        served = served_endpoint(req, settings.metadata_namespace)
-                        if served and served != placement.address:
-                            gm.SERVED_ELSEWHERE.inc()
-                    yield _EMPTY_RESP_HEADERS
-                    if req.response_headers.end_of_stream and placement is not None:
-                        picker.release(placement, "response_end")
-                        placement = None
-                elif kind == "response_body":
-                    rb = req.response_body
-                    if resp_duplex:
-                        yield ep.ProcessingResponse(
-                            response_body=ep.BodyResponse(
-                                response=ep.CommonResponse(
-                                    body_mutation=ep.BodyMutation(
-                                        streamed_response=ep.StreamedBodyResponse(
-                                            body=rb.body, end_of_stream=rb.end_of_stream
-                                        )
-                                    )
-                                )
-                            )
-                        )
-                    else:
-                        yield _EMPTY_RESP_BODY
-                    if rb.end_of_stream and placement is not None:
-                        picker.release(placement, "response_end")
-                        placement = None
-                elif kind == "response_trailers":
-                    yield _EMPTY_RESP_TRAILERS
-                    if placement is not None:
-                        picker.release(placement, "response_end")
-                        placement = None
-        finally:
-            picker.streams -= 1
+        stream = _Stream(picker, asyncio.get_running_loop().time())
+        admitted = picker.streams < picker.settings.max_streams
+        if admitted:
+            picker.streams += 1
             gm.STREAMS.set(picker.streams)
-            if placement is not None:
-                picker.release(placement, "stream_closed")
+        it = aiter(request_iterator)
+        try:
+            while True:
+                try:
+                    req = await stream.next(it)
+                except StopAsyncIteration:
+                    return
+                if not admitted:
+                    n = picker.settings.max_streams
+                    raise _refuse(
+                        "streams", 429, f"gateway: {n} ext_proc streams open "
+                        "(gateway.max_streams)", picker.settings.retry_after_s,
+                    )
+                for answer in await stream.handle(req):
+                    yield answer
+        except _Refused as refused:
+            stream.close()  # release before answering: the refusal is final
+            yield picker.immediate(refused.refusal)
+            await drain(it)
+        finally:
+            stream.close()
+            if admitted:
+                picker.streams -= 1
+                gm.STREAMS.set(picker.streams)
 
 
 def add_to_server(server: grpc.aio.Server, picker: Picker) -> str:

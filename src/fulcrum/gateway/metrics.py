@@ -13,6 +13,8 @@ from fulcrum.metrics import REGISTRY
 PICK_OUTCOMES = ("picked", "no_endpoint", "shed", "bad_request", "too_large")
 #: Why a held placement ended.
 RELEASE_REASONS = ("response_end", "stream_closed", "not_held")
+#: Why a stream was refused before or instead of a pick (``fulcrum_gateway_refused``).
+REFUSE_REASONS = ("out_of_order", "streams", "pending_bytes", "body_timeout", "too_deep")
 #: HTTP codes the picker answers with an immediate response.
 IMMEDIATE_CODES = ("400", "413", "429", "503")
 
@@ -27,6 +29,15 @@ RELEASES = Counter(
     "fulcrum_gateway_releases",
     "Placements released by the picker: at the response's end, when the ext_proc stream "
     "closed first (client gone, upstream reset), or not held any more (lease expired).",
+    ["reason"],
+    registry=REGISTRY,
+)
+REFUSED = Counter(
+    "fulcrum_gateway_refused",
+    "ext_proc streams ended with an immediate response by a stream bound or rule: "
+    "out_of_order (a message out of order or a second end of stream, 400), streams "
+    "(gateway.max_streams, 429), pending_bytes (gateway.max_pending_bytes, 429), "
+    "body_timeout (gateway.max_body_ms, 503), too_deep (JSON nesting, 400).",
     ["reason"],
     registry=REGISTRY,
 )
@@ -49,7 +60,8 @@ PICK_SECONDS = Histogram(
 )
 IN_FLIGHT = Gauge(
     "fulcrum_gateway_requests_in_flight",
-    "HTTP requests the picker holds a placement for.",
+    "HTTP requests the picker holds a placement for (the picker's table of held "
+    "placements, at most one per ext_proc stream).",
     registry=REGISTRY,
 )
 STREAMS = Gauge(
@@ -71,6 +83,8 @@ SCRAPES = Counter(
 
 for _o in RELEASE_REASONS:
     RELEASES.labels(_o)
+for _r in REFUSE_REASONS:
+    REFUSED.labels(_r)
 for _c in IMMEDIATE_CODES:
     IMMEDIATE.labels(_c)
 for _o in ("ok", "error"):

@@ -9,6 +9,7 @@ registered and the ext_proc server listens; NOT_SERVING while draining), and ``"
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from fulcrum.config import Settings
+from fulcrum.config.gateway import GatewaySettings
 from fulcrum.gateway.adapter import DecodeAdapter, PrefillAdapter
 from fulcrum.gateway.body import load_tokenizer
 from fulcrum.gateway.extproc import SERVICE, Picker, add_to_server
@@ -105,6 +107,43 @@ class Gateway:
         log.info("gateway_stopped")
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _warn_if_plaintext(host: str, port: int) -> None:
+    """A warning at start when the ext_proc port (always plaintext) is not loopback."""
+    if _loopback(host):
+        return
+    log.warning(
+        "gateway_listens_without_tls",
+        host=host,
+        port=port,
+        hint="the ext_proc port has no TLS: anyone who reaches it can route requests "
+        "and hold placements; keep it on loopback or a private network "
+        "(docs/gateway-limits.md)",
+    )
+
+
+def _extproc_server(gs: GatewaySettings, picker: Picker) -> tuple[grpc.aio.Server, int]:
+    """The ext_proc server, bound (messages up to ``max_body_bytes`` + 1 MiB)."""
+    options = [
+        ("grpc.max_receive_message_length", gs.max_body_bytes + (1 << 20)),
+        ("grpc.max_send_message_length", gs.max_body_bytes + (1 << 20)),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    add_to_server(server, picker)
+    port = server.add_insecure_port(f"{gs.host}:{gs.port}")
+    _warn_if_plaintext(gs.host, port)
+    return server, port
+
+
 def build(app: Any) -> Gateway | None:
     """Build the picker from ``app.settings.gateway`` (None when it is off). Needs the
     decode balancer built first (``app.components["decode"]``)."""
@@ -144,14 +183,7 @@ def build(app: Any) -> Gateway | None:
             scraper.apply_settings(new.gateway)
 
     app.reload_hooks.append(reload)
-    options = [
-        ("grpc.max_receive_message_length", gs.max_body_bytes + (1 << 20)),
-        ("grpc.max_send_message_length", gs.max_body_bytes + (1 << 20)),
-        ("grpc.so_reuseport", 0),
-    ]
-    server = grpc.aio.server(options=options)
-    add_to_server(server, picker)
-    port = server.add_insecure_port(f"{gs.host}:{gs.port}")
+    server, port = _extproc_server(gs, picker)
     health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, health_server)

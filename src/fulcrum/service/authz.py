@@ -59,6 +59,7 @@ from fulcrum.metrics.security import (
 from fulcrum.service.admission import handler_started
 from fulcrum.service.app import App
 from fulcrum.service.errors import RETRY_AFTER_KEY
+from fulcrum.service.streams import drain
 
 log = structlog.get_logger(__name__)
 
@@ -548,6 +549,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 try:
                     ident = self._admit(method, rule, context)
                 except Denied as denied:
+                    await drain(requests)  # so that the client sees this code
                     await self._deny(method, denied, context)
                     return None
                 if rule.id_field is None or ident.role == ADMIN:

@@ -30,13 +30,15 @@ from fulcrum.logs import RefusalSummary
 from fulcrum.metrics import RPC_DURATION, RPC_IN_FLIGHT, RPC_REQUESTS, STREAM_MESSAGES
 from fulcrum.service.admission import Admission, bind, class_of, handler_started
 from fulcrum.service.app import App
+from fulcrum.service.authz import OPEN_PREFIXES
 from fulcrum.service.errors import RETRY_AFTER_KEY, status_of
 
 log = structlog.get_logger(__name__)
 
 _ids = itertools.count(1)
 _prefix = f"{os.getpid():x}-"
-_EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+#: Methods neither admitted nor authorised: the one list, shared with :mod:`.authz`.
+_EXEMPT = OPEN_PREFIXES
 
 
 def _request_id(context: grpc.aio.ServicerContext) -> str:

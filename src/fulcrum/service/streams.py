@@ -9,6 +9,7 @@ its status code and message in the reply and the stream stays open.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -46,6 +47,30 @@ async def place_release_stream(
             reply.code = status_of(err).value[0]
             reply.message = err.message
         yield reply
+
+
+#: Before a streaming call is refused: the longest the server reads what the client still
+#: sends (s), the longest quiet gap that ends the reading early (s), the most messages.
+DRAIN_S = 1.0
+DRAIN_IDLE_S = 0.05
+DRAIN_MESSAGES = 10_000
+
+
+async def drain(requests: AsyncIterator[Any]) -> None:
+    """Read and drop what a client still sends before its stream is refused: until it
+    half-closes, goes quiet for ``DRAIN_IDLE_S``, or ``DRAIN_S`` / ``DRAIN_MESSAGES``.
+
+    A status sent while a grpc-python client is still writing reaches it as INTERNAL
+    "Internal error from Core" (its failed write overrides the received status, see
+    ``grpc.aio._call._write``), so the refusal the server counted is not the one the client
+    sees. Reading first lets the status arrive while the client is not writing."""
+    it = aiter(requests)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + DRAIN_S
+    with contextlib.suppress(Exception):
+        for _ in range(DRAIN_MESSAGES):
+            async with asyncio.timeout_at(min(end, loop.time() + DRAIN_IDLE_S)):
+                await anext(it)
 
 
 async def sweep_leases(
