@@ -202,7 +202,9 @@ class PrefillSettings(Section):
         description="KV-cache model of this prefill pool: 'global' (one pool every engine "
         "loads from; submits give cached_tokens) or 'per_engine' (each engine caches its "
         "own prefixes; submits give block_hashes and work goes to the engine holding the "
-        "longest prefix, within affinity_max_wait_ms)",
+        "longest prefix, within affinity_max_wait_ms; needs a restart: submitters send "
+        "block hashes or cached tokens by it)",
+        json_schema_extra={"restart_only": True},
     )
     block_tokens: int = Field(
         DEFAULT_BLOCK_TOKENS,

@@ -46,7 +46,8 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
         request_id = require_id(request.request_id, "request_id")
         s = self._state.settings  # read per call: a reload applies to the next call
         wait = wait_ns(request.max_wait_ms, s.submit_wait_ms, s.max_submit_wait_ms)
-        self._state.prefix.validate(request.block_hashes)  # bounded before converting
+        # bounded by the prompt and the table's limit before converting
+        self._state.prefix.validate(request.block_hashes, int(request.total_tokens))
         delivery = await self._state.submit(
             request_id,
             int(request.total_tokens),

@@ -428,10 +428,14 @@ class PrefillState:
         entry = self._done.get(request_id)
         if entry is not None:
             kept = self.retained(request_id)
-            if kept is not None and entry[0] == total and entry[1] == cached:
+            if kept is not None:
+                if entry[0] != total or entry[1] != cached:
+                    raise AlreadyExists(
+                        f"request_id: {request_id!r} was acknowledged with other "
+                        "total_tokens or cached_tokens within prefill.retention_ms; its "
+                        "outcome is kept")
                 self._m[kept.tier].outcomes["duplicate"].inc()
                 return kept
-            self._done.pop(request_id, None)  # a new request reusing an id: forget
         tier = self.validate_submit(request_id, total, cached)
         now = self._clock()
         loop = asyncio.get_running_loop()
