@@ -79,7 +79,8 @@ async def test_cache_model_reload_is_restart_only_and_pulls_keep_working() -> No
             reply, pulled = await _run_once(c, state, inc, req)
             assert pulled == [f"p{i}"]
             assert reply.engine_id == "a"
-        assert _metric("fulcrum_prefill_prefix_engine_hit_blocks_total", engine="a") == hits0 + 2 * 3
+        hits = _metric("fulcrum_prefill_prefix_engine_hit_blocks_total", engine="a")
+        assert hits == hits0 + 2 * 3
 
 
 def test_a_new_affinity_restarts_the_metric_deltas() -> None:
