@@ -188,15 +188,15 @@ def register(server: grpc.aio.Server, app: App) -> list[str]:
 
     def reload(new: Settings) -> None:
         state.apply_settings(new.prefill)
+        app.periods_changed()  # round_period_ms and refit.period_s apply at once
 
-    app.reload_hooks.append(reload)
-    app.every(settings.round_period_ms / 1000, state.tick, "prefill-round")
-    if settings.refit.enabled:
-
-        def refit(now_ns: int) -> None:
+    def refit(now_ns: int) -> None:
+        if state.settings.refit.enabled:  # reloadable: checked at each period
             state.refit(now_ns)
 
-        app.every(settings.refit.period_s, refit, "prefill-refit")
+    app.reload_hooks.append(reload)
+    app.every(lambda: state.settings.round_period_ms / 1000, state.tick, "prefill-round")
+    app.every(lambda: state.settings.refit.period_s, refit, "prefill-refit")
     pb_grpc.add_PrefillBalancerServiceServicer_to_server(PrefillServicer(app, state), server)
     log.debug("prefill_registered", tiers=list(state.labels))
     return [SERVICE]
