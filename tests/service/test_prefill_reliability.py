@@ -128,3 +128,29 @@ async def test_block_hashes_are_bounded_by_the_prompt(total: int, hashes: int, o
             assert "block_hashes" in (err.value.details() or "")
             assert f"{-(-total // 512)} entries" in (err.value.details() or "")
         assert not state.is_queued("h")
+
+
+async def test_block_hashes_in_flight_count_against_a_global_bound() -> None:
+    config = {"prefill": {**AFFINITY["prefill"], "max_block_hashes_in_flight": 10}}
+    async with prefill_daemon(config) as (_, c, state):
+        await register(c, "a", dp_ranks=1)
+
+        def req(rid: str, n: int) -> prefill_pb2.SubmitRequest:
+            return prefill_pb2.SubmitRequest(request_id=rid, total_tokens=512 * n,
+                                             max_wait_ms=20_000, block_hashes=list(range(n)))
+
+        held = asyncio.ensure_future(c.prefill.Submit(req("q1", 8)))
+        await until(lambda: state.is_queued("q1"))
+        assert _metric("fulcrum_prefill_block_hashes_held") == 8
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.prefill.Submit(req("q2", 3))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_block_hashes_in_flight" in (err.value.details() or "")
+        assert dict(err.value.trailing_metadata() or ()).get("retry-after-ms")
+        assert not state.is_queued("q2")
+        held.cancel()  # the caller leaves: its hashes are released
+        await until(lambda: not state.is_queued("q1"))
+        assert _metric("fulcrum_prefill_block_hashes_held") == 0
+        late = asyncio.ensure_future(c.prefill.Submit(req("q3", 3)))
+        await until(lambda: state.is_queued("q3"))
+        late.cancel()

@@ -229,6 +229,13 @@ class PrefillSettings(Section):
         "holding its prefix at most this long, and once a tier's head waited this long "
         "pulls are FIFO again",
     )
+    max_block_hashes_in_flight: int = Field(
+        2_000_000,
+        ge=1,
+        le=1 << 30,
+        description="most block hashes all prefill requests in flight may carry together "
+        "(about 40 bytes each): a submit past it is refused RESOURCE_EXHAUSTED",
+    )
     max_block_hashes: int = Field(
         MAX_REQUEST_BLOCKS,
         ge=1,

@@ -254,6 +254,7 @@ class PrefillState:
         self.model = CostModel(a=cm.a, b=cm.b, k=cm.k)
         self.model_version = 1
         self._index: dict[str, _Pending] = {}  # in flight: queued or leased
+        self._held_hashes = 0  # block hashes of the requests in _index
         self.leases = LeaseTable(self.n_tiers)
         #: Acknowledged requests kept for idempotent re-submits:
         #: id -> (total, cached, delivery, expiry ns); insertion order, bounded.
@@ -406,6 +407,7 @@ class PrefillState:
                                 now + s.retention_ms * 1_000_000)
         while done and (len(done) > s.max_retained or next(iter(done.values()))[3] <= now):
             done.popitem(last=False)
+        m.RETAINED.set(len(done))
 
     async def submit(
         self, request_id: str, total: int, cached: int, wait_ns: int,
@@ -440,6 +442,7 @@ class PrefillState:
         now = self._clock()
         loop = asyncio.get_running_loop()
         blocks = self.prefix.blocks(block_hashes)
+        self._check_hashes(len(blocks))
         tier = self.prefix.tier(total, blocks, tier)
         item = Queued(
             request_id=request_id,
@@ -452,6 +455,8 @@ class PrefillState:
         )
         rec = _Pending(item, loop.create_future())
         self._index[request_id] = rec
+        self._held_hashes += len(blocks)
+        m.BLOCK_HASHES_HELD.set(self._held_hashes)
         red = self.balancer.enqueue(item)
         rec.timer = loop.call_later(max(0.0, wait_ns / NS_PER_S), self._expire, rec)
         self._m[tier].predicted.observe(item.cost_ns / NS_PER_S)
@@ -494,8 +499,20 @@ class PrefillState:
         for hook in self.outcome_hooks:
             hook(rec.request_id, outcome, "")
 
+    def _check_hashes(self, n: int) -> None:
+        """RESOURCE_EXHAUSTED when ``n`` more block hashes would pass the in-flight bound."""
+        bound = self.settings.max_block_hashes_in_flight
+        if n and self._held_hashes + n > bound:
+            raise ResourceExhausted(
+                f"prefill: the requests in flight carry {self._held_hashes} block hashes; "
+                f"{n} more would pass prefill.max_block_hashes_in_flight ({bound})",
+                retry_after_ms=self.settings.round_period_ms,
+            )
+
     def _forget(self, rec: _Pending) -> None:
         del self._index[rec.request_id]
+        self._held_hashes -= len(rec.item.blocks)
+        m.BLOCK_HASHES_HELD.set(self._held_hashes)
         if rec.timer is not None:
             rec.timer.cancel()
             rec.timer = None
