@@ -154,3 +154,37 @@ async def test_block_hashes_in_flight_count_against_a_global_bound() -> None:
         late = asyncio.ensure_future(c.prefill.Submit(req("q3", 3)))
         await until(lambda: state.is_queued("q3"))
         late.cancel()
+
+
+async def test_one_clients_flood_cannot_evict_another_clients_outcome() -> None:
+    """Row 7: retention is bounded per submitter and never evicts early."""
+    config = {"prefill": {"pull_wait_ms": 0, "max_retained": 10,
+                          "max_retained_per_submitter": 4}}
+    victim = (("authorization", "Bearer victim"),)
+    flooder = (("authorization", "Bearer flooder"),)
+    async with prefill_daemon(config) as (_, c, state):
+        inc = await register(c, "a", dp_ranks=1)
+
+        async def run(rid: str, md: tuple[tuple[str, str], ...]):  # type: ignore[no-untyped-def]
+            call = asyncio.ensure_future(c.prefill.Submit(submit_request(rid, 1_000),
+                                                          metadata=md))
+            await until(lambda: state.is_queued(rid) or call.done())
+            pulled: list[str] = []
+            if not call.done():
+                got = await c.prefill.Pull(pull_request("a", inc, 100 * S, [0], wait_ms=0))
+                pulled = [r.request_id for r in got.requests]
+            return await call, pulled
+
+        first, _ = await run("v0", victim)
+        for i in range(4):
+            await run(f"f{i}", flooder)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await run("f4", flooder)  # its own share is full: refused, nobody evicted
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_retained_per_submitter" in (err.value.details() or "")
+        assert int(dict(err.value.trailing_metadata() or ()).get("retry-after-ms", "0")) > 0
+        assert _metric("fulcrum_prefill_retained_outcomes") == 5
+        again, pulled = await run("v0", victim)  # the victim's retry: not run twice
+        assert pulled == [] and again.engine_id == first.engine_id
+        _, pulled = await run("v1", victim)  # and its own share still has room
+        assert pulled == ["v1"]

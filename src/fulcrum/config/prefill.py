@@ -156,7 +156,16 @@ class PrefillSettings(Section):
         100_000,
         ge=0,
         le=10_000_000,
-        description="bound of the retained-outcome table, requests (oldest evicted first)",
+        description="bound of the retained-outcome table, requests: outcomes are never "
+        "evicted before retention_ms; a new submit past the bound is refused "
+        "RESOURCE_EXHAUSTED with retry-after-ms (size it as acks/s x retention_ms / 1000)",
+    )
+    max_retained_per_submitter: int = Field(
+        50_000,
+        ge=0,
+        le=10_000_000,
+        description="most retained outcomes of one submitter (its mTLS or token identity, "
+        "else its host), requests: one client's flood fills only its own share",
     )
     no_engine_retry_after_ms: int = Field(
         1_000,

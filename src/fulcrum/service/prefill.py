@@ -5,6 +5,8 @@ Thin: validate -> convert -> call :class:`fulcrum.state.prefill.PrefillState` ->
 
 from __future__ import annotations
 
+import hashlib
+
 import grpc
 import structlog
 
@@ -23,6 +25,23 @@ log = structlog.get_logger(__name__)
 
 #: Margin kept under ``server.max_call_s`` so that a long wait ends with our own status.
 _CALL_MARGIN_NS = 500_000_000
+
+
+def submitter_of(context: grpc.aio.ServicerContext) -> str:
+    """Who submits, for the per-submitter retention bound: the client certificate's
+    name, else a digest of its bearer token, else the peer's host (without the port, so
+    reconnecting does not make a new submitter)."""
+    auth: dict[str, list[bytes]] = context.auth_context() or {}
+    for key in ("x509_subject_alternative_name", "x509_common_name"):
+        names = auth.get(key)
+        if names:
+            return "cert:" + bytes(names[-1]).decode("utf-8", "replace")[:128]
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            raw = value if isinstance(value, bytes) else str(value).encode()
+            return "token:" + hashlib.sha256(raw).hexdigest()[:16]
+    peer = context.peer() or ""
+    return "peer:" + peer.rsplit(":", 1)[0][:128]
 
 
 class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
@@ -54,6 +73,7 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             int(request.cached_tokens),
             self._cap_wait(wait, context),
             request.block_hashes,
+            submitter_of(context),
         )
         return pb.SubmitResponse(
             engine_id=delivery.engine_id,
