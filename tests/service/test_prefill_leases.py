@@ -144,17 +144,26 @@ async def test_idempotent_submit() -> None:
 
 
 async def test_retention_is_bounded() -> None:
+    # Issue 22 row 7: outcomes are never evicted before retention_ms; past the bound a
+    # NEW submit is refused RESOURCE_EXHAUSTED with retry-after-ms (was: oldest evicted,
+    # so its retry was delivered twice).
     async with prefill_daemon({"prefill": {"max_retained": 2}}) as (_, c, st):
         inc = await register(c, "e1", dp_ranks=2)
-        for i in range(4):
+        for i in range(2):
             sub = asyncio.ensure_future(c.prefill.Submit(submit_request(f"r{i}", 1000)))
             reply = await c.prefill.Pull(leased("e1", inc))
             await c.prefill.Ack(prefill_pb2.AckRequest(
                 engine_id="e1", incarnation=inc,
                 request_ids=[r.request_id for r in reply.requests]))
             await sub
-        assert len(st._done) == 2 and st.retained("r0") is None
-        assert st.retained("r3") is not None
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.prefill.Submit(submit_request("r2", 1000))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert int(dict(err.value.trailing_metadata() or ()).get("retry-after-ms", "0")) > 0
+        assert len(st._done) == 2 and st.retained("r0") is not None
+        assert st.retained("r1") is not None and not st.is_queued("r2")
+        # the retries of the retained ones still get their outcome
+        assert (await c.prefill.Submit(submit_request("r0", 1000))).engine_id == "e1"
 
 
 async def test_zero_quota_gets_no_work() -> None:

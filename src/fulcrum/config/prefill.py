@@ -156,7 +156,16 @@ class PrefillSettings(Section):
         100_000,
         ge=0,
         le=10_000_000,
-        description="bound of the retained-outcome table, requests (oldest evicted first)",
+        description="bound of the retained-outcome table, requests: outcomes are never "
+        "evicted before retention_ms; a new submit past the bound is refused "
+        "RESOURCE_EXHAUSTED with retry-after-ms (size it as acks/s x retention_ms / 1000)",
+    )
+    max_retained_per_submitter: int = Field(
+        50_000,
+        ge=0,
+        le=10_000_000,
+        description="most retained outcomes of one submitter (its mTLS or token identity, "
+        "else its host), requests: one client's flood fills only its own share",
     )
     no_engine_retry_after_ms: int = Field(
         1_000,
@@ -202,7 +211,9 @@ class PrefillSettings(Section):
         description="KV-cache model of this prefill pool: 'global' (one pool every engine "
         "loads from; submits give cached_tokens) or 'per_engine' (each engine caches its "
         "own prefixes; submits give block_hashes and work goes to the engine holding the "
-        "longest prefix, within affinity_max_wait_ms)",
+        "longest prefix, within affinity_max_wait_ms; needs a restart: submitters send "
+        "block hashes or cached tokens by it)",
+        json_schema_extra={"restart_only": True},
     )
     block_tokens: int = Field(
         DEFAULT_BLOCK_TOKENS,
@@ -226,6 +237,13 @@ class PrefillSettings(Section):
         description="fairness bound of prefix affinity, ms: a request waits for the engine "
         "holding its prefix at most this long, and once a tier's head waited this long "
         "pulls are FIFO again",
+    )
+    max_block_hashes_in_flight: int = Field(
+        2_000_000,
+        ge=1,
+        le=1 << 30,
+        description="most block hashes all prefill requests in flight may carry together "
+        "(about 40 bytes each): a submit past it is refused RESOURCE_EXHAUSTED",
     )
     max_block_hashes: int = Field(
         MAX_REQUEST_BLOCKS,

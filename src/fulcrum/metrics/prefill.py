@@ -23,6 +23,18 @@ _SECONDS = (
 _COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _REL = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
+BLOCK_HASHES_HELD = Gauge(
+    "fulcrum_prefill_block_hashes_held",
+    "Block hashes carried by the prefill requests in flight (queued or leased), hashes; "
+    "bounded by prefill.max_block_hashes_in_flight.",
+    registry=REGISTRY,
+)
+RETAINED = Gauge(
+    "fulcrum_prefill_retained_outcomes",
+    "Acknowledged outcomes kept for idempotent retries, requests; bounded by "
+    "prefill.max_retained (see docs/idempotency.md for the sizing rule).",
+    registry=REGISTRY,
+)
 QUEUE_DEPTH = Gauge(
     "fulcrum_prefill_queue_depth",
     "Prefill requests waiting for an engine, by tier.",

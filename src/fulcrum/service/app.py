@@ -38,6 +38,8 @@ class App:
     reload_hooks: list[Callable[[Settings], None]] = field(default_factory=list)
     #: Called once when the daemon starts to drain (before in-flight calls finish).
     drain_hooks: list[Callable[[], None]] = field(default_factory=list)
+    #: Set (and cleared) when periods may have changed: wakes every :meth:`every` loop.
+    _rearm: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self._idle.set()
@@ -80,18 +82,32 @@ class App:
         self, interval_s: float | Callable[[], float], fn: Callable[[int], None], name: str
     ) -> None:
         """Call ``fn(now_ns)`` every ``interval_s`` seconds until the daemon stops.
-        ``interval_s`` may be a function, read before each wait (a reloadable period)."""
+        ``interval_s`` may be a function (a reloadable period): it is read again whenever
+        :meth:`periods_changed` is called, so a shorter period applies at once, not after
+        the wait already under way."""
         period = interval_s if callable(interval_s) else (lambda: interval_s)
 
         async def loop() -> None:
+            now = asyncio.get_running_loop().time
+            last = now()
             while True:
-                await asyncio.sleep(period())
+                remaining = last + period() - now()
+                if remaining > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._rearm.wait(), remaining)
+                    continue
+                last = now()
                 try:
                     fn(self.clock())
                 except Exception:
                     log.exception("periodic_job_failed", job=name)
 
         self.spawn(loop(), name)
+
+    def periods_changed(self) -> None:
+        """Wake every :meth:`every` loop to read its period again (after a reload)."""
+        self._rearm.set()
+        self._rearm.clear()
 
     def start_draining(self) -> None:
         if self.draining.is_set():

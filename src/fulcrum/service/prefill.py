@@ -5,6 +5,8 @@ Thin: validate -> convert -> call :class:`fulcrum.state.prefill.PrefillState` ->
 
 from __future__ import annotations
 
+import hashlib
+
 import grpc
 import structlog
 
@@ -23,6 +25,23 @@ log = structlog.get_logger(__name__)
 
 #: Margin kept under ``server.max_call_s`` so that a long wait ends with our own status.
 _CALL_MARGIN_NS = 500_000_000
+
+
+def submitter_of(context: grpc.aio.ServicerContext) -> str:
+    """Who submits, for the per-submitter retention bound: the client certificate's
+    name, else a digest of its bearer token, else the peer's host (without the port, so
+    reconnecting does not make a new submitter)."""
+    auth: dict[str, list[bytes]] = context.auth_context() or {}
+    for key in ("x509_subject_alternative_name", "x509_common_name"):
+        names = auth.get(key)
+        if names:
+            return "cert:" + bytes(names[-1]).decode("utf-8", "replace")[:128]
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            raw = value if isinstance(value, bytes) else str(value).encode()
+            return "token:" + hashlib.sha256(raw).hexdigest()[:16]
+    peer = context.peer() or ""
+    return "peer:" + peer.rsplit(":", 1)[0][:128]
 
 
 class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
@@ -46,13 +65,15 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
         request_id = require_id(request.request_id, "request_id")
         s = self._state.settings  # read per call: a reload applies to the next call
         wait = wait_ns(request.max_wait_ms, s.submit_wait_ms, s.max_submit_wait_ms)
-        self._state.prefix.validate(request.block_hashes)  # bounded before converting
+        # bounded by the prompt and the table's limit before converting
+        self._state.prefix.validate(request.block_hashes, int(request.total_tokens))
         delivery = await self._state.submit(
             request_id,
             int(request.total_tokens),
             int(request.cached_tokens),
             self._cap_wait(wait, context),
             request.block_hashes,
+            submitter_of(context),
         )
         return pb.SubmitResponse(
             engine_id=delivery.engine_id,
@@ -187,15 +208,15 @@ def register(server: grpc.aio.Server, app: App) -> list[str]:
 
     def reload(new: Settings) -> None:
         state.apply_settings(new.prefill)
+        app.periods_changed()  # round_period_ms and refit.period_s apply at once
 
-    app.reload_hooks.append(reload)
-    app.every(settings.round_period_ms / 1000, state.tick, "prefill-round")
-    if settings.refit.enabled:
-
-        def refit(now_ns: int) -> None:
+    def refit(now_ns: int) -> None:
+        if state.settings.refit.enabled:  # reloadable: checked at each period
             state.refit(now_ns)
 
-        app.every(settings.refit.period_s, refit, "prefill-refit")
+    app.reload_hooks.append(reload)
+    app.every(lambda: state.settings.round_period_ms / 1000, state.tick, "prefill-round")
+    app.every(lambda: state.settings.refit.period_s, refit, "prefill-refit")
     pb_grpc.add_PrefillBalancerServiceServicer_to_server(PrefillServicer(app, state), server)
     log.debug("prefill_registered", tiers=list(state.labels))
     return [SERVICE]

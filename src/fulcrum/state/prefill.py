@@ -28,7 +28,7 @@ cost model, adopted only when better by the configured margin.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -60,6 +60,7 @@ from fulcrum.errors import (
 from fulcrum.metrics import prefill as m
 from fulcrum.state.fleet import Fleet
 from fulcrum.state.prefix import PrefixWiring
+from fulcrum.state.retention import RetentionTable
 from fulcrum.units import MAX_U64, NS_PER_MS, NS_PER_S
 
 log = structlog.get_logger(__name__)
@@ -153,6 +154,7 @@ class _Pending:
     callers: int = 1
     overdue: bool = False
     pulled_ns: int = 0
+    submitter: str = ""
 
     @property
     def request_id(self) -> str:
@@ -254,10 +256,10 @@ class PrefillState:
         self.model = CostModel(a=cm.a, b=cm.b, k=cm.k)
         self.model_version = 1
         self._index: dict[str, _Pending] = {}  # in flight: queued or leased
+        self._held_hashes = 0  # block hashes of the requests in _index
         self.leases = LeaseTable(self.n_tiers)
-        #: Acknowledged requests kept for idempotent re-submits:
-        #: id -> (total, cached, delivery, expiry ns); insertion order, bounded.
-        self._done: OrderedDict[str, tuple[int, int, Delivery, int]] = OrderedDict()
+        #: Acknowledged requests kept for idempotent re-submits, bounded per submitter.
+        self._done: RetentionTable[Delivery] = RetentionTable()
         self._engines: dict[str, _Engine] = {}
         self._waiters: list[_Waiter] = []
         self._woken = [0] * self.n_tiers  # woken waiters not yet run, per tier
@@ -389,27 +391,20 @@ class PrefillState:
     def retained(self, request_id: str) -> Delivery | None:
         """The acknowledged outcome kept for ``request_id`` (within the retention window),
         or None."""
-        entry = self._done.get(request_id)
-        if entry is None:
-            return None
-        if entry[3] <= self._clock():
-            del self._done[request_id]
-            return None
-        return entry[2]
+        entry = self._done.get(request_id, self._clock())
+        return None if entry is None else entry.outcome
 
     def _retain(self, rec: _Pending, delivery: Delivery) -> None:
-        s = self.settings
         now = self._clock()
-        done = self._done
-        done.pop(rec.request_id, None)
-        done[rec.request_id] = (rec.item.total, rec.item.cached, delivery,
-                                now + s.retention_ms * 1_000_000)
-        while done and (len(done) > s.max_retained or next(iter(done.values()))[3] <= now):
-            done.popitem(last=False)
+        self._done.put(rec.request_id, rec.item.total, rec.item.cached, delivery,
+                       now + self.settings.retention_ms * 1_000_000, rec.submitter)
+        self._done.purge(now)
+        m.RETAINED.set(len(self._done))
 
     async def submit(
         self, request_id: str, total: int, cached: int, wait_ns: int,
         block_hashes: Sequence[int] = (),
+        submitter: str = "",
     ) -> Delivery:
         """Queue a request and wait until an engine acknowledges it (or it fails).
 
@@ -425,17 +420,22 @@ class PrefillState:
                 )
             self._m[rec0.tier].outcomes["duplicate"].inc()
             return await self._wait(rec0, joined=True)
-        entry = self._done.get(request_id)
-        if entry is not None:
-            kept = self.retained(request_id)
-            if kept is not None and entry[0] == total and entry[1] == cached:
-                self._m[kept.tier].outcomes["duplicate"].inc()
-                return kept
-            self._done.pop(request_id, None)  # a new request reusing an id: forget
-        tier = self.validate_submit(request_id, total, cached)
         now = self._clock()
+        entry = self._done.get(request_id, now)
+        if entry is not None:
+            if entry.total != total or entry.cached != cached:
+                raise AlreadyExists(
+                    f"request_id: {request_id!r} was acknowledged with other "
+                    "total_tokens or cached_tokens within prefill.retention_ms; its "
+                    "outcome is kept")
+            self._m[entry.outcome.tier].outcomes["duplicate"].inc()
+            return entry.outcome
+        tier = self.validate_submit(request_id, total, cached)
+        s = self.settings
+        self._done.admit(submitter, now, s.max_retained, s.max_retained_per_submitter)
         loop = asyncio.get_running_loop()
         blocks = self.prefix.blocks(block_hashes)
+        self._check_hashes(len(blocks))
         tier = self.prefix.tier(total, blocks, tier)
         item = Queued(
             request_id=request_id,
@@ -446,8 +446,10 @@ class PrefillState:
             enqueued_ns=now,
             blocks=blocks,
         )
-        rec = _Pending(item, loop.create_future())
+        rec = _Pending(item, loop.create_future(), submitter=submitter)
         self._index[request_id] = rec
+        self._held_hashes += len(blocks)
+        m.BLOCK_HASHES_HELD.set(self._held_hashes)
         red = self.balancer.enqueue(item)
         rec.timer = loop.call_later(max(0.0, wait_ns / NS_PER_S), self._expire, rec)
         self._m[tier].predicted.observe(item.cost_ns / NS_PER_S)
@@ -490,8 +492,20 @@ class PrefillState:
         for hook in self.outcome_hooks:
             hook(rec.request_id, outcome, "")
 
+    def _check_hashes(self, n: int) -> None:
+        """RESOURCE_EXHAUSTED when ``n`` more block hashes would pass the in-flight bound."""
+        bound = self.settings.max_block_hashes_in_flight
+        if n and self._held_hashes + n > bound:
+            raise ResourceExhausted(
+                f"prefill: the requests in flight carry {self._held_hashes} block hashes; "
+                f"{n} more would pass prefill.max_block_hashes_in_flight ({bound})",
+                retry_after_ms=self.settings.round_period_ms,
+            )
+
     def _forget(self, rec: _Pending) -> None:
         del self._index[rec.request_id]
+        self._held_hashes -= len(rec.item.blocks)
+        m.BLOCK_HASHES_HELD.set(self._held_hashes)
         if rec.timer is not None:
             rec.timer.cancel()
             rec.timer = None

@@ -55,19 +55,29 @@ class PrefixWiring:
         if aff is None:
             aff = Affinity(PrefixIndex(s.block_tokens), lambda q, c: self._cost(q, c))
             self._bal.affinity = aff
+            # a new affinity counts from zero: so do the deltas the metrics are fed
             self._seen_hits = self._seen_overrides = 0
+            self._seen_engine.clear()
+            self._seen_tier.clear()
         aff.max_wait_ns = s.affinity_max_wait_ms * (NS_PER_S // 1000)
         for eid in self._bal.engine_ids():
             aff.index.add_engine(eid, self._capacity(eid), keep=True)
         pm.INDEX_BLOCKS.set(aff.index.size())
 
-    def validate(self, blocks: Sequence[int]) -> None:
-        """INVALID_ARGUMENT when a submit carries too many block hashes (call with the
-        raw repeated field, before converting it)."""
+    def validate(self, blocks: Sequence[int], total_tokens: int) -> None:
+        """INVALID_ARGUMENT when a submit carries more block hashes than its prompt has
+        blocks (``ceil(total_tokens / block_tokens)``) or than ``max_block_hashes`` (call
+        with the raw repeated field, before converting it)."""
         bound = self.settings.max_block_hashes
         if len(blocks) > bound:
             raise InvalidArgument(
                 "block_hashes", f"must have at most {bound} entries (prefill.max_block_hashes)")
+        per_prompt = -(-max(0, total_tokens) // self.settings.block_tokens)
+        if len(blocks) > per_prompt:
+            raise InvalidArgument(
+                "block_hashes",
+                f"must have at most ceil(total_tokens / {self.settings.block_tokens}) = "
+                f"{per_prompt} entries (one per block of the prompt)")
 
     def blocks(self, raw: Sequence[int]) -> tuple[int, ...]:
         """The blocks a queued request carries (none under the global cache model)."""
@@ -135,7 +145,7 @@ class PrefixWiring:
             self._seen_engine[engine_id] = (c.hit_blocks, c.lookup_blocks)
         for t, (hit, look) in aff.tier_blocks.items():
             h0, l0 = self._seen_tier.get(t, (0, 0))
-            if (hit, look) != (h0, l0):
+            if hit >= h0 and look >= l0 and (hit, look) != (h0, l0):
                 pm.TIER_HIT_BLOCKS.labels(self._labels[t]).inc(hit - h0)
                 pm.TIER_LOOKUP_BLOCKS.labels(self._labels[t]).inc(look - l0)
                 self._seen_tier[t] = (hit, look)

@@ -45,10 +45,11 @@ class PrefillBalancerServiceStub:
     not acknowledged in time, or held by an engine that lapses or leaves, go back to the
     head of their tier and are delivered elsewhere. Idempotent: the same request_id with
     the same total_tokens and cached_tokens, while in flight or within
-    prefill.idempotency.retention_ms after it was acknowledged, returns the same outcome
+    prefill.retention_ms after it was acknowledged, returns the same outcome
     (one delivery). DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED
     when the tier's queue is at its bound; ALREADY_EXISTS when a DIFFERENT request (other
-    total_tokens or cached_tokens) reuses an id in flight; INVALID_ARGUMENT when
+    total_tokens or cached_tokens) reuses an id in flight or within its retention (the
+    original's outcome is kept); INVALID_ARGUMENT when
     cached_tokens >= total_tokens or a length is out of range; UNAVAILABLE with a
     `retry-after-ms` trailer (prefill.no_engine_retry_after_ms) when no live prefill
     engine is registered; UNAVAILABLE when the daemon drains. A cancelled call is removed from
@@ -103,10 +104,11 @@ class PrefillBalancerServiceAsyncStub(PrefillBalancerServiceStub):
     not acknowledged in time, or held by an engine that lapses or leaves, go back to the
     head of their tier and are delivered elsewhere. Idempotent: the same request_id with
     the same total_tokens and cached_tokens, while in flight or within
-    prefill.idempotency.retention_ms after it was acknowledged, returns the same outcome
+    prefill.retention_ms after it was acknowledged, returns the same outcome
     (one delivery). DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED
     when the tier's queue is at its bound; ALREADY_EXISTS when a DIFFERENT request (other
-    total_tokens or cached_tokens) reuses an id in flight; INVALID_ARGUMENT when
+    total_tokens or cached_tokens) reuses an id in flight or within its retention (the
+    original's outcome is kept); INVALID_ARGUMENT when
     cached_tokens >= total_tokens or a length is out of range; UNAVAILABLE with a
     `retry-after-ms` trailer (prefill.no_engine_retry_after_ms) when no live prefill
     engine is registered; UNAVAILABLE when the daemon drains. A cancelled call is removed from
@@ -164,10 +166,11 @@ class PrefillBalancerServiceServicer(metaclass=_abc_1.ABCMeta):
         not acknowledged in time, or held by an engine that lapses or leaves, go back to the
         head of their tier and are delivered elsewhere. Idempotent: the same request_id with
         the same total_tokens and cached_tokens, while in flight or within
-        prefill.idempotency.retention_ms after it was acknowledged, returns the same outcome
+        prefill.retention_ms after it was acknowledged, returns the same outcome
         (one delivery). DEADLINE_EXCEEDED if no engine takes it in time; RESOURCE_EXHAUSTED
         when the tier's queue is at its bound; ALREADY_EXISTS when a DIFFERENT request (other
-        total_tokens or cached_tokens) reuses an id in flight; INVALID_ARGUMENT when
+        total_tokens or cached_tokens) reuses an id in flight or within its retention (the
+        original's outcome is kept); INVALID_ARGUMENT when
         cached_tokens >= total_tokens or a length is out of range; UNAVAILABLE with a
         `retry-after-ms` trailer (prefill.no_engine_retry_after_ms) when no live prefill
         engine is registered; UNAVAILABLE when the daemon drains. A cancelled call is removed from
