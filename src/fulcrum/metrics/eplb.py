@@ -111,6 +111,13 @@ SNAPSHOT_WRITES = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+SNAPSHOT_CORRUPT = Counter(
+    "fulcrum_eplb_snapshot_corrupt",
+    "Snapshot files found unreadable at start and moved aside as .corrupt, by file "
+    "(map, window, snapshot = a format-1 file).",
+    ["file"],
+    registry=REGISTRY,
+)
 
 _PER_GROUP = (
     MOE_LB_OBSERVED,
