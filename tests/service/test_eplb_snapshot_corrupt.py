@@ -80,7 +80,8 @@ MAP_VARIANTS: dict[str, Callable[[Path], None]] = {
     "version_string": _with_version('"3"'),
     "version_true": _with_version("true"),
     "layout_list": lambda s: _map(s).write_text(
-        _map(s).read_text().replace('"layout":{', '"layout":[{').replace('},"version"', '}],"version"')
+        _map(s).read_text().replace('"layout":{', '"layout":[{')
+        .replace('},"version"', '}],"version"')
     ),
 }
 WINDOW_VARIANTS: dict[str, Callable[[Path], None]] = {

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
 from fulcrum.config.base import Section
 from fulcrum.config.decode import DecodeSettings
@@ -26,6 +26,7 @@ __all__ = [
     "ConfigError",
     "Settings",
     "effective_reload",
+    "is_empty_document",
     "load_settings",
     "parse_settings",
     "restart_only_keys",
@@ -45,6 +46,14 @@ class Settings(Section):
     vision: VisionSettings = Field(default_factory=VisionSettings)
     eplb: EplbSettings = Field(default_factory=EplbSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    #: True when read from a file that names no setting (empty, only comments, ``{}``):
+    #: fine to start with, refused as a reload (every key would revert to its default).
+    _empty_document: bool = PrivateAttr(default=False)
+
+
+def is_empty_document(settings: Settings) -> bool:
+    """Whether ``settings`` came from a file naming no setting (see ``Settings``)."""
+    return settings._empty_document
 
 
 class ConfigError(Exception):
@@ -88,7 +97,9 @@ def load_settings(path: str | Path | None) -> Settings:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError([f"{path}: not valid YAML ({err})"]) from None
-    return parse_settings(data)
+    settings = parse_settings(data)
+    settings._empty_document = not data
+    return settings
 
 
 def with_overrides(settings: Settings, overrides: dict[str, Any]) -> Settings:
