@@ -279,7 +279,7 @@ class EarlySignals:
         if self.hup and reload is not None:
             reload()
         if self.stop:
-            asyncio.ensure_future(daemon.drain_and_stop())
+            daemon.app.spawn(daemon.drain_and_stop(), "drain")
 
 
 async def serve(settings: Settings, reload: Callable[[Daemon], None] | None = None) -> int:
