@@ -261,6 +261,7 @@ class EarlySignals:
     def __init__(self) -> None:
         self.stop = False
         self.hup = False
+        self.drain: asyncio.Future[None] | None = None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop)
@@ -278,8 +279,8 @@ class EarlySignals:
         install_signal_handlers(daemon, reload)
         if self.hup and reload is not None:
             reload()
-        if self.stop:
-            daemon.app.spawn(daemon.drain_and_stop(), "drain")
+        if self.stop:  # not app.spawn: the drain cancels the app's tasks
+            self.drain = asyncio.ensure_future(daemon.drain_and_stop())
 
 
 async def serve(settings: Settings, reload: Callable[[Daemon], None] | None = None) -> int:
