@@ -24,7 +24,9 @@ in force, and the rebalance period counter.
   loop (all writes are serialised by one lock, and the group is re-checked after it), so
   a failed write changes nothing. Windows are written every ``window_snapshot_interval_s``
   when something changed, and at drain. At start each group's files are read on their
-  own: a bad file is moved aside as ``.corrupt`` (only that group loses it), stale
+  own (``eplb_store.restore``: every value checked for type and range; any error a
+  hostile file raises is caught): a bad file is moved aside as ``.corrupt``, logged once
+  and counted in ``fulcrum_eplb_snapshot_corrupt_total`` (only that group loses it), stale
   ``.tmp`` files are removed, and at most ``max_groups`` groups are restored (the rest
   are moved aside as ``.excess``). A restarted daemon serves the same versions. A
   single-file snapshot of the previous format at ``snapshot_path`` is converted at start
