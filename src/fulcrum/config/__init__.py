@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError
 
 from fulcrum.config import checks
 from fulcrum.config.base import Section
@@ -27,6 +27,7 @@ __all__ = [
     "ConfigError",
     "Settings",
     "effective_reload",
+    "is_empty_document",
     "load_settings",
     "parse_settings",
     "restart_only_keys",
@@ -46,6 +47,14 @@ class Settings(Section):
     vision: VisionSettings = Field(default_factory=VisionSettings)
     eplb: EplbSettings = Field(default_factory=EplbSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    #: True when read from a file that names no setting (empty, only comments, ``{}``):
+    #: fine to start with, refused as a reload (every key would revert to its default).
+    _empty_document: bool = PrivateAttr(default=False)
+
+
+def is_empty_document(settings: Settings) -> bool:
+    """Whether ``settings`` came from a file naming no setting (see ``Settings``)."""
+    return settings._empty_document
 
 
 class ConfigError(Exception):
@@ -88,6 +97,7 @@ def load_settings(path: str | Path | None) -> Settings:
     problems = checks.cross_field(settings)  # files only: see fulcrum.config.checks
     if problems:
         raise ConfigError(problems)
+    settings._empty_document = not data
     return settings
 
 

@@ -111,6 +111,18 @@ SNAPSHOT_WRITES = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+MEMORY_TRIMS = Counter(
+    "fulcrum_memory_trims",
+    "Times freed heap was handed back to the OS (malloc_trim) after streams closed.",
+    registry=REGISTRY,
+)
+SNAPSHOT_CORRUPT = Counter(
+    "fulcrum_eplb_snapshot_corrupt",
+    "Snapshot files found unreadable at start and moved aside as .corrupt, by file "
+    "(map, window, snapshot = a format-1 file).",
+    ["file"],
+    registry=REGISTRY,
+)
 
 _PER_GROUP = (
     MOE_LB_OBSERVED,

@@ -38,6 +38,7 @@ from fulcrum.errors import (
     Unavailable,
 )
 from fulcrum.metrics import eplb as m
+from fulcrum.service import memory
 from fulcrum.service.app import App
 from fulcrum.service.errors import MAX_U64, require_id
 from fulcrum.state.eplb import EplbState, GroupSpec, MapVersion, RebalanceJob
@@ -344,6 +345,7 @@ class ExpertServicer(pb_grpc.ExpertBalancerServiceServicer):
         finally:
             group.watchers -= 1
             m.WATCHERS.dec()
+            memory.request_trim()  # its reply buffers are freed: give them back
 
     async def Rebalance(
         self, request: pb.RebalanceRequest, context: grpc.aio.ServicerContext

@@ -1,7 +1,8 @@
 """Server lifecycle: build the grpc.aio server with every service, health checking and
 reflection; serve metrics; drain on SIGTERM/SIGINT; reload on SIGHUP.
 
-Reload (:meth:`Daemon.reload`): the new settings run with every restart-only key (marked
+Reload (:meth:`Daemon.reload`): a file that names no setting (empty, only comments) is
+refused and changes nothing. Otherwise the new settings run with every restart-only key (marked
 ``json_schema_extra={"restart_only": True}`` in the settings models) at its running
 value; the restart-only keys the file changed are logged by name (event
 ``config_restart_required``) and the reload is counted as
@@ -32,7 +33,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from fulcrum import __version__, logs
-from fulcrum.config import ConfigError, Settings, effective_reload
+from fulcrum.config import ConfigError, Settings, effective_reload, is_empty_document
 from fulcrum.metrics import (
     BUILD_INFO,
     CONFIG_RELOADS,
@@ -85,6 +86,12 @@ class Daemon:
         (``applied``, ``restart_required``, ``refused`` or ``failed``), also counted in
         ``fulcrum_config_reloads_total``. Runs on the event loop."""
         app = self.app
+        if is_empty_document(new):
+            CONFIG_RELOADS.labels("refused").inc()
+            log.error("config_reload_refused", problems=[
+                "the file names no setting (empty or only comments): a reload of it would "
+                "put every key back to its default; nothing was changed"])
+            return "refused"
         try:
             effective, restart = effective_reload(app.settings, new)
         except ConfigError as err:
@@ -246,13 +253,45 @@ def install_signal_handlers(
         loop.add_signal_handler(signal.SIGHUP, reload)
 
 
+class EarlySignals:
+    """Signal handlers installed before anything is built or bound: a SIGHUP or a stop
+    signal that arrives while the daemon is still starting is remembered (a SIGHUP's
+    default action would kill the process) and replayed once it has started."""
+
+    def __init__(self) -> None:
+        self.stop = False
+        self.hup = False
+        self.drain: asyncio.Future[None] | None = None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_stop)
+        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
+
+    def _on_stop(self) -> None:
+        self.stop = True
+
+    def _on_hup(self) -> None:
+        self.hup = True
+        log.info("config_reload_deferred", reason="the daemon is still starting")
+
+    def hand_over(self, daemon: Daemon, reload: Callable[[], None] | None) -> None:
+        """Install the daemon's own handlers, then replay what arrived meanwhile."""
+        install_signal_handlers(daemon, reload)
+        if self.hup and reload is not None:
+            reload()
+        if self.stop:  # not app.spawn: the drain cancels the app's tasks
+            self.drain = asyncio.ensure_future(daemon.drain_and_stop())
+
+
 async def serve(settings: Settings, reload: Callable[[Daemon], None] | None = None) -> int:
     """Run the daemon until a stop signal; returns the exit status."""
+    # Handlers first, before any port is bound: a SIGHUP the moment the port accepts TCP
+    # must not kill the process (issue 22). "daemon_started" still tells operators that
+    # a SIGHUP reloads at once.
+    early = EarlySignals()
     daemon = build(settings)
-    # Handlers first: "daemon_started" tells operators (and tests) that SIGHUP is safe;
-    # before this, SIGHUP's default action would kill the process.
-    install_signal_handlers(daemon, (lambda: reload(daemon)) if reload else None)
     await daemon.start()
+    early.hand_over(daemon, (lambda: reload(daemon)) if reload else None)
     # Everything allocated so far (modules, gRPC, prometheus_client, the servicers) lives
     # as long as the process: move it out of the collector's generations, so a full
     # collection on the loop costs the tables' objects only (46 ms -> 0.01 ms for an

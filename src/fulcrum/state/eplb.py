@@ -24,7 +24,9 @@ in force, and the rebalance period counter.
   loop (all writes are serialised by one lock, and the group is re-checked after it), so
   a failed write changes nothing. Windows are written every ``window_snapshot_interval_s``
   when something changed, and at drain. At start each group's files are read on their
-  own: a bad file is moved aside as ``.corrupt`` (only that group loses it), stale
+  own (``eplb_store.restore``: every value checked for type and range; any error a
+  hostile file raises is caught): a bad file is moved aside as ``.corrupt``, logged once
+  and counted in ``fulcrum_eplb_snapshot_corrupt_total`` (only that group loses it), stale
   ``.tmp`` files are removed, and at most ``max_groups`` groups are restored (the rest
   are moved aside as ``.excess``). A restarted daemon serves the same versions. A
   single-file snapshot of the previous format at ``snapshot_path`` is converted at start
@@ -38,11 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -252,6 +252,231 @@ def _map_record(g: Group, mv: MapVersion) -> store.MapRecord:
     )
 
 
+def _window_record(g: Group) -> store.WindowRecord:
+    keys = sorted(g.buckets)
+    return store.WindowRecord(
+        group_id=g.group_id,
+        layout=g.layout,
+        version=g.current.version,
+        bucket_steps=g.bucket_steps,
+        buckets=tuple((k, g.bucket_step_counts[k], g.buckets[k]) for k in keys),
+        last_step_end=g.last_step_end,
+        steps_since_rebalance=g.steps_since_rebalance,
+        observed=g.observed_sum,
+    )
+
+
+def resolve_layout(settings: EplbSettings, spec: GroupSpec, max_message_bytes: int) -> GroupLayout:
+    """The resolved layout of a registration (validated against the bounds, including
+    that a map reply fits in ``server.max_message_bytes``)."""
+    s = settings
+    for name, value, hi in (
+        ("ep_size", spec.ep_size, s.max_ep_size),
+        ("num_layers", spec.n_layers, s.max_layers),
+        ("num_experts", spec.n_logical, s.max_experts),
+    ):
+        if not 1 <= value <= hi:
+            raise InvalidArgument(name, f"must be in [1, {hi}], got {value}")
+    if spec.expert_bytes <= 0:
+        raise InvalidArgument("expert_bytes", "must be > 0")
+    try:
+        layout = make_layout(
+            spec.role,
+            spec.ep_size,
+            spec.n_layers,
+            spec.n_logical,
+            gpus_per_node=spec.gpus_per_node,
+            n_groups=spec.n_groups,
+            expert_bytes=spec.expert_bytes,
+            redundant_per_gpu=spec.redundant_per_gpu,
+            window_steps=spec.window_steps,
+            period_steps=spec.period_steps,
+        )
+    except ValueError as err:
+        raise _layout_error(err) from None
+    if layout.n_physical > 4 * s.max_experts:
+        raise InvalidArgument("redundant_per_gpu", "too many physical slots per layer")
+    need = reply_bytes_bound(layout)
+    if need > max_message_bytes:
+        raise InvalidArgument(
+            "num_layers",
+            f"a map of this group takes up to {need} bytes, over the "
+            f"{max_message_bytes}-byte message limit (server.max_message_bytes)",
+        )
+    return layout
+
+
+def check_initial(layout: GroupLayout, initial: I64) -> PlacementMap:
+    """The initial map as a PlacementMap, or InvalidArgument; cost O(layers x slots)
+    before anything of the map's own size is built."""
+    want = (layout.n_layers, layout.n_physical)
+    if initial.shape != want:
+        raise InvalidArgument(
+            "initial_map.shape", f"must be {list(want)}, got {list(initial.shape)}"
+        )
+    if initial.size and (int(initial.min()) < 0 or int(initial.max()) >= layout.n_logical):
+        raise InvalidArgument("initial_map", f"expert ids must lie in [0, {layout.n_logical})")
+    per_gpu = np.sort(
+        initial.reshape(layout.n_layers, layout.ep_size, layout.slots_per_gpu), axis=-1
+    )
+    if (per_gpu[..., 1:] == per_gpu[..., :-1]).any():
+        raise InvalidArgument("initial_map", "two replicas of one expert on one GPU")
+    rows = np.arange(layout.n_layers)[:, None]
+    counts = np.bincount(
+        (rows * layout.n_logical + initial).ravel(),
+        minlength=layout.n_layers * layout.n_logical,
+    )
+    if (counts == 0).any():
+        raise InvalidArgument("initial_map", "every logical expert needs a slot")
+    placement = PlacementMap.from_phy2log(initial, layout.ep_size, layout.n_logical)
+    problems = map_problems(layout, placement, no_colocation=True, node_limited=True)
+    if problems:
+        raise InvalidArgument("initial_map", problems[0])
+    return placement
+
+
+def _check_report(
+    settings: EplbSettings, group: Group, map_version: int, step_begin: int, step_end: int,
+    load: F64,
+) -> None:
+    """Every rule of a report (module docstring); raises before anything changes."""
+    current = group.current.version
+    if map_version == 0:
+        raise InvalidArgument("map_version", "must be set (the version in force)")
+    if map_version not in (current, current - 1):
+        raise FailedPrecondition(
+            f"map_version: {map_version} is neither the map in force (version "
+            f"{current}) nor the one before it; fetch it and report under it"
+        )
+    if step_end <= step_begin:
+        raise InvalidArgument("step_end", f"must be > step_begin ({step_begin})")
+    if step_end > MAX_I64:
+        raise InvalidArgument("step_end", f"must be in [1, 2^63-1], got {step_end}")
+    limit = settings.max_report_steps
+    if step_end - step_begin > limit:
+        raise InvalidArgument(
+            "step_end",
+            f"step_end - step_begin must be in [1, {limit}] (eplb.max_report_steps), "
+            f"got {step_end - step_begin}",
+        )
+    if step_begin < group.last_step_end:
+        raise FailedPrecondition(
+            f"step_begin: {step_begin} is before the end of the previous report "
+            f"({group.last_step_end}); step ranges must not go backwards"
+        )
+    want = (group.layout.n_layers, group.layout.n_logical)
+    if load.shape != want:
+        raise InvalidArgument("load.shape", f"must be {list(want)}, got {list(load.shape)}")
+    if not np.isfinite(load).all():
+        raise InvalidArgument("load", "values must be finite")
+    if (load < 0).any():
+        raise InvalidArgument("load", "values must be >= 0")
+    if (load > MAX_EXACT_FLOAT).any():
+        raise InvalidArgument("load", "values must be in [0, 2^53]")
+
+
+def _add_to_window(group: Group, step_begin: int, step_end: int, load: F64) -> None:
+    """Put a valid report's load into its bucket (arrays replaced, never changed)."""
+    idx = (step_end - 1) // group.bucket_steps
+    bucket = group.buckets.get(idx)
+    group.buckets[idx] = load if bucket is None else _frozen(bucket + load)
+    group.bucket_step_counts[idx] = group.bucket_step_counts.get(idx, 0) + (
+        step_end - step_begin
+    )
+    oldest = idx - group.window_buckets + 1
+    stale = [k for k in group.buckets if k < oldest]
+    for k in stale:
+        del group.buckets[k]
+        del group.bucket_step_counts[k]
+    if stale or group.window_sum is None:
+        group.window_sum = _frozen(np.sum(list(group.buckets.values()), axis=0))
+    else:
+        group.window_sum = _frozen(group.window_sum + load)
+    group.last_step_end = step_end
+    group.window_dirty = True
+
+
+def _reset_observed(group: Group) -> None:
+    shape = (group.layout.n_layers, group.layout.n_logical)
+    group.observed_sum = _frozen(np.zeros(shape))
+    group.observed_per_layer = np.ones(group.layout.n_layers)
+    group.observed_moe_lb = 1.0
+    m.MOE_LB_OBSERVED.labels(group.group_id).set(1.0)
+
+
+def _update_observed(group: Group) -> None:
+    assert group.observed_sum is not None
+    placement = group.current.placement
+    w = group.observed_sum
+    top = float(w.max()) if w.size else 0.0
+    if top > 0:
+        w = w / top
+    per_layer, overall = moe_lb_of_gpu_loads(gpu_loads(w, placement.phy2log, placement.ep_size))
+    group.observed_per_layer = per_layer
+    group.observed_moe_lb = overall
+    m.MOE_LB_OBSERVED.labels(group.group_id).set(overall)
+
+
+def _restore_window(group: Group, w: store.RestoredWindow) -> None:
+    """Put a window read from its file (already checked) into a new group."""
+    group.buckets = dict(w.buckets)
+    group.bucket_step_counts = dict(w.step_counts)
+    group.window_sum = (
+        _frozen(np.sum(list(group.buckets.values()), axis=0)) if group.buckets else None
+    )
+    group.last_step_end = w.last_step_end
+    group.steps_since_rebalance = w.steps_since_rebalance
+    if w.observed is not None:
+        group.observed_sum = w.observed
+        _update_observed(group)
+    m.WINDOW_STEPS.labels(group.group_id).set(group.window_steps)
+
+
+def _log_kept(job: RebalanceJob, result: RebalanceResult, group: Group, before: float) -> None:
+    # one line per rebalance that kept the map: operators see the periodic job ran
+    log.info(
+        "eplb_map_unchanged",
+        group=job.group_id,
+        version=group.current.version,
+        algorithm=result.algorithm,
+        trigger=job.trigger,
+        moe_lb_current=round(before, 5),
+        moe_lb_predicted=round(result.after.overall, 5),
+        noise_threshold=round(result.noise_threshold, 6),
+    )
+
+
+def _log_changed(job: RebalanceJob, result: RebalanceResult, new: MapVersion) -> None:
+    mig = result.migration
+    m.MAP_VERSION.labels(job.group_id).set(new.version)
+    m.SLOTS_CHANGED.labels(job.group_id).inc(mig.slots_changed)
+    m.COPIES_RECEIVED.labels(job.group_id).inc(mig.copies_received)
+    m.MOVED_BYTES.labels(job.group_id).inc(mig.bytes_moved)
+    log.info(
+        "eplb_map_changed",
+        group=job.group_id,
+        version=new.version,
+        algorithm=result.algorithm,
+        trigger=job.trigger,
+        moe_lb_before=round(new.predicted_before, 5),
+        moe_lb_after=round(result.after.overall, 5),
+        noise_threshold=round(result.noise_threshold, 6),
+        slots_changed=mig.slots_changed,
+        bytes_moved=mig.bytes_moved,
+    )
+
+
+def _first_version(placement: PlacementMap) -> MapVersion:
+    return MapVersion(
+        version=1,
+        placement=placement,
+        algorithm=INITIAL,
+        predicted_moe_lb=1.0,
+        predicted_before=1.0,
+        migration=Migration(0, 0, 0, placement.phy2log.size),
+    )
+
+
 class EplbState:
     """All EP groups of the daemon (event loop only; file I/O in worker threads)."""
 
@@ -259,20 +484,15 @@ class EplbState:
         self.settings = settings
         self.max_message_bytes = max_message_bytes
         self.groups: dict[str, Group] = {}
-        self._io: asyncio.Lock | None = None
-        if settings.snapshot_path:
-            self._restore(Path(settings.snapshot_path))
+        self._store = store.Writer(lambda: self.directory)
+        if self.directory is not None:
+            self._restore(self.directory)
 
     @property
     def directory(self) -> Path | None:
         """The snapshot directory (None without ``snapshot_path``)."""
         path = self.settings.snapshot_path
         return Path(path) if path else None
-
-    def _io_lock(self) -> asyncio.Lock:
-        if self._io is None:
-            self._io = asyncio.Lock()
-        return self._io
 
     # -- settings ------------------------------------------------------------------------
 
@@ -307,85 +527,23 @@ class EplbState:
     # -- groups --------------------------------------------------------------------------
 
     def _new_group(self, group_id: str, layout: GroupLayout, first: MapVersion) -> Group:
-        bucket = max(1, math.ceil(layout.window_steps / self.settings.window_buckets))
+        bucket, n_buckets = store.bucket_geometry(layout.window_steps, self.settings.window_buckets)
         g = Group(
             group_id=group_id,
             layout=layout,
             history=deque([first], maxlen=self.settings.history_versions),
             bucket_steps=bucket,
-            window_buckets=math.ceil(layout.window_steps / bucket),
+            window_buckets=n_buckets,
             generation=next(_GENERATIONS),
         )
-        self._reset_observed(g)
+        _reset_observed(g)
         return g
 
     def make_layout(self, spec: GroupSpec) -> GroupLayout:
-        """The resolved layout of a registration (validated against the bounds, including
-        that a map reply fits in ``server.max_message_bytes``)."""
-        s = self.settings
-        for name, value, hi in (
-            ("ep_size", spec.ep_size, s.max_ep_size),
-            ("num_layers", spec.n_layers, s.max_layers),
-            ("num_experts", spec.n_logical, s.max_experts),
-        ):
-            if not 1 <= value <= hi:
-                raise InvalidArgument(name, f"must be in [1, {hi}], got {value}")
-        if spec.expert_bytes <= 0:
-            raise InvalidArgument("expert_bytes", "must be > 0")
-        try:
-            layout = make_layout(
-                spec.role,
-                spec.ep_size,
-                spec.n_layers,
-                spec.n_logical,
-                gpus_per_node=spec.gpus_per_node,
-                n_groups=spec.n_groups,
-                expert_bytes=spec.expert_bytes,
-                redundant_per_gpu=spec.redundant_per_gpu,
-                window_steps=spec.window_steps,
-                period_steps=spec.period_steps,
-            )
-        except ValueError as err:
-            raise _layout_error(err) from None
-        if layout.n_physical > 4 * s.max_experts:
-            raise InvalidArgument("redundant_per_gpu", "too many physical slots per layer")
-        need = reply_bytes_bound(layout)
-        if need > self.max_message_bytes:
-            raise InvalidArgument(
-                "num_layers",
-                f"a map of this group takes up to {need} bytes, over the "
-                f"{self.max_message_bytes}-byte message limit (server.max_message_bytes)",
-            )
-        return layout
+        """:func:`resolve_layout` under this state's settings."""
+        return resolve_layout(self.settings, spec, self.max_message_bytes)
 
-    @staticmethod
-    def check_initial(layout: GroupLayout, initial: I64) -> PlacementMap:
-        """The initial map as a PlacementMap, or InvalidArgument; cost O(layers x slots)
-        before anything of the map's own size is built."""
-        want = (layout.n_layers, layout.n_physical)
-        if initial.shape != want:
-            raise InvalidArgument(
-                "initial_map.shape", f"must be {list(want)}, got {list(initial.shape)}"
-            )
-        if initial.size and (int(initial.min()) < 0 or int(initial.max()) >= layout.n_logical):
-            raise InvalidArgument("initial_map", f"expert ids must lie in [0, {layout.n_logical})")
-        per_gpu = np.sort(
-            initial.reshape(layout.n_layers, layout.ep_size, layout.slots_per_gpu), axis=-1
-        )
-        if (per_gpu[..., 1:] == per_gpu[..., :-1]).any():
-            raise InvalidArgument("initial_map", "two replicas of one expert on one GPU")
-        rows = np.arange(layout.n_layers)[:, None]
-        counts = np.bincount(
-            (rows * layout.n_logical + initial).ravel(),
-            minlength=layout.n_layers * layout.n_logical,
-        )
-        if (counts == 0).any():
-            raise InvalidArgument("initial_map", "every logical expert needs a slot")
-        placement = PlacementMap.from_phy2log(initial, layout.ep_size, layout.n_logical)
-        problems = map_problems(layout, placement, no_colocation=True, node_limited=True)
-        if problems:
-            raise InvalidArgument("initial_map", problems[0])
-        return placement
+    check_initial = staticmethod(check_initial)
 
     async def register(self, spec: GroupSpec, initial: I64 | None) -> tuple[Group, bool]:
         """Create a group (or return the existing one with the same layout).
@@ -401,21 +559,14 @@ class EplbState:
         existing = self._existing(spec.group_id, layout)
         if existing is not None:
             return existing, False
-        placement = identity_map(layout) if initial is None else self.check_initial(layout, initial)
-        first = MapVersion(
-            version=1,
-            placement=placement,
-            algorithm=INITIAL,
-            predicted_moe_lb=1.0,
-            predicted_before=1.0,
-            migration=Migration(0, 0, 0, placement.phy2log.size),
-        )
+        placement = identity_map(layout) if initial is None else check_initial(layout, initial)
+        first = _first_version(placement)
         group = self._new_group(spec.group_id, layout, first)
-        async with self._io_lock():
+        async with self._store.lock():
             existing = self._existing(spec.group_id, layout)  # re-check after the wait
             if existing is not None:
                 return existing, False
-            await self._write(store.write_map, _map_record(group, first))
+            await self._store.write(store.write_map, _map_record(group, first))
         self.groups[spec.group_id] = group
         m.GROUPS.set(len(self.groups))
         m.MAP_VERSION.labels(spec.group_id).set(1)
@@ -446,31 +597,15 @@ class EplbState:
     async def deregister(self, group_id: str) -> None:
         """Forget a group (NotFound if unknown); open watches end."""
         self.get(group_id)
-        async with self._io_lock():
+        async with self._store.lock():
             group = self.get(group_id)  # re-check after the wait
-            await self._write(store.remove_group, group_id)
+            await self._store.write(store.remove_group, group_id)
         del self.groups[group_id]
         group.deleted = True
         group.notify()
         m.GROUPS.set(len(self.groups))
         m.forget_group(group_id)
         log.info("eplb_group_deregistered", group=group_id, generation=group.generation)
-
-    async def _write(self, fn: Any, arg: Any) -> None:
-        """Run a store write in a worker thread (nothing without a snapshot directory);
-        Unavailable when it fails."""
-        directory = self.directory
-        if directory is None:
-            return
-        try:
-            await asyncio.to_thread(fn, directory, arg)
-        except OSError as err:
-            m.SNAPSHOT_WRITES.labels("failed").inc()
-            log.error("eplb_snapshot_failed", path=str(directory), error=str(err))
-            raise Unavailable(
-                f"eplb: cannot write the snapshot in {directory} ({err.strerror})"
-            ) from None
-        m.SNAPSHOT_WRITES.labels("ok").inc()
 
     def get(self, group_id: str) -> Group:
         """The group, or NotFound."""
@@ -504,94 +639,27 @@ class EplbState:
             load: shape (layers, experts), tokens per logical expert, float64.
         """
         group = self.get(group_id)
-        layout = group.layout
-        current = group.current.version
-        if map_version == 0:
-            raise InvalidArgument("map_version", "must be set (the version in force)")
-        if map_version not in (current, current - 1):
-            raise FailedPrecondition(
-                f"map_version: {map_version} is neither the map in force (version "
-                f"{current}) nor the one before it; fetch it and report under it"
-            )
-        if step_end <= step_begin:
-            raise InvalidArgument("step_end", f"must be > step_begin ({step_begin})")
-        if step_end > MAX_I64:
-            raise InvalidArgument("step_end", f"must be in [1, 2^63-1], got {step_end}")
-        limit = self.settings.max_report_steps
-        if step_end - step_begin > limit:
-            raise InvalidArgument(
-                "step_end",
-                f"step_end - step_begin must be in [1, {limit}] (eplb.max_report_steps), "
-                f"got {step_end - step_begin}",
-            )
-        if step_begin < group.last_step_end:
-            raise FailedPrecondition(
-                f"step_begin: {step_begin} is before the end of the previous report "
-                f"({group.last_step_end}); step ranges must not go backwards"
-            )
-        want = (layout.n_layers, layout.n_logical)
-        if load.shape != want:
-            raise InvalidArgument("load.shape", f"must be {list(want)}, got {list(load.shape)}")
-        if not np.isfinite(load).all():
-            raise InvalidArgument("load", "values must be finite")
-        if (load < 0).any():
-            raise InvalidArgument("load", "values must be >= 0")
-        if (load > MAX_EXACT_FLOAT).any():
-            raise InvalidArgument("load", "values must be in [0, 2^53]")
+        _check_report(self.settings, group, map_version, step_begin, step_end, load)
         # -- valid: mutate (arrays are replaced, never changed in place)
         load = np.array(load, dtype=np.float64)
         load.setflags(write=False)
-        idx = (step_end - 1) // group.bucket_steps
-        bucket = group.buckets.get(idx)
-        group.buckets[idx] = load if bucket is None else _frozen(bucket + load)
-        group.bucket_step_counts[idx] = group.bucket_step_counts.get(idx, 0) + (
-            step_end - step_begin
-        )
-        oldest = idx - group.window_buckets + 1
-        stale = [k for k in group.buckets if k < oldest]
-        for k in stale:
-            del group.buckets[k]
-            del group.bucket_step_counts[k]
-        if stale or group.window_sum is None:
-            group.window_sum = _frozen(np.sum(list(group.buckets.values()), axis=0))
-        else:
-            group.window_sum = _frozen(group.window_sum + load)
-        group.last_step_end = step_end
-        group.window_dirty = True
+        _add_to_window(group, step_begin, step_end, load)
         steps = step_end - step_begin
         group.steps_since_rebalance += steps
         assert group.observed_sum is not None
         group.observed_sum = _frozen(group.observed_sum + load)
-        self._update_observed(group)
+        _update_observed(group)
         m.REPORTED_STEPS.labels(group_id).inc(steps)
         m.WINDOW_STEPS.labels(group_id).set(group.window_steps)
+        current = group.current.version
         return ReportOutcome(
             map_version=current,
             counted_version=current,
             observed_moe_lb=group.observed_moe_lb,
-            due=group.steps_since_rebalance >= layout.period_steps,
+            due=group.steps_since_rebalance >= group.layout.period_steps,
             window_steps=group.window_steps,
             steps_to_rebalance=group.steps_to_rebalance,
         )
-
-    def _reset_observed(self, group: Group) -> None:
-        shape = (group.layout.n_layers, group.layout.n_logical)
-        group.observed_sum = _frozen(np.zeros(shape))
-        group.observed_per_layer = np.ones(group.layout.n_layers)
-        group.observed_moe_lb = 1.0
-        m.MOE_LB_OBSERVED.labels(group.group_id).set(1.0)
-
-    def _update_observed(self, group: Group) -> None:
-        assert group.observed_sum is not None
-        placement = group.current.placement
-        w = group.observed_sum
-        top = float(w.max()) if w.size else 0.0
-        if top > 0:
-            w = w / top
-        per_layer, overall = moe_lb_of_gpu_loads(gpu_loads(w, placement.phy2log, placement.ep_size))
-        group.observed_per_layer = per_layer
-        group.observed_moe_lb = overall
-        m.MOE_LB_OBSERVED.labels(group.group_id).set(overall)
 
     # -- rebalance -----------------------------------------------------------------------
 
@@ -644,6 +712,36 @@ class EplbState:
                 f"group_id: {job.group_id!r} was deregistered or registered again during "
                 "the rebalance"
             )
+        kept = self._kept(group, job, result)
+        if kept is not None:
+            return kept
+        before = result.before.overall if result.before is not None else 1.0
+        new = MapVersion(
+            version=group.current.version + 1,
+            placement=result.placement,
+            algorithm=result.algorithm,
+            predicted_moe_lb=result.after.overall,
+            predicted_before=before,
+            migration=result.migration,
+        )
+        async with self._store.lock():
+            if self._same(job) is not group:  # changed while waiting for the writer
+                now = self.groups.get(job.group_id)
+                return CommitOutcome("stale", job.previous if now is None else now.current)
+            await self._store.write(store.write_map, _map_record(group, new))
+        group.history.append(new)
+        self._restart_period(group, job)
+        group.rebalances += 1
+        _reset_observed(group)
+        _log_changed(job, result, new)
+        group.notify()
+        return CommitOutcome("applied", new)
+
+    def _kept(
+        self, group: Group, job: RebalanceJob, result: RebalanceResult
+    ) -> CommitOutcome | None:
+        """The outcome of a commit that keeps the map (stale, invalid, unchanged), or None
+        when the result is to be put in force."""
         if group.current.version != job.previous.version:
             self._restart_period(group, job)
             return CommitOutcome("stale", group.current)  # another rebalance won
@@ -664,54 +762,9 @@ class EplbState:
         m.NOISE_THRESHOLD.labels(job.group_id).set(result.noise_threshold)
         if result.placement.same_as(job.previous.placement):
             self._restart_period(group, job)
-            # one line per rebalance that kept the map: operators see the periodic job ran
-            log.info(
-                "eplb_map_unchanged",
-                group=job.group_id,
-                version=group.current.version,
-                algorithm=result.algorithm,
-                trigger=job.trigger,
-                moe_lb_current=round(before, 5),
-                moe_lb_predicted=round(result.after.overall, 5),
-                noise_threshold=round(result.noise_threshold, 6),
-            )
+            _log_kept(job, result, group, before)
             return CommitOutcome("unchanged", group.current)
-        new = MapVersion(
-            version=group.current.version + 1,
-            placement=result.placement,
-            algorithm=result.algorithm,
-            predicted_moe_lb=result.after.overall,
-            predicted_before=before,
-            migration=result.migration,
-        )
-        async with self._io_lock():
-            if self._same(job) is not group:  # changed while waiting for the writer
-                now = self.groups.get(job.group_id)
-                return CommitOutcome("stale", job.previous if now is None else now.current)
-            await self._write(store.write_map, _map_record(group, new))
-        group.history.append(new)
-        self._restart_period(group, job)
-        group.rebalances += 1
-        self._reset_observed(group)
-        mig = result.migration
-        m.MAP_VERSION.labels(job.group_id).set(new.version)
-        m.SLOTS_CHANGED.labels(job.group_id).inc(mig.slots_changed)
-        m.COPIES_RECEIVED.labels(job.group_id).inc(mig.copies_received)
-        m.MOVED_BYTES.labels(job.group_id).inc(mig.bytes_moved)
-        log.info(
-            "eplb_map_changed",
-            group=job.group_id,
-            version=new.version,
-            algorithm=result.algorithm,
-            trigger=job.trigger,
-            moe_lb_before=round(before, 5),
-            moe_lb_after=round(result.after.overall, 5),
-            noise_threshold=round(result.noise_threshold, 6),
-            slots_changed=mig.slots_changed,
-            bytes_moved=mig.bytes_moved,
-        )
-        group.notify()
-        return CommitOutcome("applied", new)
+        return None
 
     def _restart_period(self, group: Group, job: RebalanceJob) -> None:
         """The period counts again from the rebalance's start; steps reported while it was
@@ -721,19 +774,6 @@ class EplbState:
 
     # -- window snapshot -----------------------------------------------------------------
 
-    def _window_record(self, g: Group) -> store.WindowRecord:
-        keys = sorted(g.buckets)
-        return store.WindowRecord(
-            group_id=g.group_id,
-            layout=g.layout,
-            version=g.current.version,
-            bucket_steps=g.bucket_steps,
-            buckets=tuple((k, g.bucket_step_counts[k], g.buckets[k]) for k in keys),
-            last_step_end=g.last_step_end,
-            steps_since_rebalance=g.steps_since_rebalance,
-            observed=g.observed_sum,
-        )
-
     async def save_window(self) -> int:
         """Write the window file of every group whose window changed since its last write
         (in a worker thread, one group at a time). Returns how many were written; a
@@ -741,13 +781,13 @@ class EplbState:
         if self.directory is None:
             return 0
         written = 0
-        async with self._io_lock():
+        async with self._store.lock():
             for g in [g for g in self.groups.values() if g.window_dirty]:
                 if self.groups.get(g.group_id) is not g:
                     continue  # deregistered meanwhile: its files are gone
                 g.window_dirty = False
                 try:
-                    await self._write(store.write_window, self._window_record(g))
+                    await self._store.write(store.write_window, _window_record(g))
                 except Unavailable:
                     g.window_dirty = True
                     continue
@@ -756,146 +796,35 @@ class EplbState:
 
     def save_window_now(self) -> int:
         """:meth:`save_window` blocking the caller (drain only, when no call is served)."""
-        directory = self.directory
-        if directory is None:
-            return 0
         written = 0
         for g in list(self.groups.values()):
-            if not g.window_dirty:
-                continue
-            try:
-                store.write_window(directory, self._window_record(g))
-            except OSError as err:
-                m.SNAPSHOT_WRITES.labels("failed").inc()
-                log.error("eplb_window_snapshot_failed", group=g.group_id, error=str(err))
-                continue
-            m.SNAPSHOT_WRITES.labels("ok").inc()
-            g.window_dirty = False
-            written += 1
+            if g.window_dirty and self._store.write_now(_window_record(g)):
+                g.window_dirty = False
+                written += 1
         return written
 
     # -- restore -------------------------------------------------------------------------
 
     def _restore(self, directory: Path) -> None:
-        """Read every group's files (module docstring); never raises."""
-        if directory.exists() and not directory.is_dir():
-            try:
-                n = store.convert_v1(directory)
-                log.info("eplb_snapshot_converted", path=str(directory), groups=n)
-            except (OSError, ValueError, KeyError, TypeError) as err:
-                aside = store.move_aside(directory)
-                log.error(
-                    "eplb_snapshot_unreadable",
-                    path=str(directory),
-                    moved_to=str(aside),
-                    error=f"snapshot_path must be a directory or a format-1 file ({err})",
-                )
-                return
-        if not directory.exists():
-            return
-        removed = store.clean_tmp(directory)
-        if removed:
-            log.info("eplb_snapshot_tmp_removed", path=str(directory), files=removed)
-        for path, doc in store.read_map_files(directory):
-            try:
-                if isinstance(doc, Exception):
-                    raise doc
-                group = self._group_from_doc(doc)
-                if path.name != store.group_key(group.group_id) + store.MAP_SUFFIX:
-                    raise ValueError("file name does not match its group id")
-                if group.group_id in self.groups:
-                    raise ValueError(f"group {group.group_id!r} appears twice")
-            except (OSError, ValueError, KeyError, TypeError) as err:
-                aside = store.move_aside(path)
-                log.error(
-                    "eplb_snapshot_group_unreadable",
-                    path=str(path),
-                    moved_to=str(aside),
-                    error=str(err),
-                )
-                continue
-            if len(self.groups) >= self.settings.max_groups:
-                aside = store.move_aside(path, ".excess")
-                log.error(
-                    "eplb_snapshot_group_over_limit",
-                    group=group.group_id,
-                    moved_to=str(aside),
-                    limit=self.settings.max_groups,
-                )
-                continue
-            self.groups[group.group_id] = group
-            self._restore_window(directory, group)
-        m.GROUPS.set(len(self.groups))
-        for g in self.groups.values():
-            m.MAP_VERSION.labels(g.group_id).set(g.current.version)
-        log.info("eplb_snapshot_restored", path=str(directory), groups=len(self.groups))
-
-    def _group_from_doc(self, doc: dict[str, Any]) -> Group:
-        layout, phy2log = store.decode_map(doc)
-        placement = PlacementMap.from_phy2log(phy2log, layout.ep_size, layout.n_logical)
-        problems = map_problems(layout, placement, no_colocation=False, node_limited=False)
-        if problems:
-            raise ValueError(f"group {doc.get('group_id')!r}: {problems[0]}")
-        version = int(doc["version"])
-        if version < 1:
-            raise ValueError(f"version must be >= 1, got {version}")
-        first = MapVersion(
-            version=version,
-            placement=placement,
-            algorithm=str(doc["algorithm"]),
-            predicted_moe_lb=float(doc["predicted_moe_lb"]),
-            predicted_before=float(doc["predicted_before"]),
-            migration=Migration(0, 0, 0, placement.phy2log.size),
-        )
-        return self._new_group(str(doc["group_id"]), layout, first)
-
-    def _restore_window(self, directory: Path, group: Group) -> None:
-        path = store.window_path(directory, group.group_id)
-        try:
-            got = store.read_window(directory, group.group_id)
-            if got is None:
-                return
-            meta, arrays = got
-            if (
-                str(meta["group_id"]) != group.group_id
-                or GroupLayout(**meta["layout"]) != group.layout
-                or int(meta["bucket_steps"]) != group.bucket_steps
-            ):
-                log.info("eplb_window_ignored", group=group.group_id, reason="another shape")
-                return
-            shape = (group.layout.n_layers, group.layout.n_logical)
-            keys = [int(k) for k in meta["buckets"]]
-            counts = [int(n) for n in meta["bucket_step_counts"]]
-            if len(keys) != len(counts) or len(keys) > group.window_buckets:
-                raise ValueError("bucket lists do not match")
-            buckets = {k: arrays[f"b{k}"] for k in keys}
-            observed = None
-            if int(meta["version"]) == group.current.version and "observed" in arrays:
-                observed = arrays["observed"]
-            for a in (*buckets.values(), *([] if observed is None else [observed])):
-                if a.shape != shape or not np.isfinite(a).all() or (a < 0).any():
-                    raise ValueError("bad window array")
-            last_end = int(meta["last_step_end"])
-            since = int(meta["steps_since_rebalance"])
-            if not (0 <= last_end <= MAX_I64 and 0 <= since <= MAX_I64):
-                raise ValueError("step counters out of range")
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            aside = store.move_aside(path)
-            log.error(
-                "eplb_window_unreadable", group=group.group_id, moved_to=str(aside), error=str(err)
+        """Every group ``state.eplb_store.restore`` reads back (module docstring); never
+        raises for what the files hold."""
+        s = self.settings
+        found = store.restore(directory, max_groups=s.max_groups, window_buckets=s.window_buckets)
+        for rg in found:
+            first = MapVersion(
+                version=rg.version,
+                placement=rg.placement,
+                algorithm=rg.algorithm,
+                predicted_moe_lb=rg.predicted_moe_lb,
+                predicted_before=rg.predicted_before,
+                migration=Migration(0, 0, 0, rg.placement.phy2log.size),
             )
-            return
-        group.buckets = {k: _frozen(a) for k, a in buckets.items()}
-        group.bucket_step_counts = dict(zip(keys, counts, strict=True))
-        group.window_sum = (
-            _frozen(np.sum(list(group.buckets.values()), axis=0)) if group.buckets else None
-        )
-        group.last_step_end = last_end
-        group.steps_since_rebalance = since
-        if observed is not None:
-            group.observed_sum = _frozen(observed)
-            self._update_observed(group)
-        m.WINDOW_STEPS.labels(group.group_id).set(group.window_steps)
+            group = self._new_group(rg.group_id, rg.layout, first)
+            if rg.window is not None:
+                _restore_window(group, rg.window)
+            self.groups[group.group_id] = group
+            m.MAP_VERSION.labels(group.group_id).set(group.current.version)
+        m.GROUPS.set(len(self.groups))
 
 
 def _frozen(a: F64) -> F64:
