@@ -41,6 +41,7 @@ from fulcrum.core.decode import (
     Allowed,
     FleetView,
     NoCapacity,
+    branches,
     close_range,
     imbalance,
     make_policy,
@@ -163,7 +164,9 @@ class DecodeState:
         keys the decision path increments (plain ints: no lock, no label lookup)."""
         name = self._policy.name
         c = self._counts
-        self._k_placed = {b: (name, b, "placed") for b in ("", "short", "long")}
+        # "" and the branch labels the policy declares (dual: short, long).
+        labels = dict.fromkeys(("", *branches(name)))
+        self._k_placed = {b: (name, b, "placed") for b in labels}
         self._k_refused = {o: (name, "", o) for o in metrics.PLACE_OUTCOMES[1:]}
         for key in (*self._k_placed.values(), *self._k_refused.values()):
             c.placements.setdefault(key, 0)

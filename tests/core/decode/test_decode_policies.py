@@ -9,15 +9,19 @@ from fulcrum.core.decode import (
     DEFAULT_POLICY,
     POLICY_NAMES,
     Decision,
-    DecodeParams,
+    DualParams,
     FleetView,
     NoCapacity,
+    StepTimeParams,
     dual,
     make_policy,
+    params_for,
     power_of_two,
     round_robin,
     step_time,
 )
+
+DUAL_FIELDS = {"long_factor", "long_tokens", "short_slack"}
 
 RNG_SEED = 7
 
@@ -28,7 +32,7 @@ def view(conc: list[int], kv: list[int], *, mc: int = 64, mk: int = 1_000_000) -
 
 
 def pick(name: str, v: FleetView, kv_tokens: int, **params: float) -> Decision:
-    policy = make_policy(name, DecodeParams(**params))  # type: ignore[arg-type]
+    policy = make_policy(name, params_for(name, params))
     d = policy.select(v, kv_tokens, np.random.default_rng(RNG_SEED))
     assert isinstance(d, Decision), d
     return d
@@ -56,7 +60,7 @@ def test_registry_names_and_default() -> None:
 )
 def test_params_validation(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
-        DecodeParams(**{field: value})  # type: ignore[arg-type]
+        DualParams(**{field: value}) if field in DUAL_FIELDS else StepTimeParams(**{field: value})  # type: ignore[arg-type]
 
 
 # --- dual ------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from fulcrum.core.decode import (
     POLICY_NAMES,
     Decision,
-    DecodeParams,
     FleetView,
     NoCapacity,
     commit,
@@ -27,6 +26,7 @@ from fulcrum.core.decode import (
     grow,
     make_policy,
     observe,
+    params_for,
     release,
     set_live,
     write_gpu,
@@ -56,10 +56,12 @@ def test_matches_reference(
     long_tokens: int,
     cursor: int,
 ) -> None:
-    params = DecodeParams(
+    params = dict(
         long_factor=factor, long_tokens=long_tokens, short_slack=slack, d1_ns=3.0, d2_ns=0.25
     )
-    out = make_policy(name, params).select(view, kv_tokens, np.random.default_rng(0), cursor)
+    out = make_policy(name, params_for(name, params)).select(
+        view, kv_tokens, np.random.default_rng(0), cursor
+    )
     want = expected(
         name,
         view,

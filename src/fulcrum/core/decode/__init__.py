@@ -3,6 +3,7 @@
 See SPEC.md section 4: balance per-GPU concurrency AND per-GPU total KV length.
 """
 
+from fulcrum.core.decode.dual import DualParams
 from fulcrum.core.decode.filters import (
     Allowed,
     check_allowed,
@@ -11,8 +12,16 @@ from fulcrum.core.decode.filters import (
     restrict,
     select_allowed,
 )
-from fulcrum.core.decode.policy import DecodeParams, DecodePolicy
-from fulcrum.core.decode.registry import DEFAULT_POLICY, POLICY_NAMES, REGISTRY, make_policy
+from fulcrum.core.decode.policy import DecodePolicy
+from fulcrum.core.decode.registry import (
+    DEFAULT_POLICY,
+    POLICY_NAMES,
+    REGISTRY,
+    branches,
+    make_policy,
+    params_for,
+)
+from fulcrum.core.decode.step_time import StepTimeParams
 from fulcrum.core.decode.view import (
     Decision,
     FleetView,
@@ -38,11 +47,13 @@ __all__ = [
     "REGISTRY",
     "Allowed",
     "Decision",
-    "DecodeParams",
     "DecodePolicy",
+    "DualParams",
     "FleetView",
     "GpuWriter",
     "NoCapacity",
+    "StepTimeParams",
+    "branches",
     "check_allowed",
     "close_range",
     "commit",
@@ -54,6 +65,7 @@ __all__ = [
     "no_capacity",
     "observe",
     "open_range",
+    "params_for",
     "release",
     "resized",
     "restrict",
