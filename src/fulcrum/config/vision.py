@@ -6,14 +6,24 @@ them to the next call (none is restart-only).
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Any, ClassVar
 
-from fulcrum.config.base import Section
+from pydantic import Field
+
+from fulcrum.config.policies import PolicySection, policy_fields
 from fulcrum.core.vision.registry import DEFAULT_POLICY, REGISTRY
 
 
-class VisionSettings(Section):
-    """The vision balancer: image patches in flight on VE GPUs."""
+class VisionSettings(PolicySection):
+    """The vision balancer: image patches in flight on VE GPUs.
+
+    ``vision.policy`` is a name of :data:`fulcrum.core.vision.registry.REGISTRY`; a
+    policy with parameters would have its section ``vision.<policy>.*`` (the shipped ones
+    take none).
+    """
+
+    REGISTRY: ClassVar = REGISTRY
+    NOUN: ClassVar[str] = "VE policy"
 
     policy: str = Field(
         DEFAULT_POLICY,
@@ -23,6 +33,9 @@ class VisionSettings(Section):
             "two random machines) or least_patches (globally least-loaded GPU)"
         ),
     )
+    for _name, (_section, _field) in policy_fields(REGISTRY).items():
+        __annotations__[_name] = _section
+        vars()[_name] = _field
     patch_size: int = Field(
         16, ge=1, le=4096, description="patch side used when an image gives none, pixels"
     )
@@ -62,9 +75,6 @@ class VisionSettings(Section):
         ),
     )
 
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, value: str) -> str:
-        if value not in REGISTRY:
-            raise ValueError(f"unknown VE policy {value!r}; known: {', '.join(sorted(REGISTRY))}")
-        return value
+    def params(self) -> Any:
+        """The parameter dataclass of the policy in force (``NoParams`` when it has none)."""
+        return self.policy_params()

@@ -124,7 +124,7 @@ class VisionState:
             settings.sweep_interval_ms,
         )
         self._settings = settings
-        self._policy: VisionPolicy = make_policy(settings.policy)
+        self._policy: VisionPolicy = make_policy(settings.policy, settings.params())
         self._counts = metrics.VisionCounts()
         self._figures = MemberFigureCache()
         self._bind_metrics()
@@ -195,7 +195,7 @@ class VisionState:
         lease, table bound, sweep period and metrics bound apply to the next call;
         placements already held keep their deadline."""
         if settings.policy != self._policy.name:
-            self._policy = make_policy(settings.policy)
+            self._policy = make_policy(settings.policy, settings.params())
             self._bind_metrics()
         self._settings = settings
         self._leases.configure(
