@@ -35,11 +35,10 @@ from fulcrum.core.decode import (
     Decision,
     DecodeParams,
     FleetView,
-    commit,
     imbalance,
     make_policy,
-    release,
 )
+from fulcrum.core.decode.copies import commit, release
 from fulcrum.core.types import DecodeInstanceShape, Member, MemberKind
 from fulcrum.logs import configure as configure_logs
 from fulcrum.state.decode import DecodeState

@@ -50,8 +50,9 @@ from fulcrum.core.decode import (
     select_allowed,
     write_range,
 )
+from fulcrum.core.decode.keys import MAX_CONCURRENCY_LIMIT, MAX_KV_LIMIT
 from fulcrum.core.decode.policy import DecodePolicy
-from fulcrum.core.decode.view import MAX_CONCURRENCY_LIMIT, MAX_KV_LIMIT, GpuWriter
+from fulcrum.core.decode.writers import GpuWriter
 from fulcrum.core.types import DecodeInstanceLoad, DecodeInstanceShape, Member, MemberLoad
 from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.metrics import decode as metrics

@@ -23,11 +23,11 @@ from fulcrum.core.decode import (
     Decision,
     FleetView,
     NoCapacity,
-    copy_view,
     make_policy,
     params_for,
     select_allowed,
 )
+from fulcrum.core.decode.copies import copy_view
 
 DETERMINISTIC = [n for n in POLICY_NAMES if n != "power_of_two"]
 PARAMS = {"long_factor": 1.5, "long_tokens": 800, "short_slack": 1, "d1_ns": 3.0, "d2_ns": 0.25}

@@ -251,7 +251,7 @@ def test_every_policy_rejects_non_positive_kv(name: str) -> None:
 def test_dual_steers_long_requests_away_from_gpus_full_of_long_ones() -> None:
     # SPEC section 9, last row: GPUs 0-1 hold a few long requests (lots of KV, few
     # requests), GPUs 2-3 many short ones. Later long requests go to 2-3 until KV evens out.
-    from fulcrum.core.decode import commit
+    from fulcrum.core.decode.copies import commit
 
     v = view([6, 6, 30, 30], [600_000, 600_000, 50_000, 50_000])
     p = make_policy("dual")

@@ -21,17 +21,12 @@ from fulcrum.core.decode import (
     Decision,
     FleetView,
     NoCapacity,
-    commit,
-    copy_view,
-    grow,
     make_policy,
-    observe,
     params_for,
-    release,
-    set_live,
     write_gpu,
     write_range,
 )
+from fulcrum.core.decode.copies import commit, copy_view, grow, observe, release, set_live
 
 DETERMINISTIC = [n for n in POLICY_NAMES if n != "power_of_two"]
 kv_sizes = st.integers(min_value=1, max_value=2_500)

@@ -18,12 +18,11 @@ from fulcrum.core.decode import (
     POLICY_NAMES,
     FleetView,
     NoCapacity,
-    commit,
     imbalance,
     make_policy,
     params_for,
-    release,
 )
+from fulcrum.core.decode.copies import commit, release
 
 
 @dataclass(frozen=True)

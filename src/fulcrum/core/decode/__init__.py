@@ -4,6 +4,7 @@ See SPEC.md section 4: balance per-GPU concurrency AND per-GPU total KV length.
 """
 
 from fulcrum.core.decode.dual import DualParams
+from fulcrum.core.decode.fallbacks import best_slots
 from fulcrum.core.decode.filters import (
     Allowed,
     check_allowed,
@@ -22,21 +23,12 @@ from fulcrum.core.decode.registry import (
     params_for,
 )
 from fulcrum.core.decode.step_time import StepTimeParams
-from fulcrum.core.decode.view import (
-    Decision,
-    FleetView,
+from fulcrum.core.decode.view import Decision, FleetView, NoCapacity, imbalance
+from fulcrum.core.decode.writers import (
     GpuWriter,
-    NoCapacity,
     close_range,
-    commit,
-    copy_view,
-    grow,
-    imbalance,
-    observe,
     open_range,
-    release,
     resized,
-    set_live,
     write_gpu,
     write_range,
 )
@@ -53,24 +45,19 @@ __all__ = [
     "GpuWriter",
     "NoCapacity",
     "StepTimeParams",
+    "best_slots",
     "branches",
     "check_allowed",
     "close_range",
-    "commit",
-    "copy_view",
     "eligible",
-    "grow",
     "imbalance",
     "make_policy",
     "no_capacity",
-    "observe",
     "open_range",
     "params_for",
-    "release",
     "resized",
     "restrict",
     "select_allowed",
-    "set_live",
     "write_gpu",
     "write_range",
 ]
