@@ -39,6 +39,7 @@ import structlog
 from fulcrum.config.decode import DecodeSettings
 from fulcrum.core.decode import (
     Allowed,
+    Decision,
     FleetView,
     NoCapacity,
     branches,
@@ -258,12 +259,9 @@ class DecodeState:
         ResourceExhausted (table full, or no (allowed) GPU fits); a refused call changes
         nothing except expiring due leases and dropping lapsed instances.
         """
-        counts = self._counts.placements
         if not 1 <= kv_tokens <= self._max_request_kv:
-            self.count_refused("invalid_argument")
-            raise InvalidArgument(
-                "kv_tokens", f"must be in [1, {self._max_request_kv}], got {kv_tokens}"
-            )
+            self._refuse_kv(kv_tokens)
+        counts = self._counts.placements
         leases = self._leases
         held = leases.held
         if held and next(iter(held.values()))[DEADLINE_NS] <= now_ns:
@@ -272,6 +270,53 @@ class DecodeState:
             outcome, error = leases.refusal(request_id)
             self.count_refused(outcome)
             raise error
+        out, slots = self._choose(kv_tokens, now_ns, allowed)
+        slot = out.gpu
+        member = slots.member
+        # The chosen GPU is live, has a free slot and room (the selection's filter), so
+        # the new load is in range: the O(1) in-place write of the core.
+        writer = self._writer
+        conc, kv = writer.load(slot)
+        conc += 1
+        kv += kv_tokens
+        writer.write(slot, conc, kv, True)
+        self._cursor = out.cursor
+        gpu_index = slot - slots.start
+        held[request_id] = (
+            (member.member_id, member.incarnation, gpu_index, kv_tokens),
+            now_ns,
+            now_ns + leases.lease_ns,
+        )
+        slots.requests[request_id] = 1
+        counts[self._k_placed[out.kind]] += 1
+        self._figures.mark(slots)
+        self.publisher.changed()
+        if self._debug_log:
+            log.debug("decode_placed", request_id=request_id, kv_tokens=kv_tokens,
+                      instance_id=member.member_id, gpu=gpu_index, branch=out.kind)
+        return PlaceResult(
+            member.member_id,
+            member.incarnation,
+            gpu_index,
+            out.kind,
+            conc,
+            kv,
+            leases.lease_ms,
+        )
+
+    def _refuse_kv(self, kv_tokens: int) -> None:
+        self.count_refused("invalid_argument")
+        raise InvalidArgument(
+            "kv_tokens", f"must be in [1, {self._max_request_kv}], got {kv_tokens}"
+        )
+
+    def _choose(
+        self, kv_tokens: int, now_ns: int, allowed: Allowed | None
+    ) -> tuple[Decision, Slots]:
+        """The policy's decision on a live instance (a lapsed one found is taken out and
+        the policy asked again); raises as :meth:`place` does."""
+        counts = self._counts.placements
+        leases = self._leases
         liveness = self._liveness
         rounds = len(self._instances) + 1
         while True:
@@ -295,7 +340,7 @@ class DecodeState:
             assert slots is not None, "a free slot is never eligible"
             member = slots.member
             if liveness is None or liveness(member.member_id, member.incarnation, now_ns):
-                break
+                return out, slots
             # The fleet found it lapsed (and normally told us through on_leave already).
             if self._instances.get(member.member_id) is slots:
                 # No compaction now: ``allowed`` (slot indices) must stay valid for the
@@ -305,42 +350,6 @@ class DecodeState:
             if rounds <= 0:  # pragma: no cover - every round removes one instance
                 self.count_refused("resource_exhausted")
                 raise leases.refuse_no_capacity("no live decode instance")
-        # The chosen GPU is live, has a free slot and room (the selection's filter), so
-        # the new load is in range: the O(1) in-place write of the core.
-        writer = self._writer
-        conc, kv = writer.load(slot)
-        conc += 1
-        kv += kv_tokens
-        writer.write(slot, conc, kv, True)
-        self._cursor = out.cursor
-        gpu_index = slot - slots.start
-        held[request_id] = (
-            (member.member_id, member.incarnation, gpu_index, kv_tokens),
-            now_ns,
-            now_ns + leases.lease_ns,
-        )
-        slots.requests[request_id] = 1
-        counts[self._k_placed[out.kind]] += 1
-        self._figures.mark(slots)
-        self.publisher.changed()
-        if self._debug_log:
-            log.debug(
-                "decode_placed",
-                request_id=request_id,
-                kv_tokens=kv_tokens,
-                instance_id=member.member_id,
-                gpu=gpu_index,
-                branch=out.kind,
-            )
-        return PlaceResult(
-            member.member_id,
-            member.incarnation,
-            gpu_index,
-            out.kind,
-            conc,
-            kv,
-            leases.lease_ms,
-        )
 
     def release(self, request_id: str, now_ns: int) -> ReleaseResult:
         """Free a held placement; NotFound when unknown, released, expired or lost."""

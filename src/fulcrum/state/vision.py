@@ -402,27 +402,8 @@ class VisionState:
             outcome, error = leases.refusal(request_id)
             self.count_refused(outcome)
             raise error
-        policy, rng = self._policy, self._rng
-        while True:
-            # The pure fold of core.vision.place_many, done in place on our own array:
-            # each image sees the ones before it; undone if any image fails.
-            fleet = self._fleet
-            pif = fleet.patches_in_flight
-            placed: list[Placement] = []
-            for n in counts:
-                decision = policy.select(fleet, n, rng)
-                if isinstance(decision, NoCapacity):
-                    for done in placed:
-                        pif[done.gpu] -= done.patches
-                    self.count_refused("resource_exhausted")
-                    raise leases.refuse_no_capacity(decision.reason)
-                g = decision.gpu
-                pif[g] = pif.item(g) + n  # scalar Python arithmetic: no numpy scalars
-                placed.append(decision)
-            for decision in placed:  # undone here; committed below once all are live
-                pif[decision.gpu] -= decision.patches
-            if self._liveness is None or self._all_live(placed, now_ns):
-                break
+        placed = self._fold(counts, now_ns)
+        pif = self._fleet.patches_in_flight
         machines = self._by_index
         pending = self._pending
         out: list[PlacedImage] = []
@@ -454,6 +435,32 @@ class VisionState:
         c.patches[name] += sum(counts)
         self.publisher.changed()
         return out
+
+    def _fold(self, counts: list[int], now_ns: int) -> list[Placement]:
+        """Choose a GPU for each image in order (each sees the ones before it) on live
+        machines only; the view is left unchanged. Raises ResourceExhausted (counted)."""
+        leases = self._leases
+        policy, rng = self._policy, self._rng
+        while True:
+            # The pure fold of core.vision.place_many, done in place on our own array:
+            # each image sees the ones before it; undone if any image fails.
+            fleet = self._fleet
+            pif = fleet.patches_in_flight
+            placed: list[Placement] = []
+            for n in counts:
+                decision = policy.select(fleet, n, rng)
+                if isinstance(decision, NoCapacity):
+                    for done in placed:
+                        pif[done.gpu] -= done.patches
+                    self.count_refused("resource_exhausted")
+                    raise leases.refuse_no_capacity(decision.reason)
+                g = decision.gpu
+                pif[g] = pif.item(g) + n  # scalar Python arithmetic: no numpy scalars
+                placed.append(decision)
+            for decision in placed:  # undone here; committed below once all are live
+                pif[decision.gpu] -= decision.patches
+            if self._liveness is None or self._all_live(placed, now_ns):
+                return placed
 
     def _all_live(self, placed: Sequence[Placement], now_ns: int) -> bool:
         """Whether every machine chosen is still live; a lapsed one is taken out."""
