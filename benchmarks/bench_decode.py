@@ -33,7 +33,6 @@ from fulcrum.config.decode import DecodeSettings
 from fulcrum.core.decode import (
     POLICY_NAMES,
     Decision,
-    DecodeParams,
     FleetView,
     imbalance,
     make_policy,
@@ -146,7 +145,7 @@ def balance_table(quick: bool) -> str:
     for name in POLICY_NAMES:
         work = np.random.default_rng(11)
         prng = np.random.default_rng(12)
-        policy = make_policy(name, DecodeParams())
+        policy = make_policy(name)
         view = FleetView.empty_like(np.full(16, 256), np.full(16, 8_000_000))
         held: list[tuple[int, int]] = []
         cursor = 0
