@@ -10,7 +10,13 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from fulcrum.config.policies import PolicySection, policy_fields
+from fulcrum.config.policies import (
+    PolicySection,
+    gpu_series_field,
+    lease_field,
+    policy_fields,
+    sweep_field,
+)
 from fulcrum.core.decode.registry import DEFAULT_POLICY, REGISTRY
 from fulcrum.core.decode.view import MAX_KV_LIMIT
 
@@ -39,15 +45,8 @@ class DecodeSettings(PolicySection):
         __annotations__[_name] = _section
         vars()[_name] = _field
     del _name, _section, _field
-    lease_ms: int = Field(
-        600_000,
-        ge=10,
-        le=86_400_000,
-        description="placements not released within this time expire (and are counted), ms",
-    )
-    sweep_interval_ms: int = Field(
-        500, ge=5, le=60_000, description="period of the lease-expiry sweep, ms"
-    )
+    lease_ms: int = lease_field(600_000)
+    sweep_interval_ms: int = sweep_field()
     max_placements: int = Field(
         1_000_000,
         ge=1,
@@ -61,16 +60,7 @@ class DecodeSettings(PolicySection):
         description="largest KV length one request may ask for; bigger is refused, tokens",
     )
 
-    metrics_gpu_series: int = Field(
-        256,
-        ge=0,
-        le=1_000_000,
-        description=(
-            "per-GPU gauges are exported for every decode GPU while there are at most "
-            "this many, else for this many most loaded GPUs (per-member sums and summaries "
-            "are always exported); bounds the /metrics size at full scale, GPUs"
-        ),
-    )
+    metrics_gpu_series: int = gpu_series_field("decode")
 
     def params(self) -> Any:
         """The parameter dataclass of the policy in force (``NoParams`` when it has none)."""

@@ -24,6 +24,35 @@ from fulcrum.config.base import Section
 from fulcrum.core.registry import Registry
 
 
+def lease_field(default_ms: int) -> Any:
+    """``<table>.lease_ms``: placements not released within it expire."""
+    return Field(
+        default_ms,
+        ge=10,
+        le=86_400_000,
+        description="placements not released within this time expire (and are counted), ms",
+    )
+
+
+def sweep_field() -> Any:
+    """``<table>.sweep_interval_ms``: period of the lease-expiry sweep."""
+    return Field(500, ge=5, le=60_000, description="period of the lease-expiry sweep, ms")
+
+
+def gpu_series_field(what: str) -> Any:
+    """``<table>.metrics_gpu_series``: bound of the per-GPU gauges (``what``: "decode")."""
+    return Field(
+        256,
+        ge=0,
+        le=1_000_000,
+        description=(
+            f"per-GPU gauges are exported for every {what} GPU while there are at most "
+            "this many, else for this many most loaded GPUs (per-member sums and summaries "
+            "are always exported); bounds the /metrics size at full scale, GPUs"
+        ),
+    )
+
+
 def params_section(name: str, params: type[Any]) -> type[Section]:
     """A pydantic section with the fields of the parameter dataclass ``params``."""
     hints = typing.get_type_hints(params)

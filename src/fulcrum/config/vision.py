@@ -10,7 +10,13 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from fulcrum.config.policies import PolicySection, policy_fields
+from fulcrum.config.policies import (
+    PolicySection,
+    gpu_series_field,
+    lease_field,
+    policy_fields,
+    sweep_field,
+)
 from fulcrum.core.vision.registry import DEFAULT_POLICY, REGISTRY
 
 
@@ -48,15 +54,8 @@ class VisionSettings(PolicySection):
     max_images_per_request: int = Field(
         64, ge=1, le=4096, description="images in one PlaceImages request"
     )
-    lease_ms: int = Field(
-        120_000,
-        ge=10,
-        le=86_400_000,
-        description="placements not released within this time expire (and are counted), ms",
-    )
-    sweep_interval_ms: int = Field(
-        500, ge=5, le=60_000, description="period of the lease-expiry sweep, ms"
-    )
+    lease_ms: int = lease_field(120_000)
+    sweep_interval_ms: int = sweep_field()
     max_placements: int = Field(
         100_000,
         ge=1,
@@ -64,16 +63,7 @@ class VisionSettings(PolicySection):
         description="placed requests held at once; beyond it PlaceImages is RESOURCE_EXHAUSTED",
     )
 
-    metrics_gpu_series: int = Field(
-        256,
-        ge=0,
-        le=1_000_000,
-        description=(
-            "per-GPU gauges are exported for every VE GPU while there are at most "
-            "this many, else for this many most loaded GPUs (per-member sums and summaries "
-            "are always exported); bounds the /metrics size at full scale, GPUs"
-        ),
-    )
+    metrics_gpu_series: int = gpu_series_field("VE")
 
     def params(self) -> Any:
         """The parameter dataclass of the policy in force (``NoParams`` when it has none)."""
