@@ -60,6 +60,29 @@ def decided(
     return Decision(gpu=gpu, kind=kind, cursor=cursor)
 
 
+class Checked:
+    """Base of a policy whose :meth:`choose` runs after the common ``kv_tokens`` check.
+    Subclasses set ``name``."""
+
+    __slots__ = ()
+    name: ClassVar[str] = ""
+
+    def choose(
+        self, view: FleetView, kv_tokens: int, rng: np.random.Generator, cursor: int
+    ) -> Decision | NoCapacity:
+        raise NotImplementedError
+
+    def select(
+        self,
+        view: FleetView,
+        kv_tokens: int,
+        rng: np.random.Generator,
+        cursor: int = 0,
+    ) -> Decision | NoCapacity:
+        check_kv_tokens(kv_tokens)
+        return self.choose(view, kv_tokens, rng, cursor)
+
+
 class ByKey:
     """Base of a policy that takes the eligible GPU with the smallest :meth:`key`
     (non-negative, shape ``(n_gpus,)``; see :func:`pick_min`). Subclasses set ``name``."""

@@ -13,33 +13,26 @@ the explicit list of eligible GPUs (one vectorised pass).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar, Final
 
 import numpy as np
 
-from fulcrum.core.decode.filters import check_kv_tokens
-from fulcrum.core.decode.policy import decided
+from fulcrum.core.decode.policy import Checked, decided
 from fulcrum.core.decode.view import Decision, FleetView, NoCapacity
 
 NAME: Final = "power_of_two"
 REJECTION_TRIES: Final = 8
 
 
-@dataclass(frozen=True, slots=True)
-class PowerOfTwo:
+class PowerOfTwo(Checked):
     """The ``power_of_two`` policy (see module docstring)."""
 
+    __slots__ = ()
     name: ClassVar[str] = NAME
 
-    def select(
-        self,
-        view: FleetView,
-        kv_tokens: int,
-        rng: np.random.Generator,
-        cursor: int = 0,
+    def choose(
+        self, view: FleetView, kv_tokens: int, rng: np.random.Generator, cursor: int
     ) -> Decision | NoCapacity:
-        check_kv_tokens(kv_tokens)
         n = view.n_gpus
         headroom = view.headroom
         first = -1

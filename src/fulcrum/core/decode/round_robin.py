@@ -8,32 +8,26 @@ wrapping around once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar, Final
 
 import numpy as np
 
-from fulcrum.core.decode.filters import check_kv_tokens, eligible, no_capacity
-from fulcrum.core.decode.policy import decided
+from fulcrum.core.decode.filters import eligible, no_capacity
+from fulcrum.core.decode.policy import Checked, decided
 from fulcrum.core.decode.view import Decision, FleetView, Mask, NoCapacity
 
 NAME: Final = "round_robin"
 
 
-@dataclass(frozen=True, slots=True)
-class RoundRobin:
+class RoundRobin(Checked):
     """The ``round_robin`` policy (see module docstring)."""
 
+    __slots__ = ()
     name: ClassVar[str] = NAME
 
-    def select(
-        self,
-        view: FleetView,
-        kv_tokens: int,
-        rng: np.random.Generator,
-        cursor: int = 0,
+    def choose(
+        self, view: FleetView, kv_tokens: int, rng: np.random.Generator, cursor: int
     ) -> Decision | NoCapacity:
-        check_kv_tokens(kv_tokens)
         n = view.n_gpus
         if n == 0:
             return no_capacity(view, kv_tokens)
