@@ -17,7 +17,7 @@ from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
 from fulcrum.service.paging import page_size_of, page_token_of
-from fulcrum.service.placement import liveness, wire_table
+from fulcrum.service.placement import check_request_id, liveness, wire_table
 from fulcrum.service.streams import place_release_stream
 from fulcrum.state.decode import DecodeState
 from fulcrum.units import NS_PER_MS
@@ -73,18 +73,7 @@ class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
         its reply's ``place`` field in place (no second message and no copy)."""
         state = self._state
         request_id = request.request_id
-        # Fast path of require_id (same rule); the helper names the broken rule otherwise.
-        if not (
-            0 < len(request_id) <= 128
-            and request_id.isascii()
-            and request_id.isprintable()
-            and " " not in request_id
-        ):
-            try:
-                require_id(request_id, "request_id")
-            except InvalidArgument:
-                state.count_refused("invalid_argument")
-                raise
+        check_request_id(request_id, state.count_refused)
         r = state.place(request_id, request.kv_tokens, self._app.clock())
         reply.instance_id = r.instance_id
         reply.gpu_index = r.gpu_index

@@ -13,8 +13,9 @@ from typing import Any, Protocol
 
 from fulcrum.config import Settings
 from fulcrum.core.types import MemberKind
-from fulcrum.errors import FailedPrecondition, NotFound
+from fulcrum.errors import FailedPrecondition, InvalidArgument, NotFound
 from fulcrum.service.app import App
+from fulcrum.service.errors import require_id
 from fulcrum.service.streams import sweep_leases
 
 
@@ -30,6 +31,22 @@ class Table(Protocol):
     def apply_settings(self, settings: Any) -> None: ...
 
     def expire(self, now_ns: int) -> int: ...
+
+
+def check_request_id(request_id: str, refused: Callable[[str], None]) -> None:
+    """Refuse a malformed ``request_id`` (INVALID_ARGUMENT naming the rule), counting it
+    through ``refused("invalid_argument")``. Fast path of ``require_id`` (same rule)."""
+    if not (
+        0 < len(request_id) <= 128
+        and request_id.isascii()
+        and request_id.isprintable()
+        and " " not in request_id
+    ):
+        try:
+            require_id(request_id, "request_id")
+        except InvalidArgument:
+            refused("invalid_argument")
+            raise
 
 
 def liveness(app: App) -> Callable[[str, int, int], bool]:

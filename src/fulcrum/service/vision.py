@@ -16,7 +16,7 @@ from fulcrum.core.types import MemberKind
 from fulcrum.errors import InvalidArgument
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
-from fulcrum.service.placement import liveness, wire_table
+from fulcrum.service.placement import check_request_id, liveness, wire_table
 from fulcrum.service.streams import place_release_stream
 from fulcrum.state.vision import ImageRequest, VisionState
 from fulcrum.v1 import vision_pb2 as pb
@@ -39,18 +39,7 @@ class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
         """One PlaceImages, unary or streamed: fills ``reply`` (untouched on error)."""
         state = self._state
         request_id = request.request_id
-        # Fast path of require_id (same rule); the helper names the broken rule otherwise.
-        if not (
-            0 < len(request_id) <= 128
-            and request_id.isascii()
-            and request_id.isprintable()
-            and " " not in request_id
-        ):
-            try:
-                require_id(request_id, "request_id")
-            except InvalidArgument:
-                state.count_refused("invalid_argument")
-                raise
+        check_request_id(request_id, state.count_refused)
         # The repeated field's length is bounded before any element is converted.
         state.check_image_count(len(request.images))
         images = [ImageRequest(im.width, im.height, im.patch_size) for im in request.images]
