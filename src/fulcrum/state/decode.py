@@ -62,8 +62,8 @@ from fulcrum.state.placement import (
     RECORD,
     LeaseTable,
     MemberFigureCache,
+    PlacementTable,
     Publisher,
-    Schedule,
     SlotAllocator,
     Slots,
 )
@@ -120,7 +120,7 @@ class ReleaseResult(NamedTuple):
 _Placed = tuple[str, int, int, int]
 
 
-class DecodeState:
+class DecodeState(PlacementTable[Slots, DecodeSettings, metrics.DecodeCounts]):
     """Decode instances, per-GPU load and held placements. Not thread-safe: the daemon's
     event loop is the only caller (the scrape thread reads :attr:`publisher`'s snapshot).
     Implements the fleet's ``FleetListener`` protocol."""
@@ -135,7 +135,7 @@ class DecodeState:
         self._debug_log = debug_log  # one debug line per decision (costs ~7 us) only if on
         self._rng = rng
         self._liveness = liveness
-        self._instances: dict[str, Slots] = {}
+        self._members: dict[str, Slots] = {}
         self._alloc = SlotAllocator(64)
         self._owner: list[Slots | None] = [None] * self._alloc.capacity  # slot -> instance
         self._view = resized(FleetView.build([], [], [], []), self._alloc.capacity)
@@ -175,10 +175,6 @@ class DecodeState:
         for outcome in metrics.RELEASE_OUTCOMES:
             c.releases.setdefault(outcome, 0)
 
-    def set_schedule(self, schedule: Schedule | None) -> None:
-        """Publish metrics snapshots through the event loop's ``call_soon``."""
-        self.publisher.set_schedule(schedule)
-
     def _snapshot(self) -> metrics.DecodeSnapshot:
         """The immutable snapshot for the scrape thread (built on the loop)."""
         conc, kv = self._view.concurrency, self._view.kv_tokens
@@ -198,29 +194,10 @@ class DecodeState:
         )
 
     @property
-    def counts(self) -> metrics.DecodeCounts:
-        """Placement and release counters (live: the loop's own; see :attr:`publisher`)."""
-        return self._counts
-
-    @property
-    def settings(self) -> DecodeSettings:
-        return self._settings
-
-    @property
-    def policy_name(self) -> str:
-        """Registry name of the policy in force."""
-        return self._policy.name
-
-    @property
     def view(self) -> FleetView:
         """The current view (owned here: read it, never keep it across calls). Its arrays
         have one slot per GPU of every instance plus free (dead) slots."""
         return self._view
-
-    @property
-    def held(self) -> int:
-        """Placements held (not yet released, expired or lost)."""
-        return len(self._leases)
 
     def apply_settings(self, settings: DecodeSettings) -> None:
         """Apply every key of new settings (SIGHUP): policy and parameters apply to the
@@ -318,7 +295,7 @@ class DecodeState:
         counts = self._counts.placements
         leases = self._leases
         liveness = self._liveness
-        rounds = len(self._instances) + 1
+        rounds = len(self._members) + 1
         while True:
             if allowed is None:
                 out = self._policy.select(self._view, kv_tokens, self._rng, self._cursor)
@@ -342,7 +319,7 @@ class DecodeState:
             if liveness is None or liveness(member.member_id, member.incarnation, now_ns):
                 return out, slots
             # The fleet found it lapsed (and normally told us through on_leave already).
-            if self._instances.get(member.member_id) is slots:
+            if self._members.get(member.member_id) is slots:
                 # No compaction now: ``allowed`` (slot indices) must stay valid for the
                 # next round; the lapsed slots are simply dead.
                 self._remove(slots, "lapsed", compact=allowed is None)
@@ -369,15 +346,10 @@ class DecodeState:
             placed[0], placed[2], max(now_ns - placed_ns, 0)
         )
 
-    def count_release_refused(self, outcome: str) -> None:
-        """Count a ReleaseDecode refused before it reached the table (e.g. a bad id)."""
-        self._counts.releases[outcome] += 1
-        self.publisher.changed()
-
     def _unhold(self, request_id: str, placed: _Placed) -> None:
         """Take a popped placement's share off its GPU (never below 0)."""
         instance_id, incarnation, gpu_index, kv_tokens = placed
-        slots = self._instances.get(instance_id)
+        slots = self._members.get(instance_id)
         if slots is None or slots.member.incarnation != incarnation:
             return  # its instance left: the share left with it
         slots.requests.pop(request_id, None)
@@ -427,7 +399,7 @@ class DecodeState:
         shape = member.shape
         if not isinstance(shape, DecodeInstanceShape):
             return
-        old = self._instances.get(member.member_id)
+        old = self._members.get(member.member_id)
         if old is not None:  # the fleet calls on_leave first; be safe anyway
             self._remove(old, "replaced")
         gpus = shape.gpus
@@ -442,7 +414,7 @@ class DecodeState:
         open_range(self._view, start, mc, mk)
         slots = Slots(member, start, gpus)
         self._owner[start : start + gpus] = [slots] * gpus
-        self._instances[member.member_id] = slots
+        self._members[member.member_id] = slots
         self._figures.mark(slots)
         self.publisher.changed()
         self.layout_version += 1
@@ -456,7 +428,7 @@ class DecodeState:
         )
 
     def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
-        slots = self._instances.get(member.member_id)
+        slots = self._members.get(member.member_id)
         if (
             slots is None
             or slots.member.incarnation != member.incarnation
@@ -473,18 +445,12 @@ class DecodeState:
         self.publisher.changed()
         self.expire(now_ns)
 
-    def on_leave(self, member: Member, reason: str, now_ns: int) -> None:
-        slots = self._instances.get(member.member_id)
-        if slots is None or slots.member.incarnation != member.incarnation:
-            return
-        self._remove(slots, reason)
-
     def _remove(self, slots: Slots, reason: str, compact: bool = True) -> None:
         """Take an instance out: its slots are freed, its placements lost. O(its GPUs +
         its placements); amortised O(1) per GPU when the arrays are compacted (not with
         ``compact=False``: then at a later leave)."""
         member_id = slots.member_id
-        del self._instances[member_id]
+        del self._members[member_id]
         lost = 0
         for request_id in slots.requests:
             if self._leases.pop(request_id) is not None:
@@ -526,7 +492,7 @@ class DecodeState:
     def _compact(self) -> None:
         """Pack the instances' slots at the front (O(GPUs), amortised over the leaves
         that freed as many slots as are used)."""
-        order = list(self._instances.values())
+        order = list(self._members.values())
         index, starts = self._alloc.compaction([(s.start, s.gpus) for s in order])
         self._resize(self._alloc.capacity, index)
         owner: list[Slots | None] = [None] * self._alloc.capacity
@@ -550,7 +516,7 @@ class DecodeState:
     def slot_ranges(self) -> Iterator[tuple[str, int, int]]:
         """``(instance_id, start, gpus)`` of every instance: its GPU ``g`` is slot
         ``start + g`` of :attr:`view` (in no particular order)."""
-        for member_id, s in self._instances.items():
+        for member_id, s in self._members.items():
             yield member_id, s.start, s.gpus
 
     # -- introspection (tests, diagnostics; on the loop) ----------------------------------
@@ -559,8 +525,8 @@ class DecodeState:
         """``(instance_id, gpu_index, concurrency, kv_tokens)`` of every decode GPU, in
         instance id order."""
         view = self._view
-        for member_id in sorted(self._instances):
-            s = self._instances[member_id]
+        for member_id in sorted(self._members):
+            s = self._members[member_id]
             conc = view.concurrency[s.start : s.start + s.gpus].tolist()
             kv = view.kv_tokens[s.start : s.start + s.gpus].tolist()
             for gpu in range(s.gpus):
@@ -569,7 +535,7 @@ class DecodeState:
     def instance_load(self, instance_id: str) -> tuple[list[int], list[int]] | None:
         """(requests per GPU, KV tokens per GPU) the balancer sees on one instance, in GPU
         order; None if the instance is not in the table. O(its GPUs)."""
-        s = self._instances.get(instance_id)
+        s = self._members.get(instance_id)
         if s is None:
             return None
         view = self._view
@@ -578,7 +544,7 @@ class DecodeState:
 
     def gpu_load(self, instance_id: str, gpu_index: int) -> tuple[int, int]:
         """(requests, KV tokens) the balancer sees on one GPU; NotFound if unknown."""
-        s = self._instances.get(instance_id)
+        s = self._members.get(instance_id)
         if s is None or not 0 <= gpu_index < s.gpus:
             raise NotFound(f"instance_id: {instance_id!r} gpu {gpu_index} is not known")
         slot = s.start + gpu_index

@@ -48,8 +48,8 @@ from fulcrum.state.placement import (
     RECORD,
     LeaseTable,
     MemberFigureCache,
+    PlacementTable,
     Publisher,
-    Schedule,
     SlotAllocator,
     Slots,
 )
@@ -94,7 +94,7 @@ class _Machine(Slots):
     generation: int = 0  # heartbeat reports received
 
 
-class VisionState:
+class VisionState(PlacementTable[_Machine, VisionSettings, metrics.VisionCounts]):
     """VE machines, patches in flight and held placements. Not thread-safe; the daemon's
     event loop is the only caller (the scrape thread reads :attr:`publisher`'s snapshot).
     Implements the fleet's ``FleetListener`` protocol."""
@@ -107,7 +107,7 @@ class VisionState:
     ) -> None:
         self._rng = rng
         self._liveness = liveness
-        self._machines: dict[str, _Machine] = {}
+        self._members: dict[str, _Machine] = {}
         self._alloc = SlotAllocator(64)
         cap = self._alloc.capacity
         self._topology = SlotTopology(cap)
@@ -148,10 +148,6 @@ class VisionState:
         self._k_dup = (name, "already_exists")
         self._k_exhausted = (name, "resource_exhausted")
 
-    def set_schedule(self, schedule: Schedule | None) -> None:
-        """Publish metrics snapshots through the event loop's ``call_soon``."""
-        self.publisher.set_schedule(schedule)
-
     def _snapshot(self) -> metrics.VisionSnapshot:
         """The immutable snapshot for the scrape thread (built on the loop)."""
         pif = self._pif
@@ -170,25 +166,6 @@ class VisionState:
             patches=tuple(c.patches.items()),
             releases=tuple(c.releases.items()),
         )
-
-    @property
-    def counts(self) -> metrics.VisionCounts:
-        """Per-call counters (live: the loop's own; see :attr:`publisher`)."""
-        return self._counts
-
-    @property
-    def settings(self) -> VisionSettings:
-        return self._settings
-
-    @property
-    def policy_name(self) -> str:
-        """Registry name of the policy in force."""
-        return self._policy.name
-
-    @property
-    def lease_ms(self) -> int:
-        """Lease given to new placements, ms."""
-        return self._leases.lease_ms
 
     def apply_settings(self, settings: VisionSettings) -> None:
         """Apply every key of new settings (SIGHUP): policy, patch defaults, image bounds,
@@ -210,11 +187,6 @@ class VisionState:
         self._counts.placements[key] = self._counts.placements.get(key, 0) + 1
         self.publisher.changed()
 
-    def count_release_refused(self, outcome: str) -> None:
-        """Count a ReleaseImages refused before it reached the table (e.g. a bad id)."""
-        self._counts.releases[outcome] += 1
-        self.publisher.changed()
-
     # -- fleet listener ------------------------------------------------------------------
 
     def validate_load(self, member: Member, load: MemberLoad) -> None:
@@ -232,7 +204,7 @@ class VisionState:
         """Give the machine slots: O(its GPUs) (amortised, when the arrays grow)."""
         shape = member.shape
         assert isinstance(shape, VisionMachineShape)
-        old = self._machines.get(member.member_id)
+        old = self._members.get(member.member_id)
         if old is not None:  # the fleet calls on_leave first; be safe anyway
             self._remove(old, "replaced")
         gpus = shape.gpus
@@ -246,7 +218,7 @@ class VisionState:
             self._by_index.append(machine)
         else:
             self._by_index[index] = machine
-        self._machines[member.member_id] = machine
+        self._members[member.member_id] = machine
         self._figures.mark(machine)
         self.publisher.changed()
         log.info(
@@ -258,7 +230,7 @@ class VisionState:
         )
 
     def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
-        machine = self._machines.get(member.member_id)
+        machine = self._members.get(member.member_id)
         if (
             machine is None
             or machine.member.incarnation != member.incarnation
@@ -272,12 +244,6 @@ class VisionState:
         self._pif[s:e] = self._base[s:e]
         self._figures.mark(machine)
         self.publisher.changed()
-
-    def on_leave(self, member: Member, reason: str, now_ns: int) -> None:
-        machine = self._machines.get(member.member_id)
-        if machine is None or machine.member.incarnation != member.incarnation:
-            return
-        self._remove(machine, reason)
 
     def _remove(self, machine: _Machine, reason: str) -> None:
         """Take a machine out: its slots are freed, its images lost. O(its GPUs + its
@@ -297,7 +263,7 @@ class VisionState:
             else:
                 leases.pop(request_id)
         machine.requests.clear()
-        del self._machines[member_id]
+        del self._members[member_id]
         s, e = machine.start, machine.start + machine.gpus
         self._topology.remove_machine(machine.index)
         self._by_index[machine.index] = None
@@ -329,7 +295,7 @@ class VisionState:
 
     def _compact(self) -> None:
         """Pack the machines' slots at the front (O(GPUs), amortised)."""
-        order = list(self._machines.values())
+        order = list(self._members.values())
         index, starts = self._alloc.compaction([(m.start, m.gpus) for m in order])
         self._resize(self._alloc.capacity, index)
         for machine, start in zip(order, starts, strict=True):
@@ -478,7 +444,7 @@ class VisionState:
             if not self._liveness(member.member_id, member.incarnation, now_ns):
                 # The fleet normally reports the lapse through on_leave; make sure the
                 # machine is gone so that the next round cannot pick it again.
-                if self._machines.get(member.member_id) is machine:
+                if self._members.get(member.member_id) is machine:
                     self._remove(machine, "lapsed")
                 return False
         return True
@@ -508,7 +474,7 @@ class VisionState:
         """Take held images off their GPUs (records: PlacedImage fields as plain tuples)."""
         total = 0
         for machine_id, gpu_index, p, incarnation, generation in images:
-            machine = self._machines.get(machine_id)
+            machine = self._members.get(machine_id)
             total += p
             if machine is None or machine.member.incarnation != incarnation:
                 continue
@@ -545,14 +511,9 @@ class VisionState:
 
     # -- views (tests, diagnostics, GetMachineLoad; on the loop) ------------------------
 
-    @property
-    def held(self) -> int:
-        """Placed requests held."""
-        return len(self._leases)
-
     def machine_ids(self) -> list[str]:
         """Machines, sorted by id."""
-        return sorted(self._machines)
+        return sorted(self._members)
 
     def machine_load(self, machine_id: str) -> tuple[list[int], int, int]:
         """(patches in flight per GPU, per-GPU max patches (0 = unlimited), images held).
@@ -560,7 +521,7 @@ class VisionState:
         Raises:
             NotFound: ``machine_id`` is not a live VE machine.
         """
-        machine = self._machines.get(machine_id)
+        machine = self._members.get(machine_id)
         if machine is None:
             raise NotFound(f"machine_id: {machine_id!r} is not a registered VE machine")
         s = machine.start
@@ -574,8 +535,8 @@ class VisionState:
 
     def gpu_loads(self) -> Iterator[tuple[str, int, int]]:
         """``(machine_id, gpu_index, patches_in_flight)`` of every GPU, machines by id."""
-        for machine_id in sorted(self._machines):
-            machine = self._machines[machine_id]
+        for machine_id in sorted(self._members):
+            machine = self._members[machine_id]
             pif = self._pif[machine.start : machine.start + machine.gpus].tolist()
             for i, value in enumerate(pif):
                 yield machine_id, i, value
