@@ -120,7 +120,69 @@ class ReleaseResult(NamedTuple):
 _Placed = tuple[str, int, int, int]
 
 
-class DecodeState(PlacementTable[Slots, DecodeSettings, metrics.DecodeCounts]):
+class _DecodeViews:
+    """Read-only views of the decode table and its slot layout (tests, diagnostics, the
+    gateway; on the loop)."""
+
+    _members: dict[str, Slots]
+    _view: FleetView
+    _slot_listeners: list[SlotListener]
+
+    # -- slot layout (for callers keeping per-slot tables) --------------------------------
+
+    def add_slot_listener(self, listener: SlotListener) -> None:
+        """Tell ``listener`` about every later change of the slot layout (see
+        :class:`SlotListener`); read the current one with :meth:`slot_ranges`."""
+        self._slot_listeners.append(listener)
+
+    def remove_slot_listener(self, listener: SlotListener) -> None:
+        if listener in self._slot_listeners:
+            self._slot_listeners.remove(listener)
+
+    def slot_ranges(self) -> Iterator[tuple[str, int, int]]:
+        """``(instance_id, start, gpus)`` of every instance: its GPU ``g`` is slot
+        ``start + g`` of :attr:`view` (in no particular order)."""
+        for member_id, s in self._members.items():
+            yield member_id, s.start, s.gpus
+
+    # -- introspection (tests, diagnostics; on the loop) ----------------------------------
+
+    def gpu_loads(self) -> Iterator[tuple[str, int, int, int]]:
+        """``(instance_id, gpu_index, concurrency, kv_tokens)`` of every decode GPU, in
+        instance id order."""
+        view = self._view
+        for member_id in sorted(self._members):
+            s = self._members[member_id]
+            conc = view.concurrency[s.start : s.start + s.gpus].tolist()
+            kv = view.kv_tokens[s.start : s.start + s.gpus].tolist()
+            for gpu in range(s.gpus):
+                yield member_id, gpu, conc[gpu], kv[gpu]
+
+    def instance_load(self, instance_id: str) -> tuple[list[int], list[int]] | None:
+        """(requests per GPU, KV tokens per GPU) the balancer sees on one instance, in GPU
+        order; None if the instance is not in the table. O(its GPUs)."""
+        s = self._members.get(instance_id)
+        if s is None:
+            return None
+        view = self._view
+        end = s.start + s.gpus
+        return view.concurrency[s.start : end].tolist(), view.kv_tokens[s.start : end].tolist()
+
+    def gpu_load(self, instance_id: str, gpu_index: int) -> tuple[int, int]:
+        """(requests, KV tokens) the balancer sees on one GPU; NotFound if unknown."""
+        s = self._members.get(instance_id)
+        if s is None or not 0 <= gpu_index < s.gpus:
+            raise NotFound(f"instance_id: {instance_id!r} gpu {gpu_index} is not known")
+        slot = s.start + gpu_index
+        return int(self._view.concurrency[slot]), int(self._view.kv_tokens[slot])
+
+    def imbalance(self) -> tuple[float, float]:
+        """Max over mean across decode GPUs of (concurrency, total KV); 1.0 = perfect."""
+        view = self._view
+        return imbalance(view.concurrency, view.live), imbalance(view.kv_tokens, view.live)
+
+
+class DecodeState(_DecodeViews, PlacementTable[Slots, DecodeSettings, metrics.DecodeCounts]):
     """Decode instances, per-GPU load and held placements. Not thread-safe: the daemon's
     event loop is the only caller (the scrape thread reads :attr:`publisher`'s snapshot).
     Implements the fleet's ``FleetListener`` protocol."""
@@ -501,56 +563,3 @@ class DecodeState(PlacementTable[Slots, DecodeSettings, metrics.DecodeCounts]):
             owner[start : start + s.gpus] = [s] * s.gpus
         self._owner = owner
         self._moved()
-
-    # -- slot layout (for callers keeping per-slot tables) --------------------------------
-
-    def add_slot_listener(self, listener: SlotListener) -> None:
-        """Tell ``listener`` about every later change of the slot layout (see
-        :class:`SlotListener`); read the current one with :meth:`slot_ranges`."""
-        self._slot_listeners.append(listener)
-
-    def remove_slot_listener(self, listener: SlotListener) -> None:
-        if listener in self._slot_listeners:
-            self._slot_listeners.remove(listener)
-
-    def slot_ranges(self) -> Iterator[tuple[str, int, int]]:
-        """``(instance_id, start, gpus)`` of every instance: its GPU ``g`` is slot
-        ``start + g`` of :attr:`view` (in no particular order)."""
-        for member_id, s in self._members.items():
-            yield member_id, s.start, s.gpus
-
-    # -- introspection (tests, diagnostics; on the loop) ----------------------------------
-
-    def gpu_loads(self) -> Iterator[tuple[str, int, int, int]]:
-        """``(instance_id, gpu_index, concurrency, kv_tokens)`` of every decode GPU, in
-        instance id order."""
-        view = self._view
-        for member_id in sorted(self._members):
-            s = self._members[member_id]
-            conc = view.concurrency[s.start : s.start + s.gpus].tolist()
-            kv = view.kv_tokens[s.start : s.start + s.gpus].tolist()
-            for gpu in range(s.gpus):
-                yield member_id, gpu, conc[gpu], kv[gpu]
-
-    def instance_load(self, instance_id: str) -> tuple[list[int], list[int]] | None:
-        """(requests per GPU, KV tokens per GPU) the balancer sees on one instance, in GPU
-        order; None if the instance is not in the table. O(its GPUs)."""
-        s = self._members.get(instance_id)
-        if s is None:
-            return None
-        view = self._view
-        end = s.start + s.gpus
-        return view.concurrency[s.start : end].tolist(), view.kv_tokens[s.start : end].tolist()
-
-    def gpu_load(self, instance_id: str, gpu_index: int) -> tuple[int, int]:
-        """(requests, KV tokens) the balancer sees on one GPU; NotFound if unknown."""
-        s = self._members.get(instance_id)
-        if s is None or not 0 <= gpu_index < s.gpus:
-            raise NotFound(f"instance_id: {instance_id!r} gpu {gpu_index} is not known")
-        slot = s.start + gpu_index
-        return int(self._view.concurrency[slot]), int(self._view.kv_tokens[slot])
-
-    def imbalance(self) -> tuple[float, float]:
-        """Max over mean across decode GPUs of (concurrency, total KV); 1.0 = perfect."""
-        view = self._view
-        return imbalance(view.concurrency, view.live), imbalance(view.kv_tokens, view.live)

@@ -94,7 +94,83 @@ class _Machine(Slots):
     generation: int = 0  # heartbeat reports received
 
 
-class VisionState(PlacementTable[_Machine, VisionSettings, metrics.VisionCounts]):
+def _patch_counts(s: VisionSettings, images: Sequence[ImageRequest]) -> list[int]:
+    """Patch count of each image (InvalidArgument naming the image and the rule)."""
+    if not images:
+        raise InvalidArgument("images", "must not be empty")
+    if len(images) > s.max_images_per_request:
+        raise InvalidArgument(
+            "images",
+            f"must have at most {s.max_images_per_request} entries "
+            "(vision.max_images_per_request)",
+        )
+    counts = []
+    default, max_side = s.patch_size, s.max_side
+    for i, (width, height, patch_size) in enumerate(images):
+        p = patch_size or default
+        if (
+            type(width) is int
+            and type(height) is int
+            and type(p) is int
+            and 0 < width <= max_side
+            and 0 < height <= max_side
+            and 0 < p <= max_side
+        ):  # fast path of checked_patches (same rule)
+            counts.append(-(-width // p) * -(-height // p))
+            continue
+        try:
+            counts.append(checked_patches(width, height, p, max_side=max_side))
+        except InvalidImageError as err:
+            raise InvalidArgument(f"images[{i}].{err.field}", err.rule) from None
+    return counts
+
+
+class _VisionViews:
+    """Read-only views of the VE table (tests, diagnostics, GetMachineLoad; on the loop)."""
+
+    _members: dict[str, _Machine]
+    _pif: npt.NDArray[np.int64]
+    _topology: SlotTopology
+    _fleet: VisionFleet
+
+    # -- views (tests, diagnostics, GetMachineLoad; on the loop) ------------------------
+
+    def machine_ids(self) -> list[str]:
+        """Machines, sorted by id."""
+        return sorted(self._members)
+
+    def machine_load(self, machine_id: str) -> tuple[list[int], int, int]:
+        """(patches in flight per GPU, per-GPU max patches (0 = unlimited), images held).
+
+        Raises:
+            NotFound: ``machine_id`` is not a live VE machine.
+        """
+        machine = self._members.get(machine_id)
+        if machine is None:
+            raise NotFound(f"machine_id: {machine_id!r} is not a registered VE machine")
+        s = machine.start
+        images = sum(machine.requests.values())
+        return self._pif[s : s + machine.gpus].tolist(), machine.max_patches, images
+
+    def fleet(self) -> VisionFleet:
+        """A copy of the current fleet view (for tests and diagnostics): GPU indices are
+        slots, free slots are not live."""
+        return VisionFleet(self._topology, self._pif.copy())
+
+    def gpu_loads(self) -> Iterator[tuple[str, int, int]]:
+        """``(machine_id, gpu_index, patches_in_flight)`` of every GPU, machines by id."""
+        for machine_id in sorted(self._members):
+            machine = self._members[machine_id]
+            pif = self._pif[machine.start : machine.start + machine.gpus].tolist()
+            for i, value in enumerate(pif):
+                yield machine_id, i, value
+
+    def imbalance(self) -> float:
+        """Max over mean of patches in flight across GPUs (1.0 = perfect or idle)."""
+        return imbalance(self._fleet)
+
+
+class VisionState(_VisionViews, PlacementTable[_Machine, VisionSettings, metrics.VisionCounts]):
     """VE machines, patches in flight and held placements. Not thread-safe; the daemon's
     event loop is the only caller (the scrape thread reads :attr:`publisher`'s snapshot).
     Implements the fleet's ``FleetListener`` protocol."""
@@ -304,36 +380,6 @@ class VisionState(PlacementTable[_Machine, VisionSettings, metrics.VisionCounts]
 
     # -- placement -----------------------------------------------------------------------
 
-    def _patch_counts(self, images: Sequence[ImageRequest]) -> list[int]:
-        s = self._settings
-        if not images:
-            raise InvalidArgument("images", "must not be empty")
-        if len(images) > s.max_images_per_request:
-            raise InvalidArgument(
-                "images",
-                f"must have at most {s.max_images_per_request} entries "
-                "(vision.max_images_per_request)",
-            )
-        counts = []
-        default, max_side = s.patch_size, s.max_side
-        for i, (width, height, patch_size) in enumerate(images):
-            p = patch_size or default
-            if (
-                type(width) is int
-                and type(height) is int
-                and type(p) is int
-                and 0 < width <= max_side
-                and 0 < height <= max_side
-                and 0 < p <= max_side
-            ):  # fast path of checked_patches (same rule)
-                counts.append(-(-width // p) * -(-height // p))
-                continue
-            try:
-                counts.append(checked_patches(width, height, p, max_side=max_side))
-            except InvalidImageError as err:
-                raise InvalidArgument(f"images[{i}].{err.field}", err.rule) from None
-        return counts
-
     def check_image_count(self, n: int) -> None:
         """Refuse (and count) a request of ``n`` images beyond the bound, before anything
         is converted: the service calls it on the repeated field's length."""
@@ -357,7 +403,7 @@ class VisionState(PlacementTable[_Machine, VisionSettings, metrics.VisionCounts]
             ResourceExhausted: the table is full, or no live GPU has room.
         """
         try:
-            counts = self._patch_counts(images)
+            counts = _patch_counts(self._settings, images)
         except InvalidArgument:
             self.count_refused("invalid_argument")
             raise
@@ -508,39 +554,3 @@ class VisionState(PlacementTable[_Machine, VisionSettings, metrics.VisionCounts]
             self.publisher.changed()
             log.info("vision_placements_expired", requests=n, images=images)
         return n
-
-    # -- views (tests, diagnostics, GetMachineLoad; on the loop) ------------------------
-
-    def machine_ids(self) -> list[str]:
-        """Machines, sorted by id."""
-        return sorted(self._members)
-
-    def machine_load(self, machine_id: str) -> tuple[list[int], int, int]:
-        """(patches in flight per GPU, per-GPU max patches (0 = unlimited), images held).
-
-        Raises:
-            NotFound: ``machine_id`` is not a live VE machine.
-        """
-        machine = self._members.get(machine_id)
-        if machine is None:
-            raise NotFound(f"machine_id: {machine_id!r} is not a registered VE machine")
-        s = machine.start
-        images = sum(machine.requests.values())
-        return self._pif[s : s + machine.gpus].tolist(), machine.max_patches, images
-
-    def fleet(self) -> VisionFleet:
-        """A copy of the current fleet view (for tests and diagnostics): GPU indices are
-        slots, free slots are not live."""
-        return VisionFleet(self._topology, self._pif.copy())
-
-    def gpu_loads(self) -> Iterator[tuple[str, int, int]]:
-        """``(machine_id, gpu_index, patches_in_flight)`` of every GPU, machines by id."""
-        for machine_id in sorted(self._members):
-            machine = self._members[machine_id]
-            pif = self._pif[machine.start : machine.start + machine.gpus].tolist()
-            for i, value in enumerate(pif):
-                yield machine_id, i, value
-
-    def imbalance(self) -> float:
-        """Max over mean of patches in flight across GPUs (1.0 = perfect or idle)."""
-        return imbalance(self._fleet)
