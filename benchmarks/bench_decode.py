@@ -33,13 +33,11 @@ from fulcrum.config.decode import DecodeSettings
 from fulcrum.core.decode import (
     POLICY_NAMES,
     Decision,
-    DecodeParams,
     FleetView,
-    commit,
     imbalance,
     make_policy,
-    release,
 )
+from fulcrum.core.decode.copies import commit, release
 from fulcrum.core.types import DecodeInstanceShape, Member, MemberKind
 from fulcrum.logs import configure as configure_logs
 from fulcrum.state.decode import DecodeState
@@ -147,7 +145,7 @@ def balance_table(quick: bool) -> str:
     for name in POLICY_NAMES:
         work = np.random.default_rng(11)
         prng = np.random.default_rng(12)
-        policy = make_policy(name, DecodeParams())
+        policy = make_policy(name)
         view = FleetView.empty_like(np.full(16, 256), np.full(16, 8_000_000))
         held: list[tuple[int, int]] = []
         cursor = 0

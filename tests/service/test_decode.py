@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from fulcrum.client import FulcrumClient
-from fulcrum.core.decode import POLICY_NAMES, copy_view
+from fulcrum.core.decode import POLICY_NAMES
+from fulcrum.core.decode.copies import copy_view
 from fulcrum.service.server import Daemon
 from fulcrum.state.decode import DecodeState
 from fulcrum.testing import running_server

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fulcrum.config.decode import DecodeSettings
-from fulcrum.core.decode import POLICY_NAMES, copy_view
+from fulcrum.core.decode import POLICY_NAMES
+from fulcrum.core.decode.copies import copy_view
 from fulcrum.core.types import DecodeInstanceShape, Member, MemberKind
 from fulcrum.errors import InvalidArgument, ResourceExhausted
 from fulcrum.state.decode import DecodeState

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fulcrum.core.decode import DecodeParams
 from fulcrum.sim import baselines
 from fulcrum.sim.policies import DecodeChooser, VisionChooser, get_policy_set, policy_sets
 
@@ -43,13 +42,13 @@ def test_decode_chooser_uses_core_and_respects_capacity() -> None:
     cap_c = np.array([10, 10], dtype=np.int64)
     cap_kv = np.array([1000, 1000], dtype=np.int64)
     rng = np.random.default_rng(0)
-    dual = DecodeChooser("dual", DecodeParams())
+    dual = DecodeChooser("dual", {})
     assert dual.choose(conc, kv, cap_c, cap_kv, 500, rng) == 1  # only GPU 1 has room
-    rnd = DecodeChooser("random", DecodeParams())
+    rnd = DecodeChooser("random", {})
     assert {rnd.choose(conc, kv, cap_c, cap_kv, 500, rng) for _ in range(20)} == {1}
     assert rnd.choose(conc, kv, cap_c, cap_kv, 2000, rng) == -1
     with pytest.raises(ValueError):
-        DecodeChooser("nope", DecodeParams())
+        DecodeChooser("nope", {})
 
 
 def test_vision_chooser_core_and_local() -> None:

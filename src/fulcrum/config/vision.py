@@ -6,14 +6,30 @@ them to the next call (none is restart-only).
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Any, ClassVar
 
-from fulcrum.config.base import Section
+from pydantic import Field
+
+from fulcrum.config.policies import (
+    PolicySection,
+    gpu_series_field,
+    lease_field,
+    policy_fields,
+    sweep_field,
+)
 from fulcrum.core.vision.registry import DEFAULT_POLICY, REGISTRY
 
 
-class VisionSettings(Section):
-    """The vision balancer: image patches in flight on VE GPUs."""
+class VisionSettings(PolicySection):
+    """The vision balancer: image patches in flight on VE GPUs.
+
+    ``vision.policy`` is a name of :data:`fulcrum.core.vision.registry.REGISTRY`; a
+    policy with parameters would have its section ``vision.<policy>.*`` (the shipped ones
+    take none).
+    """
+
+    REGISTRY: ClassVar = REGISTRY
+    NOUN: ClassVar[str] = "VE policy"
 
     policy: str = Field(
         DEFAULT_POLICY,
@@ -23,6 +39,9 @@ class VisionSettings(Section):
             "two random machines) or least_patches (globally least-loaded GPU)"
         ),
     )
+    for _name, (_section, _field) in policy_fields(REGISTRY).items():
+        __annotations__[_name] = _section
+        vars()[_name] = _field
     patch_size: int = Field(
         16, ge=1, le=4096, description="patch side used when an image gives none, pixels"
     )
@@ -35,15 +54,8 @@ class VisionSettings(Section):
     max_images_per_request: int = Field(
         64, ge=1, le=4096, description="images in one PlaceImages request"
     )
-    lease_ms: int = Field(
-        120_000,
-        ge=10,
-        le=86_400_000,
-        description="placements not released within this time expire (and are counted), ms",
-    )
-    sweep_interval_ms: int = Field(
-        500, ge=5, le=60_000, description="period of the lease-expiry sweep, ms"
-    )
+    lease_ms: int = lease_field(120_000)
+    sweep_interval_ms: int = sweep_field()
     max_placements: int = Field(
         100_000,
         ge=1,
@@ -51,20 +63,8 @@ class VisionSettings(Section):
         description="placed requests held at once; beyond it PlaceImages is RESOURCE_EXHAUSTED",
     )
 
-    metrics_gpu_series: int = Field(
-        256,
-        ge=0,
-        le=1_000_000,
-        description=(
-            "per-GPU gauges are exported for every VE GPU while there are at most "
-            "this many, else for this many most loaded GPUs (per-member sums and summaries "
-            "are always exported); bounds the /metrics size at full scale, GPUs"
-        ),
-    )
+    metrics_gpu_series: int = gpu_series_field("VE")
 
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, value: str) -> str:
-        if value not in REGISTRY:
-            raise ValueError(f"unknown VE policy {value!r}; known: {', '.join(sorted(REGISTRY))}")
-        return value
+    def params(self) -> Any:
+        """The parameter dataclass of the policy in force (``NoParams`` when it has none)."""
+        return self.policy_params()

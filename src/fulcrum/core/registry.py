@@ -14,6 +14,11 @@ what every kind needs and nothing else:
 - :meth:`Registry.names` lists the registered names (in registration order), which are
   also the metric labels.
 
+A parameter is declared with :func:`knob` (default, description, bounds): the dataclass
+checks the bounds with :func:`check_bounds` in its ``__post_init__``, and the
+configuration derives its YAML section (same keys, defaults, bounds and descriptions)
+from the same declaration.
+
 Extra per-entry facts (an EPLB algorithm's promise, a policy's branch labels) ride in
 ``attrs``. Pure: no I/O, no logging, no clock.
 """
@@ -22,12 +27,43 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+
+#: Bound keywords of :func:`knob`, with the comparison each one demands.
+BOUNDS: dict[str, tuple[str, Callable[[Any, Any], bool]]] = {
+    "gt": (">", lambda v, b: v > b),
+    "ge": (">=", lambda v, b: v >= b),
+    "lt": ("<", lambda v, b: v < b),
+    "le": ("<=", lambda v, b: v <= b),
+}
+
+
+def knob(default: Any, description: str, **bounds: float) -> Any:
+    """A parameter field: ``default``, a ``description`` naming its unit, and bounds
+    (``gt``, ``ge``, ``lt``, ``le``) checked by :func:`check_bounds`."""
+    unknown = set(bounds) - set(BOUNDS)
+    if unknown:
+        raise ValueError(f"knob: unknown bound {sorted(unknown)}")
+    return field(default=default, metadata={"description": description, "bounds": bounds})
+
+
+def check_bounds(params: Any) -> None:
+    """Raise ``ValueError`` (``"<field>: must be <op> <bound>"``) for the first field of
+    the dataclass ``params`` outside its :func:`knob` bounds (or a non-finite float)."""
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name}: must be finite")
+        for key, bound in f.metadata.get("bounds", {}).items():
+            op, ok = BOUNDS[key]
+            if not ok(value, bound):
+                raise ValueError(f"{f.name}: must be {op} {bound}")
 
 
 @dataclass(frozen=True, slots=True)

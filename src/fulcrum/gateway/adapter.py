@@ -37,7 +37,8 @@ import numpy as np
 import numpy.typing as npt
 
 from fulcrum.core.decode import Allowed, FleetView
-from fulcrum.core.decode.view import BLOCK, INT64_MAX
+from fulcrum.core.decode.fallbacks import best_in_blocks, best_slots
+from fulcrum.core.decode.view import INT64_MAX
 from fulcrum.errors import NotFound, ResourceExhausted
 from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.registry import AddressBook
@@ -271,30 +272,7 @@ class DecodeAdapter:
         One vectorised pass over the allowed slots; with every slot allowed on a view with
         block minima (>= 32,768 slots), only the blocks that can hold the ``k + 1`` best
         are read (ties between blocks then go to the block read first)."""
-        view = self._state.view
-        m = k + 1  # the primary may be among them
-        is_mask = allowed is not None and allowed.dtype == np.bool_
-        if view.blocks is not None and (allowed is None or is_mask):
-            slots = self._best_in_blocks(view, kv_tokens, m, allowed)
-        else:
-            key, head = view.order_conc, view.headroom
-            if allowed is not None and allowed.dtype == np.bool_:
-                head = np.where(allowed, head, -1)
-                allowed = None  # same slots
-            elif allowed is not None:
-                key, head = key[allowed], head[allowed]
-            pos = (head >= kv_tokens).nonzero()[0]  # ascending positions
-            if pos.shape[0] > m:
-                kp = key[pos]
-                t = kp.min()
-                if int(np.count_nonzero(kp == t)) < m:  # (np.partition is slow on ties)
-                    t = np.partition(kp, k)[k]  # the (k+1)-th smallest key
-                less = pos[kp < t]
-                pos = np.concatenate([less, pos[kp == t][: m - less.shape[0]]])
-            ranked = sorted(zip(key[pos].tolist(), pos.tolist(), strict=True))
-            slots = [p for _k, p in ranked]
-            if allowed is not None:
-                slots = allowed[slots].tolist()
+        slots = best_slots(self._state.view, kv_tokens, k + 1, allowed)  # primary may be one
         slot_addr = self._slot_addr
         out: list[str] = []
         for slot in slots:
@@ -314,33 +292,7 @@ class DecodeAdapter:
         slot's key in the block, masked or not): the ``m`` blocks with the smallest
         minima first, then every block whose minimum beats the ``m``-th key found, until
         none does. O(blocks + read slots) instead of O(n)."""
-        blocks = view.blocks
-        assert blocks is not None
-        mins = blocks.conc
-        nb = int(mins.shape[0])
-        n = view.n_gpus
-        key, head = view.order_conc, view.headroom
-        lanes = np.arange(BLOCK, dtype=np.int64)
-        take = min(m, nb)
-        chosen = np.argpartition(mins, take - 1)[:take] if take < nb else np.arange(nb)
-        seen = np.zeros(nb, dtype=np.bool_)
-        best: list[tuple[int, int]] = []
-        while chosen.shape[0]:
-            seen[chosen] = True
-            idx = (chosen[:, None] * BLOCK + lanes).ravel()
-            idx = idx[idx < n]
-            ok = head[idx] >= kv_tokens
-            if mask is not None:
-                ok &= mask[idx]
-            idx = idx[ok]
-            kp = key[idx]
-            if idx.shape[0] > m:
-                sel = np.argpartition(kp, m - 1)[:m]
-                idx, kp = idx[sel], kp[sel]
-            best = sorted([*best, *zip(kp.tolist(), idx.tolist(), strict=True)])[:m]
-            bound = best[-1][0] if len(best) == m else INT64_MAX_KEY
-            chosen = ((mins < bound) & ~seen).nonzero()[0]
-        return [slot for _k, slot in best]
+        return best_in_blocks(view, kv_tokens, m, mask)
 
     def release(self, request_id: str, now_ns: int) -> bool:
         """Release a held placement; False when it was no longer held (expired, lost)."""

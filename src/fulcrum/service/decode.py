@@ -7,19 +7,18 @@ reply (code + message) instead of ending the stream.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 
-from fulcrum.config import Settings
 from fulcrum.core.types import DecodeInstanceShape, Member, MemberKind
-from fulcrum.errors import FailedPrecondition, InvalidArgument, NotFound
+from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
 from fulcrum.service.paging import page_size_of, page_token_of
-from fulcrum.service.streams import place_release_stream, sweep_leases
+from fulcrum.service.placement import check_request_id, liveness, wire_table
+from fulcrum.service.streams import place_release_stream
 from fulcrum.state.decode import DecodeState
 from fulcrum.units import NS_PER_MS
 from fulcrum.v1 import decode_pb2 as pb
@@ -74,18 +73,7 @@ class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
         its reply's ``place`` field in place (no second message and no copy)."""
         state = self._state
         request_id = request.request_id
-        # Fast path of require_id (same rule); the helper names the broken rule otherwise.
-        if not (
-            0 < len(request_id) <= 128
-            and request_id.isascii()
-            and request_id.isprintable()
-            and " " not in request_id
-        ):
-            try:
-                require_id(request_id, "request_id")
-            except InvalidArgument:
-                state.count_refused("invalid_argument")
-                raise
+        check_request_id(request_id, state.count_refused)
         r = state.place(request_id, request.kv_tokens, self._app.clock())
         reply.instance_id = r.instance_id
         reply.gpu_index = r.gpu_index
@@ -174,34 +162,12 @@ class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
 def register(server: grpc.aio.Server, app: App) -> list[str]:
     """Build the decode state from ``app.settings.decode``, follow decode instances, add
     the servicer, sweep leases periodically and apply reloads."""
-    fleet = app.fleet
-
-    def live(instance_id: str, incarnation: int, now_ns: int) -> bool:
-        try:
-            fleet.get_live(instance_id, incarnation, now_ns)
-        except (NotFound, FailedPrecondition):
-            return False
-        return True
-
     state = DecodeState(
         app.settings.decode,
         app.rng,
-        liveness=live,
+        liveness=liveness(app),
         debug_log=app.settings.logging.level == "debug",
     )
-    app.components["decode"] = state
-    fleet.add_listener(MemberKind.DECODE_INSTANCE, state)
-
-    state.set_schedule(asyncio.get_running_loop().call_soon)
-
-    def reload(settings: Settings) -> None:
-        state.apply_settings(settings.decode)
-
-    app.reload_hooks.append(reload)
-    # The period is read at every round, so that a reload applies it.
-    app.spawn(
-        sweep_leases(app, state.expire, lambda: state.settings.sweep_interval_ms),
-        "decode-leases",
-    )
+    wire_table(app, "decode", MemberKind.DECODE_INSTANCE, state)
     pb_grpc.add_DecodeBalancerServiceServicer_to_server(DecodeServicer(app, state), server)
     return [SERVICE]

@@ -7,18 +7,17 @@ reply (code + message) instead of ending the stream.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 
-from fulcrum.config import Settings
 from fulcrum.core.types import MemberKind
-from fulcrum.errors import FailedPrecondition, InvalidArgument, NotFound
+from fulcrum.errors import InvalidArgument
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
-from fulcrum.service.streams import place_release_stream, sweep_leases
+from fulcrum.service.placement import check_request_id, liveness, wire_table
+from fulcrum.service.streams import place_release_stream
 from fulcrum.state.vision import ImageRequest, VisionState
 from fulcrum.v1 import vision_pb2 as pb
 from fulcrum.v1 import vision_pb2_grpc as pb_grpc
@@ -40,18 +39,7 @@ class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
         """One PlaceImages, unary or streamed: fills ``reply`` (untouched on error)."""
         state = self._state
         request_id = request.request_id
-        # Fast path of require_id (same rule); the helper names the broken rule otherwise.
-        if not (
-            0 < len(request_id) <= 128
-            and request_id.isascii()
-            and request_id.isprintable()
-            and " " not in request_id
-        ):
-            try:
-                require_id(request_id, "request_id")
-            except InvalidArgument:
-                state.count_refused("invalid_argument")
-                raise
+        check_request_id(request_id, state.count_refused)
         # The repeated field's length is bounded before any element is converted.
         state.check_image_count(len(request.images))
         images = [ImageRequest(im.width, im.height, im.patch_size) for im in request.images]
@@ -113,32 +101,10 @@ class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
 
 def register(server: grpc.aio.Server, app: App) -> list[str]:
     """Build the VE state from ``app.settings.vision``, follow VE machines, add the servicer."""
-    fleet = app.fleet
-
-    def live(machine_id: str, incarnation: int, now_ns: int) -> bool:
-        try:
-            fleet.get_live(machine_id, incarnation, now_ns)
-        except (NotFound, FailedPrecondition):
-            return False
-        return True
-
     # An independent stream spawned from the daemon's seeded source: vision decisions
     # depend only on server.seed and the vision calls, not on other balancers' draws.
     rng = app.rng.spawn(1)[0]
-    state = VisionState(app.settings.vision, rng, liveness=live)
-    app.components["vision"] = state
-    fleet.add_listener(MemberKind.VISION_MACHINE, state)
-
-    state.set_schedule(asyncio.get_running_loop().call_soon)
-
-    def reload(settings: Settings) -> None:
-        state.apply_settings(settings.vision)
-
-    app.reload_hooks.append(reload)
-    # The period is read at every round, so that a reload applies it.
-    app.spawn(
-        sweep_leases(app, state.expire, lambda: state.settings.sweep_interval_ms),
-        "vision-leases",
-    )
+    state = VisionState(app.settings.vision, rng, liveness=liveness(app))
+    wire_table(app, "vision", MemberKind.VISION_MACHINE, state)
     pb_grpc.add_VisionBalancerServiceServicer_to_server(VisionServicer(app, state), server)
     return [SERVICE]

@@ -60,7 +60,6 @@ import numpy as np
 import numpy.typing as npt
 
 from fulcrum.core.cost import CostModel
-from fulcrum.core.decode import DecodeParams
 from fulcrum.core.prefill import chunks as core_chunks
 from fulcrum.core.prefill import tiers as core_tiers
 from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
@@ -339,7 +338,7 @@ class Simulator:
         self.decode_wait: deque[int] = deque()
         self.decode_rejected = 0
         self.decode_policy = DecodeChooser(
-            policy.decode, DecodeParams(d0_ns=d.d0_ns, d1_ns=d.d1_ns, d2_ns=d.d2_ns)
+            policy.decode, {"d0_ns": d.d0_ns, "d1_ns": d.d1_ns, "d2_ns": d.d2_ns}
         )
 
         # -- vision ------------------------------------------------------------------------

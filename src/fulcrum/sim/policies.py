@@ -27,6 +27,7 @@ every set, so the columns differ only by routing (EPLB alone is compared by ``ep
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -98,11 +99,14 @@ class DecodeChooser:
 
     __slots__ = ("_core", "_cursor", "name")
 
-    def __init__(self, name: str, params: core_decode.DecodeParams) -> None:
+    def __init__(self, name: str, params: Mapping[str, float]) -> None:
+        """``params``: parameter values by key; the policy takes the ones it declares."""
         self.name = name
         self._cursor = 0
         self._core = (
-            core_decode.make_policy(name, params) if name in core_decode.REGISTRY else None
+            core_decode.make_policy(name, core_decode.params_for(name, params))
+            if name in core_decode.REGISTRY
+            else None
         )
         if self._core is None and name not in baselines.NAMES:
             raise ValueError(f"decode: unknown policy {name!r}")

@@ -39,8 +39,10 @@ import structlog
 from fulcrum.config.decode import DecodeSettings
 from fulcrum.core.decode import (
     Allowed,
+    Decision,
     FleetView,
     NoCapacity,
+    branches,
     close_range,
     imbalance,
     make_policy,
@@ -49,8 +51,9 @@ from fulcrum.core.decode import (
     select_allowed,
     write_range,
 )
+from fulcrum.core.decode.keys import MAX_CONCURRENCY_LIMIT, MAX_KV_LIMIT
 from fulcrum.core.decode.policy import DecodePolicy
-from fulcrum.core.decode.view import MAX_CONCURRENCY_LIMIT, MAX_KV_LIMIT, GpuWriter
+from fulcrum.core.decode.writers import GpuWriter
 from fulcrum.core.types import DecodeInstanceLoad, DecodeInstanceShape, Member, MemberLoad
 from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.metrics import decode as metrics
@@ -59,8 +62,8 @@ from fulcrum.state.placement import (
     RECORD,
     LeaseTable,
     MemberFigureCache,
+    PlacementTable,
     Publisher,
-    Schedule,
     SlotAllocator,
     Slots,
 )
@@ -117,7 +120,69 @@ class ReleaseResult(NamedTuple):
 _Placed = tuple[str, int, int, int]
 
 
-class DecodeState:
+class _DecodeViews:
+    """Read-only views of the decode table and its slot layout (tests, diagnostics, the
+    gateway; on the loop)."""
+
+    _members: dict[str, Slots]
+    _view: FleetView
+    _slot_listeners: list[SlotListener]
+
+    # -- slot layout (for callers keeping per-slot tables) --------------------------------
+
+    def add_slot_listener(self, listener: SlotListener) -> None:
+        """Tell ``listener`` about every later change of the slot layout (see
+        :class:`SlotListener`); read the current one with :meth:`slot_ranges`."""
+        self._slot_listeners.append(listener)
+
+    def remove_slot_listener(self, listener: SlotListener) -> None:
+        if listener in self._slot_listeners:
+            self._slot_listeners.remove(listener)
+
+    def slot_ranges(self) -> Iterator[tuple[str, int, int]]:
+        """``(instance_id, start, gpus)`` of every instance: its GPU ``g`` is slot
+        ``start + g`` of :attr:`view` (in no particular order)."""
+        for member_id, s in self._members.items():
+            yield member_id, s.start, s.gpus
+
+    # -- introspection (tests, diagnostics; on the loop) ----------------------------------
+
+    def gpu_loads(self) -> Iterator[tuple[str, int, int, int]]:
+        """``(instance_id, gpu_index, concurrency, kv_tokens)`` of every decode GPU, in
+        instance id order."""
+        view = self._view
+        for member_id in sorted(self._members):
+            s = self._members[member_id]
+            conc = view.concurrency[s.start : s.start + s.gpus].tolist()
+            kv = view.kv_tokens[s.start : s.start + s.gpus].tolist()
+            for gpu in range(s.gpus):
+                yield member_id, gpu, conc[gpu], kv[gpu]
+
+    def instance_load(self, instance_id: str) -> tuple[list[int], list[int]] | None:
+        """(requests per GPU, KV tokens per GPU) the balancer sees on one instance, in GPU
+        order; None if the instance is not in the table. O(its GPUs)."""
+        s = self._members.get(instance_id)
+        if s is None:
+            return None
+        view = self._view
+        end = s.start + s.gpus
+        return view.concurrency[s.start : end].tolist(), view.kv_tokens[s.start : end].tolist()
+
+    def gpu_load(self, instance_id: str, gpu_index: int) -> tuple[int, int]:
+        """(requests, KV tokens) the balancer sees on one GPU; NotFound if unknown."""
+        s = self._members.get(instance_id)
+        if s is None or not 0 <= gpu_index < s.gpus:
+            raise NotFound(f"instance_id: {instance_id!r} gpu {gpu_index} is not known")
+        slot = s.start + gpu_index
+        return int(self._view.concurrency[slot]), int(self._view.kv_tokens[slot])
+
+    def imbalance(self) -> tuple[float, float]:
+        """Max over mean across decode GPUs of (concurrency, total KV); 1.0 = perfect."""
+        view = self._view
+        return imbalance(view.concurrency, view.live), imbalance(view.kv_tokens, view.live)
+
+
+class DecodeState(_DecodeViews, PlacementTable[Slots, DecodeSettings, metrics.DecodeCounts]):
     """Decode instances, per-GPU load and held placements. Not thread-safe: the daemon's
     event loop is the only caller (the scrape thread reads :attr:`publisher`'s snapshot).
     Implements the fleet's ``FleetListener`` protocol."""
@@ -132,7 +197,7 @@ class DecodeState:
         self._debug_log = debug_log  # one debug line per decision (costs ~7 us) only if on
         self._rng = rng
         self._liveness = liveness
-        self._instances: dict[str, Slots] = {}
+        self._members: dict[str, Slots] = {}
         self._alloc = SlotAllocator(64)
         self._owner: list[Slots | None] = [None] * self._alloc.capacity  # slot -> instance
         self._view = resized(FleetView.build([], [], [], []), self._alloc.capacity)
@@ -163,16 +228,14 @@ class DecodeState:
         keys the decision path increments (plain ints: no lock, no label lookup)."""
         name = self._policy.name
         c = self._counts
-        self._k_placed = {b: (name, b, "placed") for b in ("", "short", "long")}
+        # "" and the branch labels the policy declares (dual: short, long).
+        labels = dict.fromkeys(("", *branches(name)))
+        self._k_placed = {b: (name, b, "placed") for b in labels}
         self._k_refused = {o: (name, "", o) for o in metrics.PLACE_OUTCOMES[1:]}
         for key in (*self._k_placed.values(), *self._k_refused.values()):
             c.placements.setdefault(key, 0)
         for outcome in metrics.RELEASE_OUTCOMES:
             c.releases.setdefault(outcome, 0)
-
-    def set_schedule(self, schedule: Schedule | None) -> None:
-        """Publish metrics snapshots through the event loop's ``call_soon``."""
-        self.publisher.set_schedule(schedule)
 
     def _snapshot(self) -> metrics.DecodeSnapshot:
         """The immutable snapshot for the scrape thread (built on the loop)."""
@@ -193,29 +256,10 @@ class DecodeState:
         )
 
     @property
-    def counts(self) -> metrics.DecodeCounts:
-        """Placement and release counters (live: the loop's own; see :attr:`publisher`)."""
-        return self._counts
-
-    @property
-    def settings(self) -> DecodeSettings:
-        return self._settings
-
-    @property
-    def policy_name(self) -> str:
-        """Registry name of the policy in force."""
-        return self._policy.name
-
-    @property
     def view(self) -> FleetView:
         """The current view (owned here: read it, never keep it across calls). Its arrays
         have one slot per GPU of every instance plus free (dead) slots."""
         return self._view
-
-    @property
-    def held(self) -> int:
-        """Placements held (not yet released, expired or lost)."""
-        return len(self._leases)
 
     def apply_settings(self, settings: DecodeSettings) -> None:
         """Apply every key of new settings (SIGHUP): policy and parameters apply to the
@@ -254,12 +298,9 @@ class DecodeState:
         ResourceExhausted (table full, or no (allowed) GPU fits); a refused call changes
         nothing except expiring due leases and dropping lapsed instances.
         """
-        counts = self._counts.placements
         if not 1 <= kv_tokens <= self._max_request_kv:
-            self.count_refused("invalid_argument")
-            raise InvalidArgument(
-                "kv_tokens", f"must be in [1, {self._max_request_kv}], got {kv_tokens}"
-            )
+            self._refuse_kv(kv_tokens)
+        counts = self._counts.placements
         leases = self._leases
         held = leases.held
         if held and next(iter(held.values()))[DEADLINE_NS] <= now_ns:
@@ -268,8 +309,55 @@ class DecodeState:
             outcome, error = leases.refusal(request_id)
             self.count_refused(outcome)
             raise error
+        out, slots = self._choose(kv_tokens, now_ns, allowed)
+        slot = out.gpu
+        member = slots.member
+        # The chosen GPU is live, has a free slot and room (the selection's filter), so
+        # the new load is in range: the O(1) in-place write of the core.
+        writer = self._writer
+        conc, kv = writer.load(slot)
+        conc += 1
+        kv += kv_tokens
+        writer.write(slot, conc, kv, True)
+        self._cursor = out.cursor
+        gpu_index = slot - slots.start
+        held[request_id] = (
+            (member.member_id, member.incarnation, gpu_index, kv_tokens),
+            now_ns,
+            now_ns + leases.lease_ns,
+        )
+        slots.requests[request_id] = 1
+        counts[self._k_placed[out.kind]] += 1
+        self._figures.mark(slots)
+        self.publisher.changed()
+        if self._debug_log:
+            log.debug("decode_placed", request_id=request_id, kv_tokens=kv_tokens,
+                      instance_id=member.member_id, gpu=gpu_index, branch=out.kind)
+        return PlaceResult(
+            member.member_id,
+            member.incarnation,
+            gpu_index,
+            out.kind,
+            conc,
+            kv,
+            leases.lease_ms,
+        )
+
+    def _refuse_kv(self, kv_tokens: int) -> None:
+        self.count_refused("invalid_argument")
+        raise InvalidArgument(
+            "kv_tokens", f"must be in [1, {self._max_request_kv}], got {kv_tokens}"
+        )
+
+    def _choose(
+        self, kv_tokens: int, now_ns: int, allowed: Allowed | None
+    ) -> tuple[Decision, Slots]:
+        """The policy's decision on a live instance (a lapsed one found is taken out and
+        the policy asked again); raises as :meth:`place` does."""
+        counts = self._counts.placements
+        leases = self._leases
         liveness = self._liveness
-        rounds = len(self._instances) + 1
+        rounds = len(self._members) + 1
         while True:
             if allowed is None:
                 out = self._policy.select(self._view, kv_tokens, self._rng, self._cursor)
@@ -291,9 +379,9 @@ class DecodeState:
             assert slots is not None, "a free slot is never eligible"
             member = slots.member
             if liveness is None or liveness(member.member_id, member.incarnation, now_ns):
-                break
+                return out, slots
             # The fleet found it lapsed (and normally told us through on_leave already).
-            if self._instances.get(member.member_id) is slots:
+            if self._members.get(member.member_id) is slots:
                 # No compaction now: ``allowed`` (slot indices) must stay valid for the
                 # next round; the lapsed slots are simply dead.
                 self._remove(slots, "lapsed", compact=allowed is None)
@@ -301,42 +389,6 @@ class DecodeState:
             if rounds <= 0:  # pragma: no cover - every round removes one instance
                 self.count_refused("resource_exhausted")
                 raise leases.refuse_no_capacity("no live decode instance")
-        # The chosen GPU is live, has a free slot and room (the selection's filter), so
-        # the new load is in range: the O(1) in-place write of the core.
-        writer = self._writer
-        conc, kv = writer.load(slot)
-        conc += 1
-        kv += kv_tokens
-        writer.write(slot, conc, kv, True)
-        self._cursor = out.cursor
-        gpu_index = slot - slots.start
-        held[request_id] = (
-            (member.member_id, member.incarnation, gpu_index, kv_tokens),
-            now_ns,
-            now_ns + leases.lease_ns,
-        )
-        slots.requests[request_id] = 1
-        counts[self._k_placed[out.kind]] += 1
-        self._figures.mark(slots)
-        self.publisher.changed()
-        if self._debug_log:
-            log.debug(
-                "decode_placed",
-                request_id=request_id,
-                kv_tokens=kv_tokens,
-                instance_id=member.member_id,
-                gpu=gpu_index,
-                branch=out.kind,
-            )
-        return PlaceResult(
-            member.member_id,
-            member.incarnation,
-            gpu_index,
-            out.kind,
-            conc,
-            kv,
-            leases.lease_ms,
-        )
 
     def release(self, request_id: str, now_ns: int) -> ReleaseResult:
         """Free a held placement; NotFound when unknown, released, expired or lost."""
@@ -356,15 +408,10 @@ class DecodeState:
             placed[0], placed[2], max(now_ns - placed_ns, 0)
         )
 
-    def count_release_refused(self, outcome: str) -> None:
-        """Count a ReleaseDecode refused before it reached the table (e.g. a bad id)."""
-        self._counts.releases[outcome] += 1
-        self.publisher.changed()
-
     def _unhold(self, request_id: str, placed: _Placed) -> None:
         """Take a popped placement's share off its GPU (never below 0)."""
         instance_id, incarnation, gpu_index, kv_tokens = placed
-        slots = self._instances.get(instance_id)
+        slots = self._members.get(instance_id)
         if slots is None or slots.member.incarnation != incarnation:
             return  # its instance left: the share left with it
         slots.requests.pop(request_id, None)
@@ -414,7 +461,7 @@ class DecodeState:
         shape = member.shape
         if not isinstance(shape, DecodeInstanceShape):
             return
-        old = self._instances.get(member.member_id)
+        old = self._members.get(member.member_id)
         if old is not None:  # the fleet calls on_leave first; be safe anyway
             self._remove(old, "replaced")
         gpus = shape.gpus
@@ -429,7 +476,7 @@ class DecodeState:
         open_range(self._view, start, mc, mk)
         slots = Slots(member, start, gpus)
         self._owner[start : start + gpus] = [slots] * gpus
-        self._instances[member.member_id] = slots
+        self._members[member.member_id] = slots
         self._figures.mark(slots)
         self.publisher.changed()
         self.layout_version += 1
@@ -443,7 +490,7 @@ class DecodeState:
         )
 
     def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
-        slots = self._instances.get(member.member_id)
+        slots = self._members.get(member.member_id)
         if (
             slots is None
             or slots.member.incarnation != member.incarnation
@@ -460,18 +507,12 @@ class DecodeState:
         self.publisher.changed()
         self.expire(now_ns)
 
-    def on_leave(self, member: Member, reason: str, now_ns: int) -> None:
-        slots = self._instances.get(member.member_id)
-        if slots is None or slots.member.incarnation != member.incarnation:
-            return
-        self._remove(slots, reason)
-
     def _remove(self, slots: Slots, reason: str, compact: bool = True) -> None:
         """Take an instance out: its slots are freed, its placements lost. O(its GPUs +
         its placements); amortised O(1) per GPU when the arrays are compacted (not with
         ``compact=False``: then at a later leave)."""
         member_id = slots.member_id
-        del self._instances[member_id]
+        del self._members[member_id]
         lost = 0
         for request_id in slots.requests:
             if self._leases.pop(request_id) is not None:
@@ -513,7 +554,7 @@ class DecodeState:
     def _compact(self) -> None:
         """Pack the instances' slots at the front (O(GPUs), amortised over the leaves
         that freed as many slots as are used)."""
-        order = list(self._instances.values())
+        order = list(self._members.values())
         index, starts = self._alloc.compaction([(s.start, s.gpus) for s in order])
         self._resize(self._alloc.capacity, index)
         owner: list[Slots | None] = [None] * self._alloc.capacity
@@ -522,56 +563,3 @@ class DecodeState:
             owner[start : start + s.gpus] = [s] * s.gpus
         self._owner = owner
         self._moved()
-
-    # -- slot layout (for callers keeping per-slot tables) --------------------------------
-
-    def add_slot_listener(self, listener: SlotListener) -> None:
-        """Tell ``listener`` about every later change of the slot layout (see
-        :class:`SlotListener`); read the current one with :meth:`slot_ranges`."""
-        self._slot_listeners.append(listener)
-
-    def remove_slot_listener(self, listener: SlotListener) -> None:
-        if listener in self._slot_listeners:
-            self._slot_listeners.remove(listener)
-
-    def slot_ranges(self) -> Iterator[tuple[str, int, int]]:
-        """``(instance_id, start, gpus)`` of every instance: its GPU ``g`` is slot
-        ``start + g`` of :attr:`view` (in no particular order)."""
-        for member_id, s in self._instances.items():
-            yield member_id, s.start, s.gpus
-
-    # -- introspection (tests, diagnostics; on the loop) ----------------------------------
-
-    def gpu_loads(self) -> Iterator[tuple[str, int, int, int]]:
-        """``(instance_id, gpu_index, concurrency, kv_tokens)`` of every decode GPU, in
-        instance id order."""
-        view = self._view
-        for member_id in sorted(self._instances):
-            s = self._instances[member_id]
-            conc = view.concurrency[s.start : s.start + s.gpus].tolist()
-            kv = view.kv_tokens[s.start : s.start + s.gpus].tolist()
-            for gpu in range(s.gpus):
-                yield member_id, gpu, conc[gpu], kv[gpu]
-
-    def instance_load(self, instance_id: str) -> tuple[list[int], list[int]] | None:
-        """(requests per GPU, KV tokens per GPU) the balancer sees on one instance, in GPU
-        order; None if the instance is not in the table. O(its GPUs)."""
-        s = self._instances.get(instance_id)
-        if s is None:
-            return None
-        view = self._view
-        end = s.start + s.gpus
-        return view.concurrency[s.start : end].tolist(), view.kv_tokens[s.start : end].tolist()
-
-    def gpu_load(self, instance_id: str, gpu_index: int) -> tuple[int, int]:
-        """(requests, KV tokens) the balancer sees on one GPU; NotFound if unknown."""
-        s = self._instances.get(instance_id)
-        if s is None or not 0 <= gpu_index < s.gpus:
-            raise NotFound(f"instance_id: {instance_id!r} gpu {gpu_index} is not known")
-        slot = s.start + gpu_index
-        return int(self._view.concurrency[slot]), int(self._view.kv_tokens[slot])
-
-    def imbalance(self) -> tuple[float, float]:
-        """Max over mean across decode GPUs of (concurrency, total KV); 1.0 = perfect."""
-        view = self._view
-        return imbalance(view.concurrency, view.live), imbalance(view.kv_tokens, view.live)

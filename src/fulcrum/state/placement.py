@@ -395,3 +395,70 @@ class MemberFigureCache:
             self._dirty_chunks.clear()
             self._table = MemberTable(tuple(self._frozen))
         return self._table
+
+
+# -- the table skeleton -----------------------------------------------------------------
+
+
+M = TypeVar("M", bound=Slots)
+SettingsT = TypeVar("SettingsT")
+CountsT = TypeVar("CountsT")
+
+
+class PlacementTable(Generic[M, SettingsT, CountsT]):
+    """What the decode and the vision tables share: members by id (``M``, a
+    :class:`Slots`), the :class:`LeaseTable`, the settings section in force, the
+    per-call counters and the :class:`Publisher`. Subclasses keep their fleet arrays, their
+    ``place``/``release`` and :meth:`_remove`."""
+
+    _members: dict[str, M]
+    _leases: LeaseTable[Any]
+    _settings: SettingsT
+    _counts: CountsT
+    _policy: Any  # has ``name``
+    publisher: Publisher[Any]
+
+    def set_schedule(self, schedule: Schedule | None) -> None:
+        """Publish metrics snapshots through the event loop's ``call_soon``."""
+        self.publisher.set_schedule(schedule)
+
+    @property
+    def counts(self) -> CountsT:
+        """Placement and release counters (live: the loop's own; see :attr:`publisher`)."""
+        return self._counts
+
+    @property
+    def settings(self) -> SettingsT:
+        return self._settings
+
+    @property
+    def policy_name(self) -> str:
+        """Registry name of the policy in force."""
+        name: str = self._policy.name
+        return name
+
+    @property
+    def lease_ms(self) -> int:
+        """Lease given to new placements, ms."""
+        return self._leases.lease_ms
+
+    @property
+    def held(self) -> int:
+        """Placements held (not yet released, expired or lost)."""
+        return len(self._leases)
+
+    def count_release_refused(self, outcome: str) -> None:
+        """Count a release refused before it reached the table (e.g. a bad id)."""
+        releases: dict[str, int] = getattr(self._counts, "releases")  # noqa: B009
+        releases[outcome] += 1
+        self.publisher.changed()
+
+    def on_leave(self, member: Member, reason: str, now_ns: int) -> None:
+        """The fleet dropped ``member``: take it out (if it is the incarnation we hold)."""
+        slots = self._members.get(member.member_id)
+        if slots is None or slots.member.incarnation != member.incarnation:
+            return
+        self._remove(slots, reason)
+
+    def _remove(self, slots: M, reason: str) -> None:
+        raise NotImplementedError

@@ -48,8 +48,8 @@ from fulcrum.state.placement import (
     RECORD,
     LeaseTable,
     MemberFigureCache,
+    PlacementTable,
     Publisher,
-    Schedule,
     SlotAllocator,
     Slots,
 )
@@ -94,7 +94,83 @@ class _Machine(Slots):
     generation: int = 0  # heartbeat reports received
 
 
-class VisionState:
+def _patch_counts(s: VisionSettings, images: Sequence[ImageRequest]) -> list[int]:
+    """Patch count of each image (InvalidArgument naming the image and the rule)."""
+    if not images:
+        raise InvalidArgument("images", "must not be empty")
+    if len(images) > s.max_images_per_request:
+        raise InvalidArgument(
+            "images",
+            f"must have at most {s.max_images_per_request} entries "
+            "(vision.max_images_per_request)",
+        )
+    counts = []
+    default, max_side = s.patch_size, s.max_side
+    for i, (width, height, patch_size) in enumerate(images):
+        p = patch_size or default
+        if (
+            type(width) is int
+            and type(height) is int
+            and type(p) is int
+            and 0 < width <= max_side
+            and 0 < height <= max_side
+            and 0 < p <= max_side
+        ):  # fast path of checked_patches (same rule)
+            counts.append(-(-width // p) * -(-height // p))
+            continue
+        try:
+            counts.append(checked_patches(width, height, p, max_side=max_side))
+        except InvalidImageError as err:
+            raise InvalidArgument(f"images[{i}].{err.field}", err.rule) from None
+    return counts
+
+
+class _VisionViews:
+    """Read-only views of the VE table (tests, diagnostics, GetMachineLoad; on the loop)."""
+
+    _members: dict[str, _Machine]
+    _pif: npt.NDArray[np.int64]
+    _topology: SlotTopology
+    _fleet: VisionFleet
+
+    # -- views (tests, diagnostics, GetMachineLoad; on the loop) ------------------------
+
+    def machine_ids(self) -> list[str]:
+        """Machines, sorted by id."""
+        return sorted(self._members)
+
+    def machine_load(self, machine_id: str) -> tuple[list[int], int, int]:
+        """(patches in flight per GPU, per-GPU max patches (0 = unlimited), images held).
+
+        Raises:
+            NotFound: ``machine_id`` is not a live VE machine.
+        """
+        machine = self._members.get(machine_id)
+        if machine is None:
+            raise NotFound(f"machine_id: {machine_id!r} is not a registered VE machine")
+        s = machine.start
+        images = sum(machine.requests.values())
+        return self._pif[s : s + machine.gpus].tolist(), machine.max_patches, images
+
+    def fleet(self) -> VisionFleet:
+        """A copy of the current fleet view (for tests and diagnostics): GPU indices are
+        slots, free slots are not live."""
+        return VisionFleet(self._topology, self._pif.copy())
+
+    def gpu_loads(self) -> Iterator[tuple[str, int, int]]:
+        """``(machine_id, gpu_index, patches_in_flight)`` of every GPU, machines by id."""
+        for machine_id in sorted(self._members):
+            machine = self._members[machine_id]
+            pif = self._pif[machine.start : machine.start + machine.gpus].tolist()
+            for i, value in enumerate(pif):
+                yield machine_id, i, value
+
+    def imbalance(self) -> float:
+        """Max over mean of patches in flight across GPUs (1.0 = perfect or idle)."""
+        return imbalance(self._fleet)
+
+
+class VisionState(_VisionViews, PlacementTable[_Machine, VisionSettings, metrics.VisionCounts]):
     """VE machines, patches in flight and held placements. Not thread-safe; the daemon's
     event loop is the only caller (the scrape thread reads :attr:`publisher`'s snapshot).
     Implements the fleet's ``FleetListener`` protocol."""
@@ -107,7 +183,7 @@ class VisionState:
     ) -> None:
         self._rng = rng
         self._liveness = liveness
-        self._machines: dict[str, _Machine] = {}
+        self._members: dict[str, _Machine] = {}
         self._alloc = SlotAllocator(64)
         cap = self._alloc.capacity
         self._topology = SlotTopology(cap)
@@ -124,7 +200,7 @@ class VisionState:
             settings.sweep_interval_ms,
         )
         self._settings = settings
-        self._policy: VisionPolicy = make_policy(settings.policy)
+        self._policy: VisionPolicy = make_policy(settings.policy, settings.params())
         self._counts = metrics.VisionCounts()
         self._figures = MemberFigureCache()
         self._bind_metrics()
@@ -148,10 +224,6 @@ class VisionState:
         self._k_dup = (name, "already_exists")
         self._k_exhausted = (name, "resource_exhausted")
 
-    def set_schedule(self, schedule: Schedule | None) -> None:
-        """Publish metrics snapshots through the event loop's ``call_soon``."""
-        self.publisher.set_schedule(schedule)
-
     def _snapshot(self) -> metrics.VisionSnapshot:
         """The immutable snapshot for the scrape thread (built on the loop)."""
         pif = self._pif
@@ -171,31 +243,12 @@ class VisionState:
             releases=tuple(c.releases.items()),
         )
 
-    @property
-    def counts(self) -> metrics.VisionCounts:
-        """Per-call counters (live: the loop's own; see :attr:`publisher`)."""
-        return self._counts
-
-    @property
-    def settings(self) -> VisionSettings:
-        return self._settings
-
-    @property
-    def policy_name(self) -> str:
-        """Registry name of the policy in force."""
-        return self._policy.name
-
-    @property
-    def lease_ms(self) -> int:
-        """Lease given to new placements, ms."""
-        return self._leases.lease_ms
-
     def apply_settings(self, settings: VisionSettings) -> None:
         """Apply every key of new settings (SIGHUP): policy, patch defaults, image bounds,
         lease, table bound, sweep period and metrics bound apply to the next call;
         placements already held keep their deadline."""
         if settings.policy != self._policy.name:
-            self._policy = make_policy(settings.policy)
+            self._policy = make_policy(settings.policy, settings.params())
             self._bind_metrics()
         self._settings = settings
         self._leases.configure(
@@ -208,11 +261,6 @@ class VisionState:
         """Count a PlaceImages refused before it reached the table (e.g. a bad id)."""
         key = (self._policy.name, outcome)
         self._counts.placements[key] = self._counts.placements.get(key, 0) + 1
-        self.publisher.changed()
-
-    def count_release_refused(self, outcome: str) -> None:
-        """Count a ReleaseImages refused before it reached the table (e.g. a bad id)."""
-        self._counts.releases[outcome] += 1
         self.publisher.changed()
 
     # -- fleet listener ------------------------------------------------------------------
@@ -232,7 +280,7 @@ class VisionState:
         """Give the machine slots: O(its GPUs) (amortised, when the arrays grow)."""
         shape = member.shape
         assert isinstance(shape, VisionMachineShape)
-        old = self._machines.get(member.member_id)
+        old = self._members.get(member.member_id)
         if old is not None:  # the fleet calls on_leave first; be safe anyway
             self._remove(old, "replaced")
         gpus = shape.gpus
@@ -246,7 +294,7 @@ class VisionState:
             self._by_index.append(machine)
         else:
             self._by_index[index] = machine
-        self._machines[member.member_id] = machine
+        self._members[member.member_id] = machine
         self._figures.mark(machine)
         self.publisher.changed()
         log.info(
@@ -258,7 +306,7 @@ class VisionState:
         )
 
     def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
-        machine = self._machines.get(member.member_id)
+        machine = self._members.get(member.member_id)
         if (
             machine is None
             or machine.member.incarnation != member.incarnation
@@ -272,12 +320,6 @@ class VisionState:
         self._pif[s:e] = self._base[s:e]
         self._figures.mark(machine)
         self.publisher.changed()
-
-    def on_leave(self, member: Member, reason: str, now_ns: int) -> None:
-        machine = self._machines.get(member.member_id)
-        if machine is None or machine.member.incarnation != member.incarnation:
-            return
-        self._remove(machine, reason)
 
     def _remove(self, machine: _Machine, reason: str) -> None:
         """Take a machine out: its slots are freed, its images lost. O(its GPUs + its
@@ -297,7 +339,7 @@ class VisionState:
             else:
                 leases.pop(request_id)
         machine.requests.clear()
-        del self._machines[member_id]
+        del self._members[member_id]
         s, e = machine.start, machine.start + machine.gpus
         self._topology.remove_machine(machine.index)
         self._by_index[machine.index] = None
@@ -329,7 +371,7 @@ class VisionState:
 
     def _compact(self) -> None:
         """Pack the machines' slots at the front (O(GPUs), amortised)."""
-        order = list(self._machines.values())
+        order = list(self._members.values())
         index, starts = self._alloc.compaction([(m.start, m.gpus) for m in order])
         self._resize(self._alloc.capacity, index)
         for machine, start in zip(order, starts, strict=True):
@@ -337,36 +379,6 @@ class VisionState:
             self._topology.move_machine(machine.index, start)
 
     # -- placement -----------------------------------------------------------------------
-
-    def _patch_counts(self, images: Sequence[ImageRequest]) -> list[int]:
-        s = self._settings
-        if not images:
-            raise InvalidArgument("images", "must not be empty")
-        if len(images) > s.max_images_per_request:
-            raise InvalidArgument(
-                "images",
-                f"must have at most {s.max_images_per_request} entries "
-                "(vision.max_images_per_request)",
-            )
-        counts = []
-        default, max_side = s.patch_size, s.max_side
-        for i, (width, height, patch_size) in enumerate(images):
-            p = patch_size or default
-            if (
-                type(width) is int
-                and type(height) is int
-                and type(p) is int
-                and 0 < width <= max_side
-                and 0 < height <= max_side
-                and 0 < p <= max_side
-            ):  # fast path of checked_patches (same rule)
-                counts.append(-(-width // p) * -(-height // p))
-                continue
-            try:
-                counts.append(checked_patches(width, height, p, max_side=max_side))
-            except InvalidImageError as err:
-                raise InvalidArgument(f"images[{i}].{err.field}", err.rule) from None
-        return counts
 
     def check_image_count(self, n: int) -> None:
         """Refuse (and count) a request of ``n`` images beyond the bound, before anything
@@ -391,7 +403,7 @@ class VisionState:
             ResourceExhausted: the table is full, or no live GPU has room.
         """
         try:
-            counts = self._patch_counts(images)
+            counts = _patch_counts(self._settings, images)
         except InvalidArgument:
             self.count_refused("invalid_argument")
             raise
@@ -402,27 +414,8 @@ class VisionState:
             outcome, error = leases.refusal(request_id)
             self.count_refused(outcome)
             raise error
-        policy, rng = self._policy, self._rng
-        while True:
-            # The pure fold of core.vision.place_many, done in place on our own array:
-            # each image sees the ones before it; undone if any image fails.
-            fleet = self._fleet
-            pif = fleet.patches_in_flight
-            placed: list[Placement] = []
-            for n in counts:
-                decision = policy.select(fleet, n, rng)
-                if isinstance(decision, NoCapacity):
-                    for done in placed:
-                        pif[done.gpu] -= done.patches
-                    self.count_refused("resource_exhausted")
-                    raise leases.refuse_no_capacity(decision.reason)
-                g = decision.gpu
-                pif[g] = pif.item(g) + n  # scalar Python arithmetic: no numpy scalars
-                placed.append(decision)
-            for decision in placed:  # undone here; committed below once all are live
-                pif[decision.gpu] -= decision.patches
-            if self._liveness is None or self._all_live(placed, now_ns):
-                break
+        placed = self._fold(counts, now_ns)
+        pif = self._fleet.patches_in_flight
         machines = self._by_index
         pending = self._pending
         out: list[PlacedImage] = []
@@ -455,6 +448,32 @@ class VisionState:
         self.publisher.changed()
         return out
 
+    def _fold(self, counts: list[int], now_ns: int) -> list[Placement]:
+        """Choose a GPU for each image in order (each sees the ones before it) on live
+        machines only; the view is left unchanged. Raises ResourceExhausted (counted)."""
+        leases = self._leases
+        policy, rng = self._policy, self._rng
+        while True:
+            # The pure fold of core.vision.place_many, done in place on our own array:
+            # each image sees the ones before it; undone if any image fails.
+            fleet = self._fleet
+            pif = fleet.patches_in_flight
+            placed: list[Placement] = []
+            for n in counts:
+                decision = policy.select(fleet, n, rng)
+                if isinstance(decision, NoCapacity):
+                    for done in placed:
+                        pif[done.gpu] -= done.patches
+                    self.count_refused("resource_exhausted")
+                    raise leases.refuse_no_capacity(decision.reason)
+                g = decision.gpu
+                pif[g] = pif.item(g) + n  # scalar Python arithmetic: no numpy scalars
+                placed.append(decision)
+            for decision in placed:  # undone here; committed below once all are live
+                pif[decision.gpu] -= decision.patches
+            if self._liveness is None or self._all_live(placed, now_ns):
+                return placed
+
     def _all_live(self, placed: Sequence[Placement], now_ns: int) -> bool:
         """Whether every machine chosen is still live; a lapsed one is taken out."""
         assert self._liveness is not None
@@ -471,7 +490,7 @@ class VisionState:
             if not self._liveness(member.member_id, member.incarnation, now_ns):
                 # The fleet normally reports the lapse through on_leave; make sure the
                 # machine is gone so that the next round cannot pick it again.
-                if self._machines.get(member.member_id) is machine:
+                if self._members.get(member.member_id) is machine:
                     self._remove(machine, "lapsed")
                 return False
         return True
@@ -501,7 +520,7 @@ class VisionState:
         """Take held images off their GPUs (records: PlacedImage fields as plain tuples)."""
         total = 0
         for machine_id, gpu_index, p, incarnation, generation in images:
-            machine = self._machines.get(machine_id)
+            machine = self._members.get(machine_id)
             total += p
             if machine is None or machine.member.incarnation != incarnation:
                 continue
@@ -535,44 +554,3 @@ class VisionState:
             self.publisher.changed()
             log.info("vision_placements_expired", requests=n, images=images)
         return n
-
-    # -- views (tests, diagnostics, GetMachineLoad; on the loop) ------------------------
-
-    @property
-    def held(self) -> int:
-        """Placed requests held."""
-        return len(self._leases)
-
-    def machine_ids(self) -> list[str]:
-        """Machines, sorted by id."""
-        return sorted(self._machines)
-
-    def machine_load(self, machine_id: str) -> tuple[list[int], int, int]:
-        """(patches in flight per GPU, per-GPU max patches (0 = unlimited), images held).
-
-        Raises:
-            NotFound: ``machine_id`` is not a live VE machine.
-        """
-        machine = self._machines.get(machine_id)
-        if machine is None:
-            raise NotFound(f"machine_id: {machine_id!r} is not a registered VE machine")
-        s = machine.start
-        images = sum(machine.requests.values())
-        return self._pif[s : s + machine.gpus].tolist(), machine.max_patches, images
-
-    def fleet(self) -> VisionFleet:
-        """A copy of the current fleet view (for tests and diagnostics): GPU indices are
-        slots, free slots are not live."""
-        return VisionFleet(self._topology, self._pif.copy())
-
-    def gpu_loads(self) -> Iterator[tuple[str, int, int]]:
-        """``(machine_id, gpu_index, patches_in_flight)`` of every GPU, machines by id."""
-        for machine_id in sorted(self._machines):
-            machine = self._machines[machine_id]
-            pif = self._pif[machine.start : machine.start + machine.gpus].tolist()
-            for i, value in enumerate(pif):
-                yield machine_id, i, value
-
-    def imbalance(self) -> float:
-        """Max over mean of patches in flight across GPUs (1.0 = perfect or idle)."""
-        return imbalance(self._fleet)

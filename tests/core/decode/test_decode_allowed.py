@@ -21,16 +21,16 @@ from hypothesis import strategies as st
 from fulcrum.core.decode import (
     POLICY_NAMES,
     Decision,
-    DecodeParams,
     FleetView,
     NoCapacity,
-    copy_view,
     make_policy,
+    params_for,
     select_allowed,
 )
+from fulcrum.core.decode.copies import copy_view
 
 DETERMINISTIC = [n for n in POLICY_NAMES if n != "power_of_two"]
-PARAMS = DecodeParams(long_factor=1.5, long_tokens=800, short_slack=1, d1_ns=3.0, d2_ns=0.25)
+PARAMS = {"long_factor": 1.5, "long_tokens": 800, "short_slack": 1, "d1_ns": 3.0, "d2_ns": 0.25}
 
 
 def allowed_of(view: FleetView, bits: list[bool], as_mask: bool = False) -> np.ndarray:
@@ -66,7 +66,12 @@ def test_pick_is_allowed_live_with_room(
     allowed = allowed_of(view, bits, as_mask)
     before = copy_view(view)
     out = select_allowed(
-        make_policy(name, PARAMS), view, kv_tokens, np.random.default_rng(seed), cursor, allowed
+        make_policy(name, params_for(name, PARAMS)),
+        view,
+        kv_tokens,
+        np.random.default_rng(seed),
+        cursor,
+        allowed,
     )
     fits = [g for g in eligible_list(view, kv_tokens) if g in set(as_list(view, allowed))]
     if isinstance(out, NoCapacity):
@@ -90,17 +95,22 @@ def test_matches_reference_among_allowed(
 ) -> None:
     allowed = allowed_of(view, bits, as_mask)
     out = select_allowed(
-        make_policy(name, PARAMS), view, kv_tokens, np.random.default_rng(0), cursor, allowed
+        make_policy(name, params_for(name, PARAMS)),
+        view,
+        kv_tokens,
+        np.random.default_rng(0),
+        cursor,
+        allowed,
     )
     want = expected(
         name,
         view,
         kv_tokens,
-        long_factor=PARAMS.long_factor,
-        long_tokens=PARAMS.long_tokens,
-        short_slack=PARAMS.short_slack,
-        d1=PARAMS.d1_ns,
-        d2=PARAMS.d2_ns,
+        long_factor=PARAMS["long_factor"],
+        long_tokens=int(PARAMS["long_tokens"]),
+        short_slack=int(PARAMS["short_slack"]),
+        d1=PARAMS["d1_ns"],
+        d2=PARAMS["d2_ns"],
         cursor=cursor % view.n_gpus,
         allowed=as_list(view, allowed),
     )
@@ -125,7 +135,7 @@ def test_matches_reference_among_allowed(
 def test_everything_allowed_is_the_plain_policy(
     view: FleetView, kv_tokens: int, name: str, cursor: int, seed: int
 ) -> None:
-    policy = make_policy(name, PARAMS)
+    policy = make_policy(name, params_for(name, PARAMS))
     c = cursor % view.n_gpus
     plain = policy.select(view, kv_tokens, np.random.default_rng(seed), c)
     none = select_allowed(policy, view, kv_tokens, np.random.default_rng(seed), c, None)

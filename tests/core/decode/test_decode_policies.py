@@ -9,15 +9,19 @@ from fulcrum.core.decode import (
     DEFAULT_POLICY,
     POLICY_NAMES,
     Decision,
-    DecodeParams,
+    DualParams,
     FleetView,
     NoCapacity,
+    StepTimeParams,
     dual,
     make_policy,
+    params_for,
     power_of_two,
     round_robin,
     step_time,
 )
+
+DUAL_FIELDS = {"long_factor", "long_tokens", "short_slack"}
 
 RNG_SEED = 7
 
@@ -28,7 +32,7 @@ def view(conc: list[int], kv: list[int], *, mc: int = 64, mk: int = 1_000_000) -
 
 
 def pick(name: str, v: FleetView, kv_tokens: int, **params: float) -> Decision:
-    policy = make_policy(name, DecodeParams(**params))  # type: ignore[arg-type]
+    policy = make_policy(name, params_for(name, params))
     d = policy.select(v, kv_tokens, np.random.default_rng(RNG_SEED))
     assert isinstance(d, Decision), d
     return d
@@ -56,7 +60,7 @@ def test_registry_names_and_default() -> None:
 )
 def test_params_validation(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
-        DecodeParams(**{field: value})  # type: ignore[arg-type]
+        DualParams(**{field: value}) if field in DUAL_FIELDS else StepTimeParams(**{field: value})  # type: ignore[arg-type]
 
 
 # --- dual ------------------------------------------------------------------------------
@@ -247,7 +251,7 @@ def test_every_policy_rejects_non_positive_kv(name: str) -> None:
 def test_dual_steers_long_requests_away_from_gpus_full_of_long_ones() -> None:
     # SPEC section 9, last row: GPUs 0-1 hold a few long requests (lots of KV, few
     # requests), GPUs 2-3 many short ones. Later long requests go to 2-3 until KV evens out.
-    from fulcrum.core.decode import commit
+    from fulcrum.core.decode.copies import commit
 
     v = view([6, 6, 30, 30], [600_000, 600_000, 50_000, 50_000])
     p = make_policy("dual")

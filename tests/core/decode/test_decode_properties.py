@@ -19,19 +19,14 @@ from hypothesis import strategies as st
 from fulcrum.core.decode import (
     POLICY_NAMES,
     Decision,
-    DecodeParams,
     FleetView,
     NoCapacity,
-    commit,
-    copy_view,
-    grow,
     make_policy,
-    observe,
-    release,
-    set_live,
+    params_for,
     write_gpu,
     write_range,
 )
+from fulcrum.core.decode.copies import commit, copy_view, grow, observe, release, set_live
 
 DETERMINISTIC = [n for n in POLICY_NAMES if n != "power_of_two"]
 kv_sizes = st.integers(min_value=1, max_value=2_500)
@@ -56,10 +51,12 @@ def test_matches_reference(
     long_tokens: int,
     cursor: int,
 ) -> None:
-    params = DecodeParams(
+    params = dict(
         long_factor=factor, long_tokens=long_tokens, short_slack=slack, d1_ns=3.0, d2_ns=0.25
     )
-    out = make_policy(name, params).select(view, kv_tokens, np.random.default_rng(0), cursor)
+    out = make_policy(name, params_for(name, params)).select(
+        view, kv_tokens, np.random.default_rng(0), cursor
+    )
     want = expected(
         name,
         view,

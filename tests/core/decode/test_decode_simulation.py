@@ -16,14 +16,13 @@ import pytest
 
 from fulcrum.core.decode import (
     POLICY_NAMES,
-    DecodeParams,
     FleetView,
     NoCapacity,
-    commit,
     imbalance,
     make_policy,
-    release,
+    params_for,
 )
+from fulcrum.core.decode.copies import commit, release
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ def simulate(
 ) -> SimResult:
     work = np.random.default_rng(seed)
     policy_rng = np.random.default_rng(seed + 1)
-    policy = make_policy(name, DecodeParams(d1_ns=20_000.0, d2_ns=0.5))
+    policy = make_policy(name, params_for(name, {"d1_ns": 20_000.0, "d2_ns": 0.5}))
     view = FleetView.empty_like(np.full(n_gpus, 128), np.full(n_gpus, 4_000_000))
     held: list[tuple[int, int]] = []
     cursor = 0

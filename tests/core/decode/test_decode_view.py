@@ -7,13 +7,9 @@ import pytest
 
 from fulcrum.core.decode import (
     FleetView,
-    commit,
-    grow,
     imbalance,
-    observe,
-    release,
-    set_live,
 )
+from fulcrum.core.decode.copies import commit, grow, observe, release, set_live
 from fulcrum.core.decode.view import INT64_MAX
 
 

@@ -3,6 +3,8 @@
 See SPEC.md section 4: balance per-GPU concurrency AND per-GPU total KV length.
 """
 
+from fulcrum.core.decode.dual import DualParams
+from fulcrum.core.decode.fallbacks import best_slots
 from fulcrum.core.decode.filters import (
     Allowed,
     check_allowed,
@@ -11,23 +13,22 @@ from fulcrum.core.decode.filters import (
     restrict,
     select_allowed,
 )
-from fulcrum.core.decode.policy import DecodeParams, DecodePolicy
-from fulcrum.core.decode.registry import DEFAULT_POLICY, POLICY_NAMES, REGISTRY, make_policy
-from fulcrum.core.decode.view import (
-    Decision,
-    FleetView,
+from fulcrum.core.decode.policy import DecodePolicy
+from fulcrum.core.decode.registry import (
+    DEFAULT_POLICY,
+    POLICY_NAMES,
+    REGISTRY,
+    branches,
+    make_policy,
+    params_for,
+)
+from fulcrum.core.decode.step_time import StepTimeParams
+from fulcrum.core.decode.view import Decision, FleetView, NoCapacity, imbalance
+from fulcrum.core.decode.writers import (
     GpuWriter,
-    NoCapacity,
     close_range,
-    commit,
-    copy_view,
-    grow,
-    imbalance,
-    observe,
     open_range,
-    release,
     resized,
-    set_live,
     write_gpu,
     write_range,
 )
@@ -38,27 +39,25 @@ __all__ = [
     "REGISTRY",
     "Allowed",
     "Decision",
-    "DecodeParams",
     "DecodePolicy",
+    "DualParams",
     "FleetView",
     "GpuWriter",
     "NoCapacity",
+    "StepTimeParams",
+    "best_slots",
+    "branches",
     "check_allowed",
     "close_range",
-    "commit",
-    "copy_view",
     "eligible",
-    "grow",
     "imbalance",
     "make_policy",
     "no_capacity",
-    "observe",
     "open_range",
-    "release",
+    "params_for",
     "resized",
     "restrict",
     "select_allowed",
-    "set_live",
     "write_gpu",
     "write_range",
 ]

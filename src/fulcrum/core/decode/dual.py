@@ -31,8 +31,8 @@ from typing import Final
 
 import numpy as np
 
-from fulcrum.core.decode.filters import check_kv_tokens, eligible, no_capacity
-from fulcrum.core.decode.policy import DecodeParams, argmin_where, pick_min
+from fulcrum.core.decode.filters import check_kv_tokens, eligible
+from fulcrum.core.decode.policy import argmin_where, decided, pick_min
 from fulcrum.core.decode.view import (
     INT64_MAX,
     MAX_CONCURRENCY_LIMIT,
@@ -41,15 +41,47 @@ from fulcrum.core.decode.view import (
     FleetView,
     NoCapacity,
 )
+from fulcrum.core.registry import check_bounds, knob
 
 NAME: Final = "dual"
 SHORT: Final = "short"
 LONG: Final = "long"
+#: The branch labels of its decisions (``Decision.kind``; also a metric label).
+BRANCHES: Final = (SHORT, LONG)
+
+
+@dataclass(frozen=True, slots=True)
+class DualParams:
+    """Parameters of ``dual`` (YAML ``decode.dual.*``)."""
+
+    long_factor: float = knob(
+        2.0,
+        "a request is long when its KV length is at least this many times the fleet's "
+        "current mean KV per request (or at least long_tokens), dimensionless",
+        gt=0.0,
+        le=1000.0,
+    )
+    long_tokens: int = knob(
+        65_536,
+        "a request of at least this KV length is always long, tokens",
+        ge=1,
+        le=MAX_KV_LIMIT - 1,
+    )
+    short_slack: int = knob(
+        0,
+        "a short request may go to a GPU with up to this many more requests than the "
+        "least-loaded one when that GPU holds more KV, requests",
+        ge=0,
+        le=1_000_000,
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
 
 
 @dataclass(frozen=True, slots=True)
 class Dual:
-    """The ``dual`` policy (see module docstring); parameters as in DecodeParams."""
+    """The ``dual`` policy (see module docstring); parameters as in :class:`DualParams`."""
 
     long_factor: float = 2.0
     long_tokens: int = 65_536
@@ -90,9 +122,7 @@ class Dual:
         else:
             gpu = self._short_with_slack(view, kv_tokens)
             kind = SHORT
-        if gpu < 0:
-            return no_capacity(view, kv_tokens, kind)
-        return Decision(gpu=gpu, kind=kind, cursor=cursor)
+        return decided(view, kv_tokens, gpu, cursor, kind)
 
     def _short_with_slack(self, view: FleetView, kv_tokens: int) -> int:
         """Short branch with ``short_slack > 0``: most KV among near-least-loaded GPUs."""
@@ -109,7 +139,7 @@ class Dual:
         return argmin_where(key, cand)
 
 
-def from_params(params: DecodeParams) -> Dual:
+def from_params(params: DualParams) -> Dual:
     """Factory for the registry."""
     return Dual(
         long_factor=params.long_factor,

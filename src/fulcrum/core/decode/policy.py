@@ -1,20 +1,24 @@
-"""Common interface of decode placement policies and their shared parameters.
+"""Common interface of decode placement policies and the helpers they share.
 
 A policy is an immutable object with ``name`` and a pure
 ``select(view, kv_tokens, rng, cursor) -> Decision | NoCapacity``: it filters by
 capacity (:mod:`fulcrum.core.decode.filters`), scores eligible GPUs, and returns the
 chosen GPU index. It never mutates the view, the rng is the only source of randomness,
 and any policy state (round_robin's cursor) is passed in and returned in the Decision.
+
+Each policy module owns its parameter dataclass (validated in its own ``__post_init__``)
+and registers itself in :mod:`fulcrum.core.decode.registry` with the branch labels its
+decisions carry (``Decision.kind``; ``("",)`` for a policy without branches).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from fulcrum.core.decode.filters import check_kv_tokens, no_capacity
 from fulcrum.core.decode.view import (
     I64,
     INT64_MAX,
@@ -27,38 +31,6 @@ from fulcrum.core.decode.view import (
 )
 
 F64 = npt.NDArray[np.float64]
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeParams:
-    """Tunables of all decode policies (each policy reads only its own).
-
-    dual: ``long_factor`` (dimensionless, > 0) and ``long_tokens`` (tokens, >= 1): a request
-    is long iff ``kv_tokens >= min(long_tokens, long_factor * mean KV per request)``
-    (``long_tokens`` alone when the fleet holds no request); ``short_slack`` (requests,
-    >= 0): a short request may go to a GPU with up to this many more requests than the
-    least-loaded one when it holds more KV.
-    step_time: ``d0_ns`` (ns), ``d1_ns`` (ns per request), ``d2_ns`` (ns per KV token).
-    """
-
-    long_factor: float = 2.0
-    long_tokens: int = 65_536
-    short_slack: int = 0
-    d0_ns: float = 5_000_000.0
-    d1_ns: float = 20_000.0
-    d2_ns: float = 0.5
-
-    def __post_init__(self) -> None:
-        if not self.long_factor > 0.0:
-            raise ValueError("long_factor: must be > 0")
-        if self.long_tokens < 1:
-            raise ValueError("long_tokens: must be >= 1")
-        if self.short_slack < 0:
-            raise ValueError("short_slack: must be >= 0")
-        for name in ("d0_ns", "d1_ns", "d2_ns"):
-            value = getattr(self, name)
-            if not (value >= 0.0 and np.isfinite(value)):
-                raise ValueError(f"{name}: must be finite and >= 0")
 
 
 class DecodePolicy(Protocol):
@@ -76,6 +48,60 @@ class DecodePolicy(Protocol):
     ) -> Decision | NoCapacity:
         """Choose a GPU for one request of ``kv_tokens`` tokens (pure)."""
         ...
+
+
+def decided(
+    view: FleetView, kv_tokens: int, gpu: int, cursor: int, kind: str = ""
+) -> Decision | NoCapacity:
+    """The Decision for ``gpu`` (a slot index), or the NoCapacity explanation when
+    ``gpu < 0`` (the common tail of every policy's ``select``)."""
+    if gpu < 0:
+        return no_capacity(view, kv_tokens, kind)
+    return Decision(gpu=gpu, kind=kind, cursor=cursor)
+
+
+class Checked:
+    """Base of a policy whose :meth:`choose` runs after the common ``kv_tokens`` check.
+    Subclasses set ``name``."""
+
+    __slots__ = ()
+    name: ClassVar[str] = ""
+
+    def choose(
+        self, view: FleetView, kv_tokens: int, rng: np.random.Generator, cursor: int
+    ) -> Decision | NoCapacity:
+        raise NotImplementedError
+
+    def select(
+        self,
+        view: FleetView,
+        kv_tokens: int,
+        rng: np.random.Generator,
+        cursor: int = 0,
+    ) -> Decision | NoCapacity:
+        check_kv_tokens(kv_tokens)
+        return self.choose(view, kv_tokens, rng, cursor)
+
+
+class ByKey:
+    """Base of a policy that takes the eligible GPU with the smallest :meth:`key`
+    (non-negative, shape ``(n_gpus,)``; see :func:`pick_min`). Subclasses set ``name``."""
+
+    __slots__ = ()
+    name: ClassVar[str] = ""
+
+    def key(self, view: FleetView) -> I64 | F64:
+        raise NotImplementedError
+
+    def select(
+        self,
+        view: FleetView,
+        kv_tokens: int,
+        rng: np.random.Generator,
+        cursor: int = 0,
+    ) -> Decision | NoCapacity:
+        check_kv_tokens(kv_tokens)
+        return decided(view, kv_tokens, pick_min(self.key(view), view, kv_tokens), cursor)
 
 
 def argmin_where(key: I64 | F64, mask: Mask) -> int:

@@ -13,35 +13,26 @@ the explicit list of eligible GPUs (one vectorised pass).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Final
+from typing import ClassVar, Final
 
 import numpy as np
 
-from fulcrum.core.decode.filters import check_kv_tokens, no_capacity
-from fulcrum.core.decode.policy import DecodeParams
+from fulcrum.core.decode.policy import Checked, decided
 from fulcrum.core.decode.view import Decision, FleetView, NoCapacity
 
 NAME: Final = "power_of_two"
 REJECTION_TRIES: Final = 8
 
 
-@dataclass(frozen=True, slots=True)
-class PowerOfTwo:
+class PowerOfTwo(Checked):
     """The ``power_of_two`` policy (see module docstring)."""
 
-    @property
-    def name(self) -> str:
-        return NAME
+    __slots__ = ()
+    name: ClassVar[str] = NAME
 
-    def select(
-        self,
-        view: FleetView,
-        kv_tokens: int,
-        rng: np.random.Generator,
-        cursor: int = 0,
+    def choose(
+        self, view: FleetView, kv_tokens: int, rng: np.random.Generator, cursor: int
     ) -> Decision | NoCapacity:
-        check_kv_tokens(kv_tokens)
         n = view.n_gpus
         headroom = view.headroom
         first = -1
@@ -52,17 +43,19 @@ class PowerOfTwo:
                     first = g
                 else:
                     return Decision(gpu=self._better(view, first, g), cursor=cursor)
-        idx = np.flatnonzero(headroom >= kv_tokens)
+        return decided(view, kv_tokens, self._from_list(view, kv_tokens, rng), cursor)
+
+    def _from_list(self, view: FleetView, kv_tokens: int, rng: np.random.Generator) -> int:
+        """A fresh uniform pair from the explicit list of eligible GPUs; -1 when none."""
+        idx = np.flatnonzero(view.headroom >= kv_tokens)
         k = int(idx.shape[0])
-        if k == 0:
-            return no_capacity(view, kv_tokens)
-        if k == 1:
-            return Decision(gpu=int(idx[0]), cursor=cursor)
+        if k <= 1:
+            return int(idx[0]) if k else -1
         i = int(rng.integers(k))
         j = int(rng.integers(k - 1))
         if j >= i:
             j += 1
-        return Decision(gpu=self._better(view, int(idx[i]), int(idx[j])), cursor=cursor)
+        return self._better(view, int(idx[i]), int(idx[j]))
 
     @staticmethod
     def _better(view: FleetView, a: int, b: int) -> int:
@@ -72,6 +65,6 @@ class PowerOfTwo:
         return b if key_b < key_a else a
 
 
-def from_params(params: DecodeParams) -> PowerOfTwo:
-    """Factory for the registry."""
+def from_params(params: object) -> PowerOfTwo:
+    """Factory for the registry (no parameters)."""
     return PowerOfTwo()

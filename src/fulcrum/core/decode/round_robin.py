@@ -8,56 +8,50 @@ wrapping around once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Final
+from typing import ClassVar, Final
 
 import numpy as np
 
-from fulcrum.core.decode.filters import check_kv_tokens, eligible, no_capacity
-from fulcrum.core.decode.policy import DecodeParams
-from fulcrum.core.decode.view import Decision, FleetView, NoCapacity
+from fulcrum.core.decode.filters import eligible, no_capacity
+from fulcrum.core.decode.policy import Checked, decided
+from fulcrum.core.decode.view import Decision, FleetView, Mask, NoCapacity
 
 NAME: Final = "round_robin"
 
 
-@dataclass(frozen=True, slots=True)
-class RoundRobin:
+class RoundRobin(Checked):
     """The ``round_robin`` policy (see module docstring)."""
 
-    @property
-    def name(self) -> str:
-        return NAME
+    __slots__ = ()
+    name: ClassVar[str] = NAME
 
-    def select(
-        self,
-        view: FleetView,
-        kv_tokens: int,
-        rng: np.random.Generator,
-        cursor: int = 0,
+    def choose(
+        self, view: FleetView, kv_tokens: int, rng: np.random.Generator, cursor: int
     ) -> Decision | NoCapacity:
-        check_kv_tokens(kv_tokens)
         n = view.n_gpus
         if n == 0:
             return no_capacity(view, kv_tokens)
         start = cursor % n
         if view.headroom.item(start) >= kv_tokens:  # O(1) common case: the cursor's GPU fits
             return Decision(gpu=start, cursor=(start + 1) % n)
-        mask = eligible(view, kv_tokens)
-        gpu = -1
-        tail = mask[start:]
-        i = int(tail.argmax())
-        if bool(tail[i]):
-            gpu = start + i
-        elif start > 0:
-            head = mask[:start]
-            j = int(head.argmax())
-            if bool(head[j]):
-                gpu = j
-        if gpu < 0:
-            return no_capacity(view, kv_tokens)
-        return Decision(gpu=gpu, cursor=(gpu + 1) % n)
+        gpu = _first_from(eligible(view, kv_tokens), start)
+        return decided(view, kv_tokens, gpu, (gpu + 1) % n)
 
 
-def from_params(params: DecodeParams) -> RoundRobin:
-    """Factory for the registry."""
+def _first_from(mask: Mask, start: int) -> int:
+    """The first set index of ``mask`` at or after ``start``, wrapping once; -1 if none."""
+    tail = mask[start:]
+    i = int(tail.argmax())
+    if bool(tail[i]):
+        return start + i
+    if start > 0:
+        head = mask[:start]
+        j = int(head.argmax())
+        if bool(head[j]):
+            return j
+    return -1
+
+
+def from_params(params: object) -> RoundRobin:
+    """Factory for the registry (no parameters)."""
     return RoundRobin()

@@ -13,11 +13,25 @@ from typing import Final
 
 import numpy as np
 
-from fulcrum.core.decode.filters import check_kv_tokens, no_capacity
-from fulcrum.core.decode.policy import F64, DecodeParams, pick_min
+from fulcrum.core.decode.filters import check_kv_tokens
+from fulcrum.core.decode.policy import F64, decided, pick_min
 from fulcrum.core.decode.view import I64, Decision, FleetView, NoCapacity
+from fulcrum.core.registry import check_bounds, knob
 
 NAME: Final = "step_time"
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeParams:
+    """Coefficients of ``step_ns = d0_ns + d1_ns * concurrency + d2_ns * total_kv``
+    (YAML ``decode.step_time.*``)."""
+
+    d0_ns: float = knob(5_000_000.0, "fixed cost of a step, ns", ge=0.0, le=1e12)
+    d1_ns: float = knob(20_000.0, "cost per request in the batch, ns per request", ge=0.0, le=1e12)
+    d2_ns: float = knob(0.5, "attention cost, ns per KV token", ge=0.0, le=1e9)
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +73,9 @@ class StepTime:
             key = view.kv_tokens
         else:
             key = np.zeros(view.n_gpus, dtype=np.int64)
-        gpu = pick_min(key, view, kv_tokens)
-        if gpu < 0:
-            return no_capacity(view, kv_tokens)
-        return Decision(gpu=gpu, cursor=cursor)
+        return decided(view, kv_tokens, pick_min(key, view, kv_tokens), cursor)
 
 
-def from_params(params: DecodeParams) -> StepTime:
+def from_params(params: StepTimeParams) -> StepTime:
     """Factory for the registry."""
     return StepTime(d0_ns=params.d0_ns, d1_ns=params.d1_ns, d2_ns=params.d2_ns)

@@ -1,14 +1,14 @@
 """Registry of EPLB placement algorithms and the one public entry point ``rebalance``.
 
 ``stable`` (migration-aware) is the default; ``reference`` re-implements the published
-algorithm as the baseline. Unknown names raise ``ValueError``.
+algorithm as the baseline. Unknown names raise ``ValueError``. The algorithms register in
+the generic :class:`fulcrum.core.registry.Registry`; each entry carries its
+:class:`Promise` as the ``promise`` attribute (checked before every commit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Final, Protocol
 
 import numpy as np
@@ -19,10 +19,10 @@ from fulcrum.core.eplb.layout import GroupLayout, PlacementMap
 from fulcrum.core.eplb.metrics import Balance, Migration, balance, gpu_loads, migration
 from fulcrum.core.eplb.params import DEFAULT_PARAMS, RebalanceParams
 from fulcrum.core.eplb.validate import InvalidMap, validate_map
+from fulcrum.core.registry import Registry
 
 __all__ = [
     "DEFAULT_ALGORITHM",
-    "PROMISES",
     "REGISTRY",
     "InvalidMap",
     "Placer",
@@ -49,16 +49,6 @@ class Placer(Protocol):
     ) -> PlacementMap: ...
 
 
-DEFAULT_ALGORITHM: Final = stable.NAME
-
-REGISTRY: Final[Mapping[str, Placer]] = MappingProxyType(
-    {
-        stable.NAME: stable.place,
-        reference.NAME: reference.place,
-    }
-)
-
-
 @dataclass(frozen=True, slots=True)
 class Promise:
     """What an algorithm guarantees beyond a valid map (checked before every commit)."""
@@ -67,18 +57,34 @@ class Promise:
     node_limited: bool
 
 
-PROMISES: Final[Mapping[str, Promise]] = MappingProxyType(
-    {
-        stable.NAME: Promise(no_colocation=True, node_limited=True),
-        # the published algorithm may put two replicas of a hot expert on one GPU
-        reference.NAME: Promise(no_colocation=False, node_limited=True),
-    }
+#: What an algorithm registered without a ``promise`` guarantees: a valid map only.
+NO_PROMISE: Final = Promise(no_colocation=False, node_limited=False)
+
+DEFAULT_ALGORITHM: Final = stable.NAME
+
+REGISTRY: Final[Registry[Placer]] = Registry("eplb")
+REGISTRY.register(
+    stable.NAME, lambda _: stable.place, promise=Promise(no_colocation=True, node_limited=True)
 )
+# the published algorithm may put two replicas of a hot expert on one GPU
+REGISTRY.register(
+    reference.NAME,
+    lambda _: reference.place,
+    promise=Promise(no_colocation=False, node_limited=True),
+)
+
+
+def promise_of(name: str) -> Promise:
+    """The promise of algorithm ``name`` (:data:`NO_PROMISE` when unknown)."""
+    if name not in REGISTRY:
+        return NO_PROMISE
+    promise: Promise = REGISTRY.entry(name).attrs.get("promise", NO_PROMISE)
+    return promise
 
 
 def check_map(name: str, layout: GroupLayout, placement: PlacementMap) -> None:
     """Raise :class:`InvalidMap` if ``placement`` breaks a rule or ``name``'s promise."""
-    promise = PROMISES.get(name, Promise(no_colocation=False, node_limited=False))
+    promise = promise_of(name)
     validate_map(
         layout,
         placement,
@@ -98,12 +104,11 @@ def make_placer(name: str) -> Placer:
     Raises:
         ValueError: ``name`` is not registered (the message lists the known names).
     """
-    try:
-        return REGISTRY[name]
-    except KeyError:
+    if name not in REGISTRY:
         raise ValueError(
             f"algorithm: unknown EPLB algorithm {name!r}; known: {', '.join(algorithm_names())}"
-        ) from None
+        )
+    return REGISTRY.make(name)
 
 
 @dataclass(frozen=True, slots=True)

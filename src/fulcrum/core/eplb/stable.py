@@ -84,7 +84,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -611,26 +611,42 @@ def search(
             break
         sw = np.flatnonzero(moving & use_swap)
         rp = np.flatnonzero(moving & ~use_swap)
-        parts: list[Moves] = []
-        redo: list[I64] = []
-        if sw.size:
-            ia, ib = np.divmod(swap.idx[sw], b_slots.shape[1])
-            mv, r = _apply_swaps(geo, st, act[sw], a_slots[sw, ia], b_slots[sw, ib], hot.lmax[sw])
-            parts.append(mv)
-            redo.append(r)
-        if rp.size:
-            ix, jt = np.divmod(rep.idx[rp], t_slots.shape[1])
-            mv, r = _apply_replications(geo, st, act[rp], t_slots[rp, jt], xs[rp, ix], hot.lmax[rp])
-            parts.append(mv)
-            redo.append(r)
-        again = np.concatenate(redo)
-        if again.size:
-            st.tgt[again] = _targets(geo, st.single[again])
-        if len(parts) == 1:
-            moves.append(parts[0])
-        else:
-            moves.append(Moves(*map(np.concatenate, zip(*parts, strict=True))))
+        swaps, reps = (sw, swap, a_slots, b_slots), (rp, rep, xs, t_slots)
+        moves.append(_apply(geo, st, act, hot, swaps, reps))
     return st.phy, Trace(moves=moves, final_max=st.gl.max(axis=1))
+
+
+def _apply(
+    geo: _Geometry, st: _State, act: I64, hot: _Hot, swaps: tuple[Any, ...], reps: tuple[Any, ...]
+) -> Moves:
+    """Apply one iteration's chosen swaps (layers ``sw`` of ``act``) and replications
+    (layers ``rp``) in place on ``st``; returns the moves made."""
+    sw, swap, a_slots, b_slots = swaps
+    rp, rep, xs, t_slots = reps
+    parts: list[Moves] = []
+    redo: list[I64] = []
+    if sw.size:
+        ia, ib = np.divmod(swap.idx[sw], b_slots.shape[1])
+        mv, r = _apply_swaps(geo, st, act[sw], a_slots[sw, ia], b_slots[sw, ib], hot.lmax[sw])
+        parts.append(mv)
+        redo.append(r)
+    if rp.size:
+        ix, jt = np.divmod(rep.idx[rp], t_slots.shape[1])
+        mv, r = _apply_replications(geo, st, act[rp], t_slots[rp, jt], xs[rp, ix], hot.lmax[rp])
+        parts.append(mv)
+        redo.append(r)
+    return _joined(geo, st, parts, redo)
+
+
+def _joined(geo: _Geometry, st: _State, parts: list[Moves], redo: list[I64]) -> Moves:
+    """One iteration's moves as one :class:`Moves`; the layers in ``redo`` get fresh
+    targets (in place on ``st``)."""
+    again = np.concatenate(redo)
+    if again.size:
+        st.tgt[again] = _targets(geo, st.single[again])
+    if len(parts) == 1:
+        return parts[0]
+    return Moves(*map(np.concatenate, zip(*parts, strict=True)))
 
 
 # -- migration budget ----------------------------------------------------------------------
@@ -1047,6 +1063,18 @@ def local_candidate(
     return _replay(base, trace, accepted), trace.final_max
 
 
+def _scratch(
+    w: F64, layout: GroupLayout, su: _Setup, base: I64, local: I64, need: I64, stop: F64 | None
+) -> I64:
+    """``local`` with the layers ``need`` replaced by a from-scratch placement matched to
+    ``base`` (fewest moves)."""
+    scratch = local.copy()
+    if need.size:
+        fresh = from_scratch(w[need], layout, su, None if stop is None else stop[need])
+        scratch[need] = match_to(base[need], fresh, su.n_gpus, su.n_logical, su.dom)
+    return scratch
+
+
 def place(
     layout: GroupLayout,
     loads: F64,
@@ -1054,12 +1082,10 @@ def place(
     params: RebalanceParams,
     load_var: F64 | None = None,
 ) -> PlacementMap:
-    """Place by the ``stable`` rule (module docstring).
-
-    Layers whose map in force is above ``1 + _FAR`` times the mean GPU load skip the
-    local search (the matched scratch layer is their candidate); layers whose local
-    search reaches within ``params.restart_gap`` of the mean skip the from-scratch
-    candidate (it cannot beat them by more than the gap).
+    """Place by the ``stable`` rule (module docstring). Layers whose map in force is
+    above ``1 + _FAR`` times the mean GPU load skip the local search (the matched
+    scratch layer is their candidate); layers whose local search reaches within
+    ``params.restart_gap`` of the mean skip the from-scratch candidate.
 
     Args:
         layout: the group's shape.
@@ -1099,22 +1125,11 @@ def place(
     # a fresh placement cannot beat the mean: only where local moves stay above it by
     # more than the restart gap is it worth computing
     need = np.flatnonzero(very_far | (reach > lim + params.restart_gap * mean))
-    scratch = local.copy()
-    if need.size:
-        fresh = from_scratch(w[need], layout, su, None if stop is None else stop[need])
-        scratch[need] = match_to(base[need], fresh, su.n_gpus, su.n_logical, su.dom)
+    scratch = _scratch(w, layout, su, base, local, need, stop)
     chosen = choose(
-        base,
-        local,
-        reach,
-        scratch,
-        w,
-        su.n_gpus,
-        su.per_copy,
-        params.restart_gap,
-        su.budget,
-        forced,
-    )
+        base, local, reach, scratch, w, su.n_gpus, su.per_copy, params.restart_gap,
+        su.budget, forced,
+    )  # fmt: skip
     if drift is not None:
         chosen = drift_gate(base, chosen, w, lim, drift[0], su.per_copy, su.n_gpus)
     final = _noise_gate(base, chosen, w, var, su.n_gpus, params.noise_z)
