@@ -526,11 +526,15 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             context: grpc.aio.ServicerContext,
         ) -> AsyncIterator[Any]:
             async for item in requests:
+                # Each refusal drains what the client still sends first, so that it sees
+                # this code and not INTERNAL (see fulcrum.service.streams.drain).
                 if isinstance(item, _Malformed):
                     service, name = _labels(method)
                     MALFORMED.labels(service, name).inc()
+                    await drain(requests)
                     raise InvalidArgument("request", "not a valid protobuf message")
                 if isinstance(item, _Oversized):
+                    await drain(requests)
                     raise ResourceExhausted(
                         _oversize_message(item.size, self._max_bytes), OVERSIZE_RETRY_AFTER_MS
                     )
@@ -539,6 +543,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                         auth.authorize_id(ident, rule, item)
                     except Denied as denied:
                         self._record(method, denied, context)
+                        await drain(requests)
                         raise PermissionDenied(denied.message) from None
                 yield item
 
