@@ -46,18 +46,26 @@ request id.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
+from fulcrum.core.prefill import order as aff_order
 from fulcrum.core.prefill.affinity import Affinity
-from fulcrum.core.prefill.batch import pick_engine, select_batch
+from fulcrum.core.prefill.batch import BatchFill, select_batch
+from fulcrum.core.prefill.items import EngineEntry, Offer, Queued, Taken
+from fulcrum.core.prefill.pull import Pull
 from fulcrum.core.prefill.ranks import assign_ranks
+from fulcrum.core.prefill.rules import (
+    DEFAULT,
+    PUBLISHED,
+    RULE_SETS,
+    Rules,
+    rules_by_name,
+)
 from fulcrum.core.prefill.tiers import (
     allocate,
     assign_engines,
@@ -66,67 +74,20 @@ from fulcrum.core.prefill.tiers import (
     validate_bounds,
 )
 
-PUBLISHED: Final = "published"
-DEFAULT: Final = "default"
-
-
-@dataclass(frozen=True, slots=True)
-class Rules:
-    """Which balancing rules are in force (a named set; see :data:`RULE_SETS`).
-
-    ``rank_horizon_steps`` (late binding; None = off): a pull takes the FIFO head only
-    while the engine's least-loaded DP rank holds less than this many step budgets of
-    outstanding work (``rank_horizon_steps x step_quota_ns``, ns), so
-    work waits in the shared tier queue until a rank is about to need it, instead of
-    being committed early to one engine's queue; among the engines offering to pull, the
-    one whose least-loaded rank is emptiest takes the work (ties: most remaining quota).
-    Off, the published rules apply: the batch is bounded by the engine's remaining quota
-    and the tier cap only, and the engine with the most remaining quota takes the work.
-    ``work_conserving``: an engine with room (idle, or under late binding a rank below
-    the horizon) whose own tier has nothing queued takes from the nearest shorter tier
-    with work (short work ends soon, so the engine is back for its own tier quickly);
-    the published design keeps engines to their tier.
-    ``urgency`` (with ``work_conserving``; needs the time, see :meth:`PrefillBalancer.source_tier`):
-    an engine with room takes from whichever tier has the head that has waited longest
-    relative to its tier's time scale (the tier's batch cap, ``BalancerConfig.batch_cap_ns``:
-    8 / 32 / 128 / 512 s by default), its own tier on ties. A short tier whose engines
-    fall behind is helped before its requests miss their (shorter) latency target, not
-    only once the longer tier's queue is empty; a long tier's head that has waited four
-    times longer than a short head (for the 4x larger scale) is taken by a short tier's
-    engine with room, instead of waiting for its own tier's engines -- but only work that
-    holds a rank no longer than :meth:`PrefillBalancer.helping_bound_ns` (a quarter of
-    the helping engine's own batch cap), never a long tier's minutes-long prompt. Off
-    while prefix affinity is on (per-engine caches): engines pulled across tiers by wait
-    mix their caches' working sets and leave held requests waiting for a holder busy on
-    another tier (measured on Mooncake with 16,000 blocks at load 0.7: block hit ratio
-    0.30 with it, 0.50 without); the shorter-only work conservation applies instead.
-    Under prefix affinity late binding also spares the requests an engine holds a
-    prefix of: binding those early saves recomputing the prefix.
-    ``orphan_gate``: an orphan tier gets an engine at once only when the engines can
-    cover every tier with demand.
-    """
-
-    name: str = DEFAULT
-    rank_horizon_steps: float | None = None
-    work_conserving: bool = False
-    orphan_gate: bool = True
-    urgency: bool = False
-
-
-RULE_SETS: Final[dict[str, Rules]] = {
-    PUBLISHED: Rules(PUBLISHED),
-    DEFAULT: Rules(DEFAULT, rank_horizon_steps=0.1, work_conserving=True, urgency=True),
-}
-"""Named rule sets: ``published`` (the letter of the design) and ``default``."""
-
-
-def rules_by_name(name: str) -> Rules:
-    """The rule set called ``name``; ValueError naming the known ones otherwise."""
-    try:
-        return RULE_SETS[name]
-    except KeyError:
-        known = ", ".join(RULE_SETS)
-        raise ValueError(f"rules: unknown name {name!r} (known: {known})") from None
+__all__ = [
+    "DEFAULT",
+    "PUBLISHED",
+    "RULE_SETS",
+    "BalancerConfig",
+    "EngineEntry",
+    "Offer",
+    "PrefillBalancer",
+    "Queued",
+    "Redistribution",
+    "Rules",
+    "Taken",
+    "rules_by_name",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +112,7 @@ class BalancerConfig:
     @property
     def rank_horizon_ns(self) -> int | None:
         """Late-binding horizon of a rank (ns), or None when late binding is off."""
-        steps = self.rules.rank_horizon_steps
-        return None if steps is None else int(steps * self.step_quota_ns)
+        return self.rules.binding.horizon_ns(self.step_quota_ns)
 
     def __post_init__(self) -> None:
         validate_bounds(self.bounds)
@@ -162,59 +122,6 @@ class BalancerConfig:
             raise ValueError("max_batch_requests: must be >= 1")
         if self.min_dwell_ns < 0:
             raise ValueError("min_dwell_ns: must be >= 0")
-
-
-@dataclass(slots=True, eq=False)
-class Queued:
-    """A queued request: tokens, tier, predicted cost (ns, with ``k``), enqueue time (ns),
-    and its prefix as chained block hashes (empty: none given)."""
-
-    request_id: str
-    total: int
-    cached: int
-    tier: int
-    cost_ns: int
-    enqueued_ns: int
-    blocks: tuple[int, ...] = ()
-    #: Prefix matches per engine memoised by the affinity index (bounded by engines).
-    held: dict[str, tuple[int, int, int]] = field(default_factory=dict, repr=False)
-
-
-@dataclass(slots=True, eq=False)
-class EngineEntry:
-    """An engine as the balancer knows it: DP ranks, tier (-1: none), last known
-    outstanding work (ns, all ranks: the rank loads of its latest pull plus what that
-    pull took), which decides who moves at a redistribution."""
-
-    engine_id: str
-    dp_ranks: int
-    tier: int = -1
-    load_ns: int = 0
-    #: When a round last moved the engine to another tier (ns; None: never).
-    moved_at_ns: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Offer:
-    """An engine offering to pull now: its id, remaining quota (ns) and outstanding work
-    per DP rank (ns; all zero = idle)."""
-
-    engine_id: str
-    remaining_ns: int
-    rank_loads_ns: Sequence[int]
-
-
-@dataclass(frozen=True, slots=True)
-class Taken:
-    """Result of :meth:`PrefillBalancer.take`: ``items[i]`` went to DP rank ``ranks[i]``
-    (FIFO order), from ``tier``; ``quota_ns`` their summed cost; ``dead`` the requests
-    found dead (caller gone) on the way, removed from the queue, not delivered."""
-
-    tier: int
-    items: tuple[Queued, ...] = ()
-    ranks: tuple[int, ...] = ()
-    quota_ns: int = 0
-    dead: tuple[Queued, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,23 +156,6 @@ def _unpinned_targets(
         t = int(len(ratio) - 1 - np.argmax(ratio[::-1]))
         want[t] -= 1
     return np.asarray(want, dtype=np.int64)
-
-
-def _late_binding(costs: Iterator[int], loads: Sequence[int], horizon_ns: int,
-                  exempt: Callable[[], bool] = lambda: False) -> Iterator[int]:
-    """The FIFO costs an engine may take under late binding: each goes to the
-    least-loaded rank (as core ``assign_ranks`` will place it) while that rank's load is
-    below ``horizon_ns``; the first that would land on a rank at or above it ends the
-    prefix -- unless ``exempt()`` (asked after each cost is drawn) says the request is
-    worth binding early (the engine holds its prefix)."""
-    heap = [(int(x), r) for r, x in enumerate(loads)]
-    heapq.heapify(heap)
-    for cost in costs:
-        load, r = heap[0]
-        if load >= horizon_ns and not exempt():
-            return
-        heapq.heapreplace(heap, (load + int(cost), r))
-        yield cost
 
 
 @dataclass(slots=True)
@@ -390,7 +280,7 @@ class PrefillBalancer:
         t.queued_ns += item.cost_ns
         t.arrived_ns += item.cost_ns
         if self._counts[item.tier] == 0 and self._engines and (
-            not self.config.rules.orphan_gate or self._can_cover_all()
+            self.config.rules.orphan.redistribute(self._can_cover_all())
         ):
             return self.redistribute("orphan")
         return None
@@ -519,68 +409,39 @@ class PrefillBalancer:
             moves=result.moves,
         )
 
-    # -- who pulls, what is taken ---------------------------------------------------------
+    # -- who pulls, what is taken (the rules of ``config.rules`` decide) ------------------
+
+    def tier_scale_ns(self, tier: int) -> int:
+        """A tier's time scale (ns): its batch cap (the urgency rule divides waits by it)."""
+        return self.config.batch_cap_ns[tier]
 
     def has_room(self, rank_loads_ns: Sequence[int]) -> bool:
-        """True when an engine with these rank loads (ns) may take more work now: under
-        late binding, its least-loaded rank is below the horizon; else it is idle."""
-        h = self.config.rank_horizon_ns
-        if h is None:
-            return not any(rank_loads_ns)
-        return min(rank_loads_ns, default=0) < h
+        """True when an engine with these rank loads (ns) may take more work now (the
+        binding rule: late binding, its least-loaded rank is below the horizon; early
+        binding, it is idle)."""
+        return self.config.rules.binding.has_room(rank_loads_ns, self.config.step_quota_ns)
 
     def source_tier(self, engine_id: str, rank_loads_ns: Sequence[int],
                     now_ns: int | None = None) -> int:
-        """The tier ``engine_id`` (with these rank loads, ns) takes work from now (-1: none).
-
-        Its own tier; under work-conserving rules, an engine with room (:meth:`has_room`)
-        whose own tier has nothing queued takes from the nearest *shorter* tier with work
-        (never a longer one: without the time there is no measure of how long that
-        work has waited). Under ``urgency`` rules and given ``now_ns``, an engine with room
-        takes from the tier whose head has waited the longest in units of its tier's time
-        scale (``batch_cap_ns``; ties: its own tier, then the shorter tier); a longer tier
-        only when its head costs at most :meth:`helping_bound_ns` of the engine's tier
-        (then it holds one rank briefly, and the MIN step budget keeps the engine's steps
-        as short as its lightest busy rank, so its other ranks keep serving short work).
-        """
+        """The tier ``engine_id`` (with these rank loads, ns) takes work from now (-1: none
+        or unknown), as the rule set's source rule decides (see
+        :mod:`fulcrum.core.prefill.rules.source`: its own tier; ``shorter_tiers``: an
+        engine with room whose own tier has nothing queued takes from the nearest shorter
+        tier with work; ``urgency``, given ``now_ns``: the tier whose head waited longest
+        for its tier's scale, a longer tier only within :meth:`helping_bound_ns`)."""
         eng = self._engines.get(engine_id)
         if eng is None or eng.tier < 0:
             return -1
-        own = eng.tier
-        rules = self.config.rules
-        if not rules.work_conserving:
-            return own
-        if not self.has_room(rank_loads_ns):
-            return own
-        if rules.urgency and now_ns is not None and self.affinity is None:
-            scale = self.config.batch_cap_ns
-            bound = self.helping_bound_ns(own)
-            best, most = own, -1.0
-            for t in (own, *range(self.n_tiers)):
-                q = self._tiers[t].queue
-                if not q:
-                    continue
-                head = next(iter(q.values()))
-                if t > own and self.cost_for(head, engine_id) > bound:
-                    continue  # a long prompt would hold this engine's rank too long
-                waited = max(0, now_ns - head.enqueued_ns) / max(1, scale[t])
-                if waited > most:
-                    best, most = t, waited
-            return best
-        if self._tiers[own].queue:
-            return own
-        for t in range(own - 1, -1, -1):
-            if self._tiers[t].queue:
-                return t
-        return own
+        room = self.has_room(rank_loads_ns)
+        return self.config.rules.source.source(self, engine_id, eng.tier, room, now_ns)
 
     def helping_bound_ns(self, tier: int) -> int:
         """Longest predicted cost (ns) of a longer tier's request that an engine of
-        ``tier`` may take under ``urgency`` rules: a quarter of its own tier's batch cap
-        (2 s for <16K with the default 8 s cap, about the tier's horizon), so a short
-        tier's engine never holds a rank for a long tier's minutes-long prompt -- the
-        surge the tiers exist to absorb."""
-        return self.config.batch_cap_ns[tier] // 4
+        ``tier`` may take when its source rule helps longer tiers: by default a quarter of
+        its own tier's batch cap (2 s for <16K with the default 8 s cap, about the tier's
+        horizon), so a short tier's engine never holds a rank for a long tier's
+        minutes-long prompt -- the surge the tiers exist to absorb."""
+        return self.config.rules.source.helping_bound_ns(self.config.batch_cap_ns[tier])
 
     def can_take(self, tier: int, offer: Offer, now_ns: int | None = None) -> bool:
         """True when the offering engine may take ``tier``'s head now (with prefix
@@ -588,7 +449,7 @@ class PrefillBalancer:
         head = self.head(tier)
         if head is None:
             return False
-        if now_ns is not None and self.affinity is not None:
+        if now_ns is not None:
             order = self._affinity_order(tier, offer.engine_id, now_ns)
             if order is not None:
                 if not order:
@@ -606,9 +467,8 @@ class PrefillBalancer:
 
     def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
         loads = offer.rank_loads_ns
-        h = self.config.rank_horizon_ns
-        if (h is not None and min(loads, default=0) >= h
-                and not self._holds(offer.engine_id, head)):
+        ranks = self.config.rules.binding.fill(loads, self.config.step_quota_ns)
+        if ranks.full() and not self._holds(offer.engine_id, head):
             return False
         cap = self.config.batch_cap_ns[tier]
         cost = self.cost_for(head, offer.engine_id)
@@ -618,84 +478,55 @@ class PrefillBalancer:
                       now_ns: int | None = None) -> int:
         """Index in ``offers`` (engines offering to pull on ``tier``, in the shell's
         deterministic order) of the engine that takes the work now, among those that can
-        take the head: under late binding the one whose least-loaded rank is emptiest
-        (ties: most remaining quota, then first), else the most remaining quota (ties:
-        first); -1 when none can (or nothing is queued). With prefix affinity and
-        ``now_ns`` (head within the fairness bound), the engine holding the longest prefix
-        of the head comes first."""
+        take the head, as the rule set's puller rule picks (``emptiest_rank``: the one
+        whose least-loaded rank is emptiest, ties most remaining quota then first;
+        ``most_quota``: the most remaining quota, ties first); -1 when none can (or
+        nothing is queued). With prefix affinity and ``now_ns`` (head within the fairness
+        bound), the engines holding the longest prefix of the work they would take come
+        first."""
         w = None if now_ns is None else self._affinity_window(tier, now_ns)
         if w is None:
             able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
         else:
             assert now_ns is not None
-            firsts: dict[int, Queued] = {}
-            for i, o in enumerate(offers):
-                order = self._order_for(o.engine_id, now_ns, *w)
-                if order and self._can_take_item(tier, o, order[0]):
-                    firsts[i] = order[0]
-            able = list(firsts)
-            # The engine holding the longest prefix of the work it would take comes first.
-            pos = {id(it): j for j, it in enumerate(w[0])}
-            held = {i: w[1][pos[id(firsts[i])]].get(offers[i].engine_id, 0) for i in able}
-            top = max(held.values(), default=0)
-            if top > 0:
-                able = [i for i in able if held[i] == top]
+            able = self._able_by_affinity(tier, offers, now_ns, w)
         if not able:
             return -1
-        if self.config.rank_horizon_ns is not None:
-            return min(able, key=lambda i: (
-                min(offers[i].rank_loads_ns, default=0), -offers[i].remaining_ns, i))
-        return able[pick_engine([offers[i].remaining_ns for i in able])]
+        return self.config.rules.puller.choose(able, offers)
+
+    def _able_by_affinity(self, tier: int, offers: Sequence[Offer], now_ns: int,
+                          w: aff_order.Window) -> list[int]:
+        """The offers able to take the first request of their affinity order, narrowed to
+        those holding the longest prefix of it (when any holds one)."""
+        aff = self.affinity
+        assert aff is not None
+        firsts: dict[int, Queued] = {}
+        for i, o in enumerate(offers):
+            order = aff_order.order_for(aff, o.engine_id, now_ns, w)
+            if order and self._can_take_item(tier, o, order[0]):
+                firsts[i] = order[0]
+        able = list(firsts)
+        pos = {id(it): j for j, it in enumerate(w.items)}
+        held = {i: w.held[pos[id(firsts[i])]].get(offers[i].engine_id, 0) for i in able}
+        top = max(held.values(), default=0)
+        if top > 0:
+            able = [i for i in able if held[i] == top]
+        return able
 
     def _affinity_window(
         self, tier: int, now_ns: int,
         alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
-    ) -> tuple[list[Queued], list[dict[str, int]]] | None:
-        """The tier's first ``affinity.scan`` live requests and, for each, the leading
-        blocks every engine that may serve the tier holds (computed once per decision);
-        None when affinity does not apply (off, nothing queued, or the head waited past
-        the fairness bound: FIFO). Dead requests met are appended to ``dead``."""
+    ) -> aff_order.Window | None:
+        """The tier's affinity window (:func:`fulcrum.core.prefill.order.window`) over the
+        engines the source rule lets serve it; None when affinity does not apply (off,
+        nothing queued, or the head waited past the fairness bound: FIFO)."""
         aff = self.affinity
         if aff is None:
             return None
-        window: list[Queued] = []
-        for item in self._tiers[tier].queue.values():
-            if alive is not None and not alive(item):
-                if dead is not None:
-                    dead.append(item)
-                continue
-            window.append(item)
-            if len(window) >= aff.scan:
-                break
-        if not window or now_ns - window[0].enqueued_ns >= aff.max_wait_ns:
-            return None
-        wc = self.config.rules.work_conserving
-        serving = [e.engine_id for e in self._engines.values()
-                   if e.tier == tier or (wc and e.tier > tier)]
-        idx = aff.index
-        held = [
-            {e: m for e in serving if (m := idx.match_memo(e, it.blocks, it.held))}
-            if it.blocks else {}
-            for it in window
-        ]
-        return window, held
-
-    def _order_for(self, engine_id: str, now_ns: int, window: list[Queued],
-                   held: list[dict[str, int]]) -> list[Queued]:
-        """``engine_id``'s take order over an affinity window: requests another serving
-        engine holds a longer prefix of wait for it (until they waited ``max_wait_ns``);
-        the rest go longest held prefix first, FIFO among equals."""
-        aff = self.affinity
-        assert aff is not None
-        ranked: list[tuple[int, int, Queued]] = []
-        for i, (item, h) in enumerate(zip(window, held, strict=True)):
-            mine = h.get(engine_id, 0)
-            if (h and now_ns - item.enqueued_ns < aff.max_wait_ns
-                    and max(h.values()) > mine):
-                continue  # its holder serves it (until the fairness bound)
-            ranked.append((-mine, i, item))
-        ranked.sort(key=lambda x: (x[0], x[1]))
-        return [x[2] for x in ranked]
+        src = self.config.rules.source
+        serving = [e.engine_id for e in self._engines.values() if src.serves(e.tier, tier)]
+        return aff_order.window(aff, self._tiers[tier].queue.values(), serving, now_ns,
+                                alive, dead)
 
     def _affinity_order(
         self, tier: int, engine_id: str, now_ns: int,
@@ -704,7 +535,10 @@ class PrefillBalancer:
         """The requests ``engine_id`` may take from ``tier`` under prefix affinity, in the
         order it takes them (see :meth:`take`); None when affinity does not apply."""
         w = self._affinity_window(tier, now_ns, alive, dead)
-        return None if w is None else self._order_for(engine_id, now_ns, *w)
+        if w is None:
+            return None
+        assert self.affinity is not None
+        return aff_order.order_for(self.affinity, engine_id, now_ns, w)
 
     def take(
         self,
@@ -724,7 +558,11 @@ class PrefillBalancer:
         request's caller still waits; dead ones are removed and returned in ``dead``.
         The engine's known load becomes the rank loads after the batch.
 
-        With prefix affinity and ``now_ns`` given, the batch is taken from the tier's first
+        The batch is a loop over named steps (:class:`fulcrum.core.prefill.pull.Pull`):
+        candidates head first, each within the helping bound (a longer tier's work), the
+        binding rule's rank horizon and the batch quota, up to the first refusal.
+
+        With prefix affinity and ``now_ns`` given, the candidates are the tier's first
         ``affinity.scan`` live requests ordered by the blocks this engine holds of each
         (longest first, FIFO among equals), then the rest FIFO -- unless the tier's head
         has waited ``affinity.max_wait_ns`` or longer, then FIFO (a fairness override).
@@ -737,76 +575,57 @@ class PrefillBalancer:
         if len(loads) != eng.dp_ranks:
             raise ValueError(f"rank_loads_ns: must have {eng.dp_ranks} entries")
         eng.load_ns = sum(loads)
-        idle = not any(loads)
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
             return Taken(tier=tier)
-        cap = self.config.max_batch_requests
+        pull = self._start_pull(eng, tier, loads, remaining_ns, limit, alive, now_ns)
+        pull.run(self._tiers[tier].queue.values(), alive, self.cost_for)
+        return self._commit(eng, tier, loads, pull, now_ns)
+
+    def _start_pull(self, eng: EngineEntry, tier: int, loads: list[int], remaining_ns: int,
+                    limit: int | None, alive: Callable[[Queued], bool] | None,
+                    now_ns: int | None) -> Pull:
+        """The pull's state: affinity order (dead requests met go to its list), helping
+        bound, rank state and batch quota."""
+        cfg = self.config
+        cap = cfg.max_batch_requests
         if limit is not None and limit > 0:
             cap = min(cap, limit)
-        queue = self._tiers[tier].queue
-        live: list[Queued] = []
         dead: list[Queued] = []
-
-        aff = self.affinity
-
         order = None if now_ns is None else self._affinity_order(
-            tier, engine_id, now_ns, alive, dead)
-
-        def candidates() -> Iterator[Queued]:
-            if order is not None:
-                yield from order
-                return
-            for item in queue.values():
-                if alive is not None and not alive(item):
-                    dead.append(item)
-                    continue
-                yield item
-
-        # Work of a longer tier: only requests that hold a rank no longer than the
-        # engine's own tier allows (see :meth:`helping_bound_ns`), FIFO up to the first
-        # that would.
+            tier, eng.engine_id, now_ns, alive, dead)
         bound = self.helping_bound_ns(eng.tier) if tier > eng.tier >= 0 else None
-
-        def costs() -> Iterator[int]:
-            for item in candidates():
-                cost = self.cost_for(item, engine_id)
-                if bound is not None and cost > bound:
-                    return
-                live.append(item)
-                yield cost
-
-        def held_here() -> bool:
-            return order is not None and self._holds(engine_id, live[-1])
-
-        horizon = self.config.rank_horizon_ns
-        if horizon is not None:
-            costs_iter: Iterator[int] = _late_binding(costs(), loads, horizon, held_here)
-        else:
-            costs_iter = costs()
-        n = select_batch(
-            costs_iter, remaining_ns, self.config.batch_cap_ns[tier], idle=idle,
-            max_requests=cap,
+        return Pull(
+            eng.engine_id, order, bound,
+            cfg.rules.binding.fill(loads, cfg.step_quota_ns),
+            BatchFill(remaining_ns, cfg.batch_cap_ns[tier], idle=not any(loads),
+                      max_requests=cap),
+            self.affinity, dead=dead,
         )
-        for item in dead:
+
+    def _commit(self, eng: EngineEntry, tier: int, loads: list[int], pull: Pull,
+                now_ns: int | None) -> Taken:
+        """Remove the pull's dead and taken requests, place the batch on ranks and record
+        prefix affinity's hits (or a fairness override)."""
+        for item in pull.dead:
             self.remove(item.request_id)
-        chosen = live[:n]
+        chosen = pull.taken
         if not chosen:
-            return Taken(tier=tier, dead=tuple(dead))
-        item_costs = [self.cost_for(it, engine_id) for it in chosen]
-        plan = assign_ranks(loads, item_costs)
-        if aff is not None and now_ns is not None and order is None:
+            return Taken(tier=tier, dead=tuple(pull.dead))
+        plan = assign_ranks(loads, pull.costs)
+        aff = self.affinity
+        if aff is not None and now_ns is not None and pull.order is None:
             aff.overrides += 1  # the head waited past the fairness bound: FIFO
         for it in chosen:
             self.remove(it.request_id)
             if aff is not None and it.blocks:
-                hit = aff.taken(engine_id, it.tier, it.blocks)
-                aff.hits += int(bool(hit) and order is not None)
+                hit = aff.taken(eng.engine_id, it.tier, it.blocks)
+                aff.hits += int(bool(hit) and pull.order is not None)
         eng.load_ns = sum(plan.loads_ns)
         return Taken(
             tier=tier,
             items=tuple(chosen),
             ranks=plan.ranks,
-            quota_ns=sum(item_costs),
-            dead=tuple(dead),
+            quota_ns=sum(pull.costs),
+            dead=tuple(pull.dead),
         )

@@ -1,0 +1,66 @@
+"""Prefix-affinity take order over a tier queue (with :mod:`fulcrum.core.prefill.affinity`).
+
+Within the fairness bound (the tier's head waited less than ``affinity.max_wait_ns``), a
+pull looks at the tier's first ``affinity.scan`` live requests (the *window*) and, for
+each, the leading blocks every engine that may serve the tier holds. An engine's take
+order: requests another serving engine holds a longer prefix of wait for it (until they
+waited ``max_wait_ns``); the rest go longest held prefix first, FIFO among equals. Past
+the bound, pulls are FIFO (a fairness override). Pure functions over queued records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from fulcrum.core.prefill.affinity import Affinity
+from fulcrum.core.prefill.items import Queued
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """The window's requests (head first) and, per request, engine -> held blocks."""
+
+    items: list[Queued]
+    held: list[dict[str, int]]
+
+
+def window(
+    aff: Affinity, queue: Iterable[Queued], serving: list[str], now_ns: int,
+    alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
+) -> Window | None:
+    """The affinity window of a tier (``queue`` head first; ``serving``: engines that may
+    serve it); None when affinity does not apply (nothing queued, or the head waited past
+    the fairness bound: FIFO). Dead requests met (``alive`` false) go to ``dead``."""
+    items: list[Queued] = []
+    for item in queue:
+        if alive is not None and not alive(item):
+            if dead is not None:
+                dead.append(item)
+            continue
+        items.append(item)
+        if len(items) >= aff.scan:
+            break
+    if not items or now_ns - items[0].enqueued_ns >= aff.max_wait_ns:
+        return None
+    idx = aff.index
+    held = [
+        {e: m for e in serving if (m := idx.match_memo(e, it.blocks, it.held))}
+        if it.blocks else {}
+        for it in items
+    ]
+    return Window(items, held)
+
+
+def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window) -> list[Queued]:
+    """``engine_id``'s take order over the window ``w`` (see the module docstring)."""
+    ranked: list[tuple[int, int, Queued]] = []
+    for i, (item, h) in enumerate(zip(w.items, w.held, strict=True)):
+        mine = h.get(engine_id, 0)
+        if (h and now_ns - item.enqueued_ns < aff.max_wait_ns
+                and max(h.values()) > mine):
+            continue  # its holder serves it (until the fairness bound)
+        ranked.append((-mine, i, item))
+    ranked.sort(key=lambda x: (x[0], x[1]))
+    return [x[2] for x in ranked]
+
