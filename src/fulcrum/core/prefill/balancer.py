@@ -47,7 +47,7 @@ request id.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,7 +58,6 @@ from fulcrum.core.prefill.affinity import Affinity
 from fulcrum.core.prefill.batch import BatchFill, select_batch
 from fulcrum.core.prefill.items import EngineEntry, Offer, Queued, Taken
 from fulcrum.core.prefill.pull import Pull
-from fulcrum.core.prefill.ranks import assign_ranks
 from fulcrum.core.prefill.rules import (
     DEFAULT,
     PUBLISHED,
@@ -67,6 +66,7 @@ from fulcrum.core.prefill.rules import (
     rules_by_name,
 )
 from fulcrum.core.prefill.tiers import (
+    Assignment,
     allocate,
     assign_engines,
     round_demand,
@@ -158,6 +158,29 @@ def _unpinned_targets(
     return np.asarray(want, dtype=np.int64)
 
 
+def _pinned(engines: Iterable[EngineEntry], now_ns: int, min_dwell_ns: int) -> dict[str, int]:
+    """Engine -> tier of the engines a round moved less than ``min_dwell_ns`` ago."""
+    return {
+        e.engine_id: e.tier
+        for e in engines
+        if e.tier >= 0 and e.moved_at_ns is not None and now_ns - e.moved_at_ns < min_dwell_ns
+    }
+
+
+def _split(
+    engines: list[str], previous: dict[str, int], counts: npt.NDArray[np.int64],
+    loads: dict[str, int], pinned: dict[str, int],
+) -> tuple[Assignment, npt.NDArray[np.int64]]:
+    """Assign ``engines`` to tiers for the target ``counts`` (T,), the ``pinned`` ones
+    keeping theirs; returns the assignment and the engines per tier it gives."""
+    if not pinned:
+        return assign_engines(engines, previous, counts, loads), counts
+    held = np.bincount(list(pinned.values()), minlength=len(counts)).astype(np.int64)
+    free = [e for e in engines if e not in pinned]
+    targets = _unpinned_targets(counts, held, len(free))
+    return assign_engines(free, previous, targets, loads), held + targets
+
+
 @dataclass(slots=True)
 class _Tier:
     queue: OrderedDict[str, Queued] = field(default_factory=OrderedDict)
@@ -206,18 +229,8 @@ class PrefillBalancer:
         aff = self.affinity
         if aff is None or not blocks or tier == 0:
             return tier
-        best, held = None, 0
-        for e in self._engines.values():
-            if 0 <= e.tier < tier:
-                m = aff.index.match(e.engine_id, blocks)
-                if m > held or (m == held and best is not None and e.tier < best.tier):
-                    best, held = e, m
-        if best is None or held == 0:
-            return tier
-        bound = self.bounds[best.tier]
-        if aff.cost_on(best.engine_id, total_tokens, blocks) <= aff.cost_ns(bound, 0):
-            return best.tier
-        return tier
+        return aff_order.holder_tier(aff, self._engines.values(), self.bounds, tier,
+                                     total_tokens, blocks)
 
     def engines_per_tier(self) -> list[int]:
         """Engines assigned to each tier now."""
@@ -339,6 +352,21 @@ class PrefillBalancer:
         if eng is not None:
             eng.load_ns = max(0, int(load_ns))
 
+    def _demand(self, reason: str) -> list[float]:
+        """Each tier's demand (ns) for a redistribution (see :meth:`redistribute`); a
+        round also closes the round's arrivals."""
+        current = round_demand(
+            [t.arrived_ns for t in self._tiers],
+            [t.queued_ns for t in self._tiers],
+            self.config.backlog_rounds,
+        ).tolist()
+        if reason != "round":
+            return [max(a, b) for a, b in zip(self.last_demand_ns, current, strict=True)]
+        self.last_demand_ns = [float(x) for x in current]
+        for t in self._tiers:
+            t.arrived_ns = 0
+        return [float(x) for x in current]
+
     def redistribute(self, reason: str = "round", now_ns: int | None = None) -> Redistribution:
         """Re-split engines across tiers.
 
@@ -353,18 +381,7 @@ class PrefillBalancer:
         (:func:`_unpinned_targets`). Moved engines record ``now_ns``.
         """
         cfg = self.config
-        current = round_demand(
-            [t.arrived_ns for t in self._tiers],
-            [t.queued_ns for t in self._tiers],
-            cfg.backlog_rounds,
-        ).tolist()
-        if reason == "round":
-            demand = current
-            self.last_demand_ns = [float(x) for x in current]
-            for t in self._tiers:
-                t.arrived_ns = 0
-        else:
-            demand = [max(a, b) for a, b in zip(self.last_demand_ns, current, strict=True)]
+        demand = self._demand(reason)
         previous = {e.engine_id: e.tier for e in self._engines.values() if e.tier >= 0}
         prev_counts = np.array(self._counts, dtype=np.int64)
         counts = allocate(
@@ -376,21 +393,8 @@ class PrefillBalancer:
         loads = {e.engine_id: e.load_ns for e in self._engines.values()}
         pinned: dict[str, int] = {}
         if reason == "round" and now_ns is not None and cfg.min_dwell_ns > 0:
-            pinned = {
-                e.engine_id: e.tier
-                for e in self._engines.values()
-                if e.tier >= 0
-                and e.moved_at_ns is not None
-                and now_ns - e.moved_at_ns < cfg.min_dwell_ns
-            }
-        if pinned:
-            held = np.bincount(list(pinned.values()), minlength=len(counts)).astype(np.int64)
-            free = [e for e in self._engines if e not in pinned]
-            targets = _unpinned_targets(counts, held, len(free))
-            result = assign_engines(free, previous, targets, loads)
-            counts = held + targets
-        else:
-            result = assign_engines(list(self._engines), previous, counts, loads)
+            pinned = _pinned(self._engines.values(), now_ns, cfg.min_dwell_ns)
+        result, counts = _split(list(self._engines), previous, counts, loads, pinned)
         moved: list[tuple[str, int, int]] = []
         for engine_id, tier in result.tiers.items():
             eng = self._engines[engine_id]
@@ -457,18 +461,10 @@ class PrefillBalancer:
                 head = order[0]
         return self._can_take_item(tier, offer, head)
 
-    def _holds(self, engine_id: str, item: Queued) -> bool:
-        """True when prefix affinity is on and ``engine_id`` holds a prefix of ``item``:
-        then binding it early is worth it (the engine skips recomputing the prefix), and
-        late binding does not hold it back."""
-        aff = self.affinity
-        return aff is not None and bool(item.blocks) and aff.index.match(
-            engine_id, item.blocks) > 0
-
     def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
         loads = offer.rank_loads_ns
         ranks = self.config.rules.binding.fill(loads, self.config.step_quota_ns)
-        if ranks.full() and not self._holds(offer.engine_id, head):
+        if ranks.full() and not aff_order.holds(self.affinity, offer.engine_id, head):
             return False
         cap = self.config.batch_cap_ns[tier]
         cost = self.cost_for(head, offer.engine_id)
@@ -488,30 +484,12 @@ class PrefillBalancer:
         if w is None:
             able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
         else:
-            assert now_ns is not None
-            able = self._able_by_affinity(tier, offers, now_ns, w)
+            assert now_ns is not None and self.affinity is not None
+            able = aff_order.able(self.affinity, offers, now_ns, w,
+                                  lambda o, it: self._can_take_item(tier, o, it))
         if not able:
             return -1
         return self.config.rules.puller.choose(able, offers)
-
-    def _able_by_affinity(self, tier: int, offers: Sequence[Offer], now_ns: int,
-                          w: aff_order.Window) -> list[int]:
-        """The offers able to take the first request of their affinity order, narrowed to
-        those holding the longest prefix of it (when any holds one)."""
-        aff = self.affinity
-        assert aff is not None
-        firsts: dict[int, Queued] = {}
-        for i, o in enumerate(offers):
-            order = aff_order.order_for(aff, o.engine_id, now_ns, w)
-            if order and self._can_take_item(tier, o, order[0]):
-                firsts[i] = order[0]
-        able = list(firsts)
-        pos = {id(it): j for j, it in enumerate(w.items)}
-        held = {i: w.held[pos[id(firsts[i])]].get(offers[i].engine_id, 0) for i in able}
-        top = max(held.values(), default=0)
-        if top > 0:
-            able = [i for i in able if held[i] == top]
-        return able
 
     def _affinity_window(
         self, tier: int, now_ns: int,
@@ -580,7 +558,10 @@ class PrefillBalancer:
             return Taken(tier=tier)
         pull = self._start_pull(eng, tier, loads, remaining_ns, limit, alive, now_ns)
         pull.run(self._tiers[tier].queue.values(), alive, self.cost_for)
-        return self._commit(eng, tier, loads, pull, now_ns)
+        taken = pull.commit(tier, loads, self.remove, now_ns)
+        if taken.items:
+            eng.load_ns = sum(loads) + taken.quota_ns
+        return taken
 
     def _start_pull(self, eng: EngineEntry, tier: int, loads: list[int], remaining_ns: int,
                     limit: int | None, alive: Callable[[Queued], bool] | None,
@@ -601,31 +582,4 @@ class PrefillBalancer:
             BatchFill(remaining_ns, cfg.batch_cap_ns[tier], idle=not any(loads),
                       max_requests=cap),
             self.affinity, dead=dead,
-        )
-
-    def _commit(self, eng: EngineEntry, tier: int, loads: list[int], pull: Pull,
-                now_ns: int | None) -> Taken:
-        """Remove the pull's dead and taken requests, place the batch on ranks and record
-        prefix affinity's hits (or a fairness override)."""
-        for item in pull.dead:
-            self.remove(item.request_id)
-        chosen = pull.taken
-        if not chosen:
-            return Taken(tier=tier, dead=tuple(pull.dead))
-        plan = assign_ranks(loads, pull.costs)
-        aff = self.affinity
-        if aff is not None and now_ns is not None and pull.order is None:
-            aff.overrides += 1  # the head waited past the fairness bound: FIFO
-        for it in chosen:
-            self.remove(it.request_id)
-            if aff is not None and it.blocks:
-                hit = aff.taken(eng.engine_id, it.tier, it.blocks)
-                aff.hits += int(bool(hit) and pull.order is not None)
-        eng.load_ns = sum(plan.loads_ns)
-        return Taken(
-            tier=tier,
-            items=tuple(chosen),
-            ranks=plan.ranks,
-            quota_ns=sum(pull.costs),
-            dead=tuple(pull.dead),
         )

@@ -10,11 +10,11 @@ the bound, pulls are FIFO (a fairness override). Pure functions over queued reco
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from fulcrum.core.prefill.affinity import Affinity
-from fulcrum.core.prefill.items import Queued
+from fulcrum.core.prefill.items import EngineEntry, Offer, Queued
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +64,51 @@ def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window) -> list[Que
     ranked.sort(key=lambda x: (x[0], x[1]))
     return [x[2] for x in ranked]
 
+
+
+def holds(aff: Affinity | None, engine_id: str, item: Queued) -> bool:
+    """True when prefix affinity is on and ``engine_id`` holds a prefix of ``item``: then
+    binding it early is worth it (the engine skips recomputing the prefix), and late
+    binding does not hold it back."""
+    return aff is not None and bool(item.blocks) and aff.index.match(
+        engine_id, item.blocks) > 0
+
+
+def able(aff: Affinity, offers: Sequence[Offer], now_ns: int, w: Window,
+         can_take: Callable[[Offer, Queued], bool]) -> list[int]:
+    """Indices of the ``offers`` able (``can_take``) to take the first request of their
+    take order over ``w``, narrowed to those holding the longest prefix of it (when any
+    holds one)."""
+    firsts: dict[int, Queued] = {}
+    for i, o in enumerate(offers):
+        order = order_for(aff, o.engine_id, now_ns, w)
+        if order and can_take(o, order[0]):
+            firsts[i] = order[0]
+    found = list(firsts)
+    pos = {id(it): j for j, it in enumerate(w.items)}
+    held = {i: w.held[pos[id(firsts[i])]].get(offers[i].engine_id, 0) for i in found}
+    top = max(held.values(), default=0)
+    if top > 0:
+        found = [i for i in found if held[i] == top]
+    return found
+
+
+def holder_tier(aff: Affinity, engines: Iterable[EngineEntry], bounds: Sequence[int],
+                tier: int, total_tokens: int, blocks: Sequence[int]) -> int:
+    """The tier of a request of ``total_tokens`` (tokens; by context: ``tier``) with these
+    block hashes: a conversation's later turn that has grown past its tier's bound joins
+    the shorter tier of the engine holding its longest prefix when its cost on that engine
+    is no more than a fresh prompt at that tier's upper bound costs."""
+    best: EngineEntry | None = None
+    held = 0
+    for e in engines:
+        if 0 <= e.tier < tier:
+            m = aff.index.match(e.engine_id, blocks)
+            if m > held or (m == held and best is not None and e.tier < best.tier):
+                best, held = e, m
+    if best is None or held == 0:
+        return tier
+    bound = bounds[best.tier]
+    if aff.cost_on(best.engine_id, total_tokens, blocks) <= aff.cost_ns(bound, 0):
+        return best.tier
+    return tier

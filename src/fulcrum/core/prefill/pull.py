@@ -16,12 +16,14 @@ nothing is shared with the balancer until it commits them. Pure.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from fulcrum.core.prefill.affinity import Affinity
 from fulcrum.core.prefill.batch import BatchFill
-from fulcrum.core.prefill.items import Queued
+from fulcrum.core.prefill.items import Queued, Taken
+from fulcrum.core.prefill.order import holds
+from fulcrum.core.prefill.ranks import assign_ranks
 from fulcrum.core.prefill.rules.base import RankFill
 
 
@@ -67,9 +69,7 @@ class Pull:
     def _exempt(self, item: Queued) -> bool:
         """Under affinity (ordered pull), a request whose prefix the engine holds binds
         early: that saves recomputing the prefix."""
-        aff = self.aff
-        return (self.order is not None and aff is not None and bool(item.blocks)
-                and aff.index.match(self.engine_id, item.blocks) > 0)
+        return self.order is not None and holds(self.aff, self.engine_id, item)
 
     def fits(self, cost_ns: int) -> bool:
         """Step 3: the batch quota takes it."""
@@ -88,3 +88,25 @@ class Pull:
             self.costs.append(c)
             if self.batch.closed:
                 return
+
+    def commit(self, tier: int, loads: Sequence[int], remove: Callable[[str], object],
+               now_ns: int | None) -> Taken:
+        """Remove (``remove``: the balancer's, by request id) the dead and taken requests,
+        place the batch on the engine's ranks (``loads``, ns) and record prefix affinity's
+        hits (or a fairness override)."""
+        for item in self.dead:
+            remove(item.request_id)
+        chosen = self.taken
+        if not chosen:
+            return Taken(tier=tier, dead=tuple(self.dead))
+        plan = assign_ranks(loads, self.costs)
+        aff = self.aff
+        if aff is not None and now_ns is not None and self.order is None:
+            aff.overrides += 1  # the head waited past the fairness bound: FIFO
+        for it in chosen:
+            remove(it.request_id)
+            if aff is not None and it.blocks:
+                hit = aff.taken(self.engine_id, it.tier, it.blocks)
+                aff.hits += int(bool(hit) and self.order is not None)
+        return Taken(tier=tier, items=tuple(chosen), ranks=plan.ranks,
+                     quota_ns=sum(self.costs), dead=tuple(self.dead))
