@@ -37,6 +37,7 @@ from typing import Final
 
 import numpy as np
 
+from fulcrum.sim.rows import azure_label, iter_csv, iter_jsonl
 from fulcrum.units import NS_PER_S as NS_PER_S  # re-exported (synthetic imports it here)
 
 BLOCK_TOKENS: Final = 512
@@ -88,10 +89,9 @@ _renumber = renumber
 def read_mooncake(path: Path, *, limit: int | None = None) -> list[Request]:
     """Read a Mooncake JSONL trace; ``timestamp`` is ms from the start (not re-based).
 
-    Raises :class:`fulcrum.sim.traces.TraceError` (one line: file, line, field) on a
+    Raises :class:`fulcrum.sim.rows.TraceError` (one line: file, line, field) on a
     malformed row.
     """
-    from fulcrum.sim.traces import iter_jsonl
 
     return renumber(
         Request(rid=i, arrival_ns=t, input_tokens=inp, output_tokens=out, hash_ids=h,
@@ -102,9 +102,8 @@ def read_mooncake(path: Path, *, limit: int | None = None) -> list[Request]:
 
 def read_azure(path: Path, *, limit: int | None = None) -> list[Request]:
     """Read an Azure LLM inference trace CSV (2023 or 2024 timestamps); arrivals are
-    relative to the earliest row. Raises :class:`fulcrum.sim.traces.TraceError` on a
+    relative to the earliest row. Raises :class:`fulcrum.sim.rows.TraceError` on a
     malformed file."""
-    from fulcrum.sim.traces import azure_label, iter_csv
 
     path = Path(path)
     rows = list(iter_csv(path, "azure", limit=limit))
