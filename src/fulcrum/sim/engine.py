@@ -60,7 +60,6 @@ import numpy as np
 import numpy.typing as npt
 
 from fulcrum.core.cost import CostModel
-from fulcrum.core.decode import DecodeParams
 from fulcrum.core.prefill import chunks as core_chunks
 from fulcrum.core.prefill import tiers as core_tiers
 from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
@@ -71,6 +70,8 @@ from fulcrum.core.prefill.balancer import (
     Queued,
     rules_by_name,
 )
+from fulcrum.core.prefill.batch import quota_ns
+from fulcrum.core.prefill.rules import DEFAULT as DEFAULT_RULES
 from fulcrum.sim import baselines
 from fulcrum.sim.cache import PER_ENGINE, BlockCache, block_hit_ratio, engine_caches
 from fulcrum.sim.cluster import Cluster
@@ -235,7 +236,7 @@ class Simulator:
         self.rng_route = r_route
         self.rng_ve = r_ve
         p, d, v, x = cluster.prefill, cluster.decode, cluster.vision, cluster.experts
-        self.model = CostModel(a=p.cost_a, b=p.cost_b, k=p.cost_k)
+        self.model = CostModel(a=p.cost_model.a, b=p.cost_model.b, k=p.cost_model.k)
         self.n = len(self.reqs)
         first = self.reqs[0].arrival_ns if self.reqs else 0
         last = self.reqs[-1].arrival_ns if self.reqs else 0
@@ -255,7 +256,7 @@ class Simulator:
         self.images_left: list[int] = [0] * n
         self.decode_gpu: list[int] = [-1] * n
         self.cache = BlockCache(cluster.cache.capacity_blocks)
-        self.per_engine = cluster.cache.mode == PER_ENGINE
+        self.per_engine = p.cache_model == PER_ENGINE
         self.engine_caches = (
             engine_caches(cluster.cache.capacity_blocks, p.engines) if self.per_engine else []
         )
@@ -275,7 +276,7 @@ class Simulator:
         self.engine_busy = [False] * p.engines
         self.engine_kicked = [False] * p.engines
         self.engine_plan: list[core_chunks.StepPlan | None] = [None] * p.engines
-        self.horizon = [int(h * 1e9) for h in p.horizon_s]
+        self.horizon = p.horizons_ns()
         self.fulcrum_prefill = policy.prefill == FULCRUM
         self.router = None if self.fulcrum_prefill else baselines.PushRouter(
             policy.prefill, p.engines, p.ranks_per_engine, r_route,
@@ -287,13 +288,13 @@ class Simulator:
         self.engine_ids = [f"e{i:03d}" for i in range(p.engines)]
         self.balancer = PrefillBalancer(BalancerConfig(
             bounds=self.bounds,
-            batch_cap_ns=tuple(int(c * 1e9) for c in p.batch_cap_s),
+            batch_cap_ns=tuple(p.tier_batch_cap_ns),
             backlog_rounds=p.backlog_rounds,
             hysteresis=p.hysteresis,
             max_batch_requests=p.max_batch_requests,
-            rules=rules_by_name(policy.rules),
-            step_quota_ns=int(p.step_budget_ns),
-            min_dwell_ns=int(p.min_tier_dwell_s * 1e9),
+            rules=rules_by_name(policy.rules if policy.rules != DEFAULT_RULES else p.rules),
+            step_quota_ns=p.step_quota_ns,
+            min_dwell_ns=p.min_tier_dwell_ms * 1_000_000,
         ))
         #: Optional observer of the balancer calls (tests replay them through the daemon).
         self.trace: Callable[[tuple[object, ...]], None] | None = trace
@@ -306,7 +307,7 @@ class Simulator:
         if self.per_engine and self.fulcrum_prefill and policy.affinity:
             self.affinity = Affinity(
                 PrefixIndex(BLOCK_TOKENS), self._cost,
-                max_wait_ns=int(cluster.cache.affinity_max_wait_s * 1e9),
+                max_wait_ns=p.affinity_max_wait_ms * 1_000_000,
             )
             self.balancer.affinity = self.affinity
             for eid in self.engine_ids:
@@ -320,8 +321,8 @@ class Simulator:
                 self.balancer.add_engine(eid, p.ranks_per_engine)
                 self._trace(("join", 0, eid, p.ranks_per_engine))
         # Every policy runs the same engine-side chunk planner (time budget, chunk cap).
-        self.step_limit = p.step_budget_ns
-        self.step_floor = p.step_budget_ns * p.step_floor_fraction
+        self.step_limit = float(p.step_quota_ns)
+        self.step_floor = p.step_quota_ns * p.step_floor_fraction
         self.chunk_cap = p.max_chunk_tokens
 
         # -- decode ------------------------------------------------------------------------
@@ -338,9 +339,7 @@ class Simulator:
         self.inst_conc_snapshot: list[I64 | None] = [None] * d.instances
         self.decode_wait: deque[int] = deque()
         self.decode_rejected = 0
-        self.decode_policy = DecodeChooser(
-            policy.decode, DecodeParams(d0_ns=d.d0_ns, d1_ns=d.d1_ns, d2_ns=d.d2_ns)
-        )
+        self.decode_policy = DecodeChooser(policy.decode, d.policy_params())
 
         # -- vision ------------------------------------------------------------------------
         self.ve_patches = np.zeros(v.n_gpus, dtype=np.int64)
@@ -386,7 +385,7 @@ class Simulator:
         i = 0
         n = self.n
         if self.fulcrum_prefill and n:
-            self._push(int(self.cluster.prefill.round_s * 1e9), _ROUND, 0)
+            self._push(self.cluster.prefill.round_period_ms * 1_000_000, _ROUND, 0)
         next_report = 0.0
         while True:
             t_heap = self.heap[0][0] if self.heap else None
@@ -522,8 +521,7 @@ class Simulator:
         """Engine ``e``'s remaining quota (ns): over its ranks, ``max(0, horizon - load)``
         with the horizon of its tier."""
         tier = self.balancer.engine_tier(self.engine_ids[e])
-        h = self.horizon[max(0, tier)]
-        return int(sum(max(0.0, h - load) for load in self.rank_load[e]))
+        return quota_ns(self.horizon[max(0, tier)], self._loads(e))
 
     def _loads(self, e: int) -> list[int]:
         return [max(0, int(x)) for x in self.rank_load[e]]
@@ -671,7 +669,7 @@ class Simulator:
         self._trace(("round", self.now, red.counts))
         self._pull_all()
         if self.pending > 0:
-            self._push(self.now + int(self.cluster.prefill.round_s * 1e9), _ROUND, 0)
+            self._push(self.now + self.cluster.prefill.round_period_ms * 1_000_000, _ROUND, 0)
 
     # -- decode -----------------------------------------------------------------------------
     def _decode_admit(self, rid: int) -> None:

@@ -52,6 +52,14 @@ def select_batch(
     return n
 
 
+def quota_ns(horizon_ns: int, rank_loads_ns: Sequence[int]) -> int:
+    """The documented ``remaining_quota_ns`` of a pull (ns): over the DP ranks,
+    ``sum(max(0, horizon_ns - load))`` with ``horizon_ns`` the tier's horizon from the
+    daemon's ``PrefillAssignment`` and ``rank_loads_ns`` each rank's queued work (ns).
+    Engines (:mod:`fulcrum.client.prefill`) and the simulator both call this."""
+    return int(sum(max(0, int(horizon_ns) - int(x)) for x in rank_loads_ns))
+
+
 def pick_engine(remaining_ns: Sequence[int]) -> int:
     """Index of the waiting engine with the most remaining quota (ns); ties: lowest index."""
     if not remaining_ns:
