@@ -235,7 +235,7 @@ class Simulator:
         )
         self.rng_route = r_route
         self.rng_ve = r_ve
-        p, d, v, x = cluster.prefill, cluster.decode, cluster.vision, cluster.experts
+        p = cluster.prefill
         self.model = CostModel(a=p.cost_model.a, b=p.cost_model.b, k=p.cost_model.k)
         self.n = len(self.reqs)
         first = self.reqs[0].arrival_ns if self.reqs else 0
@@ -243,7 +243,19 @@ class Simulator:
         self.horizon_ns = last + int(drain_s * 1e9)
         self.window = (first + (last - first) // 10, last)
 
-        # -- per request -------------------------------------------------------------------
+        self._init_requests()
+        self._init_prefill(r_route, trace)
+        self._init_affinity()
+        self._init_decode()
+        self._init_vision()
+        self._init_experts(r_pop_p, r_pop_d, r_moe_p, r_moe_d)
+        self._init_bookkeeping()
+
+    def _init_requests(self) -> None:
+        """Per-request arrays (index: request id after sorting by arrival)."""
+        n = self.n
+        p = self.cluster.prefill
+        cluster = self.cluster
         n = self.n
         self.arrival = np.array([r.arrival_ns for r in self.reqs], dtype=np.int64)
         self.inp = np.array([r.input_tokens for r in self.reqs], dtype=np.int64)
@@ -261,7 +273,11 @@ class Simulator:
             engine_caches(cluster.cache.capacity_blocks, p.engines) if self.per_engine else []
         )
 
-        # -- prefill -----------------------------------------------------------------------
+    def _init_prefill(self, r_route: np.random.Generator,
+                      trace: Callable[[tuple[object, ...]], None] | None) -> None:
+        """Prefill engines, ranks and the daemon's balancer (or a push router)."""
+        policy = self.policy
+        p = self.cluster.prefill
         self.n_engines = p.engines
         self.n_ranks = p.ranks_per_engine
         self.bounds = core_tiers.validate_bounds(p.tier_bounds)
@@ -298,7 +314,12 @@ class Simulator:
         ))
         #: Optional observer of the balancer calls (tests replay them through the daemon).
         self.trace: Callable[[tuple[object, ...]], None] | None = trace
-        # Per-engine caches: Fulcrum's prefix index (same capacity as each engine's cache),
+
+    def _init_affinity(self) -> None:
+        """Per-engine caches: Fulcrum's prefix index, a prefix-aware router's own index;
+        the engines join; the chunk planner's budget."""
+        policy = self.policy
+        p = self.cluster.prefill
         # a prefix-aware push router's own index.
         self.affinity: Affinity | None = None
         self.router_index: PrefixIndex | None = None
@@ -325,7 +346,9 @@ class Simulator:
         self.step_floor = p.step_quota_ns * p.step_floor_fraction
         self.chunk_cap = p.max_chunk_tokens
 
-        # -- decode ------------------------------------------------------------------------
+    def _init_decode(self) -> None:
+        """Decode GPUs, instances and the decode policy."""
+        policy, d = self.policy, self.cluster.decode
         g = d.n_gpus
         self.gpi = d.gpus_per_instance
         self.conc = np.zeros(g, dtype=np.int64)
@@ -341,14 +364,20 @@ class Simulator:
         self.decode_rejected = 0
         self.decode_policy = DecodeChooser(policy.decode, d.policy_params())
 
-        # -- vision ------------------------------------------------------------------------
+    def _init_vision(self) -> None:
+        """Vision-encoder GPUs and the VE policy."""
+        policy, v = self.policy, self.cluster.vision
         self.ve_patches = np.zeros(v.n_gpus, dtype=np.int64)
         self.ve_images = np.zeros(v.n_gpus, dtype=np.int64)
         self.ve_queue: list[deque[tuple[int, int]]] = [deque() for _ in range(v.n_gpus)]
         self.ve_busy = [False] * v.n_gpus
         self.vision_policy = VisionChooser(policy.vision, v.machines, v.gpus_per_machine)
 
-        # -- experts -----------------------------------------------------------------------
+    def _init_experts(self, r_pop_p: np.random.Generator, r_pop_d: np.random.Generator,
+                      r_moe_p: np.random.Generator, r_moe_d: np.random.Generator) -> None:
+        """Expert popularity and one EPLB group per prefill engine / decode instance."""
+        policy, x = self.policy, self.cluster.experts
+        p, d = self.cluster.prefill, self.cluster.decode
         place = eplb_policy(policy.eplb)
         pop_p = Popularity(x, r_pop_p)
         pop_d = Popularity(x, r_pop_d)
@@ -361,7 +390,9 @@ class Simulator:
             for _ in range(d.instances)
         ]
 
-        # -- bookkeeping -------------------------------------------------------------------
+    def _init_bookkeeping(self) -> None:
+        """Clock, event heap and the running totals."""
+        n = self.n
         self.now = 0
         self.heap: list[tuple[int, int, int, int]] = []
         self.seq = 0
