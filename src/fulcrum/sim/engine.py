@@ -71,6 +71,7 @@ from fulcrum.core.prefill.balancer import (
     rules_by_name,
 )
 from fulcrum.core.prefill.batch import quota_ns
+from fulcrum.core.prefill.dispatch import pick_puller
 from fulcrum.core.prefill.rules import DEFAULT as DEFAULT_RULES
 from fulcrum.sim import baselines
 from fulcrum.sim.cache import PER_ENGINE, BlockCache, block_hit_ratio, engine_caches
@@ -582,17 +583,12 @@ class Simulator:
         the tier queue for the first engine to reach a step boundary."""
         bal = self.balancer
         while bal.head(tier) is not None:
-            offers: list[int] = []
-            quotas: list[Offer] = []
-            for e, eid in enumerate(self.engine_ids):
-                if self.engine_busy[e]:
-                    continue  # mid-step: it pulls at its step boundary (_prefill_done)
-                loads = self._loads(e)
-                if bal.source_tier(eid, loads, self.now) == tier:
-                    offers.append(e)
-                    quotas.append(Offer(eid, self._remaining(e), loads))
-            i = bal.choose_puller(tier, quotas, now_ns=self.now)
-            if i < 0 or not self._take(offers[i]):
+            # mid-step engines do not offer: they pull at their step boundary
+            waiting = [e for e in range(self.n_engines) if not self.engine_busy[e]]
+            offers = [Offer(self.engine_ids[e], self._remaining(e), self._loads(e))
+                      for e in waiting]
+            i = pick_puller(bal, tier, offers, self.now)
+            if i < 0 or not self._take(waiting[i]):
                 return
 
     def _pull_all(self) -> None:
