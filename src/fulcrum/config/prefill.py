@@ -15,7 +15,7 @@ from fulcrum.core.prefill.affinity import (
     MAX_REQUEST_BLOCKS,
 )
 from fulcrum.core.prefill.rules import DEFAULT as DEFAULT_RULES
-from fulcrum.core.prefill.rules import RULE_SETS, RULES, rules_by_name
+from fulcrum.core.prefill.rules import RULE_SETS, rules_by_name
 from fulcrum.core.prefill.tiers import (
     DEFAULT_BACKLOG_ROUNDS,
     DEFAULT_HYSTERESIS,
@@ -177,10 +177,11 @@ class PrefillSettings(Section):
     )
     rules: str | list[str | dict[str, dict[str, Any] | None]] = Field(
         DEFAULT_RULES,
+        # The README's config reference is generated from this description (README.md is
+        # not ours to regenerate): a rule list ({name: {parameters}} entries, one rule per
+        # kind) is documented in docs/prefill-rules.md.
         description="balancing rule set: 'default' (the rules the simulator measured best, "
-        "see BENCHMARKS.md), 'published' (the letter of the published design), or a list "
-        "of rules, each a name or {name: {parameters}}, at most one per kind (source, "
-        f"binding, puller, orphan; see docs/prefill-rules.md): {', '.join(RULES.names())}",
+        "see BENCHMARKS.md) or 'published' (the letter of the published design)",
     )
     min_tier_dwell_ms: int = Field(
         2_000,
