@@ -53,8 +53,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Final
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -76,72 +75,21 @@ from fulcrum.core.prefill.rules import DEFAULT as DEFAULT_RULES
 from fulcrum.sim import baselines
 from fulcrum.sim.cache import PER_ENGINE, BlockCache, block_hit_ratio, engine_caches
 from fulcrum.sim.cluster import Cluster
+from fulcrum.sim.decode_stage import DecodeStage
+from fulcrum.sim.events import DECODE_DONE as _DECODE_DONE
+from fulcrum.sim.events import DECODE_KICK as _DECODE_KICK
+from fulcrum.sim.events import PREFILL_DONE as _PREFILL_DONE
+from fulcrum.sim.events import PREFILL_KICK as _PREFILL_KICK
+from fulcrum.sim.events import ROUND as _ROUND
+from fulcrum.sim.events import VE_DONE as _VE_DONE
 from fulcrum.sim.experts import EplbGroup, Popularity, eplb_policy
-from fulcrum.sim.policies import FULCRUM, DecodeChooser, PolicySet, VisionChooser
+from fulcrum.sim.policies import FULCRUM, PolicySet, VisionChooser
+from fulcrum.sim.stats import Series as Series
+from fulcrum.sim.stats import StageTotals as StageTotals
 from fulcrum.sim.workload import BLOCK_TOKENS, Request
-
-_PREFILL_DONE: Final = 1
-_DECODE_DONE: Final = 2
-_VE_DONE: Final = 3
-_ROUND: Final = 4
-_PREFILL_KICK: Final = 5
-_DECODE_KICK: Final = 6
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
-
-
-@dataclass(slots=True)
-class Series:
-    """A time series: ``t_ns[i]``, ``value[i]`` and a weight (e.g. the step's tokens)."""
-
-    t_ns: list[int] = field(default_factory=list)
-    value: list[float] = field(default_factory=list)
-    weight: list[float] = field(default_factory=list)
-
-    def add(self, t: int, v: float, w: float = 1.0) -> None:
-        """Append one point."""
-        self.t_ns.append(t)
-        self.value.append(v)
-        self.weight.append(w)
-
-    def mean(self) -> float | None:
-        """Weighted mean of the values (None when empty or weightless)."""
-        total = sum(self.weight)
-        if not self.value or total <= 0:
-            return None
-        return sum(v * w for v, w in zip(self.value, self.weight, strict=True)) / total
-
-
-@dataclass(slots=True)
-class StageTotals:
-    """Sums over the steps of one stage: GPU-weighted actual and ideal time (ns x GPUs)."""
-
-    steps: int = 0
-    actual_ns: float = 0.0
-    ideal_ns: float = 0.0
-    tokens: int = 0
-    window_ideal_ns: float = 0.0
-    #: Where ``actual_ns - ideal_ns`` goes (ns x GPUs), summed over steps: a GPU that
-    #: waits for the slowest one of its group because it had no work at all in the step
-    #: (``idle_ns``), because all its work ended before the step did (``drained_ns``),
-    #: or although work was left for later steps -- chunk cap, budget rounding
-    #: (``short_ns``); and the MoE stretch of the step (``moe_ns``, moe_lb > 1).
-    #: Decode counts every GPU's shortfall as ``drained_ns``.
-    idle_ns: float = 0.0
-    drained_ns: float = 0.0
-    short_ns: float = 0.0
-    moe_ns: float = 0.0
-    #: Useful compute (ns x GPUs): the work done, at the cost model WITHOUT the fixed
-    #: per-step cost (prefill: the chunks' variable costs; decode: ``d1*conc + d2*kv``
-    #: per GPU and step). It does not depend on how the work is split into steps.
-    useful_ns: float = 0.0
-
-    @property
-    def fraction(self) -> float:
-        """Ideal / actual time over the steps that ran (1.0 when none did): the per-step
-        balance ratio, a diagnostic only (engines that never step are not counted)."""
-        return self.ideal_ns / self.actual_ns if self.actual_ns > 0 else 1.0
 
 
 @dataclass(slots=True)
@@ -267,7 +215,6 @@ class Simulator:
         self.finish = np.full(n, -1, dtype=np.int64)
         self.quota: list[int] = [0] * n
         self.images_left: list[int] = [0] * n
-        self.decode_gpu: list[int] = [-1] * n
         self.cache = BlockCache(cluster.cache.capacity_blocks)
         self.per_engine = p.cache_model == PER_ENGINE
         self.engine_caches = (
@@ -348,22 +295,9 @@ class Simulator:
         self.chunk_cap = p.max_chunk_tokens
 
     def _init_decode(self) -> None:
-        """Decode GPUs, instances and the decode policy."""
-        policy, d = self.policy, self.cluster.decode
-        g = d.n_gpus
-        self.gpi = d.gpus_per_instance
-        self.conc = np.zeros(g, dtype=np.int64)
-        self.kv = np.zeros(g, dtype=np.int64)
-        self.max_conc = np.full(g, d.max_concurrency, dtype=np.int64)
-        self.max_kv = np.full(g, d.max_kv_tokens, dtype=np.int64)
-        self.inst_step = [0] * d.instances
-        self.inst_busy = [False] * d.instances
-        self.inst_kicked = [False] * d.instances
-        self.inst_heap: list[list[tuple[int, int, int]]] = [[] for _ in range(d.instances)]
-        self.inst_conc_snapshot: list[I64 | None] = [None] * d.instances
-        self.decode_wait: deque[int] = deque()
-        self.decode_rejected = 0
-        self.decode_policy = DecodeChooser(policy.decode, d.policy_params())
+        """Decode GPUs, instances and the decode policy (:class:`DecodeStage`)."""
+        self.decode = DecodeStage(self, self.cluster.decode, self.policy, self.n,
+                                  self.rng_route)
 
     def _init_vision(self) -> None:
         """Vision-encoder GPUs and the VE policy."""
@@ -386,7 +320,7 @@ class Simulator:
             EplbGroup("prefill", p.ranks_per_engine, pop_p, place, r_moe_p)
             for _ in range(p.engines)
         ]
-        self.eplb_decode = [
+        self.decode.eplb = [
             EplbGroup("decode", d.gpus_per_instance, pop_d, place, r_moe_d)
             for _ in range(d.instances)
         ]
@@ -399,12 +333,9 @@ class Simulator:
         self.seq = 0
         self.pending = n
         self.prefill_tot = StageTotals()
-        self.decode_tot = StageTotals()
         self.s_pimb = Series()
-        self.s_dimb = Series()
         self.s_veimb = Series()
         self.s_plb = Series()
-        self.s_dlb = Series()
 
     # -- event plumbing ---------------------------------------------------------------------
     def _push(self, t: int, kind: int, arg: int) -> None:
@@ -439,7 +370,7 @@ class Simulator:
             if kind == _PREFILL_DONE:
                 self._prefill_done(arg)
             elif kind == _DECODE_DONE:
-                self._decode_done(arg)
+                self.decode.done(arg)
             elif kind == _VE_DONE:
                 self._ve_done(arg)
             elif kind == _ROUND:
@@ -449,9 +380,7 @@ class Simulator:
                 if not self.engine_busy[arg]:
                     self._start_prefill_step(arg)
             elif kind == _DECODE_KICK:
-                self.inst_kicked[arg] = False
-                if not self.inst_busy[arg]:
-                    self._start_decode_step(arg)
+                self.decode.kick(arg)
         return self._result()
 
     # -- arrival and vision -----------------------------------------------------------------
@@ -684,7 +613,7 @@ class Simulator:
                                self.rank_load[e])
         for rid in finished:
             self.first_tok[rid] = self.now
-            self._decode_admit(rid)
+            self.decode.admit(rid)
         if self.fulcrum_prefill:
             self._take(e)
             self._pull_all()
@@ -697,96 +626,6 @@ class Simulator:
         self._pull_all()
         if self.pending > 0:
             self._push(self.now + self.cluster.prefill.round_period_ms * 1_000_000, _ROUND, 0)
-
-    # -- decode -----------------------------------------------------------------------------
-    def _decode_admit(self, rid: int) -> None:
-        if self.outp[rid] <= 1:
-            self._finish(rid)
-            return
-        if int(self.inp[rid]) + int(self.outp[rid]) > self.cluster.decode.max_kv_tokens:
-            self.decode_rejected += 1  # can never fit one decode GPU: dropped, counted
-            self._finish(rid)
-            return
-        if self.decode_wait:
-            self.decode_wait.append(rid)
-            return
-        if not self._try_place(rid):
-            self.decode_wait.append(rid)
-
-    def _try_place(self, rid: int) -> bool:
-        kv_tokens = int(self.inp[rid])
-        g = self.decode_policy.choose(
-            self.conc, self.kv, self.max_conc, self.max_kv, kv_tokens, self.rng_route
-        )
-        if g < 0:
-            return False
-        self.conc[g] += 1
-        self.kv[g] += kv_tokens
-        self.decode_gpu[rid] = g
-        inst = g // self.gpi
-        busy = 1 if self.inst_busy[inst] else 0
-        finish_step = self.inst_step[inst] + int(self.outp[rid]) - 1 + busy
-        heapq.heappush(self.inst_heap[inst], (finish_step, rid, g))
-        if not self.inst_busy[inst] and not self.inst_kicked[inst]:
-            self.inst_kicked[inst] = True
-            self._push(self.now, _DECODE_KICK, inst)
-        return True
-
-    def _start_decode_step(self, inst: int) -> None:
-        if not self.inst_heap[inst]:
-            self.inst_busy[inst] = False
-            return
-        d = self.cluster.decode
-        s = slice(inst * self.gpi, (inst + 1) * self.gpi)
-        conc = self.conc[s].copy()
-        kv = self.kv[s]
-        load = d.d1_ns * conc + d.d2_ns * kv
-        mx_load = float(load.max())
-        mean_load = float(load.mean())
-        tokens = int(conc.sum())
-        mean = d.d0_ns + mean_load
-        if self.policy.ideal:
-            lb = 1.0
-            dur = mean
-        else:
-            lb = self.eplb_decode[inst].step(self.now, tokens)
-            dur = d.d0_ns + mx_load + d.moe_fraction * d.d1_ns * tokens / self.gpi * (lb - 1.0)
-        tot = self.decode_tot
-        tot.steps += 1
-        tot.actual_ns += dur * self.gpi
-        tot.ideal_ns += mean * self.gpi
-        if not self.policy.ideal:
-            tot.moe_ns += (dur - d.d0_ns - mx_load) * self.gpi
-            tot.drained_ns += (mx_load - mean_load) * self.gpi
-        tot.tokens += tokens
-        tot.useful_ns += mean_load * self.gpi
-        if mean_load > 0:
-            self.s_dimb.add(self.now, mx_load / mean_load)
-        self.s_dlb.add(self.now, lb, float(tokens))
-        self.inst_conc_snapshot[inst] = conc
-        self.inst_busy[inst] = True
-        self._push(self.now + max(1, math.ceil(dur)), _DECODE_DONE, inst)
-
-    def _decode_done(self, inst: int) -> None:
-        s = slice(inst * self.gpi, (inst + 1) * self.gpi)
-        snap = self.inst_conc_snapshot[inst]
-        assert snap is not None
-        self.kv[s] += snap
-        self.inst_step[inst] += 1
-        step = self.inst_step[inst]
-        heap = self.inst_heap[inst]
-        released = False
-        while heap and heap[0][0] <= step:
-            _, rid, g = heapq.heappop(heap)
-            self.conc[g] -= 1
-            self.kv[g] -= int(self.inp[rid]) + int(self.outp[rid]) - 1
-            self._finish(rid)
-            released = True
-        self.inst_busy[inst] = False
-        if released:
-            while self.decode_wait and self._try_place(self.decode_wait[0]):
-                self.decode_wait.popleft()
-        self._start_decode_step(inst)
 
     def _finish(self, rid: int) -> None:
         self.finish[rid] = self.now
@@ -806,12 +645,12 @@ class Simulator:
             first_token_ns=self.first_tok,
             finish_ns=self.finish,
             prefill=self.prefill_tot,
-            decode=self.decode_tot,
+            decode=self.decode.tot,
             prefill_imbalance=self.s_pimb,
-            decode_imbalance=self.s_dimb,
+            decode_imbalance=self.decode.imbalance,
             ve_imbalance=self.s_veimb,
             prefill_moe_lb=self.s_plb,
-            decode_moe_lb=self.s_dlb,
+            decode_moe_lb=self.decode.moe_lb,
             prefill_gpus=self.n_engines * self.n_ranks,
             decode_gpus=self.cluster.decode.n_gpus,
             cache_hit_ratio=(
@@ -822,9 +661,9 @@ class Simulator:
             block_hit_ratio=block_hit_ratio(self.engine_caches if self.per_engine
                                             else [self.cache]),
             end_ns=self.now,
-            eplb_rebalances=sum(g.rebalances for g in self.eplb_prefill + self.eplb_decode),
+            eplb_rebalances=sum(g.rebalances for g in self.eplb_prefill + self.decode.eplb),
             window_ns=self.window,
-            decode_rejected=self.decode_rejected,
+            decode_rejected=self.decode.rejected,
             start_ns=int(self.arrival[0]) if self.n else 0,
         )
 
