@@ -83,9 +83,10 @@ from fulcrum.sim.events import PREFILL_KICK as _PREFILL_KICK
 from fulcrum.sim.events import ROUND as _ROUND
 from fulcrum.sim.events import VE_DONE as _VE_DONE
 from fulcrum.sim.experts import EplbGroup, Popularity, eplb_policy
-from fulcrum.sim.policies import FULCRUM, PolicySet, VisionChooser
+from fulcrum.sim.policies import FULCRUM, PolicySet
 from fulcrum.sim.stats import Series as Series
 from fulcrum.sim.stats import StageTotals as StageTotals
+from fulcrum.sim.vision_stage import VisionStage
 from fulcrum.sim.workload import BLOCK_TOKENS, Request
 
 F64 = npt.NDArray[np.float64]
@@ -159,6 +160,66 @@ class SimResult:
         return self.prefill.window_ideal_ns / (span * self.prefill_gpus)
 
 
+def _step_heads(queues: Sequence[deque[core_chunks.PrefillTask]],
+                cap: int) -> list[list[core_chunks.PrefillTask]]:
+    """Each rank's queue head up to ``cap`` tokens of need (what one step may plan)."""
+    heads: list[list[core_chunks.PrefillTask]] = []
+    for q in queues:
+        head: list[core_chunks.PrefillTask] = []
+        need = 0
+        for task in q:
+            head.append(task)
+            need += task.need
+            if need >= cap:
+                break
+        heads.append(head)
+    return heads
+
+
+def _count_prefill_step(tot: StageTotals, plan: core_chunks.StepPlan,
+                        queues: Sequence[deque[core_chunks.PrefillTask]], dur: float, *,
+                        ideal: bool) -> None:
+    """Add one prefill step of ``dur`` ns (its ranks' ``plan`` over ``queues``) to
+    ``tot``: actual and ideal GPU time, where the difference went, tokens, useful work."""
+    costs = plan.cost_ns
+    r = len(costs)
+    mean = sum(costs) / r
+    mx = max(costs)
+    tot.steps += 1
+    tot.actual_ns += dur * r
+    tot.ideal_ns += mean * r
+    if not ideal:
+        tot.moe_ns += (dur - mx) * r
+        for cost, chunks, q in zip(costs, plan.chunks, queues, strict=True):
+            if cost >= mx:
+                continue
+            if not chunks:
+                tot.idle_ns += mx - cost
+            elif len(chunks) == len(q) and chunks[-1].last:
+                tot.drained_ns += mx - cost
+            else:
+                tot.short_ns += mx - cost
+    tot.tokens += sum(plan.tokens)
+    tot.useful_ns += sum(ch.cost_ns for chs in plan.chunks for ch in chs)
+
+
+def _eplb_groups(
+    cluster: Cluster, eplb: str, rngs: tuple[np.random.Generator, ...],
+) -> tuple[list[EplbGroup], list[EplbGroup]]:
+    """Expert popularity and one EPLB group per prefill engine and per decode instance
+    (``rngs``: popularity prefill, popularity decode, MoE prefill, MoE decode)."""
+    r_pop_p, r_pop_d, r_moe_p, r_moe_d = rngs
+    x, p, d = cluster.experts, cluster.prefill, cluster.decode
+    place = eplb_policy(eplb)
+    pop_p = Popularity(x, r_pop_p)
+    pop_d = Popularity(x, r_pop_d)
+    prefill = [EplbGroup("prefill", p.ranks_per_engine, pop_p, place, r_moe_p)
+               for _ in range(p.engines)]
+    decode = [EplbGroup("decode", d.gpus_per_instance, pop_d, place, r_moe_d)
+              for _ in range(d.instances)]
+    return prefill, decode
+
+
 class Simulator:
     """One run of a workload through a cluster under a policy set (see module docstring)."""
 
@@ -197,7 +258,8 @@ class Simulator:
         self._init_affinity()
         self._init_decode()
         self._init_vision()
-        self._init_experts(r_pop_p, r_pop_d, r_moe_p, r_moe_d)
+        self.eplb_prefill, self.decode.eplb = _eplb_groups(
+            cluster, policy.eplb, (r_pop_p, r_pop_d, r_moe_p, r_moe_d))
         self._init_bookkeeping()
 
     def _init_requests(self) -> None:
@@ -300,30 +362,8 @@ class Simulator:
                                   self.rng_route)
 
     def _init_vision(self) -> None:
-        """Vision-encoder GPUs and the VE policy."""
-        policy, v = self.policy, self.cluster.vision
-        self.ve_patches = np.zeros(v.n_gpus, dtype=np.int64)
-        self.ve_images = np.zeros(v.n_gpus, dtype=np.int64)
-        self.ve_queue: list[deque[tuple[int, int]]] = [deque() for _ in range(v.n_gpus)]
-        self.ve_busy = [False] * v.n_gpus
-        self.vision_policy = VisionChooser(policy.vision, v.machines, v.gpus_per_machine)
-
-    def _init_experts(self, r_pop_p: np.random.Generator, r_pop_d: np.random.Generator,
-                      r_moe_p: np.random.Generator, r_moe_d: np.random.Generator) -> None:
-        """Expert popularity and one EPLB group per prefill engine / decode instance."""
-        policy, x = self.policy, self.cluster.experts
-        p, d = self.cluster.prefill, self.cluster.decode
-        place = eplb_policy(policy.eplb)
-        pop_p = Popularity(x, r_pop_p)
-        pop_d = Popularity(x, r_pop_d)
-        self.eplb_prefill = [
-            EplbGroup("prefill", p.ranks_per_engine, pop_p, place, r_moe_p)
-            for _ in range(p.engines)
-        ]
-        self.decode.eplb = [
-            EplbGroup("decode", d.gpus_per_instance, pop_d, place, r_moe_d)
-            for _ in range(d.instances)
-        ]
+        """Vision-encoder GPUs and the VE policy (:class:`VisionStage`)."""
+        self.vision = VisionStage(self, self.cluster.vision, self.policy.vision, self.rng_ve)
 
     def _init_bookkeeping(self) -> None:
         """Clock, event heap and the running totals."""
@@ -334,7 +374,6 @@ class Simulator:
         self.pending = n
         self.prefill_tot = StageTotals()
         self.s_pimb = Series()
-        self.s_veimb = Series()
         self.s_plb = Series()
 
     # -- event plumbing ---------------------------------------------------------------------
@@ -372,7 +411,7 @@ class Simulator:
             elif kind == _DECODE_DONE:
                 self.decode.done(arg)
             elif kind == _VE_DONE:
-                self._ve_done(arg)
+                self.vision.done(arg)
             elif kind == _ROUND:
                 self._round()
             elif kind == _PREFILL_KICK:
@@ -381,9 +420,9 @@ class Simulator:
                     self._start_prefill_step(arg)
             elif kind == _DECODE_KICK:
                 self.decode.kick(arg)
-        return self._result()
+        return _result_of(self)
 
-    # -- arrival and vision -----------------------------------------------------------------
+    # -- arrival -----------------------------------------------------------------------
     def _cost(self, q: int, c: int) -> int:
         return self.model.cost_ns(q, c)
 
@@ -398,39 +437,9 @@ class Simulator:
         if r.image_patches:
             self.images_left[rid] = len(r.image_patches)
             for patches in r.image_patches:
-                self._place_image(rid, patches)
+                self.vision.place(rid, patches)
         else:
             self._prefill_ready(rid)
-
-    def _place_image(self, rid: int, patches: int) -> None:
-        g = self.vision_policy.choose(self.ve_patches, self.ve_images, patches, self.rng_ve)
-        self.ve_patches[g] += patches
-        self.ve_images[g] += 1
-        mean = float(self.ve_patches.mean())
-        if mean > 0:
-            self.s_veimb.add(self.now, float(self.ve_patches.max()) / mean)
-        self.ve_queue[g].append((rid, patches))
-        if not self.ve_busy[g]:
-            self._start_ve(g)
-
-    def _start_ve(self, g: int) -> None:
-        if not self.ve_queue[g]:
-            self.ve_busy[g] = False
-            return
-        _, patches = self.ve_queue[g][0]
-        v = self.cluster.vision
-        self.ve_busy[g] = True
-        self._push(self.now + max(1, math.ceil(v.v0_ns + v.v1_ns * patches)), _VE_DONE, g)
-
-    def _ve_done(self, g: int) -> None:
-        rid, patches = self.ve_queue[g].popleft()
-        self.ve_patches[g] -= patches
-        self.ve_images[g] -= 1
-        self.images_left[rid] -= 1
-        if self.images_left[rid] == 0:
-            self.ve_done[rid] = self.now
-            self._prefill_ready(rid)
-        self._start_ve(g)
 
     # -- prefill ----------------------------------------------------------------------------
     def _trace(self, event: tuple[object, ...]) -> None:
@@ -535,16 +544,7 @@ class Simulator:
             self.engine_busy[e] = False
             return
         cap = self.chunk_cap
-        heads: list[list[core_chunks.PrefillTask]] = []
-        for q in queues:
-            head: list[core_chunks.PrefillTask] = []
-            need = 0
-            for task in q:
-                head.append(task)
-                need += task.need
-                if need >= cap:
-                    break
-            heads.append(head)
+        heads = _step_heads(queues, cap)
         budgets = core_chunks.rank_budgets(queues, self.step_limit, self.model,
                                            floor_ns=self.step_floor)
         plan = core_chunks.plan_step(heads, budgets, self.model, cap=cap)
@@ -560,25 +560,9 @@ class Simulator:
             lb = self.eplb_prefill[e].step(self.now, tokens)
             extra = self.cluster.prefill.moe_fraction * self.model.b * tokens / r * (lb - 1.0)
             dur = mx + extra
-        tot = self.prefill_tot
-        tot.steps += 1
-        tot.actual_ns += dur * r
-        tot.ideal_ns += mean * r
-        if not self.policy.ideal:
-            tot.moe_ns += (dur - mx) * r
-            for cost, chunks, q in zip(costs, plan.chunks, queues, strict=True):
-                if cost >= mx:
-                    continue
-                if not chunks:
-                    tot.idle_ns += mx - cost
-                elif len(chunks) == len(q) and chunks[-1].last:
-                    tot.drained_ns += mx - cost
-                else:
-                    tot.short_ns += mx - cost
-        tot.tokens += tokens
-        tot.useful_ns += sum(ch.cost_ns for chs in plan.chunks for ch in chs)
+        _count_prefill_step(self.prefill_tot, plan, queues, dur, ideal=self.policy.ideal)
         if self.window[0] <= self.now < self.window[1]:
-            tot.window_ideal_ns += mean * r
+            self.prefill_tot.window_ideal_ns += mean * r
         if mean > 0:
             self.s_pimb.add(self.now, mx / mean)
         self.s_plb.add(self.now, lb, float(tokens))
@@ -631,41 +615,44 @@ class Simulator:
         self.finish[rid] = self.now
         self.pending -= 1
 
-    # -- result -----------------------------------------------------------------------------
-    def _result(self) -> SimResult:
-        return SimResult(
-            policy=self.policy.name,
-            seed=self.seed,
-            tier_bounds=self.bounds,
-            arrival_ns=self.arrival,
-            input_tokens=self.inp,
-            output_tokens=self.outp,
-            cached_tokens=self.cached,
-            ve_done_ns=self.ve_done,
-            first_token_ns=self.first_tok,
-            finish_ns=self.finish,
-            prefill=self.prefill_tot,
-            decode=self.decode.tot,
-            prefill_imbalance=self.s_pimb,
-            decode_imbalance=self.decode.imbalance,
-            ve_imbalance=self.s_veimb,
-            prefill_moe_lb=self.s_plb,
-            decode_moe_lb=self.decode.moe_lb,
-            prefill_gpus=self.n_engines * self.n_ranks,
-            decode_gpus=self.cluster.decode.n_gpus,
-            cache_hit_ratio=(
-                sum(c.hit_tokens for c in self.engine_caches)
-                / max(1, sum(c.lookup_tokens for c in self.engine_caches))
-                if self.per_engine else self.cache.hit_ratio
-            ),
-            block_hit_ratio=block_hit_ratio(self.engine_caches if self.per_engine
-                                            else [self.cache]),
-            end_ns=self.now,
-            eplb_rebalances=sum(g.rebalances for g in self.eplb_prefill + self.decode.eplb),
-            window_ns=self.window,
-            decode_rejected=self.decode.rejected,
-            start_ns=int(self.arrival[0]) if self.n else 0,
-        )
+
+
+def _result_of(sim: Simulator) -> SimResult:
+    """The raw result of a finished simulation."""
+    return SimResult(
+        policy=sim.policy.name,
+        seed=sim.seed,
+        tier_bounds=sim.bounds,
+        arrival_ns=sim.arrival,
+        input_tokens=sim.inp,
+        output_tokens=sim.outp,
+        cached_tokens=sim.cached,
+        ve_done_ns=sim.ve_done,
+        first_token_ns=sim.first_tok,
+        finish_ns=sim.finish,
+        prefill=sim.prefill_tot,
+        decode=sim.decode.tot,
+        prefill_imbalance=sim.s_pimb,
+        decode_imbalance=sim.decode.imbalance,
+        ve_imbalance=sim.vision.imbalance,
+        prefill_moe_lb=sim.s_plb,
+        decode_moe_lb=sim.decode.moe_lb,
+        prefill_gpus=sim.n_engines * sim.n_ranks,
+        decode_gpus=sim.cluster.decode.n_gpus,
+        cache_hit_ratio=(
+            sum(c.hit_tokens for c in sim.engine_caches)
+            / max(1, sum(c.lookup_tokens for c in sim.engine_caches))
+            if sim.per_engine else sim.cache.hit_ratio
+        ),
+        block_hit_ratio=block_hit_ratio(sim.engine_caches if sim.per_engine
+                                        else [sim.cache]),
+        end_ns=sim.now,
+        eplb_rebalances=sum(g.rebalances for g in sim.eplb_prefill + sim.decode.eplb),
+        window_ns=sim.window,
+        decode_rejected=sim.decode.rejected,
+        start_ns=int(sim.arrival[0]) if sim.n else 0,
+    )
+
 
 
 def simulate(
