@@ -126,22 +126,7 @@ class PrefillCluster(PrefillSettings):
         """Prefill GPUs (DP ranks) in the cluster."""
         return self.engines * self.ranks_per_engine
 
-    # Read-only views under the simulator's former names (seconds), for old callers.
-    @property
-    def cost_a(self) -> float:
-        """``cost_model.a`` (ns per token^2)."""
-        return self.cost_model.a
-
-    @property
-    def cost_b(self) -> float:
-        """``cost_model.b`` (ns per token)."""
-        return self.cost_model.b
-
-    @property
-    def cost_k(self) -> float:
-        """``cost_model.k`` (ns)."""
-        return self.cost_model.k
-
+    # A read-only view under the simulator's former name (seconds), for old callers.
     @property
     def batch_cap_s(self) -> tuple[float, ...]:
         """``tier_batch_cap_ns`` in seconds."""
