@@ -463,8 +463,8 @@ class PrefillBalancer:
 
     def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
         loads = offer.rank_loads_ns
-        ranks = self.config.rules.binding.fill(loads, self.config.step_quota_ns)
-        if ranks.full() and not aff_order.holds(self.affinity, offer.engine_id, head):
+        full = self.config.rules.binding.full(loads, self.config.step_quota_ns)
+        if full and not aff_order.holds(self.affinity, offer.engine_id, head):
             return False
         cap = self.config.batch_cap_ns[tier]
         cost = self.cost_for(head, offer.engine_id)

@@ -105,6 +105,11 @@ class BindingRule(Rule):
         """The per-pull rank state (see :class:`RankFill`)."""
         raise NotImplementedError
 
+    def full(self, loads_ns: Sequence[int], step_quota_ns: int) -> bool:
+        """True when the least-loaded rank is at or above the horizon (the next request
+        would wait); ``fill(...).full()`` without building the pull state."""
+        raise NotImplementedError
+
 
 class PullerRule(Rule):
     """Who takes a tier's work among the engines able to (``puller``)."""

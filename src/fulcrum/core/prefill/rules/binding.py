@@ -64,6 +64,9 @@ class EarlyBinding(BindingRule):
     def fill(self, loads_ns: Sequence[int], step_quota_ns: int) -> RankFill:
         return _NeverFull()
 
+    def full(self, loads_ns: Sequence[int], step_quota_ns: int) -> bool:
+        return False
+
 
 @dataclass(frozen=True, slots=True)
 class LateBindingParams:
@@ -95,6 +98,9 @@ class LateBinding(BindingRule):
 
     def fill(self, loads_ns: Sequence[int], step_quota_ns: int) -> RankFill:
         return _Horizon(loads_ns, int(self.horizon_steps * step_quota_ns))
+
+    def full(self, loads_ns: Sequence[int], step_quota_ns: int) -> bool:
+        return min(loads_ns, default=0) >= int(self.horizon_steps * step_quota_ns)
 
 
 RULES.register(EarlyBinding.name, lambda p: EarlyBinding(), NoParams, kind=EarlyBinding.kind)
