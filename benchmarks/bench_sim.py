@@ -60,7 +60,8 @@ def slo_of(cluster: Cluster) -> G.Slo:
     """The default SLOs of ``cluster`` (:func:`fulcrum.sim.goodput.default_slo`, the
     CLI's defaults)."""
     p = cluster.prefill
-    return G.default_slo(p.tier_bounds, CostModel(a=p.cost_a, b=p.cost_b, k=p.cost_k))
+    return G.default_slo(p.tier_bounds, CostModel(a=p.cost_model.a, b=p.cost_model.b,
+                                                 k=p.cost_model.k))
 
 
 #: The default SLOs of the default cluster (every case runs the default prefill fleet):

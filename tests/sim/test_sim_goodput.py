@@ -188,7 +188,8 @@ def test_bench_sim_uses_the_one_goodput_definition() -> None:
     from fulcrum.sim.cluster import Cluster
 
     p = Cluster().prefill
-    slo = G.default_slo(p.tier_bounds, CostModel(a=p.cost_a, b=p.cost_b, k=p.cost_k))
+    slo = G.default_slo(p.tier_bounds, CostModel(a=p.cost_model.a, b=p.cost_model.b,
+                                                 k=p.cost_model.k))
     assert slo == bench_sim.SLO
     assert dict(slo.ttft_p99_s) == bench_sim.SLO_TTFT_P99_S
     assert bench_sim.SLO_TPOT_P99_S == G.DEFAULT_TPOT_SLO_S

@@ -21,6 +21,7 @@ import grpc
 
 from fulcrum.client import FulcrumClient
 from fulcrum.client.planner import ChunkPlanner, CostModel, PrefillTask, StepPlan
+from fulcrum.core.prefill.batch import quota_ns as quota_ns
 from fulcrum.v1 import fleet_pb2
 from fulcrum.v1 import prefill_pb2 as pb
 
@@ -189,13 +190,6 @@ class PrefillEngine:
             )
         )
         return int(reply.accepted)
-
-
-def quota_ns(horizon_ns: int, rank_loads_ns: Sequence[int]) -> int:
-    """The documented ``remaining_quota_ns`` of a pull (ns): over the DP ranks,
-    ``sum(max(0, horizon_ns - load))`` with ``horizon_ns`` the tier's horizon from the
-    daemon's ``PrefillAssignment`` and ``rank_loads_ns`` each rank's queued work (ns)."""
-    return int(sum(max(0, int(horizon_ns) - int(x)) for x in rank_loads_ns))
 
 
 StepRunner = Callable[[StepPlan], Awaitable[float]]

@@ -64,8 +64,12 @@ def params_section(name: str, params: type[Any]) -> type[Section]:
             Field(f.default, description=meta.get("description"), **meta.get("bounds", {})),
         )
     title = "".join(part.title() for part in name.split("_")) + "Settings"
-    section: type[Section] = create_model(title, __base__=Section, **fields)
+    section: type[Section] = create_model(title, __base__=Section, __module__=__name__,
+                                          **fields)
     section.__doc__ = params.__doc__
+    # Findable by name, so that settings holding it pickle (the simulator's --jobs
+    # workers receive the cluster, which embeds the daemon's decode section).
+    globals().setdefault(title, section)
     return section
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from fulcrum.config.base import Section
 from fulcrum.core.cost import DEFAULT_COST_MODEL, DEFAULT_STEP_BUDGET_NS, MAX_CHUNK_TOKENS
@@ -14,8 +14,8 @@ from fulcrum.core.prefill.affinity import (
     MAX_CAPACITY_BLOCKS,
     MAX_REQUEST_BLOCKS,
 )
-from fulcrum.core.prefill.balancer import DEFAULT as DEFAULT_RULES
-from fulcrum.core.prefill.balancer import RULE_SETS
+from fulcrum.core.prefill.rules import DEFAULT as DEFAULT_RULES
+from fulcrum.core.prefill.rules import RULE_SETS, rules_by_name
 from fulcrum.core.prefill.tiers import (
     DEFAULT_BACKLOG_ROUNDS,
     DEFAULT_HYSTERESIS,
@@ -184,8 +184,11 @@ class PrefillSettings(Section):
         description="a tier's demand in a round is the quota that arrived plus its queued "
         "quota spread over this many rounds (1 = all of the backlog at once)",
     )
-    rules: str = Field(
+    rules: str | list[str | dict[str, dict[str, Any] | None]] = Field(
         DEFAULT_RULES,
+        # The README's config reference is generated from this description (README.md is
+        # not ours to regenerate): a rule list ({name: {parameters}} entries, one rule per
+        # kind) is documented in docs/prefill-rules.md.
         description="balancing rule set: 'default' (the rules the simulator measured best, "
         "see BENCHMARKS.md) or 'published' (the letter of the published design)",
     )
@@ -281,6 +284,12 @@ class PrefillSettings(Section):
             raise ValueError("submit_wait_ms: must be <= max_submit_wait_ms")
         if self.pull_wait_ms > self.max_pull_wait_ms:
             raise ValueError("pull_wait_ms: must be <= max_pull_wait_ms")
-        if self.rules not in RULE_SETS:
-            raise ValueError(f"rules: must be one of {', '.join(RULE_SETS)}")
         return self
+
+    @field_validator("rules")
+    @classmethod
+    def _rules(cls, v: str | list[str | dict[str, dict[str, Any] | None]]) -> Any:
+        if isinstance(v, str) and v not in RULE_SETS:
+            raise ValueError(f"rules: must be one of {', '.join(RULE_SETS)} or a rule list")
+        rules_by_name(v)  # ValueError naming the bad entry (index and rule)
+        return v

@@ -43,12 +43,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
 from fulcrum.core.prefill.affinity import PrefixIndex
+from fulcrum.core.registry import Registry
 
 ROUND_ROBIN: Final = "round_robin"
 RANDOM: Final = "random"
@@ -62,7 +64,7 @@ PREFIX_NAMES: Final = (PREFIX_LOAD, CACHE_AWARE)
 """Prefix-aware push routers (need block hashes and per-engine caches)."""
 NAMES: Final = (ROUND_ROBIN, RANDOM, LEAST_REQUESTS, POWER_OF_TWO, LEAST_WORK, ONE_ENGINE,
                 *PREFIX_NAMES)
-"""Every baseline name (prefill push routers)."""
+"""Every baseline name (prefill push routers; the order of :data:`BASELINES`)."""
 
 PREFIX_WEIGHT: Final = 3.0
 LOAD_WEIGHT: Final = 2.0
@@ -74,30 +76,111 @@ DEFAULT_STALENESS_NS: Final = 50_000_000
 """Default age of the load reports a push router sees (ns): 50 ms."""
 
 
-def choose(
-    name: str, counts: npt.NDArray[np.int64] | npt.NDArray[np.float64],
-    rng: np.random.Generator, cursor: int,
-) -> tuple[int, int]:
-    """Target index and next cursor under baseline ``name`` (see module docstring)."""
+Counts = npt.NDArray[np.int64] | npt.NDArray[np.float64]
+Pick = Callable[[Counts, np.random.Generator, int], tuple[int, int]]
+
+
+def _round_robin(counts: Counts, rng: np.random.Generator, cursor: int) -> tuple[int, int]:
     n = int(counts.shape[0])
-    if n == 0:
+    i = cursor % n
+    return i, (i + 1) % n
+
+
+def _random(counts: Counts, rng: np.random.Generator, cursor: int) -> tuple[int, int]:
+    return int(rng.integers(int(counts.shape[0]))), cursor
+
+
+def _least(counts: Counts, rng: np.random.Generator, cursor: int) -> tuple[int, int]:
+    return int(counts.argmin()), cursor
+
+
+def _power_of_two(counts: Counts, rng: np.random.Generator, cursor: int) -> tuple[int, int]:
+    n = int(counts.shape[0])
+    if n == 1:
+        return 0, cursor
+    a = int(rng.integers(n))
+    b = int(rng.integers(n - 1))
+    if b >= a:
+        b += 1
+    return (b if counts[b] < counts[a] else a), cursor
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    """One baseline: ``pick(counts, rng, cursor) -> (target, next cursor)`` over a
+    per-target array; ``load``: what a push router's view feeds it (``none``: no view,
+    ``requests`` in flight, ``work`` outstanding ns); ``first_engine``: only the first
+    engine's ranks; ``prefix``: a prefix-aware router (engine by :func:`_prefix_load` or
+    :func:`_cache_aware`, then its least-work rank)."""
+
+    pick: Pick
+    load: str = "requests"
+    first_engine: bool = False
+    prefix: Callable[[npt.NDArray[np.float64], list[int], int, float, bool], int] | None = None
+
+
+def _prefix_load(work: npt.NDArray[np.float64], match: list[int], n: int,
+                 step_ns: float, has_blocks: bool) -> int:
+    """llm-d-like: the highest ``3 x prefix + 2 x load`` score (ties: lowest index)."""
+    engines = len(match)
+    top = float(work.max())
+    load = 1.0 - work / top if top > 0 else np.ones(engines)
+    score = [PREFIX_WEIGHT * match[e] / n + LOAD_WEIGHT * float(load[e])
+             for e in range(engines)]
+    return max(range(engines), key=lambda x: (score[x], -x))
+
+
+def _cache_aware(work: npt.NDArray[np.float64], match: list[int], n: int,
+                 step_ns: float, has_blocks: bool) -> int:
+    """SGLang-like: least work when imbalanced, else the longest held prefix when it
+    covers half the blocks, else least work."""
+    hi, lo = float(work.max()), float(work.min())
+    least = int(work.argmin())
+    best = max(range(len(match)), key=lambda x: (match[x], -work[x], -x))
+    if hi - lo > IMBALANCE_STEPS * step_ns and hi > IMBALANCE_RATIO * lo:
+        return least
+    if has_blocks and match[best] / n >= MATCH_THRESHOLD:
+        return best
+    return least
+
+
+def _constant(b: Baseline) -> Callable[[object], Baseline]:
+    def make(params: object) -> Baseline:
+        return b
+    return make
+
+
+#: Every baseline, by name (also the policy-set names of the push routers).
+BASELINES: Registry[Baseline] = Registry("sim.baselines")
+for _name, _b in (
+    (ROUND_ROBIN, Baseline(_round_robin, load="none")),
+    (RANDOM, Baseline(_random, load="none")),
+    (LEAST_REQUESTS, Baseline(_least)),
+    (POWER_OF_TWO, Baseline(_power_of_two)),
+    (LEAST_WORK, Baseline(_least, load="work")),
+    (ONE_ENGINE, Baseline(_least, first_engine=True)),
+    (PREFIX_LOAD, Baseline(_least, prefix=_prefix_load)),
+    (CACHE_AWARE, Baseline(_least, prefix=_cache_aware)),
+):
+    BASELINES.register(_name, _constant(_b))
+
+_BUILT: dict[str, Baseline] = {}
+
+
+def baseline(name: str) -> Baseline:
+    """The baseline called ``name`` (ValueError naming the known ones otherwise)."""
+    b = _BUILT.get(name)
+    if b is None:
+        b = _BUILT[name] = BASELINES.make(name)
+    return b
+
+
+def choose(name: str, counts: Counts, rng: np.random.Generator,
+           cursor: int) -> tuple[int, int]:
+    """Target index and next cursor under baseline ``name`` (see module docstring)."""
+    if int(counts.shape[0]) == 0:
         raise ValueError("counts: need at least one target")
-    if name == ROUND_ROBIN:
-        i = cursor % n
-        return i, (i + 1) % n
-    if name == RANDOM:
-        return int(rng.integers(n)), cursor
-    if name in (LEAST_REQUESTS, LEAST_WORK, ONE_ENGINE, *PREFIX_NAMES):
-        return int(counts.argmin()), cursor
-    if name == POWER_OF_TWO:
-        if n == 1:
-            return 0, cursor
-        a = int(rng.integers(n))
-        b = int(rng.integers(n - 1))
-        if b >= a:
-            b += 1
-        return (b if counts[b] < counts[a] else a), cursor
-    raise ValueError(f"baseline: unknown name {name!r} (known: {', '.join(NAMES)})")
+    return baseline(name).pick(counts, rng, cursor)
 
 
 class PushRouter:
@@ -114,6 +197,7 @@ class PushRouter:
         "_pending",
         "_reports",
         "_rng",
+        "_rule",
         "_seen",
         "n_ranks",
         "name",
@@ -125,11 +209,12 @@ class PushRouter:
         self, name: str, engines: int, ranks: int, rng: np.random.Generator,
         staleness_ns: int = DEFAULT_STALENESS_NS,
     ) -> None:
-        if name not in NAMES:
+        if name not in BASELINES:
             raise ValueError(f"prefill: unknown policy {name!r} (known: {', '.join(NAMES)})")
         if staleness_ns < 0:
             raise ValueError(f"staleness_ns: must be >= 0, got {staleness_ns}")
         self.name = name
+        self._rule = baseline(name)
         self.ranks = ranks
         self.n_ranks = engines * ranks
         self.staleness_ns = staleness_ns
@@ -174,19 +259,19 @@ class PushRouter:
     def route(self, now_ns: int, cost_ns: float) -> int:
         """The global DP rank for a request of predicted ``cost_ns`` arriving at ``now_ns``."""
         engines = len(self._reports)
-        if self.name in (ROUND_ROBIN, RANDOM):
-            i, self._cursor = choose(self.name, np.zeros(self.n_ranks, dtype=np.int64),
-                                     self._rng, self._cursor)
+        rule = self._rule
+        if rule.load == "none":
+            i, self._cursor = rule.pick(np.zeros(self.n_ranks, dtype=np.int64),
+                                        self._rng, self._cursor)
         else:
             views = [self._view(now_ns, e) for e in range(engines)]
-            if self.name == ONE_ENGINE:
+            if rule.first_engine:
                 views = views[:1]
-            if self.name == LEAST_WORK:
-                arr: npt.NDArray[np.int64] | npt.NDArray[np.float64] = np.concatenate(
-                    [w for _, w in views])
+            if rule.load == "work":
+                arr: Counts = np.concatenate([w for _, w in views])
             else:
                 arr = np.concatenate([q for q, _ in views])
-            i, self._cursor = choose(self.name, arr, self._rng, self._cursor)
+            i, self._cursor = rule.pick(arr, self._rng, self._cursor)
         e, r = divmod(i, self.ranks)
         self._pending[e].append((now_ns, r, float(cost_ns)))
         return i
@@ -205,22 +290,10 @@ class PushRouter:
         work = np.array([float(w.sum()) for _, w in views])
         n = max(1, len(blocks))
         match = [index.match(str(e), blocks) for e in range(engines)]
-        least = int(work.argmin())
-        if self.name == PREFIX_LOAD:
-            top = float(work.max())
-            load = 1.0 - work / top if top > 0 else np.ones(engines)
-            score = [PREFIX_WEIGHT * match[e] / n + LOAD_WEIGHT * float(load[e])
-                     for e in range(engines)]
-            e = max(range(engines), key=lambda x: (score[x], -x))
-        else:
-            hi, lo = float(work.max()), float(work.min())
-            best = max(range(engines), key=lambda x: (match[x], -work[x], -x))
-            if hi - lo > IMBALANCE_STEPS * step_ns and hi > IMBALANCE_RATIO * lo:
-                e = least
-            elif blocks and match[best] / n >= MATCH_THRESHOLD:
-                e = best
-            else:
-                e = least
+        engine_rule = self._rule.prefix
+        if engine_rule is None:
+            raise ValueError(f"prefill: {self.name!r} is not a prefix-aware router")
+        e = engine_rule(work, match, n, step_ns, bool(blocks))
         r = int(views[e][1].argmin())
         c = index.cached_tokens(match[e], total)
         cost = cost_ns(total - c, c)

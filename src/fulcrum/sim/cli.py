@@ -285,7 +285,7 @@ def _slo(args: argparse.Namespace, cluster: Cluster) -> G.Slo:
     p = cluster.prefill
     if args.slo_ttft is not None:
         return G.slo_from_values(p.tier_bounds, args.slo_ttft, args.slo_tpot)
-    cost = CostModel(a=p.cost_a, b=p.cost_b, k=p.cost_k)
+    cost = CostModel(a=p.cost_model.a, b=p.cost_model.b, k=p.cost_model.k)
     return G.default_slo(p.tier_bounds, cost, tpot_s=args.slo_tpot)
 
 
@@ -397,7 +397,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     if args.cache_blocks is not None:
         cluster = cluster.with_overrides(cache={"capacity_blocks": args.cache_blocks})
     if args.cache_mode is not None:
-        cluster = cluster.with_overrides(cache={"mode": args.cache_mode})
+        cluster = cluster.with_overrides(prefill={"cache_model": args.cache_mode})
     return cluster
 
 

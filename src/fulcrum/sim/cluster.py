@@ -42,11 +42,12 @@ MoE model on H800-class GPUs (our decision; the published guide gives no cluster
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fulcrum.config.decode import DecodeSettings
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.core.prefill.chunks import DEFAULT_FLOOR_FRACTION
 from fulcrum.sim.baselines import DEFAULT_STALENESS_NS
@@ -59,44 +60,94 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-class PrefillCluster(_Section):
-    """Prefill engines (DP groups) and the prefill balancer's knobs."""
+#: Keys the simulator's cluster YAML used to spell differently: old -> (section key,
+#: daemon key, factor). An old key is translated (times the factor) to the daemon's key.
+_OLD_PREFILL: Final[dict[str, tuple[str, float]]] = {
+    "step_budget_ns": ("step_quota_ns", 1.0),
+    "horizon_s": ("tier_horizon_ns", 1e9),
+    "batch_cap_s": ("tier_batch_cap_ns", 1e9),
+    "round_s": ("round_period_ms", 1e3),
+    "min_tier_dwell_s": ("min_tier_dwell_ms", 1e3),
+}
+_OLD_COST: Final = {"cost_a": "a", "cost_b": "b", "cost_k": "k"}
+_OLD_CACHE: Final[dict[str, tuple[str, float]]] = {
+    "mode": ("cache_model", 1.0),
+    "affinity_max_wait_s": ("affinity_max_wait_ms", 1e3),
+}
+
+
+def _scaled(v: Any, factor: float) -> Any:
+    """An old value in the daemon key's unit: seconds to ns truncate (as the simulator
+    converted them), seconds to ms round; a name stays a name."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list | tuple):
+        return [_scaled(x, factor) for x in v]
+    return int(v * factor) if factor != 1e3 else round(v * factor)
+
+
+def _translate(raw: dict[str, Any], table: dict[str, tuple[str, float]],
+               into: dict[str, Any]) -> None:
+    """Move the old keys of ``raw`` to their daemon names in ``into`` (old keys win)."""
+    for old, (new, factor) in table.items():
+        if old in raw:
+            into[new] = _scaled(raw.pop(old), factor)
+
+
+class PrefillCluster(PrefillSettings):
+    """Prefill engines (DP groups) and the prefill balancer's knobs: every key of the
+    daemon's ``prefill:`` section (:class:`fulcrum.config.prefill.PrefillSettings`, same
+    names, same defaults, same checks) plus the simulator's engine model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     engines: int = Field(8, ge=1)
     ranks_per_engine: int = Field(4, ge=1)
-    cost_a: float = Field(_DAEMON.cost_model.a, ge=0)
-    cost_b: float = Field(_DAEMON.cost_model.b, ge=0)
-    cost_k: float = Field(_DAEMON.cost_model.k, ge=0)
-    step_budget_ns: float = Field(float(_DAEMON.step_quota_ns), gt=0)
     step_floor_fraction: float = Field(DEFAULT_FLOOR_FRACTION, ge=0, le=1)
-    max_chunk_tokens: int = Field(_DAEMON.max_chunk_tokens, ge=1)
-    tier_bounds: tuple[int, ...] = tuple(_DAEMON.tier_bounds)
-    horizon_s: tuple[float, ...] = (2.0, 8.0, 30.0, 120.0)
-    batch_cap_s: tuple[float, ...] = tuple(c / 1e9 for c in _DAEMON.tier_batch_cap_ns)
-    round_s: float = Field(_DAEMON.round_period_ms / 1000, gt=0)
-    hysteresis: float = Field(_DAEMON.hysteresis, ge=0)
-    min_tier_dwell_s: float = Field(_DAEMON.min_tier_dwell_ms / 1000, ge=0)
-    backlog_rounds: float = Field(_DAEMON.backlog_rounds, ge=1)
-    max_batch_requests: int = Field(_DAEMON.max_batch_requests, ge=1)
     moe_fraction: float = Field(0.6, ge=0, le=1)
     report_staleness_s: float = Field(DEFAULT_STALENESS_NS / 1e9, ge=0)
 
-    @model_validator(mode="after")
-    def _tiers(self) -> PrefillCluster:
-        n = len(self.tier_bounds) + 1
-        if len(self.horizon_s) != n or len(self.batch_cap_s) != n:
-            raise ValueError(f"horizon_s, batch_cap_s: need one value per tier ({n})")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        _translate(raw, _OLD_PREFILL, raw)
+        cost = {_OLD_COST[k]: raw.pop(k) for k in list(raw) if k in _OLD_COST}
+        if cost:
+            base = raw.get("cost_model") or {}
+            raw["cost_model"] = {**dict(base), **cost}
+        return raw
 
     @property
     def n_ranks(self) -> int:
         """Prefill GPUs (DP ranks) in the cluster."""
         return self.engines * self.ranks_per_engine
 
+    # A read-only view under the simulator's former name (seconds), for old callers.
+    @property
+    def batch_cap_s(self) -> tuple[float, ...]:
+        """``tier_batch_cap_ns`` in seconds."""
+        return tuple(c / 1e9 for c in self.tier_batch_cap_ns)
 
-class DecodeCluster(_Section):
-    """Decode instances (EP groups) and the per-GPU step model."""
 
+#: The daemon's ``decode.step_time`` section type (built from the policy's dataclass).
+_STEP_TIME = DecodeSettings.model_fields["step_time"].annotation
+
+
+class DecodeCluster(DecodeSettings):
+    """Decode instances (EP groups) and the per-GPU step model, plus every key of the
+    daemon's ``decode:`` section (:class:`fulcrum.config.decode.DecodeSettings`: same
+    names, defaults and checks; ``dual.*`` reaches the simulated ``dual`` policy). The
+    policy itself is the policy set's; ``step_time.*`` left unset, the ``step_time``
+    policy is given the simulated GPUs' own step model (``d0_ns``, ``d1_ns``, ``d2_ns``):
+    the baseline gets every advantage."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    #: None (the default here): the ``step_time`` policy is given the simulated model.
+    step_time: _STEP_TIME | None = None  # type: ignore[valid-type]
     instances: int = Field(2, ge=1)
     gpus_per_instance: int = Field(16, ge=1)
     d0_ns: float = Field(10_000_000.0, ge=0)
@@ -110,6 +161,16 @@ class DecodeCluster(_Section):
     def n_gpus(self) -> int:
         """Decode GPUs in the cluster."""
         return self.instances * self.gpus_per_instance
+
+    def sim_params(self) -> dict[str, float]:
+        """The decode policies' parameters by key (each policy takes the keys it
+        declares): ``dual.*`` as configured; ``step_time.*`` as configured, else the
+        simulated step model."""
+        st = self.step_time
+        step = (st.model_dump() if st is not None
+                else {"d0_ns": self.d0_ns, "d1_ns": self.d1_ns, "d2_ns": self.d2_ns})
+        dual = self.__dict__["dual"]  # a section built from the policy's dataclass
+        return {**dual.model_dump(), **step}
 
 
 class VisionCluster(_Section):
@@ -143,17 +204,29 @@ class ExpertModel(_Section):
 
 
 class CacheModel(_Section):
-    """Prefix-cache store (LRU): ``mode`` ``global`` (one pool) or ``per_engine`` (each
-    prefill engine caches ``capacity_blocks / engines`` blocks; Fulcrum routes by prefix
-    affinity with the fairness bound ``affinity_max_wait_s``)."""
+    """Prefix-cache store (LRU) of ``capacity_blocks`` blocks. Under ``prefill.cache_model``
+    ``global`` one pool; under ``per_engine`` each prefill engine caches
+    ``capacity_blocks / engines`` blocks and Fulcrum routes by prefix affinity with the
+    fairness bound ``prefill.affinity_max_wait_ms`` (the daemon's keys; the former
+    ``cache.mode`` and ``cache.affinity_max_wait_s`` are translated to them)."""
 
     capacity_blocks: int | None = Field(100_000, ge=0)
-    mode: Literal["global", "per_engine"] = "global"
-    affinity_max_wait_s: float = Field(2.0, ge=0)
 
 
 class Cluster(_Section):
     """The whole simulated deployment."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_cache_names(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict) or not isinstance(raw.get("cache"), dict):
+            return raw
+        cache = dict(raw["cache"])
+        if not any(k in cache for k in _OLD_CACHE):
+            return raw
+        prefill = dict(raw.get("prefill") or {})
+        _translate(cache, _OLD_CACHE, prefill)
+        return {**raw, "cache": cache, "prefill": prefill}
 
     prefill: PrefillCluster = PrefillCluster()
     decode: DecodeCluster = DecodeCluster()

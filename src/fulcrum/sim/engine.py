@@ -53,8 +53,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Final
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -70,75 +69,28 @@ from fulcrum.core.prefill.balancer import (
     Queued,
     rules_by_name,
 )
+from fulcrum.core.prefill.batch import quota_ns
+from fulcrum.core.prefill.dispatch import pick_puller
+from fulcrum.core.prefill.rules import DEFAULT as DEFAULT_RULES
 from fulcrum.sim import baselines
 from fulcrum.sim.cache import PER_ENGINE, BlockCache, block_hit_ratio, engine_caches
 from fulcrum.sim.cluster import Cluster
+from fulcrum.sim.decode_stage import DecodeStage
+from fulcrum.sim.events import DECODE_DONE as _DECODE_DONE
+from fulcrum.sim.events import DECODE_KICK as _DECODE_KICK
+from fulcrum.sim.events import PREFILL_DONE as _PREFILL_DONE
+from fulcrum.sim.events import PREFILL_KICK as _PREFILL_KICK
+from fulcrum.sim.events import ROUND as _ROUND
+from fulcrum.sim.events import VE_DONE as _VE_DONE
 from fulcrum.sim.experts import EplbGroup, Popularity, eplb_policy
-from fulcrum.sim.policies import FULCRUM, DecodeChooser, PolicySet, VisionChooser
+from fulcrum.sim.policies import FULCRUM, PolicySet
+from fulcrum.sim.stats import Series as Series
+from fulcrum.sim.stats import StageTotals as StageTotals
+from fulcrum.sim.vision_stage import VisionStage
 from fulcrum.sim.workload import BLOCK_TOKENS, Request
-
-_PREFILL_DONE: Final = 1
-_DECODE_DONE: Final = 2
-_VE_DONE: Final = 3
-_ROUND: Final = 4
-_PREFILL_KICK: Final = 5
-_DECODE_KICK: Final = 6
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
-
-
-@dataclass(slots=True)
-class Series:
-    """A time series: ``t_ns[i]``, ``value[i]`` and a weight (e.g. the step's tokens)."""
-
-    t_ns: list[int] = field(default_factory=list)
-    value: list[float] = field(default_factory=list)
-    weight: list[float] = field(default_factory=list)
-
-    def add(self, t: int, v: float, w: float = 1.0) -> None:
-        """Append one point."""
-        self.t_ns.append(t)
-        self.value.append(v)
-        self.weight.append(w)
-
-    def mean(self) -> float | None:
-        """Weighted mean of the values (None when empty or weightless)."""
-        total = sum(self.weight)
-        if not self.value or total <= 0:
-            return None
-        return sum(v * w for v, w in zip(self.value, self.weight, strict=True)) / total
-
-
-@dataclass(slots=True)
-class StageTotals:
-    """Sums over the steps of one stage: GPU-weighted actual and ideal time (ns x GPUs)."""
-
-    steps: int = 0
-    actual_ns: float = 0.0
-    ideal_ns: float = 0.0
-    tokens: int = 0
-    window_ideal_ns: float = 0.0
-    #: Where ``actual_ns - ideal_ns`` goes (ns x GPUs), summed over steps: a GPU that
-    #: waits for the slowest one of its group because it had no work at all in the step
-    #: (``idle_ns``), because all its work ended before the step did (``drained_ns``),
-    #: or although work was left for later steps -- chunk cap, budget rounding
-    #: (``short_ns``); and the MoE stretch of the step (``moe_ns``, moe_lb > 1).
-    #: Decode counts every GPU's shortfall as ``drained_ns``.
-    idle_ns: float = 0.0
-    drained_ns: float = 0.0
-    short_ns: float = 0.0
-    moe_ns: float = 0.0
-    #: Useful compute (ns x GPUs): the work done, at the cost model WITHOUT the fixed
-    #: per-step cost (prefill: the chunks' variable costs; decode: ``d1*conc + d2*kv``
-    #: per GPU and step). It does not depend on how the work is split into steps.
-    useful_ns: float = 0.0
-
-    @property
-    def fraction(self) -> float:
-        """Ideal / actual time over the steps that ran (1.0 when none did): the per-step
-        balance ratio, a diagnostic only (engines that never step are not counted)."""
-        return self.ideal_ns / self.actual_ns if self.actual_ns > 0 else 1.0
 
 
 @dataclass(slots=True)
@@ -208,6 +160,66 @@ class SimResult:
         return self.prefill.window_ideal_ns / (span * self.prefill_gpus)
 
 
+def _step_heads(queues: Sequence[deque[core_chunks.PrefillTask]],
+                cap: int) -> list[list[core_chunks.PrefillTask]]:
+    """Each rank's queue head up to ``cap`` tokens of need (what one step may plan)."""
+    heads: list[list[core_chunks.PrefillTask]] = []
+    for q in queues:
+        head: list[core_chunks.PrefillTask] = []
+        need = 0
+        for task in q:
+            head.append(task)
+            need += task.need
+            if need >= cap:
+                break
+        heads.append(head)
+    return heads
+
+
+def _count_prefill_step(tot: StageTotals, plan: core_chunks.StepPlan,
+                        queues: Sequence[deque[core_chunks.PrefillTask]], dur: float, *,
+                        ideal: bool) -> None:
+    """Add one prefill step of ``dur`` ns (its ranks' ``plan`` over ``queues``) to
+    ``tot``: actual and ideal GPU time, where the difference went, tokens, useful work."""
+    costs = plan.cost_ns
+    r = len(costs)
+    mean = sum(costs) / r
+    mx = max(costs)
+    tot.steps += 1
+    tot.actual_ns += dur * r
+    tot.ideal_ns += mean * r
+    if not ideal:
+        tot.moe_ns += (dur - mx) * r
+        for cost, chunks, q in zip(costs, plan.chunks, queues, strict=True):
+            if cost >= mx:
+                continue
+            if not chunks:
+                tot.idle_ns += mx - cost
+            elif len(chunks) == len(q) and chunks[-1].last:
+                tot.drained_ns += mx - cost
+            else:
+                tot.short_ns += mx - cost
+    tot.tokens += sum(plan.tokens)
+    tot.useful_ns += sum(ch.cost_ns for chs in plan.chunks for ch in chs)
+
+
+def _eplb_groups(
+    cluster: Cluster, eplb: str, rngs: tuple[np.random.Generator, ...],
+) -> tuple[list[EplbGroup], list[EplbGroup]]:
+    """Expert popularity and one EPLB group per prefill engine and per decode instance
+    (``rngs``: popularity prefill, popularity decode, MoE prefill, MoE decode)."""
+    r_pop_p, r_pop_d, r_moe_p, r_moe_d = rngs
+    x, p, d = cluster.experts, cluster.prefill, cluster.decode
+    place = eplb_policy(eplb)
+    pop_p = Popularity(x, r_pop_p)
+    pop_d = Popularity(x, r_pop_d)
+    prefill = [EplbGroup("prefill", p.ranks_per_engine, pop_p, place, r_moe_p)
+               for _ in range(p.engines)]
+    decode = [EplbGroup("decode", d.gpus_per_instance, pop_d, place, r_moe_d)
+              for _ in range(d.instances)]
+    return prefill, decode
+
+
 class Simulator:
     """One run of a workload through a cluster under a policy set (see module docstring)."""
 
@@ -233,15 +245,28 @@ class Simulator:
         )
         self.rng_route = r_route
         self.rng_ve = r_ve
-        p, d, v, x = cluster.prefill, cluster.decode, cluster.vision, cluster.experts
-        self.model = CostModel(a=p.cost_a, b=p.cost_b, k=p.cost_k)
+        p = cluster.prefill
+        self.model = CostModel(a=p.cost_model.a, b=p.cost_model.b, k=p.cost_model.k)
         self.n = len(self.reqs)
         first = self.reqs[0].arrival_ns if self.reqs else 0
         last = self.reqs[-1].arrival_ns if self.reqs else 0
         self.horizon_ns = last + int(drain_s * 1e9)
         self.window = (first + (last - first) // 10, last)
 
-        # -- per request -------------------------------------------------------------------
+        self._init_requests()
+        self._init_prefill(r_route, trace)
+        self._init_affinity()
+        self._init_decode()
+        self._init_vision()
+        self.eplb_prefill, self.decode.eplb = _eplb_groups(
+            cluster, policy.eplb, (r_pop_p, r_pop_d, r_moe_p, r_moe_d))
+        self._init_bookkeeping()
+
+    def _init_requests(self) -> None:
+        """Per-request arrays (index: request id after sorting by arrival)."""
+        n = self.n
+        p = self.cluster.prefill
+        cluster = self.cluster
         n = self.n
         self.arrival = np.array([r.arrival_ns for r in self.reqs], dtype=np.int64)
         self.inp = np.array([r.input_tokens for r in self.reqs], dtype=np.int64)
@@ -252,14 +277,17 @@ class Simulator:
         self.finish = np.full(n, -1, dtype=np.int64)
         self.quota: list[int] = [0] * n
         self.images_left: list[int] = [0] * n
-        self.decode_gpu: list[int] = [-1] * n
         self.cache = BlockCache(cluster.cache.capacity_blocks)
-        self.per_engine = cluster.cache.mode == PER_ENGINE
+        self.per_engine = p.cache_model == PER_ENGINE
         self.engine_caches = (
             engine_caches(cluster.cache.capacity_blocks, p.engines) if self.per_engine else []
         )
 
-        # -- prefill -----------------------------------------------------------------------
+    def _init_prefill(self, r_route: np.random.Generator,
+                      trace: Callable[[tuple[object, ...]], None] | None) -> None:
+        """Prefill engines, ranks and the daemon's balancer (or a push router)."""
+        policy = self.policy
+        p = self.cluster.prefill
         self.n_engines = p.engines
         self.n_ranks = p.ranks_per_engine
         self.bounds = core_tiers.validate_bounds(p.tier_bounds)
@@ -274,7 +302,7 @@ class Simulator:
         self.engine_busy = [False] * p.engines
         self.engine_kicked = [False] * p.engines
         self.engine_plan: list[core_chunks.StepPlan | None] = [None] * p.engines
-        self.horizon = [int(h * 1e9) for h in p.horizon_s]
+        self.horizon = p.horizons_ns()
         self.fulcrum_prefill = policy.prefill == FULCRUM
         self.router = None if self.fulcrum_prefill else baselines.PushRouter(
             policy.prefill, p.engines, p.ranks_per_engine, r_route,
@@ -286,17 +314,22 @@ class Simulator:
         self.engine_ids = [f"e{i:03d}" for i in range(p.engines)]
         self.balancer = PrefillBalancer(BalancerConfig(
             bounds=self.bounds,
-            batch_cap_ns=tuple(int(c * 1e9) for c in p.batch_cap_s),
+            batch_cap_ns=tuple(p.tier_batch_cap_ns),
             backlog_rounds=p.backlog_rounds,
             hysteresis=p.hysteresis,
             max_batch_requests=p.max_batch_requests,
-            rules=rules_by_name(policy.rules),
-            step_quota_ns=int(p.step_budget_ns),
-            min_dwell_ns=int(p.min_tier_dwell_s * 1e9),
+            rules=rules_by_name(policy.rules if policy.rules != DEFAULT_RULES else p.rules),
+            step_quota_ns=p.step_quota_ns,
+            min_dwell_ns=p.min_tier_dwell_ms * 1_000_000,
         ))
         #: Optional observer of the balancer calls (tests replay them through the daemon).
         self.trace: Callable[[tuple[object, ...]], None] | None = trace
-        # Per-engine caches: Fulcrum's prefix index (same capacity as each engine's cache),
+
+    def _init_affinity(self) -> None:
+        """Per-engine caches: Fulcrum's prefix index, a prefix-aware router's own index;
+        the engines join; the chunk planner's budget."""
+        policy = self.policy
+        p = self.cluster.prefill
         # a prefix-aware push router's own index.
         self.affinity: Affinity | None = None
         self.router_index: PrefixIndex | None = None
@@ -305,7 +338,7 @@ class Simulator:
         if self.per_engine and self.fulcrum_prefill and policy.affinity:
             self.affinity = Affinity(
                 PrefixIndex(BLOCK_TOKENS), self._cost,
-                max_wait_ns=int(cluster.cache.affinity_max_wait_s * 1e9),
+                max_wait_ns=p.affinity_max_wait_ms * 1_000_000,
             )
             self.balancer.affinity = self.affinity
             for eid in self.engine_ids:
@@ -319,60 +352,29 @@ class Simulator:
                 self.balancer.add_engine(eid, p.ranks_per_engine)
                 self._trace(("join", 0, eid, p.ranks_per_engine))
         # Every policy runs the same engine-side chunk planner (time budget, chunk cap).
-        self.step_limit = p.step_budget_ns
-        self.step_floor = p.step_budget_ns * p.step_floor_fraction
+        self.step_limit = float(p.step_quota_ns)
+        self.step_floor = p.step_quota_ns * p.step_floor_fraction
         self.chunk_cap = p.max_chunk_tokens
 
-        # -- decode ------------------------------------------------------------------------
-        g = d.n_gpus
-        self.gpi = d.gpus_per_instance
-        self.conc = np.zeros(g, dtype=np.int64)
-        self.kv = np.zeros(g, dtype=np.int64)
-        self.max_conc = np.full(g, d.max_concurrency, dtype=np.int64)
-        self.max_kv = np.full(g, d.max_kv_tokens, dtype=np.int64)
-        self.inst_step = [0] * d.instances
-        self.inst_busy = [False] * d.instances
-        self.inst_kicked = [False] * d.instances
-        self.inst_heap: list[list[tuple[int, int, int]]] = [[] for _ in range(d.instances)]
-        self.inst_conc_snapshot: list[I64 | None] = [None] * d.instances
-        self.decode_wait: deque[int] = deque()
-        self.decode_rejected = 0
-        self.decode_policy = DecodeChooser(
-            policy.decode, {"d0_ns": d.d0_ns, "d1_ns": d.d1_ns, "d2_ns": d.d2_ns}
-        )
+    def _init_decode(self) -> None:
+        """Decode GPUs, instances and the decode policy (:class:`DecodeStage`)."""
+        self.decode = DecodeStage(self, self.cluster.decode, self.policy, self.n,
+                                  self.rng_route)
 
-        # -- vision ------------------------------------------------------------------------
-        self.ve_patches = np.zeros(v.n_gpus, dtype=np.int64)
-        self.ve_images = np.zeros(v.n_gpus, dtype=np.int64)
-        self.ve_queue: list[deque[tuple[int, int]]] = [deque() for _ in range(v.n_gpus)]
-        self.ve_busy = [False] * v.n_gpus
-        self.vision_policy = VisionChooser(policy.vision, v.machines, v.gpus_per_machine)
+    def _init_vision(self) -> None:
+        """Vision-encoder GPUs and the VE policy (:class:`VisionStage`)."""
+        self.vision = VisionStage(self, self.cluster.vision, self.policy.vision, self.rng_ve)
 
-        # -- experts -----------------------------------------------------------------------
-        place = eplb_policy(policy.eplb)
-        pop_p = Popularity(x, r_pop_p)
-        pop_d = Popularity(x, r_pop_d)
-        self.eplb_prefill = [
-            EplbGroup("prefill", p.ranks_per_engine, pop_p, place, r_moe_p)
-            for _ in range(p.engines)
-        ]
-        self.eplb_decode = [
-            EplbGroup("decode", d.gpus_per_instance, pop_d, place, r_moe_d)
-            for _ in range(d.instances)
-        ]
-
-        # -- bookkeeping -------------------------------------------------------------------
+    def _init_bookkeeping(self) -> None:
+        """Clock, event heap and the running totals."""
+        n = self.n
         self.now = 0
         self.heap: list[tuple[int, int, int, int]] = []
         self.seq = 0
         self.pending = n
         self.prefill_tot = StageTotals()
-        self.decode_tot = StageTotals()
         self.s_pimb = Series()
-        self.s_dimb = Series()
-        self.s_veimb = Series()
         self.s_plb = Series()
-        self.s_dlb = Series()
 
     # -- event plumbing ---------------------------------------------------------------------
     def _push(self, t: int, kind: int, arg: int) -> None:
@@ -385,7 +387,7 @@ class Simulator:
         i = 0
         n = self.n
         if self.fulcrum_prefill and n:
-            self._push(int(self.cluster.prefill.round_s * 1e9), _ROUND, 0)
+            self._push(self.cluster.prefill.round_period_ms * 1_000_000, _ROUND, 0)
         next_report = 0.0
         while True:
             t_heap = self.heap[0][0] if self.heap else None
@@ -407,9 +409,9 @@ class Simulator:
             if kind == _PREFILL_DONE:
                 self._prefill_done(arg)
             elif kind == _DECODE_DONE:
-                self._decode_done(arg)
+                self.decode.done(arg)
             elif kind == _VE_DONE:
-                self._ve_done(arg)
+                self.vision.done(arg)
             elif kind == _ROUND:
                 self._round()
             elif kind == _PREFILL_KICK:
@@ -417,12 +419,10 @@ class Simulator:
                 if not self.engine_busy[arg]:
                     self._start_prefill_step(arg)
             elif kind == _DECODE_KICK:
-                self.inst_kicked[arg] = False
-                if not self.inst_busy[arg]:
-                    self._start_decode_step(arg)
-        return self._result()
+                self.decode.kick(arg)
+        return _result_of(self)
 
-    # -- arrival and vision -----------------------------------------------------------------
+    # -- arrival -----------------------------------------------------------------------
     def _cost(self, q: int, c: int) -> int:
         return self.model.cost_ns(q, c)
 
@@ -437,39 +437,9 @@ class Simulator:
         if r.image_patches:
             self.images_left[rid] = len(r.image_patches)
             for patches in r.image_patches:
-                self._place_image(rid, patches)
+                self.vision.place(rid, patches)
         else:
             self._prefill_ready(rid)
-
-    def _place_image(self, rid: int, patches: int) -> None:
-        g = self.vision_policy.choose(self.ve_patches, self.ve_images, patches, self.rng_ve)
-        self.ve_patches[g] += patches
-        self.ve_images[g] += 1
-        mean = float(self.ve_patches.mean())
-        if mean > 0:
-            self.s_veimb.add(self.now, float(self.ve_patches.max()) / mean)
-        self.ve_queue[g].append((rid, patches))
-        if not self.ve_busy[g]:
-            self._start_ve(g)
-
-    def _start_ve(self, g: int) -> None:
-        if not self.ve_queue[g]:
-            self.ve_busy[g] = False
-            return
-        _, patches = self.ve_queue[g][0]
-        v = self.cluster.vision
-        self.ve_busy[g] = True
-        self._push(self.now + max(1, math.ceil(v.v0_ns + v.v1_ns * patches)), _VE_DONE, g)
-
-    def _ve_done(self, g: int) -> None:
-        rid, patches = self.ve_queue[g].popleft()
-        self.ve_patches[g] -= patches
-        self.ve_images[g] -= 1
-        self.images_left[rid] -= 1
-        if self.images_left[rid] == 0:
-            self.ve_done[rid] = self.now
-            self._prefill_ready(rid)
-        self._start_ve(g)
 
     # -- prefill ----------------------------------------------------------------------------
     def _trace(self, event: tuple[object, ...]) -> None:
@@ -521,8 +491,7 @@ class Simulator:
         """Engine ``e``'s remaining quota (ns): over its ranks, ``max(0, horizon - load)``
         with the horizon of its tier."""
         tier = self.balancer.engine_tier(self.engine_ids[e])
-        h = self.horizon[max(0, tier)]
-        return int(sum(max(0.0, h - load) for load in self.rank_load[e]))
+        return quota_ns(self.horizon[max(0, tier)], self._loads(e))
 
     def _loads(self, e: int) -> list[int]:
         return [max(0, int(x)) for x in self.rank_load[e]]
@@ -552,17 +521,12 @@ class Simulator:
         the tier queue for the first engine to reach a step boundary."""
         bal = self.balancer
         while bal.head(tier) is not None:
-            offers: list[int] = []
-            quotas: list[Offer] = []
-            for e, eid in enumerate(self.engine_ids):
-                if self.engine_busy[e]:
-                    continue  # mid-step: it pulls at its step boundary (_prefill_done)
-                loads = self._loads(e)
-                if bal.source_tier(eid, loads, self.now) == tier:
-                    offers.append(e)
-                    quotas.append(Offer(eid, self._remaining(e), loads))
-            i = bal.choose_puller(tier, quotas, now_ns=self.now)
-            if i < 0 or not self._take(offers[i]):
+            # mid-step engines do not offer: they pull at their step boundary
+            waiting = [e for e in range(self.n_engines) if not self.engine_busy[e]]
+            offers = [Offer(self.engine_ids[e], self._remaining(e), self._loads(e))
+                      for e in waiting]
+            i = pick_puller(bal, tier, offers, self.now)
+            if i < 0 or not self._take(waiting[i]):
                 return
 
     def _pull_all(self) -> None:
@@ -580,16 +544,7 @@ class Simulator:
             self.engine_busy[e] = False
             return
         cap = self.chunk_cap
-        heads: list[list[core_chunks.PrefillTask]] = []
-        for q in queues:
-            head: list[core_chunks.PrefillTask] = []
-            need = 0
-            for task in q:
-                head.append(task)
-                need += task.need
-                if need >= cap:
-                    break
-            heads.append(head)
+        heads = _step_heads(queues, cap)
         budgets = core_chunks.rank_budgets(queues, self.step_limit, self.model,
                                            floor_ns=self.step_floor)
         plan = core_chunks.plan_step(heads, budgets, self.model, cap=cap)
@@ -605,25 +560,9 @@ class Simulator:
             lb = self.eplb_prefill[e].step(self.now, tokens)
             extra = self.cluster.prefill.moe_fraction * self.model.b * tokens / r * (lb - 1.0)
             dur = mx + extra
-        tot = self.prefill_tot
-        tot.steps += 1
-        tot.actual_ns += dur * r
-        tot.ideal_ns += mean * r
-        if not self.policy.ideal:
-            tot.moe_ns += (dur - mx) * r
-            for cost, chunks, q in zip(costs, plan.chunks, queues, strict=True):
-                if cost >= mx:
-                    continue
-                if not chunks:
-                    tot.idle_ns += mx - cost
-                elif len(chunks) == len(q) and chunks[-1].last:
-                    tot.drained_ns += mx - cost
-                else:
-                    tot.short_ns += mx - cost
-        tot.tokens += tokens
-        tot.useful_ns += sum(ch.cost_ns for chs in plan.chunks for ch in chs)
+        _count_prefill_step(self.prefill_tot, plan, queues, dur, ideal=self.policy.ideal)
         if self.window[0] <= self.now < self.window[1]:
-            tot.window_ideal_ns += mean * r
+            self.prefill_tot.window_ideal_ns += mean * r
         if mean > 0:
             self.s_pimb.add(self.now, mx / mean)
         self.s_plb.add(self.now, lb, float(tokens))
@@ -658,7 +597,7 @@ class Simulator:
                                self.rank_load[e])
         for rid in finished:
             self.first_tok[rid] = self.now
-            self._decode_admit(rid)
+            self.decode.admit(rid)
         if self.fulcrum_prefill:
             self._take(e)
             self._pull_all()
@@ -670,137 +609,50 @@ class Simulator:
         self._trace(("round", self.now, red.counts))
         self._pull_all()
         if self.pending > 0:
-            self._push(self.now + int(self.cluster.prefill.round_s * 1e9), _ROUND, 0)
-
-    # -- decode -----------------------------------------------------------------------------
-    def _decode_admit(self, rid: int) -> None:
-        if self.outp[rid] <= 1:
-            self._finish(rid)
-            return
-        if int(self.inp[rid]) + int(self.outp[rid]) > self.cluster.decode.max_kv_tokens:
-            self.decode_rejected += 1  # can never fit one decode GPU: dropped, counted
-            self._finish(rid)
-            return
-        if self.decode_wait:
-            self.decode_wait.append(rid)
-            return
-        if not self._try_place(rid):
-            self.decode_wait.append(rid)
-
-    def _try_place(self, rid: int) -> bool:
-        kv_tokens = int(self.inp[rid])
-        g = self.decode_policy.choose(
-            self.conc, self.kv, self.max_conc, self.max_kv, kv_tokens, self.rng_route
-        )
-        if g < 0:
-            return False
-        self.conc[g] += 1
-        self.kv[g] += kv_tokens
-        self.decode_gpu[rid] = g
-        inst = g // self.gpi
-        busy = 1 if self.inst_busy[inst] else 0
-        finish_step = self.inst_step[inst] + int(self.outp[rid]) - 1 + busy
-        heapq.heappush(self.inst_heap[inst], (finish_step, rid, g))
-        if not self.inst_busy[inst] and not self.inst_kicked[inst]:
-            self.inst_kicked[inst] = True
-            self._push(self.now, _DECODE_KICK, inst)
-        return True
-
-    def _start_decode_step(self, inst: int) -> None:
-        if not self.inst_heap[inst]:
-            self.inst_busy[inst] = False
-            return
-        d = self.cluster.decode
-        s = slice(inst * self.gpi, (inst + 1) * self.gpi)
-        conc = self.conc[s].copy()
-        kv = self.kv[s]
-        load = d.d1_ns * conc + d.d2_ns * kv
-        mx_load = float(load.max())
-        mean_load = float(load.mean())
-        tokens = int(conc.sum())
-        mean = d.d0_ns + mean_load
-        if self.policy.ideal:
-            lb = 1.0
-            dur = mean
-        else:
-            lb = self.eplb_decode[inst].step(self.now, tokens)
-            dur = d.d0_ns + mx_load + d.moe_fraction * d.d1_ns * tokens / self.gpi * (lb - 1.0)
-        tot = self.decode_tot
-        tot.steps += 1
-        tot.actual_ns += dur * self.gpi
-        tot.ideal_ns += mean * self.gpi
-        if not self.policy.ideal:
-            tot.moe_ns += (dur - d.d0_ns - mx_load) * self.gpi
-            tot.drained_ns += (mx_load - mean_load) * self.gpi
-        tot.tokens += tokens
-        tot.useful_ns += mean_load * self.gpi
-        if mean_load > 0:
-            self.s_dimb.add(self.now, mx_load / mean_load)
-        self.s_dlb.add(self.now, lb, float(tokens))
-        self.inst_conc_snapshot[inst] = conc
-        self.inst_busy[inst] = True
-        self._push(self.now + max(1, math.ceil(dur)), _DECODE_DONE, inst)
-
-    def _decode_done(self, inst: int) -> None:
-        s = slice(inst * self.gpi, (inst + 1) * self.gpi)
-        snap = self.inst_conc_snapshot[inst]
-        assert snap is not None
-        self.kv[s] += snap
-        self.inst_step[inst] += 1
-        step = self.inst_step[inst]
-        heap = self.inst_heap[inst]
-        released = False
-        while heap and heap[0][0] <= step:
-            _, rid, g = heapq.heappop(heap)
-            self.conc[g] -= 1
-            self.kv[g] -= int(self.inp[rid]) + int(self.outp[rid]) - 1
-            self._finish(rid)
-            released = True
-        self.inst_busy[inst] = False
-        if released:
-            while self.decode_wait and self._try_place(self.decode_wait[0]):
-                self.decode_wait.popleft()
-        self._start_decode_step(inst)
+            self._push(self.now + self.cluster.prefill.round_period_ms * 1_000_000, _ROUND, 0)
 
     def _finish(self, rid: int) -> None:
         self.finish[rid] = self.now
         self.pending -= 1
 
-    # -- result -----------------------------------------------------------------------------
-    def _result(self) -> SimResult:
-        return SimResult(
-            policy=self.policy.name,
-            seed=self.seed,
-            tier_bounds=self.bounds,
-            arrival_ns=self.arrival,
-            input_tokens=self.inp,
-            output_tokens=self.outp,
-            cached_tokens=self.cached,
-            ve_done_ns=self.ve_done,
-            first_token_ns=self.first_tok,
-            finish_ns=self.finish,
-            prefill=self.prefill_tot,
-            decode=self.decode_tot,
-            prefill_imbalance=self.s_pimb,
-            decode_imbalance=self.s_dimb,
-            ve_imbalance=self.s_veimb,
-            prefill_moe_lb=self.s_plb,
-            decode_moe_lb=self.s_dlb,
-            prefill_gpus=self.n_engines * self.n_ranks,
-            decode_gpus=self.cluster.decode.n_gpus,
-            cache_hit_ratio=(
-                sum(c.hit_tokens for c in self.engine_caches)
-                / max(1, sum(c.lookup_tokens for c in self.engine_caches))
-                if self.per_engine else self.cache.hit_ratio
-            ),
-            block_hit_ratio=block_hit_ratio(self.engine_caches if self.per_engine
-                                            else [self.cache]),
-            end_ns=self.now,
-            eplb_rebalances=sum(g.rebalances for g in self.eplb_prefill + self.eplb_decode),
-            window_ns=self.window,
-            decode_rejected=self.decode_rejected,
-            start_ns=int(self.arrival[0]) if self.n else 0,
-        )
+
+
+def _result_of(sim: Simulator) -> SimResult:
+    """The raw result of a finished simulation."""
+    return SimResult(
+        policy=sim.policy.name,
+        seed=sim.seed,
+        tier_bounds=sim.bounds,
+        arrival_ns=sim.arrival,
+        input_tokens=sim.inp,
+        output_tokens=sim.outp,
+        cached_tokens=sim.cached,
+        ve_done_ns=sim.ve_done,
+        first_token_ns=sim.first_tok,
+        finish_ns=sim.finish,
+        prefill=sim.prefill_tot,
+        decode=sim.decode.tot,
+        prefill_imbalance=sim.s_pimb,
+        decode_imbalance=sim.decode.imbalance,
+        ve_imbalance=sim.vision.imbalance,
+        prefill_moe_lb=sim.s_plb,
+        decode_moe_lb=sim.decode.moe_lb,
+        prefill_gpus=sim.n_engines * sim.n_ranks,
+        decode_gpus=sim.cluster.decode.n_gpus,
+        cache_hit_ratio=(
+            sum(c.hit_tokens for c in sim.engine_caches)
+            / max(1, sum(c.lookup_tokens for c in sim.engine_caches))
+            if sim.per_engine else sim.cache.hit_ratio
+        ),
+        block_hit_ratio=block_hit_ratio(sim.engine_caches if sim.per_engine
+                                        else [sim.cache]),
+        end_ns=sim.now,
+        eplb_rebalances=sum(g.rebalances for g in sim.eplb_prefill + sim.decode.eplb),
+        window_ns=sim.window,
+        decode_rejected=sim.decode.rejected,
+        start_ns=int(sim.arrival[0]) if sim.n else 0,
+    )
+
 
 
 def simulate(

@@ -69,7 +69,7 @@ def policy_sets() -> dict[str, PolicySet]:
         "ideal": PolicySet("ideal", FULCRUM, core_decode.DEFAULT_POLICY,
                            core_vision.DEFAULT_POLICY, eplb, ideal=True),
     }
-    for b in baselines.NAMES:
+    for b in baselines.BASELINES.names():
         out[b] = PolicySet(b, b, b, b, eplb)
     # Per-engine caches: Fulcrum without prefix affinity (the comparison for the fairness
     # bound); prefix-aware baselines place decode and VE by least requests.
@@ -108,7 +108,7 @@ class DecodeChooser:
             if name in core_decode.REGISTRY
             else None
         )
-        if self._core is None and name not in baselines.NAMES:
+        if self._core is None and name not in baselines.BASELINES:
             raise ValueError(f"decode: unknown policy {name!r}")
 
     def choose(
@@ -153,7 +153,7 @@ class VisionChooser:
         self._core = (
             core_vision.make_policy(name) if name in core_vision.REGISTRY else None
         )
-        if self._core is None and name not in baselines.NAMES:
+        if self._core is None and name not in baselines.BASELINES:
             raise ValueError(f"vision: unknown policy {name!r}")
 
     def choose(

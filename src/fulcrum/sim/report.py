@@ -68,13 +68,9 @@ def ttft_seconds(res: SimResult) -> np.ndarray:
     return out
 
 
-def summarize(res: SimResult) -> dict[str, Any]:
-    """Headline figures of one run (see module docstring for every key); JSON-ready.
-
-    Keys read by the goodput search: ``prefill_utilisation``, ``decode_utilisation``,
-    ``ttft_by_tier`` (``{tier: {"p50_s", "p99_s", "count", "finished"}}``),
-    ``tpot_p50_s``, ``tpot_p99_s``, ``finished``, ``unfinished``, ``balance_ratio``.
-    """
+def _ttft_tables(res: SimResult) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Per tier label: TTFT of the requests that got a first token (``ttft``) and of every
+    request, unfinished ones counted at the end of the run (``ttft_by_tier``), s."""
     done = res.first_token_ns >= 0
     ttft_all = ttft_seconds(res)
     ttft = (res.first_token_ns - res.arrival_ns) / 1e9
@@ -100,16 +96,40 @@ def summarize(res: SimResult) -> dict[str, Any]:
             "count": total,
             "finished": int((done & in_tier).sum()),
         }
+    return per_tier, by_tier
+
+
+def _share(x: float, tot: float) -> float:
+    return x / tot if tot > 0 else 0.0
+
+
+def _losses(res: SimResult) -> dict[str, float]:
+    """Where the stages' time goes, as shares of their actual GPU time."""
+    p, d = res.prefill, res.decode
+    return {
+        "prefill_idle_rank": _share(p.idle_ns, p.actual_ns),
+        "prefill_drained_rank": _share(p.drained_ns, p.actual_ns),
+        "prefill_short_rank": _share(p.short_ns, p.actual_ns),
+        "prefill_moe": _share(p.moe_ns, p.actual_ns),
+        "decode_imbalance": _share(d.drained_ns, d.actual_ns),
+        "decode_moe": _share(d.moe_ns, d.actual_ns),
+    }
+
+
+def summarize(res: SimResult) -> dict[str, Any]:
+    """Headline figures of one run (see module docstring for every key); JSON-ready.
+
+    Keys read by the goodput search: ``prefill_utilisation``, ``decode_utilisation``,
+    ``ttft_by_tier`` (``{tier: {"p50_s", "p99_s", "count", "finished"}}``),
+    ``tpot_p50_s``, ``tpot_p99_s``, ``finished``, ``unfinished``, ``balance_ratio``.
+    """
+    per_tier, by_tier = _ttft_tables(res)
     multi = (res.finish_ns >= 0) & (res.output_tokens > 1)
     tpot = (res.finish_ns[multi] - res.first_token_ns[multi]) / (
         res.output_tokens[multi] - 1
     ) / 1e9
     p, d = res.prefill, res.decode
     finished = int((res.finish_ns >= 0).sum())
-
-    def share(x: float, tot: float) -> float:
-        return x / tot if tot > 0 else 0.0
-
     tpot_p50 = _pct(tpot, 50)
     tpot_p99 = _pct(tpot, 99)
     return {
@@ -140,14 +160,7 @@ def summarize(res: SimResult) -> dict[str, Any]:
         "prefill_moe_lb": res.prefill_moe_lb.mean(),
         "decode_moe_lb": res.decode_moe_lb.mean(),
         "prefill_capacity_fraction": res.prefill_capacity_fraction,
-        "loss": {
-            "prefill_idle_rank": share(p.idle_ns, p.actual_ns),
-            "prefill_drained_rank": share(p.drained_ns, p.actual_ns),
-            "prefill_short_rank": share(p.short_ns, p.actual_ns),
-            "prefill_moe": share(p.moe_ns, p.actual_ns),
-            "decode_imbalance": share(d.drained_ns, d.actual_ns),
-            "decode_moe": share(d.moe_ns, d.actual_ns),
-        },
+        "loss": _losses(res),
         "prefill_steps": p.steps,
         "decode_steps": d.steps,
         "eplb_rebalances": res.eplb_rebalances,
@@ -254,17 +267,8 @@ def _smooth(series: Series, bins: int = 200) -> tuple[np.ndarray, np.ndarray]:
     return centres[ok], sums[ok] / cnt[ok]
 
 
-def plot_runs(results: Sequence[SimResult], out_dir: Path, prefix: str = "") -> list[Path]:
-    """Write TTFT CDF per tier, imbalance over time and moe_lb over time as PNGs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    if not results:
-        return written
+def _plot_ttft_cdf(plt: Any, results: Sequence[SimResult], path: Path) -> None:
+    """TTFT CDF per tier present in ``results`` (s, log x) into ``path``."""
     bounds = results[0].tier_bounds
     n_tiers = len(bounds) + 1
     present = [
@@ -291,33 +295,52 @@ def plot_runs(results: Sequence[SimResult], out_dir: Path, prefix: str = "") -> 
     axes[0][0].set_ylabel("fraction of requests")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    path = out_dir / f"{prefix}ttft_cdf.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    written.append(path)
 
+
+def _plot_series(plt: Any, results: Sequence[SimResult], name: str,
+                 getters: tuple[tuple[str, str], ...], path: Path) -> None:
+    """One panel per (stage, SimResult series attribute) over virtual time into ``path``."""
+    fig, axes = plt.subplots(1, len(getters), figsize=(4.6 * len(getters), 3.4),
+                             squeeze=False)
+    for ax, (stage, get) in zip(axes[0], getters, strict=True):
+        for r in results:
+            series: Series = getattr(r, get)
+            x, y = _smooth(series)
+            if x.size:
+                ax.plot(x, y, label=r.policy, linewidth=1)
+        ax.set_title(f"{stage} {name} (max/mean)" if name == "imbalance"
+                     else f"{stage} moe_lb")
+        ax.set_xlabel("virtual time (s)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_runs(results: Sequence[SimResult], out_dir: Path, prefix: str = "") -> list[Path]:
+    """Write TTFT CDF per tier, imbalance over time and moe_lb over time as PNGs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    if not results:
+        return written
+    path = out_dir / f"{prefix}ttft_cdf.png"
+    _plot_ttft_cdf(plt, results, path)
+    written.append(path)
     panels: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("imbalance", (("prefill", "prefill_imbalance"), ("decode", "decode_imbalance"),
                        ("VE", "ve_imbalance"))),
         ("moe_lb", (("prefill", "prefill_moe_lb"), ("decode", "decode_moe_lb"))),
     )
     for name, getters in panels:
-        fig, axes = plt.subplots(1, len(getters), figsize=(4.6 * len(getters), 3.4),
-                                 squeeze=False)
-        for ax, (stage, get) in zip(axes[0], getters, strict=True):
-            for r in results:
-                series: Series = getattr(r, get)
-                x, y = _smooth(series)
-                if x.size:
-                    ax.plot(x, y, label=r.policy, linewidth=1)
-            ax.set_title(f"{stage} {name} (max/mean)" if name == "imbalance"
-                         else f"{stage} moe_lb")
-            ax.set_xlabel("virtual time (s)")
-            ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=7)
-        fig.tight_layout()
         path = out_dir / f"{prefix}{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        _plot_series(plt, results, name, getters, path)
         written.append(path)
     return written

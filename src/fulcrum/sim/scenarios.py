@@ -78,7 +78,7 @@ def load_workload(
 def offered_work_ns(reqs: Sequence[W.Request], cluster: Cluster) -> float:
     """Predicted prefill compute of ``reqs`` (ns), prefix cache applied in arrival order."""
     p = cluster.prefill
-    model = CostModel(a=p.cost_a, b=p.cost_b, k=p.cost_k)
+    model = CostModel(a=p.cost_model.a, b=p.cost_model.b, k=p.cost_model.k)
     cache = BlockCache(cluster.cache.capacity_blocks)
     total = 0.0
     for r in sorted(reqs, key=lambda x: (x.arrival_ns, x.rid)):

@@ -37,6 +37,7 @@ from typing import Final
 
 import numpy as np
 
+from fulcrum.sim.rows import azure_label, iter_csv, iter_jsonl
 from fulcrum.units import NS_PER_S as NS_PER_S  # re-exported (synthetic imports it here)
 
 BLOCK_TOKENS: Final = 512
@@ -88,10 +89,9 @@ _renumber = renumber
 def read_mooncake(path: Path, *, limit: int | None = None) -> list[Request]:
     """Read a Mooncake JSONL trace; ``timestamp`` is ms from the start (not re-based).
 
-    Raises :class:`fulcrum.sim.traces.TraceError` (one line: file, line, field) on a
+    Raises :class:`fulcrum.sim.rows.TraceError` (one line: file, line, field) on a
     malformed row.
     """
-    from fulcrum.sim.traces import iter_jsonl
 
     return renumber(
         Request(rid=i, arrival_ns=t, input_tokens=inp, output_tokens=out, hash_ids=h,
@@ -102,9 +102,8 @@ def read_mooncake(path: Path, *, limit: int | None = None) -> list[Request]:
 
 def read_azure(path: Path, *, limit: int | None = None) -> list[Request]:
     """Read an Azure LLM inference trace CSV (2023 or 2024 timestamps); arrivals are
-    relative to the earliest row. Raises :class:`fulcrum.sim.traces.TraceError` on a
+    relative to the earliest row. Raises :class:`fulcrum.sim.rows.TraceError` on a
     malformed file."""
-    from fulcrum.sim.traces import azure_label, iter_csv
 
     path = Path(path)
     rows = list(iter_csv(path, "azure", limit=limit))
@@ -264,59 +263,71 @@ def servegen_requests(
         if not keys:
             continue
         for w in windows:
-            lo, hi = max(w.start_s, start_s), min(w.start_s + 600.0, end_s)
-            if w.rate <= 0 or hi <= lo:
+            times = _window_times(w, rng, start_s, end_s)
+            if times is None:
                 continue
-            n_expect = w.rate * (hi - lo)
-            gaps = _interarrivals(w, rng, int(n_expect * 2 + 20))
-            mean_gap = float(gaps.mean()) if gaps.size else 1.0
-            gaps *= (1.0 / w.rate) / mean_gap if mean_gap > 0 else 1.0
-            times = lo + np.cumsum(gaps) - gaps[0] * rng.random()
-            times = times[(times >= lo) & (times < hi)]
-            if times.size == 0:
-                continue
-            key = max([k for k in keys if k <= w.start_s] or [keys[0]])
-            d = dists[key]
-            n = int(times.size)
+            d = dists[max([k for k in keys if k <= w.start_s] or [keys[0]])]
+            arrivals = [int((t - start_s) * NS_PER_S) for t in times]
             if "input_tokens" in d:
-                inputs = d["input_tokens"].sample(rng, n)
-                outs = d["output_tokens"].sample(rng, n)
-                for i in range(n):
-                    if int(inputs[i]) <= 0:
-                        continue
-                    out.append(
-                        Request(
-                            rid=0,
-                            arrival_ns=int((times[i] - start_s) * NS_PER_S),
-                            input_tokens=int(inputs[i]),
-                            output_tokens=max(1, int(outs[i])),
-                            source=source,
-                        )
-                    )
-                continue
-            text = d["text_tokens"].sample(rng, n)
-            counts = d["image_count"].sample(rng, n)
-            outs = d["output_tokens"].sample(rng, n)
-            per_image = d["image_tokens"].sample(rng, int(counts.sum()))
-            pos = 0
-            for i in range(n):
-                k = int(counts[i])
-                toks = [int(t) for t in per_image[pos : pos + k]]
-                pos += k
-                inp = int(text[i]) + sum(toks)
-                if inp <= 0:
-                    continue
-                out.append(
-                    Request(
-                        rid=0,
-                        arrival_ns=int((times[i] - start_s) * NS_PER_S),
-                        input_tokens=inp,
-                        output_tokens=max(1, int(outs[i])),
-                        image_patches=tuple(t * patches_per_token for t in toks if t > 0),
-                        source=source,
-                    )
-                )
+                out.extend(_language(d, rng, arrivals, source))
+            else:
+                out.extend(_multimodal(d, rng, arrivals, source, patches_per_token))
     return renumber(out)
+
+
+def _window_times(w: ServeGenWindow, rng: np.random.Generator, start_s: float,
+                  end_s: float) -> np.ndarray | None:
+    """Arrival times (s) of one client window clipped to ``[start_s, end_s)``, its
+    inter-arrivals rescaled to the window's published rate; None when there are none."""
+    lo, hi = max(w.start_s, start_s), min(w.start_s + 600.0, end_s)
+    if w.rate <= 0 or hi <= lo:
+        return None
+    n_expect = w.rate * (hi - lo)
+    gaps = _interarrivals(w, rng, int(n_expect * 2 + 20))
+    mean_gap = float(gaps.mean()) if gaps.size else 1.0
+    gaps *= (1.0 / w.rate) / mean_gap if mean_gap > 0 else 1.0
+    times = lo + np.cumsum(gaps) - gaps[0] * rng.random()
+    times = times[(times >= lo) & (times < hi)]
+    return times if times.size else None
+
+
+def _language(d: dict[str, Discrete], rng: np.random.Generator, arrivals: list[int],
+              source: str) -> list[Request]:
+    """Language / reasoning requests: input and output tokens drawn per request."""
+    n = len(arrivals)
+    inputs = d["input_tokens"].sample(rng, n)
+    outs = d["output_tokens"].sample(rng, n)
+    return [
+        Request(rid=0, arrival_ns=arrivals[i], input_tokens=int(inputs[i]),
+                output_tokens=max(1, int(outs[i])), source=source)
+        for i in range(n) if int(inputs[i]) > 0
+    ]
+
+
+def _multimodal(d: dict[str, Discrete], rng: np.random.Generator, arrivals: list[int],
+                source: str, patches_per_token: int) -> list[Request]:
+    """Multimodal requests: text tokens, image count, tokens per image, output tokens."""
+    n = len(arrivals)
+    text = d["text_tokens"].sample(rng, n)
+    counts = d["image_count"].sample(rng, n)
+    outs = d["output_tokens"].sample(rng, n)
+    per_image = d["image_tokens"].sample(rng, int(counts.sum()))
+    out: list[Request] = []
+    pos = 0
+    for i in range(n):
+        k = int(counts[i])
+        toks = [int(t) for t in per_image[pos : pos + k]]
+        pos += k
+        inp = int(text[i]) + sum(toks)
+        if inp <= 0:
+            continue
+        out.append(Request(
+            rid=0, arrival_ns=arrivals[i], input_tokens=inp,
+            output_tokens=max(1, int(outs[i])),
+            image_patches=tuple(t * patches_per_token for t in toks if t > 0),
+            source=source,
+        ))
+    return out
 
 
 # -- transforms ---------------------------------------------------------------------------

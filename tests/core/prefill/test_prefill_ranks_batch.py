@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fulcrum.core.prefill import ENGINE_POLICIES, RANK_POLICIES, lookup
-from fulcrum.core.prefill.batch import pick_engine, select_batch
+from fulcrum.core.prefill.batch import BatchFill, pick_engine, select_batch
 from fulcrum.core.prefill.ranks import assign_ranks
 
 
@@ -112,3 +112,21 @@ def test_pick_engine(remaining: list[int], index: int) -> None:
 def test_pick_engine_empty() -> None:
     with pytest.raises(ValueError, match="remaining_ns"):
         pick_engine([])
+
+
+@given(
+    st.lists(st.integers(0, 50), max_size=12),
+    st.integers(0, 200),
+    st.integers(0, 200),
+    st.booleans(),
+    st.one_of(st.none(), st.integers(1, 6)),
+)
+def test_batch_fill_counts_as_select_batch(
+    costs: list[int], remaining: int, cap: int, idle: bool, max_requests: int | None
+) -> None:
+    """The pull's incremental quota step takes exactly the prefix select_batch counts."""
+    fill = BatchFill(remaining, cap, idle=idle, max_requests=max_requests)
+    for c in costs:
+        if not fill.offer(c) or fill.closed:
+            break
+    assert fill.n == select_batch(costs, remaining, cap, idle=idle, max_requests=max_requests)

@@ -46,19 +46,27 @@ request id.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
+from fulcrum.core.prefill import order as aff_order
 from fulcrum.core.prefill.affinity import Affinity
-from fulcrum.core.prefill.batch import pick_engine, select_batch
-from fulcrum.core.prefill.ranks import assign_ranks
+from fulcrum.core.prefill.batch import BatchFill, select_batch
+from fulcrum.core.prefill.items import EngineEntry, Offer, Queued, Taken
+from fulcrum.core.prefill.pull import Pull
+from fulcrum.core.prefill.rules import (
+    DEFAULT,
+    PUBLISHED,
+    RULE_SETS,
+    Rules,
+    rules_by_name,
+)
 from fulcrum.core.prefill.tiers import (
+    Assignment,
     allocate,
     assign_engines,
     round_demand,
@@ -66,66 +74,20 @@ from fulcrum.core.prefill.tiers import (
     validate_bounds,
 )
 
-PUBLISHED: Final = "published"
-DEFAULT: Final = "default"
-
-
-@dataclass(frozen=True, slots=True)
-class Rules:
-    """Which balancing rules are in force (a named set; see :data:`RULE_SETS`).
-
-    ``rank_horizon_steps`` (late binding; None = off): a pull takes the FIFO head only
-    while the engine's least-loaded DP rank holds less than this many step budgets of
-    outstanding work (``rank_horizon_steps x step_quota_ns``, ns), so
-    work waits in the shared tier queue until a rank is about to need it, instead of
-    being committed early to one engine's queue; among the engines offering to pull, the
-    one whose least-loaded rank is emptiest takes the work (ties: most remaining quota).
-    Off, the published rules apply: the batch is bounded by the engine's remaining quota
-    and the tier cap only, and the engine with the most remaining quota takes the work.
-    ``work_conserving``: an engine with room (idle, or under late binding a rank below
-    the horizon) whose own tier has nothing queued takes from the nearest shorter tier
-    with work (short work ends soon, so the engine is back for its own tier quickly);
-    the published design keeps engines to their tier.
-    ``urgency`` (with ``work_conserving``; needs the time, see :meth:`PrefillBalancer.source_tier`):
-    an engine with room takes from whichever tier has the head that has waited longest
-    relative to its tier's time scale (the tier's batch cap, ``BalancerConfig.batch_cap_ns``:
-    8 / 32 / 128 / 512 s by default), its own tier on ties. A short tier whose engines
-    fall behind is helped before its requests miss their (shorter) latency target, not
-    only once the longer tier's queue is empty; a long tier's head that has waited four
-    times longer than a short head (for the 4x larger scale) is taken by a short tier's
-    engine with room, instead of waiting for its own tier's engines -- but only work that
-    holds a rank no longer than :meth:`PrefillBalancer.helping_bound_ns` (a quarter of
-    the helping engine's own batch cap), never a long tier's minutes-long prompt. On
-    under prefix affinity too: there a held request waits for its holder only while the
-    holder is predicted to finish it sooner (:meth:`PrefillBalancer.take`), so a helper
-    never idles for a busy holder, and late binding applies to every request (binding
-    held work early piled it on busy ranks: both cost goodput, see BENCHMARKS.md
-    "Prefix affinity").
-    ``orphan_gate``: an orphan tier gets an engine at once only when the engines can
-    cover every tier with demand.
-    """
-
-    name: str = DEFAULT
-    rank_horizon_steps: float | None = None
-    work_conserving: bool = False
-    orphan_gate: bool = True
-    urgency: bool = False
-
-
-RULE_SETS: Final[dict[str, Rules]] = {
-    PUBLISHED: Rules(PUBLISHED),
-    DEFAULT: Rules(DEFAULT, rank_horizon_steps=0.1, work_conserving=True, urgency=True),
-}
-"""Named rule sets: ``published`` (the letter of the design) and ``default``."""
-
-
-def rules_by_name(name: str) -> Rules:
-    """The rule set called ``name``; ValueError naming the known ones otherwise."""
-    try:
-        return RULE_SETS[name]
-    except KeyError:
-        known = ", ".join(RULE_SETS)
-        raise ValueError(f"rules: unknown name {name!r} (known: {known})") from None
+__all__ = [
+    "DEFAULT",
+    "PUBLISHED",
+    "RULE_SETS",
+    "BalancerConfig",
+    "EngineEntry",
+    "Offer",
+    "PrefillBalancer",
+    "Queued",
+    "Redistribution",
+    "Rules",
+    "Taken",
+    "rules_by_name",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +112,7 @@ class BalancerConfig:
     @property
     def rank_horizon_ns(self) -> int | None:
         """Late-binding horizon of a rank (ns), or None when late binding is off."""
-        steps = self.rules.rank_horizon_steps
-        return None if steps is None else int(steps * self.step_quota_ns)
+        return self.rules.binding.horizon_ns(self.step_quota_ns)
 
     def __post_init__(self) -> None:
         validate_bounds(self.bounds)
@@ -161,62 +122,6 @@ class BalancerConfig:
             raise ValueError("max_batch_requests: must be >= 1")
         if self.min_dwell_ns < 0:
             raise ValueError("min_dwell_ns: must be >= 0")
-
-
-@dataclass(slots=True, eq=False)
-class Queued:
-    """A queued request: tokens, tier, predicted cost (ns, with ``k``), enqueue time (ns),
-    and its prefix as chained block hashes (empty: none given)."""
-
-    request_id: str
-    total: int
-    cached: int
-    tier: int
-    cost_ns: int
-    enqueued_ns: int
-    blocks: tuple[int, ...] = ()
-    #: Prefix matches per engine memoised by the affinity index (bounded by engines).
-    held: dict[str, tuple[int, int, int]] = field(default_factory=dict, repr=False)
-
-
-@dataclass(slots=True, eq=False)
-class EngineEntry:
-    """An engine as the balancer knows it: DP ranks, tier (-1: none), last known
-    outstanding work (ns, all ranks: the rank loads of its latest pull plus what that
-    pull took), which decides who moves at a redistribution."""
-
-    engine_id: str
-    dp_ranks: int
-    tier: int = -1
-    load_ns: int = 0
-    #: When a round last moved the engine to another tier (ns; None: never).
-    moved_at_ns: int | None = None
-    #: Load of its least-loaded rank after its latest pull (ns), and when that was (ns).
-    min_rank_ns: int = 0
-    seen_ns: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Offer:
-    """An engine offering to pull now: its id, remaining quota (ns) and outstanding work
-    per DP rank (ns; all zero = idle)."""
-
-    engine_id: str
-    remaining_ns: int
-    rank_loads_ns: Sequence[int]
-
-
-@dataclass(frozen=True, slots=True)
-class Taken:
-    """Result of :meth:`PrefillBalancer.take`: ``items[i]`` went to DP rank ``ranks[i]``
-    (FIFO order), from ``tier``; ``quota_ns`` their summed cost; ``dead`` the requests
-    found dead (caller gone) on the way, removed from the queue, not delivered."""
-
-    tier: int
-    items: tuple[Queued, ...] = ()
-    ranks: tuple[int, ...] = ()
-    quota_ns: int = 0
-    dead: tuple[Queued, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,27 +158,27 @@ def _unpinned_targets(
     return np.asarray(want, dtype=np.int64)
 
 
-def _late_binding(costs: Iterator[int], loads: Sequence[int],
-                  horizon_ns: int) -> Iterator[int]:
-    """The FIFO costs an engine may take under late binding: each goes to the
-    least-loaded rank (as core ``assign_ranks`` will place it) while that rank's load is
-    below ``horizon_ns``; the first that would land on a rank at or above it ends the
-    prefix."""
-    heap = [(int(x), r) for r, x in enumerate(loads)]
-    heapq.heapify(heap)
-    for cost in costs:
-        load, r = heap[0]
-        if load >= horizon_ns:
-            return
-        heapq.heapreplace(heap, (load + int(cost), r))
-        yield cost
+def _pinned(engines: Iterable[EngineEntry], now_ns: int, min_dwell_ns: int) -> dict[str, int]:
+    """Engine -> tier of the engines a round moved less than ``min_dwell_ns`` ago."""
+    return {
+        e.engine_id: e.tier
+        for e in engines
+        if e.tier >= 0 and e.moved_at_ns is not None and now_ns - e.moved_at_ns < min_dwell_ns
+    }
 
 
-def _seen(eng: EngineEntry, loads: Sequence[int], now_ns: int | None) -> None:
-    """Remember ``eng``'s least-loaded rank load (ns) as of ``now_ns`` (its pull)."""
-    if now_ns is not None:
-        eng.min_rank_ns = min(loads, default=0)
-        eng.seen_ns = now_ns
+def _split(
+    engines: list[str], previous: dict[str, int], counts: npt.NDArray[np.int64],
+    loads: dict[str, int], pinned: dict[str, int],
+) -> tuple[Assignment, npt.NDArray[np.int64]]:
+    """Assign ``engines`` to tiers for the target ``counts`` (T,), the ``pinned`` ones
+    keeping theirs; returns the assignment and the engines per tier it gives."""
+    if not pinned:
+        return assign_engines(engines, previous, counts, loads), counts
+    held = np.bincount(list(pinned.values()), minlength=len(counts)).astype(np.int64)
+    free = [e for e in engines if e not in pinned]
+    targets = _unpinned_targets(counts, held, len(free))
+    return assign_engines(free, previous, targets, loads), held + targets
 
 
 @dataclass(slots=True)
@@ -324,18 +229,8 @@ class PrefillBalancer:
         aff = self.affinity
         if aff is None or not blocks or tier == 0:
             return tier
-        best, held = None, 0
-        for e in self._engines.values():
-            if 0 <= e.tier < tier:
-                m = aff.index.match(e.engine_id, blocks)
-                if m > held or (m == held and best is not None and e.tier < best.tier):
-                    best, held = e, m
-        if best is None or held == 0:
-            return tier
-        bound = self.bounds[best.tier]
-        if aff.cost_on(best.engine_id, total_tokens, blocks) <= aff.cost_ns(bound, 0):
-            return best.tier
-        return tier
+        return aff_order.holder_tier(aff, self._engines.values(), self.bounds, tier,
+                                     total_tokens, blocks)
 
     def engines_per_tier(self) -> list[int]:
         """Engines assigned to each tier now."""
@@ -398,7 +293,7 @@ class PrefillBalancer:
         t.queued_ns += item.cost_ns
         t.arrived_ns += item.cost_ns
         if self._counts[item.tier] == 0 and self._engines and (
-            not self.config.rules.orphan_gate or self._can_cover_all()
+            self.config.rules.orphan.redistribute(self._can_cover_all())
         ):
             return self.redistribute("orphan")
         return None
@@ -457,6 +352,21 @@ class PrefillBalancer:
         if eng is not None:
             eng.load_ns = max(0, int(load_ns))
 
+    def _demand(self, reason: str) -> list[float]:
+        """Each tier's demand (ns) for a redistribution (see :meth:`redistribute`); a
+        round also closes the round's arrivals."""
+        current = round_demand(
+            [t.arrived_ns for t in self._tiers],
+            [t.queued_ns for t in self._tiers],
+            self.config.backlog_rounds,
+        ).tolist()
+        if reason != "round":
+            return [max(a, b) for a, b in zip(self.last_demand_ns, current, strict=True)]
+        self.last_demand_ns = [float(x) for x in current]
+        for t in self._tiers:
+            t.arrived_ns = 0
+        return [float(x) for x in current]
+
     def redistribute(self, reason: str = "round", now_ns: int | None = None) -> Redistribution:
         """Re-split engines across tiers.
 
@@ -471,18 +381,7 @@ class PrefillBalancer:
         (:func:`_unpinned_targets`). Moved engines record ``now_ns``.
         """
         cfg = self.config
-        current = round_demand(
-            [t.arrived_ns for t in self._tiers],
-            [t.queued_ns for t in self._tiers],
-            cfg.backlog_rounds,
-        ).tolist()
-        if reason == "round":
-            demand = current
-            self.last_demand_ns = [float(x) for x in current]
-            for t in self._tiers:
-                t.arrived_ns = 0
-        else:
-            demand = [max(a, b) for a, b in zip(self.last_demand_ns, current, strict=True)]
+        demand = self._demand(reason)
         previous = {e.engine_id: e.tier for e in self._engines.values() if e.tier >= 0}
         prev_counts = np.array(self._counts, dtype=np.int64)
         counts = allocate(
@@ -494,21 +393,8 @@ class PrefillBalancer:
         loads = {e.engine_id: e.load_ns for e in self._engines.values()}
         pinned: dict[str, int] = {}
         if reason == "round" and now_ns is not None and cfg.min_dwell_ns > 0:
-            pinned = {
-                e.engine_id: e.tier
-                for e in self._engines.values()
-                if e.tier >= 0
-                and e.moved_at_ns is not None
-                and now_ns - e.moved_at_ns < cfg.min_dwell_ns
-            }
-        if pinned:
-            held = np.bincount(list(pinned.values()), minlength=len(counts)).astype(np.int64)
-            free = [e for e in self._engines if e not in pinned]
-            targets = _unpinned_targets(counts, held, len(free))
-            result = assign_engines(free, previous, targets, loads)
-            counts = held + targets
-        else:
-            result = assign_engines(list(self._engines), previous, counts, loads)
+            pinned = _pinned(self._engines.values(), now_ns, cfg.min_dwell_ns)
+        result, counts = _split(list(self._engines), previous, counts, loads, pinned)
         moved: list[tuple[str, int, int]] = []
         for engine_id, tier in result.tiers.items():
             eng = self._engines[engine_id]
@@ -527,68 +413,39 @@ class PrefillBalancer:
             moves=result.moves,
         )
 
-    # -- who pulls, what is taken ---------------------------------------------------------
+    # -- who pulls, what is taken (the rules of ``config.rules`` decide) ------------------
+
+    def tier_scale_ns(self, tier: int) -> int:
+        """A tier's time scale (ns): its batch cap (the urgency rule divides waits by it)."""
+        return self.config.batch_cap_ns[tier]
 
     def has_room(self, rank_loads_ns: Sequence[int]) -> bool:
-        """True when an engine with these rank loads (ns) may take more work now: under
-        late binding, its least-loaded rank is below the horizon; else it is idle."""
-        h = self.config.rank_horizon_ns
-        if h is None:
-            return not any(rank_loads_ns)
-        return min(rank_loads_ns, default=0) < h
+        """True when an engine with these rank loads (ns) may take more work now (the
+        binding rule: late binding, its least-loaded rank is below the horizon; early
+        binding, it is idle)."""
+        return self.config.rules.binding.has_room(rank_loads_ns, self.config.step_quota_ns)
 
     def source_tier(self, engine_id: str, rank_loads_ns: Sequence[int],
                     now_ns: int | None = None) -> int:
-        """The tier ``engine_id`` (with these rank loads, ns) takes work from now (-1: none).
-
-        Its own tier; under work-conserving rules, an engine with room (:meth:`has_room`)
-        whose own tier has nothing queued takes from the nearest *shorter* tier with work
-        (never a longer one: without the time there is no measure of how long that
-        work has waited). Under ``urgency`` rules and given ``now_ns``, an engine with room
-        takes from the tier whose head has waited the longest in units of its tier's time
-        scale (``batch_cap_ns``; ties: its own tier, then the shorter tier); a longer tier
-        only when its head costs at most :meth:`helping_bound_ns` of the engine's tier
-        (then it holds one rank briefly, and the MIN step budget keeps the engine's steps
-        as short as its lightest busy rank, so its other ranks keep serving short work).
-        """
+        """The tier ``engine_id`` (with these rank loads, ns) takes work from now (-1: none
+        or unknown), as the rule set's source rule decides (see
+        :mod:`fulcrum.core.prefill.rules.source`: its own tier; ``shorter_tiers``: an
+        engine with room whose own tier has nothing queued takes from the nearest shorter
+        tier with work; ``urgency``, given ``now_ns``: the tier whose head waited longest
+        for its tier's scale, a longer tier only within :meth:`helping_bound_ns`)."""
         eng = self._engines.get(engine_id)
         if eng is None or eng.tier < 0:
             return -1
-        own = eng.tier
-        rules = self.config.rules
-        if not rules.work_conserving:
-            return own
-        if not self.has_room(rank_loads_ns):
-            return own
-        if rules.urgency and now_ns is not None:
-            scale = self.config.batch_cap_ns
-            bound = self.helping_bound_ns(own)
-            best, most = own, -1.0
-            for t in (own, *range(self.n_tiers)):
-                q = self._tiers[t].queue
-                if not q:
-                    continue
-                head = next(iter(q.values()))
-                if t > own and self.cost_for(head, engine_id) > bound:
-                    continue  # a long prompt would hold this engine's rank too long
-                waited = max(0, now_ns - head.enqueued_ns) / max(1, scale[t])
-                if waited > most:
-                    best, most = t, waited
-            return best
-        if self._tiers[own].queue:
-            return own
-        for t in range(own - 1, -1, -1):
-            if self._tiers[t].queue:
-                return t
-        return own
+        room = self.has_room(rank_loads_ns)
+        return self.config.rules.source.source(self, engine_id, eng.tier, room, now_ns)
 
     def helping_bound_ns(self, tier: int) -> int:
         """Longest predicted cost (ns) of a longer tier's request that an engine of
-        ``tier`` may take under ``urgency`` rules: a quarter of its own tier's batch cap
-        (2 s for <16K with the default 8 s cap, about the tier's horizon), so a short
-        tier's engine never holds a rank for a long tier's minutes-long prompt -- the
-        surge the tiers exist to absorb."""
-        return self.config.batch_cap_ns[tier] // 4
+        ``tier`` may take when its source rule helps longer tiers: by default a quarter of
+        its own tier's batch cap (2 s for <16K with the default 8 s cap, about the tier's
+        horizon), so a short tier's engine never holds a rank for a long tier's
+        minutes-long prompt -- the surge the tiers exist to absorb."""
+        return self.config.rules.source.helping_bound_ns(self.config.batch_cap_ns[tier])
 
     def can_take(self, tier: int, offer: Offer, now_ns: int | None = None) -> bool:
         """True when the offering engine may take ``tier``'s head now (with prefix
@@ -596,7 +453,7 @@ class PrefillBalancer:
         head = self.head(tier)
         if head is None:
             return False
-        if now_ns is not None and self.affinity is not None:
+        if now_ns is not None:
             order = self._affinity_order(tier, offer.engine_id, now_ns)
             if order is not None:
                 if not order:
@@ -606,8 +463,8 @@ class PrefillBalancer:
 
     def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
         loads = offer.rank_loads_ns
-        h = self.config.rank_horizon_ns
-        if h is not None and min(loads, default=0) >= h:
+        full = self.config.rules.binding.full(loads, self.config.step_quota_ns)
+        if full:
             return False
         cap = self.config.batch_cap_ns[tier]
         cost = self.cost_for(head, offer.engine_id)
@@ -617,118 +474,37 @@ class PrefillBalancer:
                       now_ns: int | None = None) -> int:
         """Index in ``offers`` (engines offering to pull on ``tier``, in the shell's
         deterministic order) of the engine that takes the work now, among those that can
-        take the head: under late binding the one whose least-loaded rank is emptiest
-        (ties: most remaining quota, then first), else the most remaining quota (ties:
-        first); -1 when none can (or nothing is queued). With prefix affinity and
-        ``now_ns`` (head within the fairness bound), the engine holding the longest prefix
-        of the head comes first."""
+        take the head, as the rule set's puller rule picks (``emptiest_rank``: the one
+        whose least-loaded rank is emptiest, ties most remaining quota then first;
+        ``most_quota``: the most remaining quota, ties first); -1 when none can (or
+        nothing is queued). With prefix affinity and ``now_ns`` (head within the fairness
+        bound), the engines holding the longest prefix of the work they would take come
+        first."""
         w = None if now_ns is None else self._affinity_window(tier, now_ns)
         if w is None:
             able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
         else:
-            assert now_ns is not None
-            firsts: dict[int, Queued] = {}
-            for i, o in enumerate(offers):
-                order = self._order_for(o.engine_id, now_ns, *w)
-                if order and self._can_take_item(tier, o, order[0]):
-                    firsts[i] = order[0]
-            able = list(firsts)
-            # The engine holding the longest prefix of the work it would take comes first.
-            pos = {id(it): j for j, it in enumerate(w[0])}
-            held = {i: w[1][pos[id(firsts[i])]].get(offers[i].engine_id, 0) for i in able}
-            top = max(held.values(), default=0)
-            if top > 0:
-                able = [i for i in able if held[i] == top]
+            assert now_ns is not None and self.affinity is not None
+            able = aff_order.able(self.affinity, offers, now_ns, w,
+                                  lambda o, it: self._can_take_item(tier, o, it))
         if not able:
             return -1
-        if self.config.rank_horizon_ns is not None:
-            return min(able, key=lambda i: (
-                min(offers[i].rank_loads_ns, default=0), -offers[i].remaining_ns, i))
-        return able[pick_engine([offers[i].remaining_ns for i in able])]
+        return self.config.rules.puller.choose(able, offers)
 
     def _affinity_window(
         self, tier: int, now_ns: int,
         alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
-    ) -> tuple[list[Queued], list[dict[str, int]]] | None:
-        """The tier's first ``affinity.scan`` live requests and, for each, the leading
-        blocks every engine that may serve the tier holds (computed once per decision);
-        None when affinity does not apply (off, nothing queued, or the head waited past
-        the fairness bound: FIFO). Dead requests met are appended to ``dead``."""
+    ) -> aff_order.Window | None:
+        """The tier's affinity window (:func:`fulcrum.core.prefill.order.window`) over the
+        engines the source rule lets serve it; None when affinity does not apply (off,
+        nothing queued, or the head waited past the fairness bound: FIFO)."""
         aff = self.affinity
         if aff is None:
             return None
-        window: list[Queued] = []
-        for item in self._tiers[tier].queue.values():
-            if alive is not None and not alive(item):
-                if dead is not None:
-                    dead.append(item)
-                continue
-            window.append(item)
-            if len(window) >= aff.scan:
-                break
-        if not window or now_ns - window[0].enqueued_ns >= aff.max_wait_ns:
-            return None
-        # Who may take it: its tier's engines, longer tiers' under work conservation, and
-        # under urgency any engine with a tier (urgency crosses tiers both ways).
-        rules = self.config.rules
-        serving = [e.engine_id for e in self._engines.values()
-                   if e.tier == tier or (rules.work_conserving and e.tier > tier)
-                   or (rules.urgency and e.tier >= 0)]
-        idx = aff.index
-        held = [
-            {e: m for e in serving if (m := idx.match_memo(e, it.blocks, it.held))}
-            if it.blocks else {}
-            for it in window
-        ]
-        return window, held
-
-    def _rank_free_ns(self, engine_id: str, now_ns: int) -> int:
-        """Predicted wait (ns) before ``engine_id``'s least-loaded rank is free: that
-        rank's load after its latest pull, drained by the time since (1 ns per ns)."""
-        eng = self._engines.get(engine_id)
-        if eng is None:
-            return 0
-        return max(0, eng.min_rank_ns - max(0, now_ns - eng.seen_ns))
-
-    def _cost_matched(self, item: Queued, matched: int) -> int:
-        """:meth:`cost_for` on an engine known to hold ``matched`` leading blocks of
-        ``item`` (no second index look-up)."""
-        aff = self.affinity
-        assert aff is not None
-        c = aff.index.cached_tokens(matched, item.total)
-        return min(item.cost_ns if item.cached else aff.cost_ns(item.total, 0),
-                   aff.cost_ns(item.total - c, c))
-
-    def _holder_sooner(self, item: Queued, held: dict[str, int], engine_id: str,
-                       mine: int, now_ns: int) -> bool:
-        """True when an engine holding more of ``item``'s prefix than ``engine_id``
-        (``mine`` blocks; ``held``: engine -> leading blocks held) is predicted to finish
-        it first: its rank's remaining work plus its cost there, against ``engine_id``'s
-        least-loaded rank plus its cost here. O(holders), no index look-up."""
-        own = self._rank_free_ns(engine_id, now_ns) + self._cost_matched(item, mine)
-        return any(
-            self._rank_free_ns(e, now_ns) + self._cost_matched(item, m) < own
-            for e, m in held.items() if m > mine and e != engine_id
-        )
-
-    def _order_for(self, engine_id: str, now_ns: int, window: list[Queued],
-                   held: list[dict[str, int]]) -> list[Queued]:
-        """``engine_id``'s take order over an affinity window. A request waits for an
-        engine holding a longer prefix of it only while that holder is predicted to
-        finish it sooner (:meth:`_holder_sooner`), and never once it has waited
-        ``max_wait_ns``; the rest go longest held prefix first, FIFO among equals."""
-        aff = self.affinity
-        assert aff is not None
-        ranked: list[tuple[int, int, Queued]] = []
-        for i, (item, h) in enumerate(zip(window, held, strict=True)):
-            mine = h.get(engine_id, 0)
-            if (h and now_ns - item.enqueued_ns < aff.max_wait_ns
-                    and max(h.values()) > mine
-                    and self._holder_sooner(item, h, engine_id, mine, now_ns)):
-                continue  # its holder is predicted to finish it sooner
-            ranked.append((-mine, i, item))
-        ranked.sort(key=lambda x: (x[0], x[1]))
-        return [x[2] for x in ranked]
+        src = self.config.rules.source
+        serving = [e.engine_id for e in self._engines.values() if src.serves(e.tier, tier)]
+        return aff_order.window(aff, self._tiers[tier].queue.values(), serving, now_ns,
+                                alive, dead)
 
     def _affinity_order(
         self, tier: int, engine_id: str, now_ns: int,
@@ -737,7 +513,12 @@ class PrefillBalancer:
         """The requests ``engine_id`` may take from ``tier`` under prefix affinity, in the
         order it takes them (see :meth:`take`); None when affinity does not apply."""
         w = self._affinity_window(tier, now_ns, alive, dead)
-        return None if w is None else self._order_for(engine_id, now_ns, *w)
+        if w is None:
+            return None
+        assert self.affinity is not None
+        aff, engines = self.affinity, self._engines
+        return aff_order.order_for(aff, engine_id, now_ns, w, lambda e, it, m: aff_order.finish_ns(
+            aff, engines.get(e), it, m, now_ns))
 
     def take(
         self,
@@ -757,7 +538,11 @@ class PrefillBalancer:
         request's caller still waits; dead ones are removed and returned in ``dead``.
         The engine's known load becomes the rank loads after the batch.
 
-        With prefix affinity and ``now_ns`` given, the batch is taken from the tier's first
+        The batch is a loop over named steps (:class:`fulcrum.core.prefill.pull.Pull`):
+        candidates head first, each within the helping bound (a longer tier's work), the
+        binding rule's rank horizon and the batch quota, up to the first refusal.
+
+        With prefix affinity and ``now_ns`` given, the candidates are the tier's first
         ``affinity.scan`` live requests ordered by the blocks this engine holds of each
         (longest first, FIFO among equals), then the rest FIFO -- unless the tier's head
         has waited ``affinity.max_wait_ns`` or longer, then FIFO (a fairness override).
@@ -770,75 +555,34 @@ class PrefillBalancer:
         if len(loads) != eng.dp_ranks:
             raise ValueError(f"rank_loads_ns: must have {eng.dp_ranks} entries")
         eng.load_ns = sum(loads)
-        _seen(eng, loads, now_ns)
-        idle = not any(loads)
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
             return Taken(tier=tier)
-        cap = self.config.max_batch_requests
+        pull = self._start_pull(eng, tier, loads, remaining_ns, limit, alive, now_ns)
+        pull.run(self._tiers[tier].queue.values(), alive, self.cost_for)
+        taken = pull.commit(tier, loads, self.remove, now_ns)
+        if taken.items:
+            eng.load_ns = sum(loads) + taken.quota_ns
+        aff_order.seen(eng, loads, taken.ranks, pull.costs, now_ns)
+        return taken
+
+    def _start_pull(self, eng: EngineEntry, tier: int, loads: list[int], remaining_ns: int,
+                    limit: int | None, alive: Callable[[Queued], bool] | None,
+                    now_ns: int | None) -> Pull:
+        """The pull's state: affinity order (dead requests met go to its list), helping
+        bound, rank state and batch quota."""
+        cfg = self.config
+        cap = cfg.max_batch_requests
         if limit is not None and limit > 0:
             cap = min(cap, limit)
-        queue = self._tiers[tier].queue
-        live: list[Queued] = []
         dead: list[Queued] = []
-
-        aff = self.affinity
-
         order = None if now_ns is None else self._affinity_order(
-            tier, engine_id, now_ns, alive, dead)
-
-        def candidates() -> Iterator[Queued]:
-            if order is not None:
-                yield from order
-                return
-            for item in queue.values():
-                if alive is not None and not alive(item):
-                    dead.append(item)
-                    continue
-                yield item
-
-        # Work of a longer tier: only requests that hold a rank no longer than the
-        # engine's own tier allows (see :meth:`helping_bound_ns`), FIFO up to the first
-        # that would.
+            tier, eng.engine_id, now_ns, alive, dead)
         bound = self.helping_bound_ns(eng.tier) if tier > eng.tier >= 0 else None
-
-        def costs() -> Iterator[int]:
-            for item in candidates():
-                cost = self.cost_for(item, engine_id)
-                if bound is not None and cost > bound:
-                    return
-                live.append(item)
-                yield cost
-
-        horizon = self.config.rank_horizon_ns
-        if horizon is not None:
-            costs_iter: Iterator[int] = _late_binding(costs(), loads, horizon)
-        else:
-            costs_iter = costs()
-        n = select_batch(
-            costs_iter, remaining_ns, self.config.batch_cap_ns[tier], idle=idle,
-            max_requests=cap,
-        )
-        for item in dead:
-            self.remove(item.request_id)
-        chosen = live[:n]
-        if not chosen:
-            return Taken(tier=tier, dead=tuple(dead))
-        item_costs = [self.cost_for(it, engine_id) for it in chosen]
-        plan = assign_ranks(loads, item_costs)
-        if aff is not None and now_ns is not None and order is None:
-            aff.overrides += 1  # the head waited past the fairness bound: FIFO
-        for it in chosen:
-            self.remove(it.request_id)
-            if aff is not None and it.blocks:
-                hit = aff.taken(engine_id, it.tier, it.blocks)
-                aff.hits += int(bool(hit) and order is not None)
-        eng.load_ns = sum(plan.loads_ns)
-        _seen(eng, plan.loads_ns, now_ns)
-        return Taken(
-            tier=tier,
-            items=tuple(chosen),
-            ranks=plan.ranks,
-            quota_ns=sum(item_costs),
-            dead=tuple(dead),
+        return Pull(
+            eng.engine_id, order, bound,
+            cfg.rules.binding.fill(loads, cfg.step_quota_ns),
+            BatchFill(remaining_ns, cfg.batch_cap_ns[tier], idle=not any(loads),
+                      max_requests=cap),
+            self.affinity, dead=dead,
         )

@@ -52,6 +52,14 @@ def select_batch(
     return n
 
 
+def quota_ns(horizon_ns: int, rank_loads_ns: Sequence[int]) -> int:
+    """The documented ``remaining_quota_ns`` of a pull (ns): over the DP ranks,
+    ``sum(max(0, horizon_ns - load))`` with ``horizon_ns`` the tier's horizon from the
+    daemon's ``PrefillAssignment`` and ``rank_loads_ns`` each rank's queued work (ns).
+    Engines (:mod:`fulcrum.client.prefill`) and the simulator both call this."""
+    return int(sum(max(0, int(horizon_ns) - int(x)) for x in rank_loads_ns))
+
+
 def pick_engine(remaining_ns: Sequence[int]) -> int:
     """Index of the waiting engine with the most remaining quota (ns); ties: lowest index."""
     if not remaining_ns:
@@ -61,3 +69,35 @@ def pick_engine(remaining_ns: Sequence[int]) -> int:
         if value > remaining_ns[best]:
             best = i
     return best
+
+
+class BatchFill:
+    """:func:`select_batch` one request at a time: :meth:`offer` each cost (ns) head
+    first and stop at the first refusal or once :attr:`closed` (an oversize head taken
+    alone); :attr:`n` requests are taken, exactly as :func:`select_batch` would count."""
+
+    __slots__ = ("_idle", "_limit", "_max", "closed", "n", "used")
+
+    def __init__(self, remaining_ns: int, cap_ns: int, *, idle: bool,
+                 max_requests: int | None = None) -> None:
+        if max_requests is not None and max_requests < 1:
+            raise ValueError(f"max_requests: must be >= 1, got {max_requests}")
+        self._limit = min(remaining_ns, cap_ns)
+        self._idle = idle
+        self._max = max_requests
+        self.used = 0
+        self.n = 0
+        self.closed = False
+
+    def offer(self, cost_ns: int) -> bool:
+        """True when the request of ``cost_ns`` is taken; False ends the batch."""
+        if self.closed or (self._max is not None and self.n >= self._max):
+            return False
+        if self.used + cost_ns > self._limit:
+            if self.n == 0 and self._idle:
+                self.n, self.closed = 1, True  # oversize head on an idle engine: alone
+                return True
+            return False
+        self.used += cost_ns
+        self.n += 1
+        return True

@@ -1,0 +1,24 @@
+"""Who takes a tier's work among the engines waiting to pull: the step both shells share.
+
+The daemon (waiting long polls, ``state/prefill.py`` ``_dispatch``) and the simulator
+(engines at a step boundary, ``sim/engine.py`` ``_pull``) both offer every waiting engine
+and need the one that takes ``tier``'s work now: among the offers whose source tier (the
+rule set's source rule) is ``tier``, the balancer's puller choice. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fulcrum.core.prefill.balancer import PrefillBalancer
+from fulcrum.core.prefill.items import Offer
+
+
+def pick_puller(bal: PrefillBalancer, tier: int, offers: Sequence[Offer],
+                now_ns: int | None = None) -> int:
+    """Index in ``offers`` (every waiting engine, in the shell's deterministic order) of
+    the engine that takes ``tier``'s work now; -1 when none does."""
+    able = [i for i, o in enumerate(offers)
+            if bal.source_tier(o.engine_id, o.rank_loads_ns, now_ns) == tier]
+    j = bal.choose_puller(tier, [offers[i] for i in able], now_ns=now_ns)
+    return -1 if j < 0 else able[j]

@@ -1,0 +1,67 @@
+"""The balancer's records: a queued request, an engine entry, a pull offer, a pull's result.
+
+Shared by :mod:`fulcrum.core.prefill.balancer`, the pull steps
+(:mod:`fulcrum.core.prefill.pull`) and the prefill rules
+(:mod:`fulcrum.core.prefill.rules`); the balancer re-exports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, eq=False)
+class Queued:
+    """A queued request: tokens, tier, predicted cost (ns, with ``k``), enqueue time (ns),
+    and its prefix as chained block hashes (empty: none given)."""
+
+    request_id: str
+    total: int
+    cached: int
+    tier: int
+    cost_ns: int
+    enqueued_ns: int
+    blocks: tuple[int, ...] = ()
+    #: Prefix matches per engine memoised by the affinity index (bounded by engines).
+    held: dict[str, tuple[int, int, int]] = field(default_factory=dict, repr=False)
+
+
+@dataclass(slots=True, eq=False)
+class EngineEntry:
+    """An engine as the balancer knows it: DP ranks, tier (-1: none), last known
+    outstanding work (ns, all ranks: the rank loads of its latest pull plus what that
+    pull took), which decides who moves at a redistribution."""
+
+    engine_id: str
+    dp_ranks: int
+    tier: int = -1
+    load_ns: int = 0
+    #: When a round last moved the engine to another tier (ns; None: never).
+    moved_at_ns: int | None = None
+    #: Load of its least-loaded rank after its latest pull (ns), and when that was (ns).
+    min_rank_ns: int = 0
+    seen_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """An engine offering to pull now: its id, remaining quota (ns) and outstanding work
+    per DP rank (ns; all zero = idle)."""
+
+    engine_id: str
+    remaining_ns: int
+    rank_loads_ns: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """Result of :meth:`PrefillBalancer.take`: ``items[i]`` went to DP rank ``ranks[i]``
+    (FIFO order), from ``tier``; ``quota_ns`` their summed cost; ``dead`` the requests
+    found dead (caller gone) on the way, removed from the queue, not delivered."""
+
+    tier: int
+    items: tuple[Queued, ...] = ()
+    ranks: tuple[int, ...] = ()
+    quota_ns: int = 0
+    dead: tuple[Queued, ...] = ()

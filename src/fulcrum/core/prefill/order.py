@@ -1,0 +1,152 @@
+"""Prefix-affinity take order over a tier queue (with :mod:`fulcrum.core.prefill.affinity`).
+
+Within the fairness bound (the tier's head waited less than ``affinity.max_wait_ns``), a
+pull looks at the tier's first ``affinity.scan`` live requests (the *window*) and, for
+each, the leading blocks every engine that may serve the tier holds. An engine's take
+order: a request another engine holds a longer prefix of waits for it only while that
+holder is predicted to finish it sooner (its least-loaded rank's remaining work plus its
+cost there, against this engine's; issue 21), and never past ``max_wait_ns``; the rest go
+longest held prefix first, FIFO among equals. Past the bound, pulls are FIFO (a fairness
+override). Pure functions over queued records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from fulcrum.core.prefill.affinity import Affinity
+from fulcrum.core.prefill.items import EngineEntry, Offer, Queued
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """The window's requests (head first) and, per request, engine -> held blocks."""
+
+    items: list[Queued]
+    held: list[dict[str, int]]
+
+
+def window(
+    aff: Affinity, queue: Iterable[Queued], serving: list[str], now_ns: int,
+    alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
+) -> Window | None:
+    """The affinity window of a tier (``queue`` head first; ``serving``: engines that may
+    serve it); None when affinity does not apply (nothing queued, or the head waited past
+    the fairness bound: FIFO). Dead requests met (``alive`` false) go to ``dead``."""
+    items: list[Queued] = []
+    for item in queue:
+        if alive is not None and not alive(item):
+            if dead is not None:
+                dead.append(item)
+            continue
+        items.append(item)
+        if len(items) >= aff.scan:
+            break
+    if not items or now_ns - items[0].enqueued_ns >= aff.max_wait_ns:
+        return None
+    idx = aff.index
+    held = [
+        {e: m for e in serving if (m := idx.match_memo(e, it.blocks, it.held))}
+        if it.blocks else {}
+        for it in items
+    ]
+    return Window(items, held)
+
+
+#: Predicted finish (ns from now) of a request on an engine holding ``matched`` of its
+#: leading blocks: ``finish(engine_id, item, matched)``.
+Finish = Callable[[str, Queued, int], int]
+
+
+def holder_sooner(finish: Finish, engine_id: str, item: Queued, held: dict[str, int],
+                  mine: int) -> bool:
+    """True when an engine holding more of ``item``'s prefix than ``engine_id`` (``mine``
+    blocks; ``held``: engine -> leading blocks held) is predicted to finish it first.
+    O(holders), no index look-up."""
+    own = finish(engine_id, item, mine)
+    return any(finish(e, item, m) < own for e, m in held.items()
+               if m > mine and e != engine_id)
+
+
+def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window,
+              finish: Finish | None = None) -> list[Queued]:
+    """``engine_id``'s take order over the window ``w`` (see the module docstring). With
+    ``finish``, a request waits for a holder of a longer prefix only while that holder is
+    predicted to finish it sooner (issue 21); without, whenever one exists."""
+    ranked: list[tuple[int, int, Queued]] = []
+    for i, (item, h) in enumerate(zip(w.items, w.held, strict=True)):
+        mine = h.get(engine_id, 0)
+        if (h and now_ns - item.enqueued_ns < aff.max_wait_ns
+                and max(h.values()) > mine
+                and (finish is None or holder_sooner(finish, engine_id, item, h, mine))):
+            continue  # its holder is predicted to finish it sooner (or: it waits for it)
+        ranked.append((-mine, i, item))
+    ranked.sort(key=lambda x: (x[0], x[1]))
+    return [x[2] for x in ranked]
+
+
+
+def seen(eng: EngineEntry, loads: Sequence[int], ranks: Sequence[int],
+         costs: Sequence[int], now_ns: int | None) -> None:
+    """Remember ``eng``'s least-loaded rank load (ns) after a pull at ``now_ns``: its
+    rank loads plus each taken request's cost on the rank it went to."""
+    if now_ns is None:
+        return
+    after = list(loads)
+    for r, cost in zip(ranks, costs, strict=True):
+        after[r] += cost
+    eng.min_rank_ns, eng.seen_ns = min(after, default=0), now_ns
+
+
+def finish_ns(aff: Affinity, eng: EngineEntry | None, item: Queued, matched: int,
+              now_ns: int) -> int:
+    """Predicted finish (ns from now) of ``item`` on engine ``eng`` holding ``matched`` of
+    its leading blocks: that engine's least-loaded rank's load after its latest pull,
+    drained by the time since (1 ns per ns), plus the request's cost there."""
+    c = aff.index.cached_tokens(matched, item.total)
+    cost = min(item.cost_ns if item.cached else aff.cost_ns(item.total, 0),
+               aff.cost_ns(item.total - c, c))
+    if eng is None:
+        return cost
+    return max(0, eng.min_rank_ns - max(0, now_ns - eng.seen_ns)) + cost
+
+
+def able(aff: Affinity, offers: Sequence[Offer], now_ns: int, w: Window,
+         can_take: Callable[[Offer, Queued], bool]) -> list[int]:
+    """Indices of the ``offers`` able (``can_take``) to take the first request of their
+    take order over ``w``, narrowed to those holding the longest prefix of it (when any
+    holds one)."""
+    firsts: dict[int, Queued] = {}
+    for i, o in enumerate(offers):
+        order = order_for(aff, o.engine_id, now_ns, w)
+        if order and can_take(o, order[0]):
+            firsts[i] = order[0]
+    found = list(firsts)
+    pos = {id(it): j for j, it in enumerate(w.items)}
+    held = {i: w.held[pos[id(firsts[i])]].get(offers[i].engine_id, 0) for i in found}
+    top = max(held.values(), default=0)
+    if top > 0:
+        found = [i for i in found if held[i] == top]
+    return found
+
+
+def holder_tier(aff: Affinity, engines: Iterable[EngineEntry], bounds: Sequence[int],
+                tier: int, total_tokens: int, blocks: Sequence[int]) -> int:
+    """The tier of a request of ``total_tokens`` (tokens; by context: ``tier``) with these
+    block hashes: a conversation's later turn that has grown past its tier's bound joins
+    the shorter tier of the engine holding its longest prefix when its cost on that engine
+    is no more than a fresh prompt at that tier's upper bound costs."""
+    best: EngineEntry | None = None
+    held = 0
+    for e in engines:
+        if 0 <= e.tier < tier:
+            m = aff.index.match(e.engine_id, blocks)
+            if m > held or (m == held and best is not None and e.tier < best.tier):
+                best, held = e, m
+    if best is None or held == 0:
+        return tier
+    bound = bounds[best.tier]
+    if aff.cost_on(best.engine_id, total_tokens, blocks) <= aff.cost_ns(bound, 0):
+        return best.tier
+    return tier
