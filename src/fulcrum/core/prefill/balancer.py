@@ -557,6 +557,7 @@ class PrefillBalancer:
         eng.load_ns = sum(loads)
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
+            aff_order.seen(eng, loads, (), (), now_ns)
             return Taken(tier=tier)
         pull = self._start_pull(eng, tier, loads, remaining_ns, limit, alive, now_ns)
         pull.run(self._tiers[tier].queue.values(), alive, self.cost_for)
