@@ -55,6 +55,7 @@ from fulcrum.errors import (
 from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.adapter import DecodeAdapter, NoEligibleEndpoint, Placement
 from fulcrum.gateway.body import RequestShape, TokenCounter, parse_body
+from fulcrum.gateway.cache_pick import CachePicker
 from fulcrum.gateway.prefill import PrefillProxy
 
 log = structlog.get_logger(__name__)
@@ -174,6 +175,15 @@ class Picker:
         self.pick_hooks: list[Callable[[str, Placement], None]] = []
         #: Test hook: called with (request_id, reason) after each release.
         self.release_hooks: list[Callable[[str, str], None]] = []
+        #: Cache-aware picks (gateway.cache.enabled, engines without a prefill pool).
+        self.cache: CachePicker | None = None
+        if settings.cache.enabled and prefill is None:
+            cache = CachePicker(settings.cache, settings.chars_per_token, adapter)
+            cache.default_kv_tokens = max(
+                (e.max_kv_tokens for e in settings.pool.decode), default=0
+            )
+            self.cache = cache
+            self.release_hooks.append(lambda rid, why: cache.released(rid, why, clock()))
 
     def apply_settings(self, settings: GatewaySettings) -> None:
         """Reload: every key but the restart-only ones (enabled, host, ports, pool)."""
@@ -191,7 +201,14 @@ class Picker:
     def parse(self, body: bytes, path: str) -> RequestShape:
         """The body's prompt and output estimate (pure; may run in a worker thread)."""
         s = self.settings
-        return parse_body(body, path, s.chars_per_token, s.default_max_tokens, self.counter)
+        return parse_body(
+            body,
+            path,
+            s.chars_per_token,
+            s.default_max_tokens,
+            self.counter,
+            with_text=self.cache is not None,
+        )
 
     def pick(
         self,
@@ -222,9 +239,16 @@ class Picker:
                 "(decode.max_request_kv_tokens)",
             )
         request_id = f"gw-{next(self._ids)}"
+        now = self._clock()
+        choice = None if self.cache is None else self.cache.choose(self.adapter, shape, subset, now)
         try:
             placement = self.adapter.place(
-                request_id, kv, self._clock(), subset=subset, fallbacks=s.fallbacks
+                request_id,
+                kv,
+                now,
+                subset=subset,
+                fallbacks=s.fallbacks,
+                pin=None if choice is None else choice.slot,
             )
         except NoEligibleEndpoint as err:
             self._count("no_endpoint")
@@ -238,6 +262,8 @@ class Picker:
             return Refusal(400, "bad_request", err.message)
         if self.prefill is not None:
             placement = replace(placement, prompt_tokens=shape.prompt_tokens)
+        if choice is not None and self.cache is not None:
+            self.cache.placed(request_id, choice, shape.prompt_tokens, now)
         self.in_flight += 1
         gm.IN_FLIGHT.set(self.in_flight)
         self._count("picked")
