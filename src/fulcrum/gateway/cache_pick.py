@@ -14,7 +14,7 @@ token (:func:`fulcrum.core.prefix_cost.predicted_ttft_ns`)::
   when its last request in flight ends, what is left of it is dropped. The scraped queue
   depth corrects it from below: ``waiting x`` the endpoint's mean predicted cost.
 
-Ties go to the decode view's ``order_conc`` (fewer requests, then more KV). A prompt that
+Ties go to fewer requests (the decode view's), then to fewer picks so far. A prompt that
 was not parsed or is empty is picked by load alone (no hits), counted as ``load_only``.
 Event loop only.
 """
@@ -32,6 +32,7 @@ import structlog
 
 from fulcrum.config.cache import CacheSettings
 from fulcrum.core.cost import CostModel
+from fulcrum.core.decode.view import KV_BITS
 from fulcrum.core.prefix_cost import Coefficients, predicted_ttft_ns, rank
 from fulcrum.gateway import pick_metrics as pm
 from fulcrum.gateway.adapter import DecodeAdapter
@@ -43,6 +44,7 @@ log = structlog.get_logger(__name__)
 #: Weight of a new predicted cost in an endpoint's mean (exponential average).
 _MEAN_WEIGHT: Final = 0.1
 _GROW: Final = 64
+_PICKS_MAX: Final = (1 << KV_BITS) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,7 @@ class CachePicker:
         self._mean = np.zeros(0, dtype=np.float64)  # mean predicted cost (ns)
         self._waiting = np.zeros(0, dtype=np.float64)  # scraped queue depth (requests)
         self._pending = np.zeros(0, dtype=np.int64)  # requests in flight
+        self._picks = np.zeros(0, dtype=np.int64)  # picks so far (tie-break)
         self._requests: dict[str, tuple[int, float]] = {}
         self._kv_tokens: dict[str, int] = {}  # scraped KV capacity per address (tokens)
         self.default_kv_tokens = 0
@@ -106,6 +109,7 @@ class CachePicker:
             self._mean = np.concatenate([self._mean, np.zeros(grow)])
             self._waiting = np.concatenate([self._waiting, np.zeros(grow)])
             self._pending = np.concatenate([self._pending, np.zeros(grow, dtype=np.int64)])
+            self._picks = np.concatenate([self._picks, np.zeros(grow, dtype=np.int64)])
         return slot
 
     def scraped(self, address: str, waiting: int, kv_capacity_tokens: int) -> None:
@@ -147,7 +151,9 @@ class CachePicker:
             hits = np.zeros(len(addrs), dtype=np.int64)
         load = self.outstanding_ns(isl, now_ns)
         ttft = predicted_ttft_ns(load, hits, prompt, Coefficients.of(self._model))
-        r = rank(ttft, keys)
+        # Ties: fewer requests, then fewer picks so far (round robin among equals).
+        tie = ((keys >> KV_BITS) << KV_BITS) | np.minimum(self._picks[isl], _PICKS_MAX)
+        r = rank(ttft, tie)
         c = r.chosen
         hit = int(min(hits[c], max(prompt - 1, 0)))
         choice = Choice(
@@ -183,6 +189,7 @@ class CachePicker:
         m = self._mean[i]
         self._mean[i] = choice.cost_ns if m == 0 else m + _MEAN_WEIGHT * (choice.cost_ns - m)
         self._pending[i] += 1
+        self._picks[i] += 1
         self._requests[request_id] = (i, choice.cost_ns)
         pm.CACHE_PICKS.labels(choice.rule).inc()
         pm.HIT_TOKENS.inc(choice.hit_tokens)
