@@ -13,7 +13,8 @@ import pytest
 
 from fulcrum.config import with_overrides
 from fulcrum.gateway.testing import http_request, render_envoy_config, start_envoy, wait_for
-from fulcrum.testing import running_server, test_settings
+from fulcrum.testing import running_server
+from fulcrum.testing import test_settings as base_settings
 from tests.engines.vllm_fleet import MODEL_NAME, VllmFleet, metric_sum
 
 pytestmark = pytest.mark.timeout(600)
@@ -43,7 +44,7 @@ def words(rng: random.Random, n: int) -> str:
 
 async def test_multi_turn_chats_hit_the_engines_prefix_caches(vllm_fleet: VllmFleet) -> None:
     ports = vllm_fleet.ports
-    settings = with_overrides(test_settings(), {"gateway": gateway_settings(ports)})
+    settings = with_overrides(base_settings(), {"gateway": gateway_settings(ports)})
     rng = random.Random(11)
     before = sum(metric_sum(p, HITS) for p in ports)
     async with running_server(settings=settings) as daemon:

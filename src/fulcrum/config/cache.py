@@ -15,26 +15,6 @@ from fulcrum.config.base import RESTART_ONLY, Section
 from fulcrum.config.prefill import CostModelSettings
 
 
-class LearnSettings(Section):
-    """Learn each engine's cost model online from the times to first token it shows."""
-
-    enabled: bool = Field(True, description="refit each engine's cost model from its samples")
-    window_samples: int = Field(
-        512, ge=8, le=100_000, description="samples kept per engine (newest win)"
-    )
-    min_samples: int = Field(32, ge=3, le=100_000, description="samples needed before a refit")
-    every_samples: int = Field(
-        32, ge=1, le=100_000, description="refit after this many new samples of an engine"
-    )
-    adopt_margin: float = Field(
-        0.1,
-        ge=0,
-        lt=1,
-        description="adopt a refit only when its p90 relative error beats the model in use "
-        "on the same samples by this fraction",
-    )
-
-
 class CacheSettings(Section):
     """Cache-aware endpoint picks by predicted time to first token."""
 
@@ -68,9 +48,8 @@ class CacheSettings(Section):
     )
     cost_model: CostModelSettings = Field(
         default_factory=lambda: CostModelSettings(),
-        description="the cost model each engine starts from (ns); learn refines it",
+        description="the cost model of every engine's predicted TTFT (ns)",
     )
-    learn: LearnSettings = Field(default_factory=LearnSettings)
     emit_scores: bool = Field(
         False,
         description="log one line per pick with every candidate's predicted TTFT and hit "
