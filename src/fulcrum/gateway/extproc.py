@@ -241,14 +241,10 @@ class Picker:
         request_id = f"gw-{next(self._ids)}"
         now = self._clock()
         choice = None if self.cache is None else self.cache.choose(self.adapter, shape, subset, now)
+        pin = None if choice is None else choice.slot
         try:
             placement = self.adapter.place(
-                request_id,
-                kv,
-                now,
-                subset=subset,
-                fallbacks=s.fallbacks,
-                pin=None if choice is None else choice.slot,
+                request_id, kv, now, subset=subset, fallbacks=s.fallbacks, pin=pin
             )
         except NoEligibleEndpoint as err:
             self._count("no_endpoint")
