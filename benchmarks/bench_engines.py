@@ -301,6 +301,26 @@ def pick_micro(engines: int = 64, blocks: int = 20_000, picks: int = 2000) -> st
             f"p50 {np.percentile(a, 50):.0f} us, p99 {np.percentile(a, 99):.0f} us")
 
 
+def run(quick: bool) -> str:
+    """``make bench`` entry: the pick micro-benchmark, and (not quick, with the vLLM and
+    smg venvs present) the real-engine table."""
+    from tests.engines.vllm_fleet import vllm_python
+
+    out = [pick_micro()]
+    if quick or vllm_python() is None or not PEERS.exists():
+        out.append("(real-engine table skipped: --quick, or no .venv-vllm / .venv-peers)")
+        return "\n\n".join(out)
+    fleet = VllmFleet(make_model(Path(tempfile.mkdtemp(prefix="tiny-moe-"))), n=2)
+    fleet.start()
+    try:
+        fleet.wait_ready(600)
+        runs = asyncio.run(bench(fleet.ports, quick))
+    finally:
+        fleet.stop()
+    out.append(table(sorted(runs, key=lambda r: r.workload)))
+    return "\n\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ports", default="", help="use running engines (comma-separated)")
