@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from fulcrum.config.base import Section
+from fulcrum.config.cache import CacheSettings
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -235,6 +236,7 @@ class GatewaySettings(Section):
     )
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     prefill: PrefillProxySettings = Field(default_factory=PrefillProxySettings)
+    cache: CacheSettings = Field(default_factory=CacheSettings)
     subset_namespace: str = Field(
         "envoy.lb.subset_hint",
         min_length=1,

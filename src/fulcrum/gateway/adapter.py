@@ -29,7 +29,7 @@ when not cached), never O(all GPUs) in Python.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Final
 
@@ -99,6 +99,9 @@ class DecodeAdapter:
         self._used = 0  # slots held by instances
         self._addressed = 0  # of which with an address
         self._masks: dict[frozenset[str], I64] = {}
+        #: Called by the scraper per endpoint: (ip:port, requests waiting, KV cache
+        #: capacity in tokens or 0 when the page does not say).
+        self.scrape_listeners: list[Callable[[str, int, int], None]] = []
         self._rebuild()
         state.add_slot_listener(self)
         if registered is not None:
@@ -215,6 +218,29 @@ class DecodeAdapter:
             self._masks[key] = got
         return got
 
+    def candidates(
+        self, kv_tokens: int, subset: Collection[str] | None = None
+    ) -> tuple[I64, list[str], I64]:
+        """The endpoints the decode policy's filter leaves for a request of ``kv_tokens``
+        tokens: allowed (addressed, in ``subset``), live, a free concurrency slot and KV
+        room. Returns their slots (int64, shape ``(k,)``, ascending), addresses and the
+        view's ``order_conc`` keys (fewer requests, then more KV first; shape ``(k,)``)."""
+        view = self._state.view
+        ok = view.headroom >= kv_tokens
+        allowed = self._allowed(subset)
+        idx: I64
+        if allowed is None:
+            idx = ok.nonzero()[0].astype(np.int64)
+        elif allowed.dtype == np.bool_:
+            idx = (ok[: allowed.shape[0]] & allowed).nonzero()[0].astype(np.int64)
+        else:
+            idx = allowed[ok[allowed]].astype(np.int64)
+        slot_addr = self._slot_addr
+        addrs = [slot_addr[i] if i < len(slot_addr) else None for i in idx.tolist()]
+        if None in addrs:  # pragma: no cover - only addressed slots are allowed
+            idx = idx[np.array([a is not None for a in addrs], dtype=np.bool_)]
+        return idx, [a for a in addrs if a is not None], view.order_conc[idx]
+
     # -- decisions -------------------------------------------------------------------------
 
     def place(
@@ -224,15 +250,18 @@ class DecodeAdapter:
         now_ns: int,
         subset: Collection[str] | None = None,
         fallbacks: int = 0,
+        pin: int | None = None,
     ) -> Placement:
         """Place ``kv_tokens`` tokens (prompt + output estimate) on an allowed decode GPU.
 
         Allowed: GPUs with an address, and in ``subset`` (``ip:port`` strings) when given.
+        ``pin``: a slot from :meth:`candidates` the caller chose (cache-aware picks); the
+        decode table then places on it alone (its filter still applies).
         Raises NoEligibleEndpoint when none is allowed, and the decode table's errors
         (ResourceExhausted when no allowed GPU has room, InvalidArgument, AlreadyExists).
         """
         state = self._state
-        allowed = self._allowed(subset)
+        allowed = self._allowed(subset) if pin is None else np.array([pin], dtype=np.int64)
         if allowed is None:
             if self._used == 0:
                 raise NoEligibleEndpoint("no decode endpoint")

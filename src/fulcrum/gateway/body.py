@@ -64,6 +64,9 @@ class RequestShape:
     max_tokens: int
     parsed: bool
     model: str = ""
+    #: The prompt as text for the prefix index (chat: each message's role and content;
+    #: completions: the prompt; token ids as decimal text); "" unless asked for.
+    text: str = ""
 
     @property
     def kv_tokens(self) -> int:
@@ -113,12 +116,47 @@ def _int_field(obj: dict[str, Any], *names: str) -> int | None:
     return None
 
 
+def prompt_text(obj: dict[str, Any]) -> str:
+    """The prompt of a parsed body as one text, prefix-stable across the turns of a chat
+    (``role`` then content per message); "" when it has none."""
+    messages = obj.get("messages")
+    if isinstance(messages, list):
+        parts: list[str] = []
+        for msg in messages:
+            if not isinstance(msg, dict):
+                continue
+            role = msg.get("role")
+            parts.append(f"<{role if isinstance(role, str) else ''}>")
+            content = msg.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts.extend(
+                    p["text"]
+                    for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
+        return "\n".join(parts)
+    return _prompt_str(obj.get("prompt"))
+
+
+def _prompt_str(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(x, int) for x in prompt):
+            return " ".join(map(str, prompt))
+        return "\n".join(_prompt_str(x) for x in prompt)
+    return ""
+
+
 def parse_body(
     body: bytes,
     path: str,
     chars_per_token: float,
     default_max_tokens: int,
     counter: TokenCounter | None = None,
+    with_text: bool = False,
 ) -> RequestShape:
     """Estimate a request's prompt and output lengths (tokens) from its body. Raises
     :class:`BodyTooDeep` for JSON nested deeper than :data:`MAX_JSON_DEPTH`.
@@ -151,7 +189,8 @@ def parse_body(
         return RequestShape(
             math.ceil(len(body) / chars_per_token), max_tokens, parsed=False, model=model
         )
-    return RequestShape(prompt, max_tokens, parsed=True, model=model)
+    text = prompt_text(obj) if with_text else ""
+    return RequestShape(prompt, max_tokens, parsed=True, model=model, text=text)
 
 
 def load_tokenizer(path: str) -> TokenCounter:

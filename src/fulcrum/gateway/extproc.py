@@ -62,6 +62,7 @@ from fulcrum.errors import (
 from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.adapter import DecodeAdapter, NoEligibleEndpoint, Placement
 from fulcrum.gateway.body import BodyTooDeep, RequestShape, TokenCounter, parse_body
+from fulcrum.gateway.cache_pick import CachePicker
 from fulcrum.gateway.prefill import PrefillProxy
 from fulcrum.service.streams import drain
 
@@ -185,6 +186,15 @@ class Picker:
         self.pick_hooks: list[Callable[[str, Placement], None]] = []
         #: Test hook: called with (request_id, reason) after each release.
         self.release_hooks: list[Callable[[str, str], None]] = []
+        #: Cache-aware picks (gateway.cache.enabled, engines without a prefill pool).
+        self.cache: CachePicker | None = None
+        if settings.cache.enabled and prefill is None:
+            cache = CachePicker(settings.cache, settings.chars_per_token, adapter)
+            cache.default_kv_tokens = max(
+                (e.max_kv_tokens for e in settings.pool.decode), default=0
+            )
+            self.cache = cache
+            self.release_hooks.append(lambda rid, why: cache.released(rid, why, clock()))
 
     @property
     def in_flight(self) -> int:
@@ -207,7 +217,14 @@ class Picker:
     def parse(self, body: bytes, path: str) -> RequestShape:
         """The body's prompt and output estimate (pure; may run in a worker thread)."""
         s = self.settings
-        return parse_body(body, path, s.chars_per_token, s.default_max_tokens, self.counter)
+        return parse_body(
+            body,
+            path,
+            s.chars_per_token,
+            s.default_max_tokens,
+            self.counter,
+            with_text=self.cache is not None,
+        )
 
     def pick(
         self,
@@ -238,9 +255,12 @@ class Picker:
                 "(decode.max_request_kv_tokens)",
             )
         request_id = f"gw-{next(self._ids)}"
+        now = self._clock()
+        choice = None if self.cache is None else self.cache.choose(self.adapter, shape, subset, now)
+        pin = None if choice is None else choice.slot
         try:
             placement = self.adapter.place(
-                request_id, kv, self._clock(), subset=subset, fallbacks=s.fallbacks
+                request_id, kv, now, subset=subset, fallbacks=s.fallbacks, pin=pin
             )
         except NoEligibleEndpoint as err:
             self._count("no_endpoint")
@@ -258,6 +278,8 @@ class Picker:
             return Refusal(400, "bad_request", err.message)
         if self.prefill is not None:
             placement = replace(placement, prompt_tokens=shape.prompt_tokens)
+        if choice is not None and self.cache is not None:
+            self.cache.placed(request_id, choice, shape.prompt_tokens, now)
         self._held[request_id] = placement
         gm.IN_FLIGHT.set(len(self._held))
         self._count("picked")

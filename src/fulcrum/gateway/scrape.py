@@ -37,6 +37,8 @@ log = structlog.get_logger(__name__)
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+#: vLLM's info gauge whose labels give the KV cache size (num_gpu_blocks x block_size).
+CACHE_INFO = "vllm:cache_config_info"
 _KIND_PREFIX = {"vllm": "vllm:", "sglang": "sglang:", "auto": ""}
 #: Largest metrics page read, bytes (a vLLM page is ~100 KiB).
 MAX_PAGE_BYTES = 8 << 20
@@ -49,14 +51,27 @@ class RankLoad:
     running: int
     waiting: int
     kv_usage: float
+    #: KV cache capacity the engine reports (tokens; 0 when the page does not say).
+    kv_capacity_tokens: int = 0
+
+
+def _capacity(labels: dict[str, str]) -> int:
+    try:
+        return max(0, int(labels["num_gpu_blocks"]) * int(labels["block_size"]))
+    except (KeyError, ValueError):
+        return 0
 
 
 def parse_metrics(text: str, kind: str = "auto") -> RankLoad | None:
     """Figures of one engine metrics page; None when it has none of the known gauges."""
     prefix = _KIND_PREFIX[kind]
     sums: dict[str, float] = {}
+    capacity = 0
     for family in text_string_to_metric_families(text):
         name = family.name
+        if name == CACHE_INFO:
+            capacity = max((_capacity(x.labels) for x in family.samples), default=0)
+            continue
         if name not in RUNNING and name not in WAITING and name not in KV_USAGE:
             continue
         if prefix and not name.startswith(prefix):
@@ -76,7 +91,7 @@ def parse_metrics(text: str, kind: str = "auto") -> RankLoad | None:
     running = max(0, round(first(RUNNING)))
     waiting = max(0, round(first(WAITING)))
     usage = min(max(first(KV_USAGE), 0.0), 1.0)
-    return RankLoad(running, waiting, usage)
+    return RankLoad(running, waiting, usage, capacity)
 
 
 def fetch(url: str, timeout_s: float) -> str:
@@ -145,7 +160,17 @@ class Scraper:
                 continue
             gm.SCRAPES.labels("ok").inc()
             self._pool.report(engine.id, to_load(engine, ranks), now)
+            self._tell(engine, ranks)
         self.rounds += 1
+
+    def _tell(self, engine: PoolEngine, ranks: list[RankLoad]) -> None:
+        """Hand each rank's queue depth and KV capacity to the adapter's listeners."""
+        adapter = self._pool.adapter
+        listeners = [] if adapter is None else adapter.scrape_listeners
+        if listeners:
+            for address, r in zip(engine.addresses(), ranks, strict=True):
+                for fn in listeners:
+                    fn(address, r.waiting, r.kv_capacity_tokens)
 
     async def run(self) -> None:
         try:

@@ -1,0 +1,57 @@
+"""Settings of the gateway's cache-aware picks (``gateway.cache``), for engines that serve
+prefill and decode with a prefix cache each (no prefill pool).
+
+When on, the picker chooses among the endpoints the decode policy's filter leaves (KV room,
+a free concurrency slot, the subset hint) the one with the least predicted time to first
+token: its outstanding prefill work plus ``cost(q, c)`` of the request there, ``c`` the
+prompt tokens its prefix cache is believed to hold (:mod:`fulcrum.core.prefix_cost`).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from fulcrum.config.base import RESTART_ONLY, Section
+from fulcrum.config.prefill import CostModelSettings
+
+
+class CacheSettings(Section):
+    """Cache-aware endpoint picks by predicted time to first token."""
+
+    enabled: bool = Field(
+        False,
+        description="pick by least predicted time to first token with a per-engine prefix "
+        "index (engines that serve prefill and decode; ignored with a prefill pool)",
+        json_schema_extra=RESTART_ONLY,
+    )
+    block_tokens: int = Field(
+        32,
+        ge=1,
+        le=4096,
+        description="tokens per block of the prefix index (text blocks are block_tokens x "
+        "gateway.chars_per_token characters)",
+        json_schema_extra=RESTART_ONLY,
+    )
+    index_blocks: int | None = Field(
+        None,
+        ge=0,
+        le=1 << 22,
+        description="blocks the index keeps per endpoint; null = the engine's KV cache "
+        "(scraped vllm:cache_config_info, else the pool's max_kv_tokens) / block_tokens, "
+        "at most max_index_blocks",
+    )
+    max_index_blocks: int = Field(
+        65_536,
+        ge=1,
+        le=1 << 22,
+        description="upper bound of one endpoint's index, blocks (memory: ~200 bytes each)",
+    )
+    cost_model: CostModelSettings = Field(
+        default_factory=lambda: CostModelSettings(),
+        description="the cost model of every engine's predicted TTFT (ns)",
+    )
+    emit_scores: bool = Field(
+        False,
+        description="log one line per pick with every candidate's predicted TTFT and hit "
+        "tokens (like llm-d's --emit-endpoint-scores; verbose)",
+    )

@@ -1,0 +1,114 @@
+"""A request's predicted time to first token on each engine, from its cached prefix there.
+
+One function for every cache-aware decision (the gateway's pick for engines that serve
+prefill and decode, and the prefill pull's affinity)::
+
+    ttft_ns[e] = load_ns[e] + cost_e(q = prompt - cached[e], c = cached[e])
+
+* ``load_ns`` -- outstanding prefill work queued ahead of the request on engine ``e`` (ns);
+* ``cached[e]`` -- the request's leading prompt tokens engine ``e`` holds in its prefix
+  cache (tokens), clipped to ``[0, prompt_tokens - 1]``: the last prompt token is always
+  computed, as every engine does;
+* ``cost_e`` -- the cost model of :mod:`fulcrum.core.cost` (``a*q*(c + q/2) + b*q + k``),
+  one model for all engines or one per engine (coefficient arrays: a learnt model per
+  engine or engine class).
+
+:func:`rank` turns the predictions into a decision: the engine with the least predicted
+TTFT (ties: the smaller tie-break key, then the lower index) and the best other one, whose
+prediction the caller reports next to the chosen one.
+
+Pure: numpy in, numpy out; no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from fulcrum.core.cost import CostModel
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class Coefficients:
+    """Cost-model coefficients per engine: ``a`` (ns/token^2), ``b`` (ns/token), ``k``
+    (ns), each a float64 array of shape ``(n,)`` or a scalar shared by every engine."""
+
+    a: FloatArray | float
+    b: FloatArray | float
+    k: FloatArray | float
+
+    @staticmethod
+    def of(model: CostModel) -> Coefficients:
+        """One model for every engine."""
+        return Coefficients(model.a, model.b, model.k)
+
+
+def miss_tokens(prompt_tokens: int, cached_tokens: npt.ArrayLike) -> tuple[IntArray, IntArray]:
+    """``(q, c)`` per engine: ``c`` = cached tokens clipped to ``[0, prompt_tokens - 1]``
+    and ``q = prompt_tokens - c`` (both int64, shape of ``cached_tokens``, tokens). An
+    empty prompt (0 tokens) has ``q = c = 0``."""
+    hit = np.asarray(cached_tokens, dtype=np.int64)
+    top = max(int(prompt_tokens) - 1, 0)
+    c = np.clip(hit, 0, top)
+    q = np.maximum(int(prompt_tokens) - c, 0)
+    return q, c
+
+
+def predicted_ttft_ns(
+    load_ns: npt.ArrayLike,
+    cached_tokens: npt.ArrayLike,
+    prompt_tokens: int,
+    coefficients: Coefficients,
+) -> FloatArray:
+    """Predicted time to first token of one request on each engine (ns, float64, shape
+    ``(n,)``).
+
+    ``load_ns``: outstanding prefill work per engine, shape ``(n,)`` (ns, >= 0; negative
+    values count as 0). ``cached_tokens``: the request's cached leading tokens per engine,
+    shape ``(n,)`` (tokens). ``prompt_tokens``: the request's prompt length (tokens).
+    ``coefficients``: the cost model, scalars or per-engine arrays of shape ``(n,)``.
+    """
+    q, c = miss_tokens(prompt_tokens, cached_tokens)
+    qf = q.astype(np.float64)
+    cf = c.astype(np.float64)
+    co = coefficients
+    cost = np.asarray(co.a) * qf * (cf + qf / 2.0) + np.asarray(co.b) * qf + np.asarray(co.k)
+    load = np.maximum(np.asarray(load_ns, dtype=np.float64), 0.0)
+    out: FloatArray = load + cost
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    """The decision over ``n >= 1`` candidates: index of the chosen one and of the best
+    other (-1 when there is one candidate), and their predictions (ns; ``other_ns`` is
+    NaN without a second candidate)."""
+
+    chosen: int
+    other: int
+    chosen_ns: float
+    other_ns: float
+
+
+def rank(ttft_ns: FloatArray, tiebreak: IntArray | None = None) -> Ranked:
+    """Least predicted TTFT first; equal predictions go to the smaller ``tiebreak`` key
+    (e.g. the decode view's ``order_conc``: fewer requests, then more KV), then to the
+    lower index. ``ttft_ns`` shape ``(n,)``, n >= 1; ``tiebreak`` int64 of the same shape."""
+    n = int(ttft_ns.shape[0])
+    if n == 0:
+        raise ValueError("ttft_ns: need at least one candidate")
+    if tiebreak is None:
+        order = np.argsort(ttft_ns, kind="stable")[:2] if n > 1 else np.zeros(1, np.int64)
+    else:
+        # lexsort: the last key is the primary one.
+        order = np.lexsort((tiebreak, ttft_ns))[:2]
+    chosen = int(order[0])
+    if n == 1:
+        return Ranked(chosen, -1, float(ttft_ns[chosen]), float("nan"))
+    other = int(order[1])
+    return Ranked(chosen, other, float(ttft_ns[chosen]), float(ttft_ns[other]))

@@ -1,0 +1,211 @@
+"""Cache-aware picks for engines that serve prefill and decode (``gateway.cache``).
+
+Per request, among the endpoints the decode policy's filter leaves
+(:meth:`fulcrum.gateway.adapter.DecodeAdapter.candidates`: KV room, a free concurrency
+slot, the subset hint), the picker takes the one with the least predicted time to first
+token (:func:`fulcrum.core.prefix_cost.predicted_ttft_ns`)::
+
+    ttft[e] = outstanding[e] + cost(q = prompt - hit[e], c = hit[e])      [ns]
+
+* ``hit[e]``: prompt tokens endpoint ``e`` is believed to hold, from the gateway's prefix
+  index (:mod:`fulcrum.gateway.prefix_index`) of the prompts it routed there;
+* ``outstanding[e]``: prefill work sent to ``e`` and predicted not done yet (ns): each
+  pick moves the endpoint's predicted "prefill busy until" to ``max(it, now) + cost``;
+  when its last request in flight ends, what is left of it is dropped. The scraped queue
+  depth corrects it from below: ``waiting x`` the endpoint's mean predicted cost.
+
+Ties go to fewer requests (the decode view's), then to fewer picks so far. A prompt that
+was not parsed or is empty is picked by load alone (no hits), counted as ``load_only``.
+Event loop only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from fulcrum.config.cache import CacheSettings
+from fulcrum.core.cost import CostModel
+from fulcrum.core.decode.view import KV_BITS
+from fulcrum.core.prefix_cost import Coefficients, predicted_ttft_ns, rank
+from fulcrum.gateway import pick_metrics as pm
+from fulcrum.gateway.adapter import DecodeAdapter
+from fulcrum.gateway.body import RequestShape
+from fulcrum.gateway.prefix_index import PrefixIndex, text_blocks
+
+log = structlog.get_logger(__name__)
+
+#: Weight of a new predicted cost in an endpoint's mean (exponential average).
+_MEAN_WEIGHT: Final = 0.1
+_GROW: Final = 64
+_PICKS_MAX: Final = (1 << KV_BITS) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A cache-aware decision: decode slot to pin, its address and index slot, the
+    request's blocks, its predicted cost there (ns) and the reported figures."""
+
+    slot: int
+    address: str
+    index_slot: int
+    blocks: list[int]
+    cost_ns: float
+    chosen_ns: float
+    other_ns: float
+    hit_tokens: int
+    rule: str
+
+
+class CachePicker:
+    """See module docstring. ``capacity_blocks(address)`` sizes a new endpoint's index."""
+
+    def __init__(
+        self, settings: CacheSettings, chars_per_token: float, adapter: DecodeAdapter
+    ) -> None:
+        self.settings = settings
+        self.block_chars = max(1, round(settings.block_tokens * chars_per_token))
+        self.index = PrefixIndex()
+        self._slots: dict[str, int] = {}
+        self._busy = np.zeros(0, dtype=np.float64)  # prefill busy until (ns)
+        self._mean = np.zeros(0, dtype=np.float64)  # mean predicted cost (ns)
+        self._waiting = np.zeros(0, dtype=np.float64)  # scraped queue depth (requests)
+        self._pending = np.zeros(0, dtype=np.int64)  # requests in flight
+        self._picks = np.zeros(0, dtype=np.int64)  # picks so far (tie-break)
+        self._requests: dict[str, tuple[int, float]] = {}
+        self._kv_tokens: dict[str, int] = {}  # scraped KV capacity per address (tokens)
+        self.default_kv_tokens = 0
+        self._model = CostModel(
+            settings.cost_model.a, settings.cost_model.b, settings.cost_model.k
+        )
+        adapter.scrape_listeners.append(self.scraped)
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    def _capacity(self, address: str) -> int:
+        s = self.settings
+        if s.index_blocks is not None:
+            return min(s.index_blocks, s.max_index_blocks)
+        kv = self._kv_tokens.get(address) or self.default_kv_tokens
+        if kv <= 0:
+            return s.max_index_blocks
+        return min(max(1, kv // s.block_tokens), s.max_index_blocks)
+
+    def _slot(self, address: str) -> int:
+        got = self._slots.get(address)
+        if got is not None:
+            return got
+        slot = self.index.add(self._capacity(address))
+        self._slots[address] = slot
+        if slot >= self._busy.shape[0]:
+            grow = max(_GROW, slot + 1 - self._busy.shape[0])
+            self._busy = np.concatenate([self._busy, np.zeros(grow)])
+            self._mean = np.concatenate([self._mean, np.zeros(grow)])
+            self._waiting = np.concatenate([self._waiting, np.zeros(grow)])
+            self._pending = np.concatenate([self._pending, np.zeros(grow, dtype=np.int64)])
+            self._picks = np.concatenate([self._picks, np.zeros(grow, dtype=np.int64)])
+        return slot
+
+    def scraped(self, address: str, waiting: int, kv_capacity_tokens: int) -> None:
+        """The scraper's figures of one endpoint: requests waiting, KV cache (tokens)."""
+        slot = self._slot(address)
+        self._waiting[slot] = max(0, waiting)
+        if kv_capacity_tokens > 0 and self._kv_tokens.get(address) != kv_capacity_tokens:
+            self._kv_tokens[address] = kv_capacity_tokens
+            self.index.set_capacity(slot, self._capacity(address))
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def outstanding_ns(self, slots: npt.NDArray[np.int64], now_ns: int) -> npt.NDArray[np.float64]:
+        """Outstanding prefill work of index slots (ns, shape of ``slots``)."""
+        own = np.maximum(self._busy[slots] - float(now_ns), 0.0)
+        out: npt.NDArray[np.float64] = np.maximum(own, self._waiting[slots] * self._mean[slots])
+        return out
+
+    def choose(
+        self,
+        adapter: DecodeAdapter,
+        shape: RequestShape,
+        subset: Collection[str] | None,
+        now_ns: int,
+    ) -> Choice | None:
+        """The endpoint with the least predicted TTFT (None: no candidate; the decode
+        table's own refusal then applies)."""
+        slots, addrs, keys = adapter.candidates(shape.kv_tokens, subset)
+        if not addrs:
+            return None
+        isl = np.fromiter((self._slot(a) for a in addrs), dtype=np.int64, count=len(addrs))
+        text = shape.text
+        blocks = text_blocks(text, self.block_chars) if shape.parsed and text else []
+        prompt = shape.prompt_tokens
+        if blocks:
+            per_block = self.block_chars * prompt / max(len(text), 1)  # tokens per block
+            hits = np.floor(self.index.match(blocks)[isl] * per_block).astype(np.int64)
+        else:
+            hits = np.zeros(len(addrs), dtype=np.int64)
+        load = self.outstanding_ns(isl, now_ns)
+        ttft = predicted_ttft_ns(load, hits, prompt, Coefficients.of(self._model))
+        # Ties: fewer requests, then fewer picks so far (round robin among equals).
+        tie = ((keys >> KV_BITS) << KV_BITS) | np.minimum(self._picks[isl], _PICKS_MAX)
+        r = rank(ttft, tie)
+        c = r.chosen
+        hit = int(min(hits[c], max(prompt - 1, 0)))
+        choice = Choice(
+            slot=int(slots[c]),
+            address=addrs[c],
+            index_slot=int(isl[c]),
+            blocks=blocks,
+            cost_ns=float(ttft[c] - load[c]),
+            chosen_ns=r.chosen_ns,
+            other_ns=r.other_ns,
+            hit_tokens=hit,
+            rule="ttft" if blocks or (shape.parsed and prompt > 0) else "load_only",
+        )
+        if self.settings.emit_scores:
+            log.info(
+                "gateway_endpoint_scores",
+                chosen=choice.address,
+                rule=choice.rule,
+                prompt_tokens=prompt,
+                scores={
+                    a: [round(float(t)), int(h)]
+                    for a, t, h in zip(addrs, ttft, hits, strict=True)
+                },
+            )
+        return choice
+
+    def placed(self, request_id: str, choice: Choice, prompt_tokens: int, now_ns: int) -> None:
+        """The request was placed where :meth:`choose` said: record its blocks and work."""
+        i = choice.index_slot
+        if choice.blocks:
+            self.index.record(i, choice.blocks)
+        self._busy[i] = max(self._busy[i], float(now_ns)) + choice.cost_ns
+        m = self._mean[i]
+        self._mean[i] = choice.cost_ns if m == 0 else m + _MEAN_WEIGHT * (choice.cost_ns - m)
+        self._pending[i] += 1
+        self._picks[i] += 1
+        self._requests[request_id] = (i, choice.cost_ns)
+        pm.CACHE_PICKS.labels(choice.rule).inc()
+        pm.HIT_TOKENS.inc(choice.hit_tokens)
+        pm.PROMPT_TOKENS.inc(max(prompt_tokens, 0))
+        pm.CHOSEN_TTFT.observe(choice.chosen_ns / 1e9)
+        if not math.isnan(choice.other_ns):
+            pm.OTHER_TTFT.observe(choice.other_ns / 1e9)
+        pm.INDEX_BLOCKS.set(self.index.size())
+
+    def released(self, request_id: str, _reason: str, now_ns: int) -> None:
+        """A request ended: with none left in flight there, the endpoint's queue is empty."""
+        got = self._requests.pop(request_id, None)
+        if got is None:
+            return
+        i = got[0]
+        self._pending[i] -= 1
+        if self._pending[i] <= 0:
+            self._pending[i] = 0
+            self._busy[i] = min(self._busy[i], float(now_ns))

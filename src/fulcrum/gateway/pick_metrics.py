@@ -1,0 +1,51 @@
+"""Collectors of the cache-aware picks (``gateway.cache``). Labels are bounded: the rule
+that decided (``ttft``: prefix index and load; ``load_only``: a prompt that could not be
+parsed or is empty, picked by load alone)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from fulcrum.metrics import REGISTRY
+
+RULES = ("ttft", "load_only")
+
+_TTFT_BUCKETS = (1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+CACHE_PICKS = Counter(
+    "fulcrum_gateway_cache_picks",
+    "Cache-aware picks by rule: ttft (least predicted time to first token with the prefix "
+    "index) or load_only (prompt not parsed or empty: least predicted TTFT without hits).",
+    ["rule"],
+    registry=REGISTRY,
+)
+HIT_TOKENS = Counter(
+    "fulcrum_gateway_cache_hit_tokens",
+    "Prompt tokens the chosen endpoint was believed to hold in its prefix cache, tokens.",
+    registry=REGISTRY,
+)
+PROMPT_TOKENS = Counter(
+    "fulcrum_gateway_cache_prompt_tokens",
+    "Prompt tokens of cache-aware picks (the denominator of the believed hit ratio), tokens.",
+    registry=REGISTRY,
+)
+CHOSEN_TTFT = Histogram(
+    "fulcrum_gateway_cache_predicted_ttft_seconds",
+    "Predicted time to first token of the chosen endpoint, seconds.",
+    buckets=_TTFT_BUCKETS,
+    registry=REGISTRY,
+)
+OTHER_TTFT = Histogram(
+    "fulcrum_gateway_cache_best_other_ttft_seconds",
+    "Predicted time to first token of the best endpoint not chosen, seconds.",
+    buckets=_TTFT_BUCKETS,
+    registry=REGISTRY,
+)
+INDEX_BLOCKS = Gauge(
+    "fulcrum_gateway_prefix_index_blocks",
+    "(block, endpoint) entries held by the gateway's prefix index.",
+    registry=REGISTRY,
+)
+
+for _r in RULES:
+    CACHE_PICKS.labels(_r)

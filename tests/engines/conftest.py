@@ -1,0 +1,29 @@
+"""Session fixture: real vLLM engines (started once, in parallel). Tests that need them
+skip only when the vLLM venv is absent, and fail instead under CI=true."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.engines.vllm_fleet import VllmFleet, make_model, vllm_python
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+    if vllm_python() is None:
+        msg = "vLLM venv absent: run tests/engines/install_vllm.sh"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg + " (a skip in CI is a failure)")
+        pytest.skip(msg)
+    model = make_model(Path(tmp_path_factory.mktemp("tiny-moe")))
+    fleet = VllmFleet(model, n=2)
+    fleet.start()
+    try:
+        fleet.wait_ready()
+        yield fleet
+    finally:
+        fleet.stop()

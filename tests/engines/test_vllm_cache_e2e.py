@@ -1,0 +1,88 @@
+"""End to end on REAL engines: client -> real Envoy -> Fulcrum's picker (gateway.cache on,
+scraping the engines) -> two real vLLM servers. Multi-turn chats: the engines' own prefix
+cache hit counters rise, each conversation stays where its prefix is, every placement is
+released."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from fulcrum.config import with_overrides
+from fulcrum.gateway.testing import http_request, render_envoy_config, start_envoy, wait_for
+from fulcrum.testing import running_server
+from fulcrum.testing import test_settings as base_settings
+from tests.engines.vllm_fleet import MODEL_NAME, VllmFleet, metric_sum
+
+pytestmark = pytest.mark.timeout(600)
+
+HITS = "vllm:prefix_cache_hits_total"
+
+
+def gateway_settings(ports: list[int]) -> dict[str, object]:
+    return {
+        "enabled": True,
+        "port": 0,
+        "health_port": 0,
+        "pool": {
+            "decode": [
+                {"id": f"v{i}", "host": "127.0.0.1", "ports": [p], "max_kv_tokens": 20_000}
+                for i, p in enumerate(ports)
+            ]
+        },
+        "scrape": {"enabled": True, "interval_ms": 200},
+        "cache": {"enabled": True},
+    }
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(1000)}" for _ in range(n))
+
+
+async def test_multi_turn_chats_hit_the_engines_prefix_caches(vllm_fleet: VllmFleet) -> None:
+    ports = vllm_fleet.ports
+    settings = with_overrides(base_settings(), {"gateway": gateway_settings(ports)})
+    rng = random.Random(11)
+    before = sum(metric_sum(p, HITS) for p in ports)
+    async with running_server(settings=settings) as daemon:
+        g = daemon.gateway
+        assert g is not None
+        picks: list[tuple[str, str]] = []
+        released: list[str] = []
+        g.picker.pick_hooks.append(lambda r, p: picks.append((r, p.address)))
+        g.picker.release_hooks.append(lambda r, _why: released.append(r))
+        env = await start_envoy(render_envoy_config(g.port, [*ports, *ports]))
+        try:
+            convs = [
+                [{"role": "system", "content": f"chat {c}: " + words(rng, 300)}]
+                for c in range(4)
+            ]
+            homes: list[set[str]] = [set() for _ in convs]
+
+            async def turn(c: int) -> None:
+                convs[c].append({"role": "user", "content": words(rng, 40)})
+                body = {"model": MODEL_NAME, "messages": convs[c], "max_tokens": 4}
+                r = await http_request(
+                    env.port, "POST", "/v1/chat/completions", json.dumps(body).encode()
+                )
+                assert r.status == 200, r.body[:300]
+                answer = json.loads(r.body)["choices"][0]["message"]["content"]
+                convs[c].append({"role": "assistant", "content": answer})
+
+            for _t in range(3):
+                n0 = len(picks)
+                await asyncio.gather(*(turn(c) for c in range(len(convs))))
+                assert len(picks) == n0 + len(convs)
+            for i, (_rid, addr) in enumerate(picks):
+                homes[i % len(convs)].add(addr)
+            await wait_for(lambda: len(released) == len(picks), what="every pick released")
+            assert set(released) == {r for r, _ in picks}
+            assert g.picker.in_flight == 0 and daemon.app.components["decode"].held == 0
+        finally:
+            env.stop()
+    after = sum(metric_sum(p, HITS) for p in ports)
+    # Turns 2 and 3 of each chat reuse its system prompt and history on the same engine.
+    assert after - before >= 4 * 2 * 300

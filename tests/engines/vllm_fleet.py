@@ -1,0 +1,132 @@
+"""Real vLLM servers on loopback (CPU build, tiny dummy-weight MoE of :mod:`tiny_model`).
+
+:class:`VllmFleet` starts N ``python -m vllm.entrypoints.openai.api_server`` processes in
+parallel from the vLLM venv (``FULCRUM_VLLM_VENV``, default ``.venv-vllm`` at the repo
+root; made by ``tests/engines/install_vllm.sh``), each pinned to one core, and waits for
+each one's ``/health`` with a deadline. Used by the engine tests and by
+``benchmarks/bench_engines.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_NAME = "tiny"
+BLOCK_SIZE = 32
+
+
+def vllm_python() -> Path | None:
+    """The vLLM venv's python, or None when the venv is absent."""
+    venv = Path(os.environ.get("FULCRUM_VLLM_VENV", ROOT / ".venv-vllm"))
+    py = venv / "bin" / "python"
+    return py if py.exists() and any(venv.glob(".installed-vllm-*")) else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_model(out: Path) -> Path:
+    py = vllm_python()
+    assert py is not None
+    subprocess.run(
+        [str(py), str(Path(__file__).with_name("tiny_model.py")), str(out)],
+        check=True, capture_output=True,
+    )
+    return out
+
+
+def metric_sum(port: int, name: str) -> float:
+    """Sum of one metric's samples on an engine's /metrics page."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass
+class VllmFleet:
+    """N vLLM engines; :meth:`start` then :meth:`wait_ready`; :meth:`stop` ends them."""
+
+    model_dir: Path
+    n: int = 2
+    log_dir: Path | None = None
+    ports: list[int] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self) -> None:
+        py = vllm_python()
+        assert py is not None, "vLLM venv absent (tests/engines/install_vllm.sh)"
+        cores = os.cpu_count() or 1
+        for i in range(self.n):
+            port = free_port()
+            env = {
+                **os.environ,
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": str(i % cores),
+                "VLLM_LOGGING_LEVEL": "WARNING",
+            }
+            log = open((self.log_dir or self.model_dir) / f"vllm-{i}.log", "wb")  # noqa: SIM115
+            cmd = [
+                str(py), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model_dir), "--served-model-name", MODEL_NAME,
+                "--load-format", "dummy", "--block-size", str(BLOCK_SIZE),
+                "--max-model-len", "4096", "--enable-prefix-caching",
+                "--host", "127.0.0.1", "--port", str(port),
+            ]
+            self.procs.append(
+                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 cwd=self.model_dir, start_new_session=True)
+            )
+            self.ports.append(port)
+
+    def wait_ready(self, deadline_s: float = 300.0) -> None:
+        """Poll every engine's /health until all answer; fails at the deadline."""
+        end = time.monotonic() + deadline_s
+        todo = set(range(self.n))
+        while todo:
+            for i in sorted(todo):
+                if self.procs[i].poll() is not None:
+                    raise RuntimeError(f"vLLM engine {i} exited: see its log in {self.model_dir}")
+                try:
+                    with urllib.request.urlopen(
+                        f"http://127.0.0.1:{self.ports[i]}/health", timeout=2
+                    ) as r:
+                        if r.status == 200:
+                            todo.discard(i)
+                except OSError:
+                    pass
+            if todo:
+                assert time.monotonic() < end, f"vLLM engines {sorted(todo)} not ready in time"
+                time.sleep(0.5)  # polling interval of a deadline-bounded poll
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+if __name__ == "__main__":  # manual use: python -m tests.engines.vllm_fleet DIR N
+    fleet = VllmFleet(make_model(Path(sys.argv[1])), int(sys.argv[2]))
+    fleet.start()
+    fleet.wait_ready()
+    print(fleet.ports, flush=True)
