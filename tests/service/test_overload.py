@@ -206,7 +206,8 @@ async def test_health_and_ping_answer_under_a_burst() -> None:
             grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
             grpc.StatusCode.CANCELLED,
         }, codes
-        await until(lambda: d.app.in_flight == 0, "no call in flight")  # handlers finish just after their answers
+        # handlers finish just after their answers
+        await until(lambda: d.app.in_flight == 0, "no call in flight")
 
 
 # -- admission control --------------------------------------------------------------------
