@@ -67,9 +67,11 @@ test("every member notices a daemon restart and registers again", async () => {
   const pending = call(api.prefill, "Submit", {
     request_id: "q-1", total_tokens: "1000", max_wait_ms: 20_000,
   }, { deadlineMs: 30_000 });
-  for (let i = 0; i < 500; i++) {
-    const text = await metrics(daemon);
-    if (sample(text, 'fulcrum_prefill_queue_depth{tier="<16K"}') === 1) break;
+  // Wait (bounded: 10 s) until it is queued; fail, never fall through, at the deadline.
+  const depth = 'fulcrum_prefill_queue_depth{tier="<16K"}';
+  const deadline = Date.now() + 10_000;
+  while (sample(await metrics(daemon), depth) !== 1) {
+    assert.ok(Date.now() < deadline, "the submit was not queued within 10 s");
     await new Promise((r) => setTimeout(r, 10));
   }
   const draining = daemon.stop("SIGTERM");

@@ -18,7 +18,7 @@ from fulcrum.client import FulcrumClient
 from fulcrum.service.errors import RETRY_AFTER_KEY
 from fulcrum.testing import running_server
 from fulcrum.v1 import decode_pb2, diagnostics_pb2, expert_pb2, fleet_pb2, prefill_pb2, vision_pb2
-from tests.service.prefill_helpers import until
+from tests.polling import FakeClock, until, until_async
 
 Call = Callable[[FulcrumClient, int], Awaitable[Any]]
 
@@ -105,13 +105,8 @@ async def test_bound_gives_resource_exhausted_with_retry_hint(
     overrides = {**overrides, "metrics": {"enabled": False}}
     async with running_server(overrides) as d, FulcrumClient(d.address) as c:
         await setup(c)
-        try:
-            for i in range(bound):
-                await call(c, i)
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                pytest.skip(f"{name}: service not implemented in this build")
-            raise
+        for i in range(bound):  # up to the bound every call is served (UNIMPLEMENTED fails)
+            await call(c, i)
         for i in range(bound, bound + 2):  # refused again and again, state unchanged
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call(c, i)
@@ -144,14 +139,9 @@ async def test_prefill_queue_bound() -> None:
             for i in range(2)
         ]
         try:
-            state = d.app.components.get("prefill")
-            if state is None:
-                pytest.skip("prefill balancer not in this build")
+            assert d.app.components.get("prefill") is not None
             # wait (bounded) until both submits are queued
-            for _ in range(400):
-                if await _queued(c, waiting) >= 2:
-                    break
-                await asyncio.sleep(0.005)
+            await until_async(lambda: _queued_at_least(waiting, 2), "both submits queued")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await c.prefill.Submit(
                     prefill_pb2.SubmitRequest(request_id="q-over", total_tokens=1000)
@@ -168,8 +158,9 @@ async def test_prefill_queue_bound() -> None:
                     await t
 
 
-async def _queued(c: FulcrumClient, waiting: list[asyncio.Future[Any]]) -> int:
-    """How many submits are queued, read from the metrics the balancer exports."""
+async def _queued_at_least(waiting: list[asyncio.Future[Any]], n: int) -> bool:
+    """Whether at least ``n`` submits are queued, read from the metrics the balancer
+    exports."""
     from fulcrum.metrics import REGISTRY
 
     for t in waiting:
@@ -179,7 +170,7 @@ async def _queued(c: FulcrumClient, waiting: list[asyncio.Future[Any]]) -> int:
     for family in REGISTRY.collect():
         if family.name == "fulcrum_prefill_queue_depth":
             total = sum(s.value for s in family.samples)
-    return int(total)
+    return int(total) >= n
 
 
 async def test_health_and_ping_answer_under_a_burst() -> None:
@@ -200,11 +191,7 @@ async def test_health_and_ping_answer_under_a_burst() -> None:
             for _ in range(640)
         ]
         # started: wait (bounded) until the daemon holds many calls in flight
-        for _ in range(1000):
-            if d.app.in_flight >= 32:
-                break
-            await asyncio.sleep(0.002)
-        assert d.app.in_flight >= 32
+        await until(lambda: d.app.in_flight >= 32, "32 calls in flight")
         health = await probe.health.Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         pong = await probe.diagnostics.Ping(diagnostics_pb2.PingRequest(payload=b"p"), timeout=10)
@@ -219,7 +206,8 @@ async def test_health_and_ping_answer_under_a_burst() -> None:
             grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
             grpc.StatusCode.CANCELLED,
         }, codes
-        await until(lambda: d.app.in_flight == 0)  # handlers finish just after their answers
+        # handlers finish just after their answers
+        await until(lambda: d.app.in_flight == 0, "no call in flight")
 
 
 # -- admission control --------------------------------------------------------------------
@@ -245,10 +233,7 @@ async def test_class_concurrency_bound_answers_with_retry_hint() -> None:
             c.diagnostics.Ping(diagnostics_pb2.PingRequest(delay_ms=60_000), timeout=90))
             for _ in range(2)]
         try:
-            for _ in range(1000):  # bounded wait until both are in
-                if admission.in_flight["control"] >= 2:
-                    break
-                await asyncio.sleep(0.002)
+            await until(lambda: admission.in_flight["control"] >= 2, "both slow calls in")
             before = _shed("control", "concurrency")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
@@ -265,10 +250,7 @@ async def test_class_concurrency_bound_answers_with_retry_hint() -> None:
             for t in slow:
                 with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                     await t
-        for _ in range(1000):
-            if admission.in_flight["control"] == 0:
-                break
-            await asyncio.sleep(0.002)
+        await until(lambda: admission.in_flight["control"] == 0, "the slow calls ended")
         assert admission.in_flight == {"control": 0, "placement": 0, "admin": 0}
         await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
 
@@ -329,19 +311,20 @@ async def test_queued_calls_shed_placements_on_arrival_without_reading_them() ->
     from fulcrum.config.server import AdmissionSettings
     from fulcrum.service.admission import FORGET_AFTER, Admission
 
-    async with running_server({"metrics": {"enabled": False}}) as d, FulcrumClient(
-        d.address
-    ) as c:
+    # shed_wait_ms 10 s: the stuck call below (20 s old) counts as waiting for the next
+    # 20 s whatever the machine's speed (it is forgotten after 4 x 10 s).
+    over = {"metrics": {"enabled": False}, "server": {"admission": {"shed_wait_ms": 10_000}}}
+    async with running_server(over) as d, FulcrumClient(d.address) as c:
         await _setup_vision(c)
         admission = d.app.components["admission"]
         admission.load_shedding = True  # as when the ticker runs (fulcrum serve)
-        # a call that arrived 1 s ago and is still waiting for its handler
-        stuck, _ = admission.arrive("control", time.perf_counter() - 1.0)
+        # a call that arrived 20 s ago and is still waiting for its handler
+        stuck, _ = admission.arrive("control", time.perf_counter() - 20.0)
         before = _shed("placement", "queue_wait")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await _place_images(c, 1)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert int(dict(err.value.trailing_metadata() or ())[RETRY_AFTER_KEY]) >= 2000
+        assert int(dict(err.value.trailing_metadata() or ())[RETRY_AFTER_KEY]) >= 40_000
         raw = c.channel.unary_unary("/fulcrum.v1.VisionBalancerService/PlaceImages",
                                     request_serializer=lambda b: b,
                                     response_deserializer=lambda b: b)
@@ -383,7 +366,8 @@ async def test_refused_and_malformed_calls_stop_waiting() -> None:
         assert not admission.waiting
         # The client has its answer as soon as the status is sent; the server's handler
         # task finishes (and leaves in_flight) a moment later: wait for it, bounded.
-        await until(lambda: admission.in_flight == {"control": 0, "placement": 0, "admin": 0})
+        await until(lambda: admission.in_flight == {"control": 0, "placement": 0, "admin": 0},
+                    "every handler task finished")
 
 
 async def test_calls_abandoned_before_their_handler_stop_waiting() -> None:
@@ -423,41 +407,65 @@ async def test_calls_abandoned_before_their_handler_stop_waiting() -> None:
     assert not admission.waiting
 
 
-async def test_calls_abandoned_in_the_queue_shed_placements() -> None:
+def test_calls_abandoned_in_the_queue_shed_placements() -> None:
     """When callers give up on more than 10% of the calls before their handlers run (the
     signature of a queue inside gRPC in front of the handlers), placements are refused on
-    arrival, with a retry hint, for the next window; control calls are not."""
-    import time
-
+    arrival, with a retry hint, for the next window; control calls are not. (A fake clock
+    decides the 100 ms windows.)"""
     from fulcrum.config.server import AdmissionSettings
     from fulcrum.service.admission import ABANDONED_SHARE, WINDOW_S, Admission
 
-    a = Admission(AdmissionSettings())
+    clock = FakeClock()
+    a = Admission(AdmissionSettings(), clock=clock)
     a.load_shedding = True
-    tokens = [a.arrive("control", time.perf_counter())[0] for _ in range(40)]
+    tokens = [a.arrive("control", clock())[0] for _ in range(40)]
     for t in tokens[:32]:
         a.started(t)
     for t in tokens[32:]:
-        a.ended(t)  # 8 of 40 abandoned
+        a.ended(t)  # 8 of 40 abandoned, all inside one window
     for t in tokens:
         a.ended(t)  # a task that ends after its handler started is not abandoned
-    deadline = time.perf_counter() + WINDOW_S
-    while time.perf_counter() < deadline:  # bounded: let the window close
-        await asyncio.sleep(0.01)
-    b, _ = a.arrive("control", time.perf_counter())
+    assert a.abandoned_share == 0.0  # the window is still open
+    clock.advance(WINDOW_S)  # the window closes
+    b, _ = a.arrive("control", clock())
     a.started(b)  # closes the window: 20% abandoned
     assert a.abandoned_share == 0.2 > ABANDONED_SHARE
-    token, hint = a.arrive("placement", time.perf_counter())
+    token, hint = a.arrive("placement", clock())
     assert token == 0 and hint is not None and hint >= 100
-    assert a.arrive("control", time.perf_counter())[1] is None
+    assert a.arrive("control", clock())[1] is None
+    # ... for the next window only: two windows on, placements are admitted again
+    clock.advance(2 * WINDOW_S)
+    assert a.arrive("placement", clock())[1] is None
     # a few cancels among few calls are not a queue
-    few = Admission(AdmissionSettings())
+    few = Admission(AdmissionSettings(), clock=clock)
     few.load_shedding = True
-    toks = [few.arrive("control", time.perf_counter())[0] for _ in range(4)]
+    toks = [few.arrive("control", clock())[0] for _ in range(4)]
     few.ended(toks[0])
     few.ended(toks[1])
-    few._window_end = 0.0  # close the window now
-    c, _ = few.arrive("control", time.perf_counter())
+    clock.advance(WINDOW_S)  # the window closes
+    c, _ = few.arrive("control", clock())
     few.started(c)
     assert few.abandoned_share == 0.0
-    assert few.arrive("placement", time.perf_counter())[1] is None
+    assert few.arrive("placement", clock())[1] is None
+
+
+def test_abandoned_calls_spread_over_windows_are_not_a_queue() -> None:
+    """8 abandoned calls among 40 spread over two windows (4 per window, under the
+    minimum of 8): no shedding."""
+    from fulcrum.config.server import AdmissionSettings
+    from fulcrum.service.admission import WINDOW_S, Admission
+
+    clock = FakeClock()
+    a = Admission(AdmissionSettings(), clock=clock)
+    a.load_shedding = True
+    for _ in range(2):
+        tokens = [a.arrive("control", clock())[0] for _ in range(20)]
+        for t in tokens[:16]:
+            a.started(t)
+        for t in tokens[16:]:
+            a.ended(t)
+        clock.advance(WINDOW_S)
+    b, _ = a.arrive("control", clock())
+    a.started(b)
+    assert a.abandoned_share == 0.0
+    assert a.arrive("placement", clock())[1] is None

@@ -30,6 +30,7 @@ from fulcrum.testing import running_server
 from fulcrum.v1 import decode_pb2 as dpb
 from fulcrum.v1 import fleet_pb2 as fpb
 from fulcrum.v1 import vision_pb2 as vpb
+from tests.polling import until
 
 LOAD_SERIES = (
     "fulcrum_decode_gpu_concurrency",
@@ -181,6 +182,7 @@ async def _storm(daemon: Daemon) -> None:
         stop.set()
         for t in threads:
             await asyncio.to_thread(t.join, 60)
+            assert not t.is_alive(), "a scraper did not stop within 60 s"
 
     for s in scrapers:
         assert s.failures == []
@@ -243,12 +245,11 @@ async def test_event_loop_lag_histogram_sees_a_stall(daemon: Daemon) -> None:
     monitor = daemon.app.components["loop_lag"]
     assert isinstance(monitor, LagMonitor)
     start = monitor.samples
-    while monitor.samples < start + 2:  # the probe runs
-        await asyncio.sleep(0)
+    await until(lambda: monitor.samples >= start + 2, "the lag probe runs", period_s=0)
     time.sleep(0.06)  # a handler holding the loop
     seen = monitor.samples
-    while monitor.samples == seen:
-        await asyncio.sleep(0)
+    await until(lambda: monitor.samples != seen, "a probe sample after the stall",
+                period_s=0)
     assert monitor.max_s >= 0.05
     text = await asyncio.to_thread(
         lambda: urllib.request.urlopen(

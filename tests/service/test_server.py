@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fulcrum.client import FulcrumClient, check_health
 from fulcrum.service.server import Daemon
 from fulcrum.v1 import diagnostics_pb2
+from tests.polling import until
 
 FULCRUM_SERVICES = {
     "fulcrum.v1.DiagnosticsService",
@@ -110,16 +111,10 @@ async def test_drain_turns_health_not_serving_and_finishes_call_in_flight(
         client.diagnostics.Ping(diagnostics_pb2.PingRequest(payload=b"slow", delay_ms=400))
     )
     # Wait until the call is in flight (a bounded poll on a condition, not a sleep).
-    for _ in range(1000):
-        if daemon.app.in_flight:
-            break
-        await asyncio.sleep(0.001)
+    await until(lambda: daemon.app.in_flight > 0, "the slow call in flight")
     assert daemon.app.in_flight == 1
     stopping = asyncio.ensure_future(daemon.drain_and_stop())
-    for _ in range(1000):
-        if daemon.app.draining.is_set():
-            break
-        await asyncio.sleep(0.001)
+    await until(daemon.app.draining.is_set, "the daemon draining")
     reply = await client.health.Check(health_pb2.HealthCheckRequest(service=""))
     assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -12,13 +12,10 @@ from fulcrum.sim import workload as W
 from fulcrum.sim.cache import BlockCache
 from fulcrum.sim.synthetic import SyntheticSpec, agent_sessions, generate, screenshot_patches
 
-TRACES = W.traces_dir()
-needs_traces = pytest.mark.skipif(
-    not (TRACES / "mooncake_synthetic_trace.jsonl").exists(), reason="shared traces absent"
-)
+#: Excerpts of the public traces, shipped with their licences (tests/data/traces/README.md).
+TRACES = Path(__file__).parents[1] / "data" / "traces"
 
 
-@needs_traces
 def test_read_mooncake_head() -> None:
     reqs = W.read_mooncake(TRACES / "mooncake_synthetic_trace.jsonl", limit=2)
     assert [r.input_tokens for r in reqs] == [40160, 36640]
@@ -26,7 +23,6 @@ def test_read_mooncake_head() -> None:
     assert len(reqs[0].hash_ids) == math.ceil(40160 / W.BLOCK_TOKENS)
 
 
-@needs_traces
 def test_read_azure_relative_times() -> None:
     reqs = W.read_azure(TRACES / "azure2023_code.csv", limit=2)
     assert reqs[0].arrival_ns == 0
@@ -43,12 +39,13 @@ def test_azure_timestamp_fraction_digits(tmp_path: Path) -> None:
     assert [r.arrival_ns for r in reqs] == [0, 500_000_100]
 
 
-@needs_traces
 def test_servegen_sampling_matches_distributions() -> None:
     rng = np.random.default_rng(0)
     reqs = W.servegen_requests(TRACES / "servegen-mm-image", rng, start_s=36_000,
                                duration_s=300)
-    assert len(reqs) > 500
+    # The excerpt's five clients publish 0.773 + 0.057 + 2.577 + 0.147 + 0.150 requests/s
+    # in the 36,000 s window: 1,111 expected in 300 s.
+    assert len(reqs) == pytest.approx(1111, rel=0.1)
     images = np.array([len(r.image_patches) for r in reqs])
     assert 1.0 <= images.mean() <= 3.0
     assert max(p for r in reqs for p in r.image_patches) <= 1_280 * W.PATCHES_PER_IMAGE_TOKEN

@@ -53,6 +53,7 @@ import asyncio
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Final
 
@@ -104,8 +105,13 @@ def class_of(method: str) -> str:
 class Admission:
     """Concurrent calls per class and the loop's lateness. Touched only on the loop."""
 
-    def __init__(self, settings: AdmissionSettings) -> None:
+    def __init__(
+        self, settings: AdmissionSettings, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        """``clock``: seconds, the clock of the ``now_s`` arguments (``time.perf_counter``;
+        tests pass a fake one to decide the 100 ms windows)."""
         self.settings = settings
+        self._clock = clock
         self.in_flight: dict[str, int] = dict.fromkeys(CLASSES, 0)
         #: Smoothed lateness of the event loop, seconds.
         self.lag_s = 0.0
@@ -181,7 +187,7 @@ class Admission:
             self._count(abandoned=True)
 
     def _count(self, *, abandoned: bool) -> None:
-        now = time.perf_counter()
+        now = self._clock()
         if now >= self._window_end:
             n = self._window_started + self._window_abandoned
             enough = self._window_abandoned >= ABANDONED_MIN
