@@ -213,7 +213,12 @@ async def _scenario(script: list[tuple[Any, ...]]) -> None:
         assert len(ends) == 1, f"{rid} ended {ends}"
         outcome, engine = ends[0]
         if outcome == "delivered":
-            assert received[rid] == [engine], f"{rid} received by {received[rid]}"
+            # Run by one engine only. The same engine may receive it twice: a lease that
+            # ran out re-queues the request (documented), that engine pulls it again, and
+            # its late acknowledgement of the old lease is accepted as a retry of the same
+            # delivery (found by the CI profile's random draws; the derandomized profile
+            # never drew lpull -> lease_end -> wait_pull on one engine).
+            assert set(received[rid]) == {engine}, f"{rid} received by {received[rid]}"
             assert view in ("delivered:" + engine, "cancelled")
         else:
             assert rid not in received
