@@ -226,6 +226,16 @@ class Picker:
             with_text=self.cache is not None,
         )
 
+    def _full(self) -> Refusal | None:
+        """429 (counted) when ``gateway.max_in_flight`` requests hold a placement."""
+        s = self.settings
+        if self.in_flight < s.max_in_flight:
+            return None
+        self._count("shed")
+        return Refusal(
+            429, "shed", f"gateway: {s.max_in_flight} requests in flight", s.retry_after_s
+        )
+
     def pick(
         self,
         body: bytes,
@@ -237,11 +247,9 @@ class Picker:
         ``shape``: the body already parsed (off the loop), else it is parsed here."""
         t0 = time.perf_counter()
         s = self.settings
-        if self.in_flight >= s.max_in_flight:
-            self._count("shed")
-            return Refusal(
-                429, "shed", f"gateway: {s.max_in_flight} requests in flight", s.retry_after_s
-            )
+        full = self._full()
+        if full is not None:
+            return full
         if shape is None:
             shape = self.parse(body, path)
         kv = shape.kv_tokens
