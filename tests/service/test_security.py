@@ -243,10 +243,13 @@ def register(member_id: str) -> fleet_pb2.RegisterRequest:
 async def test_mtls_engine_acts_for_its_own_ids(mtls_daemon: Daemon, pki: Pki) -> None:
     async with mtls_client(mtls_daemon, pki, "engine-a") as c:
         reply = await c.fleet.Register(register("engine-a-0"))
-        await c.fleet.Heartbeat(
+        assert reply.incarnation > 0
+        beat = await c.fleet.Heartbeat(
             fleet_pb2.HeartbeatRequest(member_id="engine-a-0", incarnation=reply.incarnation)
         )
-        await c.diagnostics.Ping(diagnostics_pb2.PingRequest(payload=b"x"))
+        assert beat.heartbeat_timeout_ms > 0
+        pong = await c.diagnostics.Ping(diagnostics_pb2.PingRequest(payload=b"x"))
+        assert pong.payload == b"x"
 
 
 async def test_mtls_engine_acting_for_another_engine_is_denied(

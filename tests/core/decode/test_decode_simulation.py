@@ -94,8 +94,12 @@ def test_simulation_is_sound(name: str, results: dict[str, SimResult]) -> None:
     assert r.rejected == 0  # fleet sized to fit; nothing refused
     assert int(r.final.concurrency.sum()) == 0 and int(r.final.kv_tokens.sum()) == 0
     assert r.final.total_concurrency == 0 and r.final.total_kv_tokens == 0
-    assert 1.0 <= r.kv_imbalance < 8.0  # bounded by the fleet size at worst
-    assert 1.0 <= r.conc_imbalance < 8.0
+    # Every policy balances: neither dimension worse than 2.5x its mean (everything on one
+    # GPU would score 8, the fleet size; measured worst: 2.10 KV for least_requests, 1.88
+    # concurrency for least_kv), and each policy keeps at least one dimension within 1.4x.
+    assert 1.0 <= r.kv_imbalance < 2.5
+    assert 1.0 <= r.conc_imbalance < 2.5
+    assert min(r.kv_imbalance, r.conc_imbalance) < 1.4
 
 
 def test_dual_bounds_both_dimensions(results: dict[str, SimResult]) -> None:
