@@ -19,7 +19,7 @@ import grpc
 import pytest
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,6 +30,7 @@ from fulcrum.metrics import REGISTRY
 from fulcrum.service.server import Daemon
 from fulcrum.testing import running_server
 from fulcrum.v1 import diagnostics_pb2, expert_pb2, fleet_pb2, prefill_pb2, vision_pb2
+from tests.budget import examples
 
 BAD_CODES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 #: Ids that exist in the daemon before fuzzing (see :func:`seed_state`), so that random
@@ -273,8 +274,13 @@ async def still_alive(client: FulcrumClient) -> None:
     assert reply.payload == b"ok"
     health = await client.health.Check(health_pb2.HealthCheckRequest())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
-    await client.fleet.ListMembers(fleet_pb2.ListMembersRequest())
-    assert sum(1 for _ in REGISTRY.collect()) > 0
+    listed = await client.fleet.ListMembers(fleet_pb2.ListMembersRequest(page_size=256))
+    families = {f.name: f for f in REGISTRY.collect()}  # every collector scrapes
+    # ... and the scrape-time collectors export the fleet the daemon lists
+    decode_gpus = sum(m.gpus for m in listed.members
+                      if m.kind == fleet_pb2.MEMBER_KIND_DECODE_INSTANCE)
+    [exported] = families["fulcrum_decode_gpus"].samples
+    assert exported.value == decode_gpus, (exported, listed.members)
 
 
 async def fire(channel: grpc.aio.Channel, batch: list[tuple[MethodDescriptor, list[bytes]]]
@@ -311,7 +317,13 @@ def test_every_service_is_fuzzed() -> None:
                         "ExpertBalancerService"}
 
 
-@settings(max_examples=12, suppress_health_check=list(HealthCheck))
+#: One daemon serves every example of a test (the fixture is function-scoped on purpose)
+#: and a batch of real RPCs is slow next to Hypothesis' expectations.
+FUZZ_HEALTH = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+               HealthCheck.data_too_large]
+
+
+@settings(max_examples=examples(fast=12, ci=200, deep=1_000), suppress_health_check=FUZZ_HEALTH)
 @given(batch=requests_for_all())
 async def test_random_and_extreme_fields(
     daemon: Daemon, client: FulcrumClient, batch: list[tuple[MethodDescriptor, list[bytes]]]
@@ -324,7 +336,7 @@ async def test_random_and_extreme_fields(
     await still_alive(client)
 
 
-@settings(max_examples=10, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(fast=10, ci=200, deep=1_000), suppress_health_check=FUZZ_HEALTH)
 @given(payloads=st.lists(
     st.one_of(
         st.binary(min_size=1, max_size=64),
@@ -361,6 +373,20 @@ async def test_known_malformed_message_is_invalid_argument(client: FulcrumClient
     assert out.code == grpc.StatusCode.INVALID_ARGUMENT, out
 
 
+def _register_of_size(size: int) -> bytes:
+    """A valid RegisterRequest (engine "abc", 2 DP ranks) of about ``size`` bytes: the bulk
+    is an unknown length-delimited field (number 1000) of zero bytes, which parses (and is
+    ignored) like any field a newer client may send."""
+    head = fleet_pb2.RegisterRequest(
+        member_id="abc", prefill_engine=fleet_pb2.PrefillEngineShape(dp_ranks=2)
+    ).SerializeToString()
+    tag = _varint((1000 << 3) | 2)
+    fill = max(0, size - len(head) - len(tag) - len(_varint(size)))
+    payload = head + tag + _varint(fill) + b"\x00" * fill
+    assert fleet_pb2.RegisterRequest.FromString(payload).member_id == "abc"
+    return payload
+
+
 @pytest.mark.parametrize("size", [1 << 20, 17 << 20, 33 << 20])
 async def test_oversized_message(daemon: Daemon, client: FulcrumClient, size: int) -> None:
     """Past server.max_message_bytes (16 MiB) the answer is RESOURCE_EXHAUSTED: up to twice
@@ -370,10 +396,12 @@ async def test_oversized_message(daemon: Daemon, client: FulcrumClient, size: in
     message is served."""
     limit = daemon.app.settings.server.max_message_bytes
     register = next(m for m in METHODS if m.name == "Register")
-    payload = b"\x0a\x03abc" + b"\x12" + _varint(size) + b"\x00" * size
-    out = await call_raw(client.channel, register, [payload], timeout=10.0)
-    assert out.code not in BAD_CODES, out
-    if size > limit:
+    out = await call_raw(client.channel, register, [_register_of_size(size)], timeout=10.0)
+    if size <= limit:
+        assert out.code == grpc.StatusCode.OK, out
+        listed = await client.fleet.ListMembers(fleet_pb2.ListMembersRequest())
+        assert [m.member_id for m in listed.members] == ["abc"]
+    else:
         assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED, out
     if limit < size <= 2 * limit:
         assert "server.max_message_bytes=16777216" in out.details, out
@@ -381,6 +409,9 @@ async def test_oversized_message(daemon: Daemon, client: FulcrumClient, size: in
     if size > 2 * limit:
         assert "larger than max" in out.details, out
         assert out.retry_after_ms is None
+    if size > limit:  # refused: nothing registered
+        listed = await client.fleet.ListMembers(fleet_pb2.ListMembersRequest())
+        assert list(listed.members) == []
     # the same bound on a client stream, message by message
     stream = next(m for m in METHODS if m.name == "PingStream")
     if limit < size <= 2 * limit:
@@ -388,6 +419,25 @@ async def test_oversized_message(daemon: Daemon, client: FulcrumClient, size: in
                                                      + b"\x00" * size], timeout=10.0)
         assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED, out
         assert out.retry_after_ms is not None, out
+    await still_alive(client)
+
+
+async def test_corrupt_message_under_the_size_bound_is_invalid_argument(
+    client: FulcrumClient,
+) -> None:
+    """Zero bytes inside field 2 (a PrefillEngineShape) are corrupt wire format (field
+    number 0): refused INVALID_ARGUMENT naming the protobuf decoding, whatever the size
+    below the bound, and nothing is registered."""
+    register = next(m for m in METHODS if m.name == "Register")
+    for size in (16, 1 << 20):
+        payload = b"\x0a\x03abc" + b"\x12" + _varint(size) + b"\x00" * size
+        with pytest.raises(DecodeError):
+            fleet_pb2.RegisterRequest.FromString(payload)
+        out = await call_raw(client.channel, register, [payload], timeout=10.0)
+        assert out.code == grpc.StatusCode.INVALID_ARGUMENT, out
+        assert "protobuf" in out.details, out
+    listed = await client.fleet.ListMembers(fleet_pb2.ListMembersRequest())
+    assert list(listed.members) == []
     await still_alive(client)
 
 
@@ -506,10 +556,19 @@ async def test_repeated_fields_beyond_their_bounds(
 
 async def test_repeated_fields_at_their_bounds_are_served(client: FulcrumClient) -> None:
     """At the bound itself nothing is refused for its length."""
-    await client.fleet.Register(_register_decode(1024))
+    reg = await client.fleet.Register(_register_decode(1024))
+    assert reg.incarnation > 0
+    listed = await client.fleet.ListMembers(fleet_pb2.ListMembersRequest(
+        kind=fleet_pb2.MEMBER_KIND_DECODE_INSTANCE, page_size=256))
+    [member] = [m for m in listed.members if m.member_id == "decode-x"]
+    assert member.gpus == 1024
     await seed_state(client)
-    await client.prefill.ReportStepTimes(_report(4096))
-    await client.vision.PlaceImages(_images(64))
+    report = await client.prefill.ReportStepTimes(_report(4096))
+    assert report.accepted == 4096
+    placed = await client.vision.PlaceImages(_images(64))
+    assert len(placed.placements) == 64
+    assert {p.machine_id for p in placed.placements} == {"ve-0"}
+    assert sum(p.patches for p in placed.placements) == 64  # one 16x16 patch per image
     await still_alive(client)
 
 
