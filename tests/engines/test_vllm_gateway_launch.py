@@ -14,22 +14,11 @@ import pytest
 
 from fulcrum.gateway.testing import http_request
 from tests.engines.vllm_fleet import MODEL_NAME, VllmFleet, metric_sum
+from tests.gateway.helpers import line_with
 
 pytestmark = pytest.mark.timeout(300)
 FULCRUM = [sys.executable, "-m", "fulcrum.cli"]
 DONE = "vllm:request_success_total"
-
-
-async def _url_line(proc: asyncio.subprocess.Process, seen: list[str]) -> str:
-    assert proc.stdout is not None
-    for _ in range(500):  # bounded: the daemon logs a few lines before the URL
-        raw = await asyncio.wait_for(proc.stdout.readline(), 120)
-        if not raw:
-            break
-        seen.append(raw.decode())
-        if "send requests to" in seen[-1]:
-            return seen[-1]
-    raise AssertionError(f"no URL in output: {''.join(seen)[-2000:]}")
 
 
 async def test_one_line_gateway_serves_real_engines_and_stops(vllm_fleet: VllmFleet) -> None:
@@ -42,7 +31,8 @@ async def test_one_line_gateway_serves_real_engines_and_stops(vllm_fleet: VllmFl
     )
     seen: list[str] = []
     try:
-        found = re.search(r"http://127\.0\.0\.1:(\d+)", await _url_line(proc, seen))
+        line = await line_with(proc, "send requests to", seen, timeout_s=120.0)
+        found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
         assert found
         port = int(found.group(1))
         for i in range(6):

@@ -3,6 +3,7 @@ from deploy/envoy/envoy.yaml with free ports."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -115,3 +116,18 @@ async def gateway_stack(
                 yield st
             finally:
                 env.stop()
+
+
+async def line_with(proc: asyncio.subprocess.Process, word: str, seen: list[str],
+                    timeout_s: float = 60.0) -> str:
+    """The first line of ``proc``'s stdout containing ``word`` (bounded: at most 500
+    lines, ``timeout_s`` per line); fails with the output seen when it never comes."""
+    assert proc.stdout is not None
+    for _ in range(500):
+        raw = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+        if not raw:
+            break
+        seen.append(raw.decode())
+        if word in seen[-1]:
+            return seen[-1]
+    raise AssertionError(f"no {word!r} in output: {''.join(seen)[-2000:]}")

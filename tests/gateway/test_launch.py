@@ -16,22 +16,11 @@ import pytest
 from fulcrum.config import parse_settings
 from fulcrum.gateway import launch
 from fulcrum.gateway.testing import http_request, upstreams
+from tests.gateway.helpers import line_with
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 FULCRUM = [sys.executable, "-m", "fulcrum.cli"]
-
-
-async def _line_with(proc: asyncio.subprocess.Process, word: str, seen: list[str]) -> str:
-    assert proc.stdout is not None
-    for _ in range(500):  # bounded: the daemon logs a few lines before the URL
-        raw = await asyncio.wait_for(proc.stdout.readline(), 60)
-        if not raw:
-            break
-        seen.append(raw.decode())
-        if word in seen[-1]:
-            return seen[-1]
-    raise AssertionError(f"no {word!r} in output: {''.join(seen)[-2000:]}")
 
 
 async def test_one_command_routes_requests_and_stops_on_sigterm() -> None:
@@ -44,7 +33,7 @@ async def test_one_command_routes_requests_and_stops_on_sigterm() -> None:
         )
         seen: list[str] = []
         try:
-            line = await _line_with(proc, "send requests to", seen)
+            line = await line_with(proc, "send requests to", seen)
             found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
             assert found, line
             port = int(found.group(1))
