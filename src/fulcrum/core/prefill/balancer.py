@@ -277,8 +277,7 @@ class PrefillBalancer:
         aff = self.affinity
         if aff is None or not item.blocks:
             return item.cost_ns
-        return min(item.cost_ns if item.cached else aff.cost_ns(item.total, 0),
-                   aff.cost_on(engine_id, item.total, item.blocks))
+        return aff_order.matched_cost(aff, item, aff.index.match(engine_id, item.blocks))
 
     # -- queue ----------------------------------------------------------------------------
 

@@ -99,14 +99,21 @@ def seen(eng: EngineEntry, loads: Sequence[int], ranks: Sequence[int],
     eng.min_rank_ns, eng.seen_ns = min(after, default=0), now_ns
 
 
+def matched_cost(aff: Affinity, item: Queued, matched: int) -> int:
+    """Quota (ns) ``item`` costs an engine holding ``matched`` of its leading blocks: its
+    miss tokens priced by the cost model, never above what a global pool's ``cached``
+    would give."""
+    c = aff.index.cached_tokens(matched, item.total)
+    return min(item.cost_ns if item.cached else aff.cost_ns(item.total, 0),
+               aff.cost_ns(item.total - c, c))
+
+
 def finish_ns(aff: Affinity, eng: EngineEntry | None, item: Queued, matched: int,
               now_ns: int) -> int:
     """Predicted finish (ns from now) of ``item`` on engine ``eng`` holding ``matched`` of
     its leading blocks: that engine's least-loaded rank's load after its latest pull,
     drained by the time since (1 ns per ns), plus the request's cost there."""
-    c = aff.index.cached_tokens(matched, item.total)
-    cost = min(item.cost_ns if item.cached else aff.cost_ns(item.total, 0),
-               aff.cost_ns(item.total - c, c))
+    cost = matched_cost(aff, item, matched)
     if eng is None:
         return cost
     return max(0, eng.min_rank_ns - max(0, now_ns - eng.seen_ns)) + cost
