@@ -55,6 +55,8 @@ LOST_IMAGES = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+#: The placement table's name for it (placements lost with a member).
+LOST = LOST_IMAGES
 
 
 @dataclass(slots=True)
