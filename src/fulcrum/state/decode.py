@@ -58,6 +58,7 @@ from fulcrum.core.types import DecodeInstanceLoad, DecodeInstanceShape, Member, 
 from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.metrics import decode as metrics
 from fulcrum.state.placement import (
+    I64,
     Lease,
     PlacementTable,
     SlotListener,
@@ -167,11 +168,12 @@ _KIND = TableKind(
     ),
     make_policy=make_policy,
     metrics=metrics,
+    branches=branches,
 )
 
 
 class DecodeState(
-    _DecodeViews, PlacementTable[Slots, DecodeSettings, metrics.DecodeCounts, ReleaseResult]
+    _DecodeViews, PlacementTable[Slots, DecodeSettings, ReleaseResult]
 ):
     """Decode instances, per-GPU load and held placements: the one placement table
     (:class:`fulcrum.state.placement.PlacementTable`) over the decode fleet's arrays
@@ -191,7 +193,7 @@ class DecodeState(
         debug_log: bool = False,
     ) -> None:
         self._debug_log = debug_log  # one debug line per decision (costs ~7 us) only if on
-        super().__init__(settings, rng, liveness, metrics.DecodeCounts())
+        super().__init__(settings, rng, liveness)
 
     # -- fleet arrays --------------------------------------------------------------------
 
@@ -252,37 +254,10 @@ class DecodeState(
     def _configure(self, settings: DecodeSettings) -> None:
         self._max_request_kv = settings.max_request_kv_tokens
 
-    def _bind_metrics(self) -> None:
-        """Zero the counters of the policy in force (exported at once) and precompute the
-        keys the decision path increments (plain ints: no lock, no label lookup)."""
-        name = self._policy.name
-        c = self._counts
-        # "" and the branch labels the policy declares in the registry.
-        labels = dict.fromkeys(("", *branches(name)))
-        self._k_placed = {b: (name, b, "placed") for b in labels}
-        self._k_refused = {o: (name, "", o) for o in metrics.PLACE_OUTCOMES[1:]}
-        for key in (*self._k_placed.values(), *self._k_refused.values()):
-            c.placements.setdefault(key, 0)
-        for outcome in metrics.RELEASE_OUTCOMES:
-            c.releases.setdefault(outcome, 0)
-
-    def _snapshot(self) -> metrics.DecodeSnapshot:
-        """The immutable snapshot for the scrape thread (built on the loop)."""
-        conc, kv = self._view.concurrency, self._view.kv_tokens
-
-        def read(s: Slots) -> tuple[np.ndarray, np.ndarray]:
-            e = s.start + s.gpus
-            return conc[s.start : e].copy(), kv[s.start : e].copy()
-
-        c = self._counts
-        return metrics.DecodeSnapshot(
-            policy=self._policy.name,
-            held=len(self._leases),
-            gpu_series=self._settings.metrics_gpu_series,
-            members=self._figures.refresh(read),
-            placements=tuple(c.placements.items()),
-            releases=tuple(c.releases.items()),
-        )
+    def _read(self, slots: Slots) -> tuple[I64, I64]:
+        e = slots.start + slots.gpus
+        view = self._view
+        return view.concurrency[slots.start : e].copy(), view.kv_tokens[slots.start : e].copy()
 
     def _count_expired(self, n: int, units: int) -> None:
         metrics.EXPIRATIONS.inc(n)

@@ -382,7 +382,7 @@ class MemberFigureCache:
             self._pos[member_id] = pos
         return pos
 
-    def refresh(self, read: Callable[[Slots], tuple[I64, ...]]) -> MemberTable:
+    def refresh(self, read: Callable[[Any], tuple[I64, ...]]) -> MemberTable:
         """Copy the dirty members' figures (``read(slots)`` returns fresh arrays) and
         return the table of every member's."""
         if self._dirty:
@@ -397,6 +397,45 @@ class MemberFigureCache:
             self._dirty_chunks.clear()
             self._table = MemberTable(tuple(self._frozen))
         return self._table
+
+
+# -- counters and the published snapshot -----------------------------------------------
+
+
+#: Outcomes of a placement call (unary or streamed); the first is the success.
+PLACE_OUTCOMES: Final = ("placed", "invalid_argument", "already_exists", "resource_exhausted")
+#: Outcomes of a release call.
+RELEASE_OUTCOMES: Final = ("released", "invalid_argument", "not_found")
+
+
+@dataclass(slots=True)
+class Counts:
+    """Per-call counters kept as plain ints by a table (on the loop); the published
+    snapshot carries a copy."""
+
+    #: ``(policy, [branch,] outcome)`` -> placement calls; outcome in
+    #: :data:`PLACE_OUTCOMES` (decode keys carry the policy's branch label).
+    placements: dict[tuple[str, ...], int] = field(default_factory=dict)
+    #: outcome -> release calls; outcome in :data:`RELEASE_OUTCOMES`.
+    releases: dict[str, int] = field(default_factory=dict)
+    #: unit ("images", "patches") -> policy -> units placed (:attr:`TableKind.units`).
+    units: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class TableSnapshot(NamedTuple):
+    """What the scrape thread reads of a table: published by the loop, never written after."""
+
+    policy: str = ""
+    held: int = 0
+    #: Per-GPU series bound (``<table>.metrics_gpu_series``).
+    gpu_series: int = 0
+    #: Per member: its figures per GPU (decode: ``(concurrency, kv_tokens)``; vision:
+    #: ``(patches_in_flight,)``), each of shape ``(gpus,)``.
+    members: MemberTable = MemberTable()
+    placements: tuple[tuple[tuple[str, ...], int], ...] = ()
+    releases: tuple[tuple[str, int], ...] = ()
+    #: ``(unit, ((policy, units placed), ...))`` of every unit the table counts.
+    units: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
 
 
 # -- filters: the extension point before the policy's select ----------------------------
@@ -465,7 +504,6 @@ class SlotListener(Protocol):
 
 M = TypeVar("M", bound=Slots)
 SettingsT = TypeVar("SettingsT", bound="TableSettings")
-CountsT = TypeVar("CountsT", bound="TableCounts")
 ReleasedT = TypeVar("ReleasedT")
 
 #: ``liveness(member_id, incarnation, now_ns) -> bool``: is the member still live?
@@ -488,15 +526,6 @@ class TableSettings(Protocol):
     def params(self) -> Any: ...
 
 
-class TableCounts(Protocol):
-    """The per-call counters the table keeps (``metrics.<balancer>`` counts)."""
-
-    @property
-    def placements(self) -> dict[Any, int]: ...
-    @property
-    def releases(self) -> dict[str, int]: ...
-
-
 @dataclass(frozen=True, slots=True)
 class TableKind:
     """What names a table: in messages, settings, log events and metrics."""
@@ -517,9 +546,14 @@ class TableKind:
     make_policy: Callable[[str, Any], Any]
     #: The balancer's metrics module (counters ``EXPIRATIONS``, ``LOST``; ``set_source``).
     metrics: Any
+    #: ``branches(policy)``: the branch labels the policy declares (its registry entry);
+    #: None: the table's counter keys carry no branch.
+    branches: Callable[[str], tuple[str, ...]] | None = None
+    #: Units counted per policy besides calls ("images", "patches").
+    units: tuple[str, ...] = ()
 
 
-class PlacementTable(Generic[M, SettingsT, CountsT, ReleasedT]):
+class PlacementTable(Generic[M, SettingsT, ReleasedT]):
     """The one "place on GPUs under a lease" table of the decode and the vision balancers.
 
     It owns members by id (``M``, a :class:`Slots`), their slot ranges
@@ -536,18 +570,15 @@ class PlacementTable(Generic[M, SettingsT, CountsT, ReleasedT]):
     - ``_drop(slots) -> lost``: held placements on a member that leaves;
     - ``_unhold(request_id, record) -> units`` and ``_released(request_id, lease,
       now_ns)``: what a held record frees;
-    - ``_bind_metrics()``, ``_snapshot()``, ``_count_expired(n, units)``: its metrics.
+    - ``_count_expired(n, units)``: its expiry metrics and log line.
     """
 
     KIND: ClassVar[TableKind]
     #: Whether a load report also expires due leases (decode: reports come often).
     EXPIRE_ON_LOAD: ClassVar[bool] = False
 
-    _k_refused: dict[str, Any]
-
     def __init__(
-        self, settings: SettingsT, rng: np.random.Generator, liveness: Liveness | None,
-        counts: CountsT,
+        self, settings: SettingsT, rng: np.random.Generator, liveness: Liveness | None
     ) -> None:
         kind = self.KIND
         self._log = structlog.get_logger(f"fulcrum.state.{kind.what}")
@@ -561,7 +592,7 @@ class PlacementTable(Generic[M, SettingsT, CountsT, ReleasedT]):
         )
         self._settings = settings
         self._policy: Any = kind.make_policy(settings.policy, settings.params())
-        self._counts = counts
+        self._counts = Counts()
         self._figures = MemberFigureCache()
         #: The filter steps applied, in order, before the policy's select (see
         #: :class:`SlotFilter`); empty: the unfiltered decision path, unchanged.
@@ -606,10 +637,8 @@ class PlacementTable(Generic[M, SettingsT, CountsT, ReleasedT]):
     def _released(self, request_id: str, lease: Lease[Any], now_ns: int) -> ReleasedT:
         raise NotImplementedError
 
-    def _bind_metrics(self) -> None:
-        raise NotImplementedError
-
-    def _snapshot(self) -> Any:
+    def _read(self, slots: M) -> tuple[I64, ...]:
+        """Copies of one member's per-GPU figures (for the snapshot)."""
         raise NotImplementedError
 
     def _count_expired(self, n: int, units: int) -> None:
@@ -629,7 +658,7 @@ class PlacementTable(Generic[M, SettingsT, CountsT, ReleasedT]):
         self.publisher.set_schedule(schedule)
 
     @property
-    def counts(self) -> CountsT:
+    def counts(self) -> Counts:
         """Placement and release counters (live: the loop's own; see :attr:`publisher`)."""
         return self._counts
 
@@ -686,6 +715,42 @@ class PlacementTable(Generic[M, SettingsT, CountsT, ReleasedT]):
         self._log.info(
             f"{self.KIND.what}_settings_applied", policy=settings.policy,
             lease_ms=settings.lease_ms,
+        )
+
+    def _bind_metrics(self) -> None:
+        """Zero the counters of the policy in force (exported at once) and precompute the
+        keys the decision path increments (plain ints: no lock, no label lookup)."""
+        kind = self.KIND
+        name: str = self._policy.name
+        c = self._counts
+        self._k_placed: dict[str, tuple[str, ...]]
+        self._k_refused: dict[str, tuple[str, ...]]
+        if kind.branches is None:
+            self._k_placed = {"": (name, "placed")}
+            self._k_refused = {o: (name, o) for o in PLACE_OUTCOMES[1:]}
+        else:
+            labels = dict.fromkeys(("", *kind.branches(name)))  # "" and the policy's own
+            self._k_placed = {b: (name, b, "placed") for b in labels}
+            self._k_refused = {o: (name, "", o) for o in PLACE_OUTCOMES[1:]}
+        for key in (*self._k_placed.values(), *self._k_refused.values()):
+            c.placements.setdefault(key, 0)
+        for outcome in RELEASE_OUTCOMES:
+            c.releases.setdefault(outcome, 0)
+        self._units = [c.units.setdefault(unit, {}) for unit in kind.units]
+        for per_policy in self._units:
+            per_policy.setdefault(name, 0)
+
+    def _snapshot(self) -> TableSnapshot:
+        """The immutable snapshot for the scrape thread (built on the loop)."""
+        c = self._counts
+        return TableSnapshot(
+            policy=self._policy.name,
+            held=len(self._leases),
+            gpu_series=self._settings.metrics_gpu_series,
+            members=self._figures.refresh(self._read),
+            placements=tuple(c.placements.items()),
+            releases=tuple(c.releases.items()),
+            units=tuple((u, tuple(c.units[u].items())) for u in self.KIND.units),
         )
 
     def count_refused(self, outcome: str) -> None:

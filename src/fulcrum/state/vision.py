@@ -196,11 +196,12 @@ _KIND = TableKind(
     ),
     make_policy=make_policy,
     metrics=metrics,
+    units=("images", "patches"),
 )
 
 
 class VisionState(
-    _VisionViews, PlacementTable[_Machine, VisionSettings, metrics.VisionCounts, tuple[int, int]]
+    _VisionViews, PlacementTable[_Machine, VisionSettings, tuple[int, int]]
 ):
     """VE machines, patches in flight and held placements: the one placement table
     (:class:`fulcrum.state.placement.PlacementTable`) over the VE fleet's arrays. Not
@@ -216,7 +217,7 @@ class VisionState(
         rng: np.random.Generator,
         liveness: Liveness | None = None,
     ) -> None:
-        super().__init__(settings, rng, liveness, metrics.VisionCounts())
+        super().__init__(settings, rng, liveness)
 
     # -- fleet arrays --------------------------------------------------------------------
 
@@ -300,37 +301,8 @@ class VisionState(
 
     # -- configuration and metrics -------------------------------------------------------
 
-    def _bind_metrics(self) -> None:
-        """Zero the counters of the policy in force (so that they are exported at once)."""
-        name = self._policy.name
-        c = self._counts
-        for outcome in metrics.PLACE_OUTCOMES:
-            c.placements.setdefault((name, outcome), 0)
-        c.images.setdefault(name, 0)
-        c.patches.setdefault(name, 0)
-        for outcome in metrics.RELEASE_OUTCOMES:
-            c.releases.setdefault(outcome, 0)
-        self._k_placed = (name, "placed")
-        self._k_refused = {o: (name, o) for o in metrics.PLACE_OUTCOMES[1:]}
-
-    def _snapshot(self) -> metrics.VisionSnapshot:
-        """The immutable snapshot for the scrape thread (built on the loop)."""
-        pif = self._pif
-
-        def read(s: Slots) -> tuple[npt.NDArray[np.int64]]:
-            return (pif[s.start : s.start + s.gpus].copy(),)
-
-        c = self._counts
-        return metrics.VisionSnapshot(
-            policy=self._policy.name,
-            held=len(self._leases),
-            gpu_series=self._settings.metrics_gpu_series,
-            members=self._figures.refresh(read),
-            placements=tuple(c.placements.items()),
-            images=tuple(c.images.items()),
-            patches=tuple(c.patches.items()),
-            releases=tuple(c.releases.items()),
-        )
+    def _read(self, slots: _Machine) -> tuple[npt.NDArray[np.int64]]:
+        return (self._pif[slots.start : slots.start + slots.gpus].copy(),)
 
     def _count_expired(self, n: int, units: int) -> None:
         metrics.EXPIRATIONS.inc(n)
@@ -393,11 +365,11 @@ class VisionState(
         )
         if request is not None:
             self._held_by(request_id, request, [d.gpu for d in placed])
-        c = self._counts
-        c.placements[self._k_placed] += 1
-        name = self._k_placed[0]
-        c.images[name] += len(out)
-        c.patches[name] += sum(counts)
+        self._counts.placements[self._k_placed[""]] += 1
+        name = self._policy.name
+        images_placed, patches_placed = self._units
+        images_placed[name] += len(out)
+        patches_placed[name] += sum(counts)
         self.publisher.changed()
         return out
 
