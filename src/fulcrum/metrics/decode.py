@@ -8,54 +8,26 @@ are exported for every GPU while the decode fleet has at most that many GPUs, el
 that many most loaded GPUs (most requests, then most KV); per-instance sums and the
 balancer's summaries are always exported. Series of an instance disappear with it.
 
-The scrape-time families come from the decode table's published snapshot through the
-placement tables' one collector (:mod:`fulcrum.metrics.placement`).
+Scrape-time families: :data:`SCRAPE`, the placement tables' collector
+(:mod:`fulcrum.metrics.placement`) over the decode table's published snapshots.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter
-
-from fulcrum.metrics import REGISTRY
 from fulcrum.metrics.placement import (
     SnapshotSource,
     Spec,
     TableMetrics,
+    loss_counters,
     table_collector,
 )
-from fulcrum.state.placement import (
-    PLACE_OUTCOMES,
-    RELEASE_OUTCOMES,
-    Counts,
-    TableSnapshot,
-)
 
-__all__ = [
-    "EXPIRATIONS",
-    "LOST",
-    "PLACE_OUTCOMES",
-    "RELEASE_OUTCOMES",
-    "SCRAPE",
-    "DecodeCounts",
-    "DecodeSnapshot",
-    "set_source",
-]
-
-#: The decode table's counters and snapshot (the placement tables' own types).
-DecodeCounts = Counts
-DecodeSnapshot = TableSnapshot
-
-EXPIRATIONS = Counter(
-    "fulcrum_decode_expirations",
+EXPIRATIONS, LOST = loss_counters(
+    "decode",
     "Placements whose lease ran out before they were released.",
-    registry=REGISTRY,
-)
-LOST = Counter(
     "fulcrum_decode_lost_placements",
     "Placements lost because their decode instance left, by reason (deregistered, lapsed, "
     "replaced).",
-    ["reason"],
-    registry=REGISTRY,
 )
 
 _INSTANCE = ("decode_instance",)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
+from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -218,3 +219,13 @@ def table_collector(spec: TableMetrics) -> TableCollector:
     collector = TableCollector(spec)
     REGISTRY.register(collector)
     return collector
+
+
+def loss_counters(what: str, expired: str, lost: str, lost_doc: str) -> tuple[Counter, Counter]:
+    """The two counters a table increments itself: ``fulcrum_<what>_expirations``
+    (placements whose lease ran out; help ``expired``) and ``lost`` (placements lost with
+    a member that left, by reason: deregistered, lapsed, replaced; help ``lost_doc``)."""
+    return (
+        Counter(f"fulcrum_{what}_expirations", expired, registry=REGISTRY),
+        Counter(lost, lost_doc, ["reason"], registry=REGISTRY),
+    )

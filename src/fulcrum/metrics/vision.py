@@ -6,8 +6,9 @@ Labels are bounded: ``policy`` is a registered VE policy name, ``outcome`` and
 for every GPU while the VE fleet has at most that many GPUs, else for that many most
 loaded GPUs; per-machine sums and the balancer's summaries are always exported.
 
-The scrape-time families come from the VE table's published snapshot through the
-placement tables' one collector (:mod:`fulcrum.metrics.placement`).
+Everything derived at scrape time (:data:`SCRAPE`) is read from the VE table's
+published snapshots by the collector all placement tables share
+(:mod:`fulcrum.metrics.placement`).
 """
 
 from __future__ import annotations
@@ -19,51 +20,24 @@ from fulcrum.metrics.placement import (
     SnapshotSource,
     Spec,
     TableMetrics,
+    loss_counters,
     table_collector,
 )
-from fulcrum.state.placement import (
-    PLACE_OUTCOMES,
-    RELEASE_OUTCOMES,
-    Counts,
-    TableSnapshot,
-)
 
-__all__ = [
-    "EXPIRATIONS",
-    "EXPIRED_IMAGES",
-    "LOST",
-    "LOST_IMAGES",
-    "PLACE_OUTCOMES",
-    "RELEASE_OUTCOMES",
-    "SCRAPE",
-    "VisionCounts",
-    "VisionSnapshot",
-    "set_source",
-]
-
-#: The VE table's counters and snapshot (the placement tables' own types).
-VisionCounts = Counts
-VisionSnapshot = TableSnapshot
-
-EXPIRATIONS = Counter(
-    "fulcrum_vision_expirations",
+#: LOST counts images (a request keeps its images on other machines).
+EXPIRATIONS, LOST = loss_counters(
+    "vision",
     "Placed requests whose lease ran out before they were released.",
-    registry=REGISTRY,
+    "fulcrum_vision_lost_placements",
+    "Placed images lost because their VE machine left, by reason (deregistered, lapsed, "
+    "replaced).",
 )
+LOST_IMAGES = LOST
 EXPIRED_IMAGES = Counter(
     "fulcrum_vision_expired_images",
     "Images freed by lease expiry.",
     registry=REGISTRY,
 )
-LOST_IMAGES = Counter(
-    "fulcrum_vision_lost_placements",
-    "Placed images lost because their VE machine left, by reason (deregistered, lapsed, "
-    "replaced).",
-    ["reason"],
-    registry=REGISTRY,
-)
-#: The placement table's name for it (placements lost with a member).
-LOST = LOST_IMAGES
 
 _BY_POLICY = ("policy",)
 

@@ -16,29 +16,19 @@ from typing import Final
 
 import numpy as np
 
-from fulcrum.core.vision.base import check_patches, draw_machine
-from fulcrum.core.vision.fleet import NoCapacity, Placement, VisionFleet
-
-__all__ = ["NAME", "RandomMachine"]
+from fulcrum.core.vision.base import Checked, draw_machine
+from fulcrum.core.vision.fleet import NoCapacity, VisionFleet
 
 NAME: Final = "random_machine"
 
 
-class RandomMachine:
+class RandomMachine(Checked):
     """Uniformly random eligible machine, then its least-loaded eligible GPU."""
 
     __slots__ = ()
+    NAME = NAME
 
-    @property
-    def name(self) -> str:
-        return NAME
-
-    def select(
+    def choose(
         self, fleet: VisionFleet, patches: int, rng: np.random.Generator
-    ) -> Placement | NoCapacity:
-        check_patches(patches)
-        drawn = draw_machine(fleet, patches, rng)
-        if isinstance(drawn, NoCapacity):
-            return drawn
-        machine, gpu = drawn
-        return Placement(machine=machine, gpu=gpu, patches=int(patches))
+    ) -> tuple[int, int] | NoCapacity:
+        return draw_machine(fleet, patches, rng)
