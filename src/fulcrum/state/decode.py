@@ -30,7 +30,7 @@ policy in force chooses among them, with the whole fleet as context. Without it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -61,6 +61,7 @@ from fulcrum.state.placement import (
     I64,
     Lease,
     PlacementTable,
+    SlotFilter,
     SlotListener,
     SlotMask,
     Slots,
@@ -191,9 +192,10 @@ class DecodeState(
         rng: np.random.Generator,
         liveness: Liveness | None = None,
         debug_log: bool = False,
+        filters: Sequence[SlotFilter[DecodeRequest]] = (),
     ) -> None:
         self._debug_log = debug_log  # one debug line per decision (costs ~7 us) only if on
-        super().__init__(settings, rng, liveness)
+        super().__init__(settings, rng, liveness, filters)
 
     # -- fleet arrays --------------------------------------------------------------------
 

@@ -578,7 +578,11 @@ class PlacementTable(Generic[M, SettingsT, ReleasedT]):
     EXPIRE_ON_LOAD: ClassVar[bool] = False
 
     def __init__(
-        self, settings: SettingsT, rng: np.random.Generator, liveness: Liveness | None
+        self,
+        settings: SettingsT,
+        rng: np.random.Generator,
+        liveness: Liveness | None,
+        filters: Sequence[SlotFilter[Any]] = (),
     ) -> None:
         kind = self.KIND
         self._log = structlog.get_logger(f"fulcrum.state.{kind.what}")
@@ -596,7 +600,7 @@ class PlacementTable(Generic[M, SettingsT, ReleasedT]):
         self._figures = MemberFigureCache()
         #: The filter steps applied, in order, before the policy's select (see
         #: :class:`SlotFilter`); empty: the unfiltered decision path, unchanged.
-        self.filters: list[SlotFilter[Any]] = []
+        self.filters: list[SlotFilter[Any]] = list(filters)
         self._slot_listeners: list[SlotListener] = []
         #: Grows on every change of the slot layout (join, leave, growth, compaction).
         self.layout_version = 0

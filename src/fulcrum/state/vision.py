@@ -53,6 +53,7 @@ from fulcrum.state.placement import (
     RECORD,
     Lease,
     PlacementTable,
+    SlotFilter,
     SlotMask,
     Slots,
     TableKind,
@@ -216,8 +217,9 @@ class VisionState(
         settings: VisionSettings,
         rng: np.random.Generator,
         liveness: Liveness | None = None,
+        filters: Sequence[SlotFilter[VisionRequest]] = (),
     ) -> None:
-        super().__init__(settings, rng, liveness)
+        super().__init__(settings, rng, liveness, filters)
 
     # -- fleet arrays --------------------------------------------------------------------
 

@@ -65,17 +65,15 @@ def restrict(fleet: VisionFleet, allowed: BoolArr) -> VisionFleet:
     if allowed.dtype != np.bool_ or allowed.shape != (t.n_gpus,):
         raise ValueError(f"allowed: must be a boolean mask of shape ({t.n_gpus},)")
     live = np.logical_and(t.live, allowed)
-    per_machine = [
-        int(live[s:e].sum()) for s, e in zip(t.starts, t.ends, strict=True)
-    ]
+    starts, ends = t.starts, t.ends
+    gpus = [ends[m] - starts[m] for m in range(t.n_machines)]
+    per_machine = [int(live[starts[m] : ends[m]].sum()) for m in range(t.n_machines)]
     masked = MaskedTopology(
         machine_ids=t.machine_ids,
         starts=t.starts,
         ends=t.ends,
         live_machine_list=[m for m in t.live_machine_list if per_machine[m] > 0],
-        all_live_list=[
-            n > 0 and n == e - s for n, s, e in zip(per_machine, t.starts, t.ends, strict=True)
-        ],
+        all_live_list=[0 < n == g for n, g in zip(per_machine, gpus, strict=True)],
         live_gpus_list=per_machine,
         limit=np.where(live, t.limit, _DEAD_LIMIT),
         live=live,
