@@ -11,7 +11,7 @@ machine, lowest machine index between machines).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -57,21 +57,28 @@ class VisionPolicy(Protocol):
         ...
 
 
+#: What :meth:`Checked.choose` returns: ``(machine index, global GPU index)``, or why
+#: no GPU can take the image.
+Chosen = tuple[int, int] | NoCapacity
+
+
 class Checked:
     """Base of a VE policy: ``select`` checks the patch count (:func:`check_patches`),
     asks :meth:`choose` for ``(machine, gpu)`` and returns the :class:`Placement`.
-    Subclasses set ``NAME`` (their registry name)."""
+    A subclass names itself in its bases: ``class RandomMachine(Checked, name=NAME)``."""
 
     __slots__ = ()
     NAME: ClassVar[str] = ""
+
+    def __init_subclass__(cls, name: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.NAME = name
 
     @property
     def name(self) -> str:
         return self.NAME
 
-    def choose(
-        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
-    ) -> tuple[int, int] | NoCapacity:
+    def choose(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Chosen:
         """``(machine index, global GPU index)`` for an image of ``patches`` (>= 1)
         patches, or why nowhere."""
         raise NotImplementedError

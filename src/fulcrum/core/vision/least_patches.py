@@ -12,21 +12,18 @@ from typing import Final
 
 import numpy as np
 
-from fulcrum.core.vision.base import Checked, no_fit_reason
+from fulcrum.core.vision.base import Checked, Chosen, no_fit_reason
 from fulcrum.core.vision.fleet import NO_LIMIT, NoCapacity, VisionFleet
 
 NAME: Final = "least_patches"
 
 
-class LeastPatches(Checked):
+class LeastPatches(Checked, name=NAME):
     """Global argmin of patches in flight over eligible GPUs."""
 
     __slots__ = ()
-    NAME = NAME
 
-    def choose(
-        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
-    ) -> tuple[int, int] | NoCapacity:
+    def choose(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Chosen:
         t = fleet.topology
         load = fleet.patches_in_flight
         if t.n_gpus == 0:

@@ -17,21 +17,18 @@ from typing import Final
 
 import numpy as np
 
-from fulcrum.core.vision.base import Checked, draw_two_machines
+from fulcrum.core.vision.base import Checked, Chosen, draw_two_machines
 from fulcrum.core.vision.fleet import NoCapacity, VisionFleet
 
 NAME: Final = "power_of_two"
 
 
-class PowerOfTwo(Checked):
+class PowerOfTwo(Checked, name=NAME):
     """Less loaded (per live GPU) of two random eligible machines, then its best GPU."""
 
     __slots__ = ()
-    NAME = NAME
 
-    def choose(
-        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
-    ) -> tuple[int, int] | NoCapacity:
+    def choose(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Chosen:
         drawn = draw_two_machines(fleet, patches, rng)
         if isinstance(drawn, NoCapacity) or len(drawn) == 1:
             return drawn if isinstance(drawn, NoCapacity) else drawn[0]

@@ -16,19 +16,16 @@ from typing import Final
 
 import numpy as np
 
-from fulcrum.core.vision.base import Checked, draw_machine
-from fulcrum.core.vision.fleet import NoCapacity, VisionFleet
+from fulcrum.core.vision.base import Checked, Chosen, draw_machine
+from fulcrum.core.vision.fleet import VisionFleet
 
 NAME: Final = "random_machine"
 
 
-class RandomMachine(Checked):
+class RandomMachine(Checked, name=NAME):
     """Uniformly random eligible machine, then its least-loaded eligible GPU."""
 
     __slots__ = ()
-    NAME = NAME
 
-    def choose(
-        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
-    ) -> tuple[int, int] | NoCapacity:
+    def choose(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Chosen:
         return draw_machine(fleet, patches, rng)
