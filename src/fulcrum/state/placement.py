@@ -747,14 +747,15 @@ class PlacementTable(Generic[M, SettingsT, ReleasedT]):
     def _snapshot(self) -> TableSnapshot:
         """The immutable snapshot for the scrape thread (built on the loop)."""
         c = self._counts
+        units = self.KIND.units
         return TableSnapshot(
-            policy=self._policy.name,
-            held=len(self._leases),
-            gpu_series=self._settings.metrics_gpu_series,
-            members=self._figures.refresh(self._read),
-            placements=tuple(c.placements.items()),
-            releases=tuple(c.releases.items()),
-            units=tuple((u, tuple(c.units[u].items())) for u in self.KIND.units),
+            self._policy.name,
+            len(self._leases),
+            self._settings.metrics_gpu_series,
+            self._figures.refresh(self._read),
+            tuple(c.placements.items()),
+            tuple(c.releases.items()),
+            tuple([(u, tuple(c.units[u].items())) for u in units]) if units else (),
         )
 
     def count_refused(self, outcome: str) -> None:
