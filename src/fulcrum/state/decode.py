@@ -316,7 +316,7 @@ class DecodeState(
         )
         slots.requests[request_id] = 1
         if request is not None:
-            self._held_by(request_id, request, (slot,))
+            self._held_by(request_id, request, ((member.member_id, gpu_index),))
         self._counts.placements[self._k_placed[out.kind]] += 1
         self._figures.mark(slots)
         self.publisher.changed()

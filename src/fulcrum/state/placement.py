@@ -455,18 +455,22 @@ class SlotFilter(Protocol[Q]):
     caller's own restriction, e.g. the gateway's ``allowed``) are and-ed, and the policy
     chooses among what is left (none left: RESOURCE_EXHAUSTED, as any "no capacity").
     ``request`` is the table's request tuple (:class:`fulcrum.state.decode.DecodeRequest`,
-    :class:`fulcrum.state.vision.VisionRequest`). A filter may also refuse the request
+    :class:`fulcrum.state.vision.VisionRequest`); the mask applies to the whole request
+    (every image of a VE request, chosen in one fold, may take any allowed GPU). A filter may also refuse the request
     outright by raising a :mod:`fulcrum.errors` error (before anything changes).
 
-    ``held(request_id, request, slots)`` and ``freed(request_id)`` tell a filter that keeps
-    counts (a per-tenant cap) that a request now holds placements on those slots, and no
-    longer holds any (released, expired or lost with its member). A filter keeping per-slot
-    arrays follows the layout with :meth:`PlacementTable.add_slot_listener`.
+    ``held(request_id, request, gpus)`` and ``freed(request_id)`` tell a filter that keeps
+    counts (a per-tenant cap) that a request now holds placements on ``gpus`` (``(member_id,
+    gpu_index)`` pairs, one per placement: stable while slots move), and that it no longer
+    holds any (released, expired or lost with its member; a VE request that loses some of
+    its images with a machine but keeps others is still held). A filter maps members to slots
+    with :meth:`PlacementTable.slot_ranges` and follows the layout with
+    :meth:`PlacementTable.add_slot_listener`.
     """
 
     def allowed(self, request: Q, slots: int, now_ns: int) -> SlotMask | None: ...
 
-    def held(self, request_id: str, request: Q, slots: Sequence[int]) -> None: ...
+    def held(self, request_id: str, request: Q, gpus: Sequence[tuple[str, int]]) -> None: ...
 
     def freed(self, request_id: str) -> None: ...
 
@@ -798,10 +802,11 @@ class PlacementTable(Generic[M, SettingsT, ReleasedT]):
             self.count_refused("invalid_argument")
             raise
 
-    def _held_by(self, request_id: str, request: Any, slots: Sequence[int]) -> None:
-        """Tell the filters that ``request_id`` now holds placements on ``slots``."""
+    def _held_by(self, request_id: str, request: Any, gpus: Sequence[tuple[str, int]]) -> None:
+        """Tell the filters that ``request_id`` now holds placements on ``gpus``
+        (``(member_id, gpu_index)`` pairs)."""
         for f in self.filters:
-            f.held(request_id, request, slots)
+            f.held(request_id, request, gpus)
 
     def _freed(self, request_id: str) -> None:
         """Tell the filters that ``request_id`` holds nothing any more."""

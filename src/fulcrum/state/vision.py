@@ -366,7 +366,7 @@ class VisionState(
             now_ns,
         )
         if request is not None:
-            self._held_by(request_id, request, [d.gpu for d in placed])
+            self._held_by(request_id, request, [(im[0], im[1]) for im in out])
         self._counts.placements[self._k_placed[""]] += 1
         name = self._policy.name
         images_placed, patches_placed = self._units
