@@ -2,7 +2,13 @@
 
 Both balancers keep fleet members (decode instances, VE machines) whose GPUs occupy slots
 of per-GPU arrays, and placements held per request id under a lease. This module owns
-everything that is the same for both:
+everything that is the same for both, in one class, :class:`PlacementTable`; the decode
+and the VE tables (:mod:`fulcrum.state.decode`, :mod:`fulcrum.state.vision`) keep only
+their per-GPU fleet arrays and their ``place`` (the policy's ``select`` over them):
+
+- **Filters.** One extension point before ``select``: :attr:`PlacementTable.filters`, a
+  list of :class:`SlotFilter` s applied in order, each narrowing (a boolean mask over the
+  slots) or refusing one request; without filters the decision path is unchanged.
 
 - **Slots.** A member's GPUs occupy a contiguous range of slots ``[start, start + gpus)``
   in the balancer's per-GPU arrays (:class:`SlotAllocator`). A join takes a free range of
