@@ -80,6 +80,13 @@ class TenantSlotCap:
             self.count[(tenant, member_id, gpu)] -= 1
 
 
+class CapFromSettings(TenantSlotCap):
+    """The cap follows the table's settings (here: ``max_placements``) on reload."""
+
+    def apply_settings(self, settings: DecodeSettings) -> None:
+        self.cap = settings.max_placements
+
+
 class Refuse:
     def allowed(self, request: object, slots: int, now_ns: int) -> SlotMask:
         raise ResourceExhausted("tenant over its cap", 50)
@@ -136,6 +143,19 @@ def test_decode_a_filter_that_refuses_changes_nothing_and_is_counted() -> None:
     assert state.held == 0
     assert state.counts.placements[("dual", "", "resource_exhausted")] == 1
     assert state.instance_load("d0") == ([0, 0], [0, 0])
+
+
+def test_a_filter_with_settings_follows_a_reload() -> None:
+    state = DecodeState(DecodeSettings(policy="least_requests"), np.random.default_rng(1))
+    state.on_join(decode_member("d0", gpus=1), 0)
+    cap = CapFromSettings(state, 1)
+    state.filters.append(cap)
+    state.place("t/0", 1_000, 0)
+    with pytest.raises(ResourceExhausted):
+        state.place("t/1", 1_000, 0)
+    state.apply_settings(DecodeSettings(policy="least_requests", max_placements=2))
+    assert cap.cap == 2
+    assert state.place("t/1", 1_000, 0).instance_id == "d0"
 
 
 def test_decode_filters_hear_expiry_and_loss() -> None:

@@ -471,7 +471,8 @@ class SlotFilter(Protocol[Q]):
     holds any (released, expired or lost with its member; a VE request that loses some of
     its images with a machine but keeps others is still held). A filter maps members to slots
     with :meth:`PlacementTable.slot_ranges` and follows the layout with
-    :meth:`PlacementTable.add_slot_listener`.
+    :meth:`PlacementTable.add_slot_listener`. A filter that also has
+    ``apply_settings(section)`` gets the table's new settings section on reload.
     """
 
     def allowed(self, request: Q, slots: int, now_ns: int) -> SlotMask | None: ...
@@ -724,6 +725,10 @@ class PlacementTable(Generic[M, SettingsT, ReleasedT]):
             settings.lease_ms, settings.max_placements, settings.sweep_interval_ms
         )
         self._configure(settings)
+        for f in self.filters:  # a filter with settings of its own follows the reload
+            apply = getattr(f, "apply_settings", None)
+            if apply is not None:
+                apply(settings)
         self._bind_metrics()
         self.publisher.changed()
         self._log.info(
