@@ -462,8 +462,9 @@ class SlotFilter(Protocol[Q]):
     chooses among what is left (none left: RESOURCE_EXHAUSTED, as any "no capacity").
     ``request`` is the table's request tuple (:class:`fulcrum.state.decode.DecodeRequest`,
     :class:`fulcrum.state.vision.VisionRequest`); the mask applies to the whole request
-    (every image of a VE request, chosen in one fold, may take any allowed GPU). A filter may also refuse the request
-    outright by raising a :mod:`fulcrum.errors` error (before anything changes).
+    (every image of a VE request, chosen in one fold, may take any allowed GPU). A filter
+    may also refuse the request outright by raising a :mod:`fulcrum.errors` error (before
+    anything changes).
 
     ``held(request_id, request, gpus)`` and ``freed(request_id)`` tell a filter that keeps
     counts (a per-tenant cap) that a request now holds placements on ``gpus`` (``(member_id,
