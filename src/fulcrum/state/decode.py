@@ -30,7 +30,7 @@ policy in force chooses among them, with the whole fleet as context. Without it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -60,6 +60,7 @@ from fulcrum.metrics import decode as metrics
 from fulcrum.state.placement import (
     I64,
     Lease,
+    Liveness,
     PlacementTable,
     SlotFilter,
     SlotListener,
@@ -69,9 +70,6 @@ from fulcrum.state.placement import (
 )
 
 __all__ = ["DecodeRequest", "DecodeState", "PlaceResult", "ReleaseResult", "SlotListener"]
-
-#: ``liveness(instance_id, incarnation, now_ns) -> bool``: is the instance still live?
-Liveness = Callable[[str, int, int], bool]
 
 
 class DecodeRequest(NamedTuple):

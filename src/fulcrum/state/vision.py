@@ -27,7 +27,7 @@ without filters the decision path is the unfiltered one, unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -52,6 +52,7 @@ from fulcrum.metrics import vision as metrics
 from fulcrum.state.placement import (
     RECORD,
     Lease,
+    Liveness,
     PlacementTable,
     SlotFilter,
     SlotMask,
@@ -62,9 +63,6 @@ from fulcrum.units import MAX_EXACT_FLOAT
 
 #: Largest reported patches in flight per GPU (keeps int64 sums exact).
 MAX_REPORTED_PATCHES = MAX_EXACT_FLOAT
-
-#: ``liveness(machine_id, incarnation, now_ns) -> bool``: is the machine still live?
-Liveness = Callable[[str, int, int], bool]
 
 
 class ImageRequest(NamedTuple):
