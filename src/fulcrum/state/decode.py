@@ -6,8 +6,9 @@ plus the placements made since it, minus releases. A report replaces the GPU's f
 lowers them again (never below 0). Without a heartbeat in between, release after place
 restores the view exactly.
 
-The lease/placement mechanics are those of :mod:`fulcrum.state.placement`, shared with
-the vision table: placements are held per request id in a table bounded by
+The table is :class:`fulcrum.state.placement.PlacementTable`, shared with the vision
+table (members, slots, leases, reload, release, expiry, metrics); this module keeps the
+decode fleet's arrays (:class:`fulcrum.core.decode.FleetView`) and ``place``. Placements are held per request id in a table bounded by
 ``decode.max_placements`` with a lease of ``decode.lease_ms``; an instance that leaves
 drops its placements (counted as lost); before a placement is committed the chosen
 instance's liveness is checked with the fleet, so a lapsed instance is never chosen
@@ -22,10 +23,12 @@ events in the same order with the same seed give the same decisions. Callers tha
 per-slot tables follow the layout through :meth:`DecodeState.add_slot_listener`
 (:class:`SlotListener`: O(the instance's GPUs) per join or leave).
 
-Filter: ``place(..., allowed=...)`` restricts one placement to a subset of the slots
-(slot indices or a boolean mask, :func:`fulcrum.core.decode.select_allowed`); the
-policy in force chooses among them, with the whole fleet as context. Without it
-(``allowed=None``) the decision path is the unfiltered one, unchanged.
+Filters: ``place(..., allowed=...)`` restricts one placement to a subset of the slots
+(slot indices or a boolean mask, :func:`fulcrum.core.decode.select_allowed`), and so
+does every step of :attr:`DecodeState.filters`
+(:class:`fulcrum.state.placement.SlotFilter`, given a :class:`DecodeRequest`); the
+policy in force chooses among what is left, with the whole fleet as context. Without
+either (``allowed=None``, no filters) the decision path is the unfiltered one, unchanged.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ it; releasing an image placed before the latest report lowers ``base`` (never be
 one placed after it lowers ``pending``. Without heartbeats in between, release after
 place restores the view exactly.
 
-The lease/placement mechanics are those of :mod:`fulcrum.state.placement`, shared with
-the decode table: placed requests are held per request id in a table bounded by
+The table is :class:`fulcrum.state.placement.PlacementTable`, shared with the decode
+table (members, slots, leases, reload, release, expiry, metrics); this module keeps the
+VE fleet's arrays (base, pending and in-flight patches over a ``SlotTopology``) and
+``place``. Placed requests are held per request id in a table bounded by
 ``vision.max_placements`` with a lease of ``vision.lease_ms``; a machine that leaves
 drops its images (counted as lost; a request keeps its images on other machines).
 
