@@ -10,10 +10,9 @@ The table is :class:`fulcrum.state.placement.PlacementTable`, shared with the vi
 table (members, slots, leases, reload, release, expiry, metrics); this module keeps the
 decode fleet's arrays (:class:`fulcrum.core.decode.FleetView`) and ``place``.
 Placements are held per request id in a table bounded by ``decode.max_placements`` with
-a lease of ``decode.lease_ms``; an instance that leaves
-drops its placements (counted as lost); before a placement is committed the chosen
-instance's liveness is checked with the fleet, so a lapsed instance is never chosen
-even between sweeps.
+a lease of ``decode.lease_ms``; an instance that leaves drops its placements (counted
+as lost); before a placement is committed the chosen instance's liveness is checked with
+the fleet, so a lapsed instance is never chosen even between sweeps.
 
 Slots: each instance's GPUs occupy a contiguous range of slots of the view's arrays
 (:class:`fulcrum.state.placement.SlotAllocator`); free slots are dead (never eligible).
