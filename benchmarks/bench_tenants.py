@@ -205,7 +205,9 @@ def _noisy_md(label: str, rows: list[list[object]], v: dict[str, Any]) -> list[s
         f"- heavy share >= 0.75: {_ok(v['heavy_075'])} ({v['heavy_share']:.3f}; the most it can get is "
         f"heavy alone's utilisation minus the light share = {v['heavy_ceiling']:.3f}).",
         f"- default best of the orders on light p99: {_ok(v['best_light'])}; heavy share within 5% of the "
-        f"best baseline's ({v['best_heavy']:.3f}): {_ok(v['heavy_within_5pct'])}.",
+        f"best baseline's ({v['best_heavy']:.3f}): {_ok(v['heavy_within_5pct'])} (the baseline with the "
+        "highest heavy share gets it by starving the light tenant below its 0.2 demand; compare the "
+        "utilisation column for work conservation).",
         f"- yardstick on the bad policy (heavy capped, GPUs idle): light p99 {v['bad_light']:.3f} s looks "
         f"better, heavy share {v['bad_heavy']:.3f} fails the 0.75 check: {_ok(v['bad_caught'])}.", "",
     ]

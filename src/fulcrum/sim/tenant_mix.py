@@ -4,9 +4,10 @@ A :class:`TenantPart` is one tenant's traffic: a workload, its tenant string, th
 offered prefill load it should put on the cluster (``rho``: predicted prefill compute /
 (prefill GPUs x time); 1.5 = one and a half fleets' worth), its priority and TTFT
 deadline. :func:`tenant_mix` scales each part's arrival rate to its load, tags its
-requests, repeats a part shorter than ``duration_s`` back to back (block ids offset per
-copy: a copy shares no prefix with the one before), cuts every part to the shortest
-part's span (so all tenants send throughout) and merges them (block ids offset per part, so tenants never share a prefix by
+requests and, given ``duration_s``, repeats the part back to back (block ids offset per
+copy: a copy shares no prefix with the one before) and fits its load over that window;
+then it cuts every part to the shortest part's span (so all tenants send throughout)
+and merges them (block ids offset per part, so tenants never share a prefix by
 accident). ``fulcrum simulate --tenant-mix`` builds one from the command line
 (:func:`parse_mix`).
 """
