@@ -25,10 +25,17 @@ ELSEWHERE = {
     "security.auth.tokens_file": "tests/service/test_security.py (needs a tokens file)",
     "security.auth.identities": "tests/service/test_security.py (needs client certificates)",
     "security.auth.enabled": "tests/service/test_security.py (authorisation needs TLS)",
+    "tenants.classes": "tests/core/test_tenants.py (a mapping of sections, not one value)",
 }
 #: Values of keys whose type does not list them (names from a registry).
 EXPLICIT = {"decode.policy": ["least_kv"], "vision.policy": ["least_patches"],
-            "eplb.algorithm": ["reference"]}
+            "eplb.algorithm": ["reference"],
+            # keys whose default is null or empty (issue 23)
+            "tenants.default.compute_cap": [0.5], "tenants.default.ttft_slo_ms": [1000],
+            "tenants.default.decode_max_concurrency": [4],
+            "tenants.default.decode_max_kv_tokens": [4096],
+            "tenants.default.vision_max_concurrency": [4],
+            "tenants.sheddable_priorities": [[-1]]}
 
 
 def _keys(model: type[BaseModel] = Settings, prefix: str = "") -> list[tuple[str, Any]]:

@@ -21,6 +21,7 @@ from fulcrum.config.gateway import GatewaySettings
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.config.security import SecuritySettings
 from fulcrum.config.server import FleetSettings, LoggingSettings, MetricsSettings, ServerSettings
+from fulcrum.config.tenants import TenantsSettings
 from fulcrum.config.vision import VisionSettings
 
 __all__ = [
@@ -47,6 +48,7 @@ class Settings(Section):
     vision: VisionSettings = Field(default_factory=VisionSettings)
     eplb: EplbSettings = Field(default_factory=EplbSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    tenants: TenantsSettings = Field(default_factory=TenantsSettings)
     #: True when read from a file that names no setting (empty, only comments, ``{}``):
     #: fine to start with, refused as a reload (every key would revert to its default).
     _empty_document: bool = PrivateAttr(default=False)
