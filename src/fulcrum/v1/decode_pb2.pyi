@@ -38,19 +38,19 @@ class PlaceDecodeRequest(_message.Message):
     decode.max_request_kv_tokens).
     """
     tenant: _builtins.str
-    """Tenant (fairness id), as SubmitRequest.tenant: at most tenants.max_tenant_length
-    bytes of printable ASCII; empty or unknown = the default class. A tenant's caps
-    (tenants.tenants[].max_decode_concurrency, max_decode_kv_tokens) are one more filter:
-    over them, RESOURCE_EXHAUSTED with `retry-after-ms`.
+    """Tenant (fairness id), as SubmitRequest.tenant (at most tenants.max_tenant_length
+    printable characters; empty or unknown = the default class's parameters). The
+    tenant's caps (tenants.*.decode_max_concurrency, decode_max_kv_tokens) are one more
+    filter: a placement over them gets RESOURCE_EXHAUSTED with `retry-after-ms`.
     """
     priority: _builtins.int
-    """Priority band, higher first (default 0), in tenants.min_priority..max_priority
-    (INVALID_ARGUMENT naming priority otherwise). When no GPU fits, a placement of a
-    lower, sheddable band may be evicted to make room for a higher one.
+    """Priority band, higher first (default 0), within tenants.min_priority ..
+    tenants.max_priority (INVALID_ARGUMENT naming priority otherwise). When the fleet is
+    nearly full, lower bands are refused first.
     """
     ttft_slo_ms: _builtins.int
-    """Time-to-first-token objective, in milliseconds; unset = none (1 to 3,600,000 when
-    set). Carried for the class's accounting; decode does not order by it.
+    """Time-to-first-token deadline, in milliseconds, as SubmitRequest.ttft_slo_ms
+    (validated and counted per tenant; decode does not order by it).
     """
     def __init__(
         self,

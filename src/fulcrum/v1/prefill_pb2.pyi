@@ -42,21 +42,25 @@ class SubmitRequest(_message.Message):
     max_wait_ms: _builtins.int
     """Longest time to wait for an engine, in milliseconds (0 = the configured default)."""
     tenant: _builtins.str
-    """Tenant (fairness id, header x-gateway-inference-fairness-id at the gateway), at most
-    tenants.max_tenant_length bytes of printable ASCII (INVALID_ARGUMENT otherwise).
-    Empty = the default class. A tenant not named in tenants.tenants, and any distinct
-    tenant beyond tenants.max_tenants, is folded into the default class (counted).
+    """Tenant (fairness id; header x-gateway-inference-fairness-id at the gateway), at most
+    tenants.max_tenant_length printable characters (default 128; INVALID_ARGUMENT naming
+    tenant otherwise). Empty = the default class. A tenant not configured in
+    tenants.classes takes the default class's parameters under its own fairness id; a
+    distinct tenant beyond tenants.max_tenants (default 10000) is folded into the
+    default tenant and counted, never a new metric label.
     """
     priority: _builtins.int
-    """Priority band, higher first (default 0), within the configured range
-    tenants.min_priority..tenants.max_priority (INVALID_ARGUMENT naming priority
-    otherwise). Within a tier queue requests are ordered by band, then by fair share.
+    """Priority band, higher first (default 0), within tenants.min_priority ..
+    tenants.max_priority (default -8 .. 8; INVALID_ARGUMENT naming priority otherwise).
+    Within a tier queue requests are ordered by band, then by fair share of compute.
     """
     ttft_slo_ms: _builtins.int
-    """Time-to-first-token objective, in milliseconds (header x-slo-ttft-ms at the
-    gateway); unset = none. When the request's class is sheddable and its predicted TTFT
-    (queue ahead plus its own cost) cannot meet it, Submit answers RESOURCE_EXHAUSTED at
-    once with a `retry-after-ms` trailer. 1 to 3,600,000 when set.
+    """Time-to-first-token deadline, in milliseconds from submission (header x-slo-ttft-ms
+    at the gateway); unset or 0 = the class's default (tenants.*.ttft_slo_ms; none by
+    default); at most 86,400,000 (INVALID_ARGUMENT naming ttft_slo_ms otherwise). Only
+    when the class is sheddable (tenants.*.sheddable or tenants.sheddable_priorities) and
+    the predicted TTFT (queued work ahead plus its own cost) misses it, Submit answers
+    RESOURCE_EXHAUSTED at once with a `retry-after-ms` trailer.
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

@@ -64,18 +64,19 @@ class PlaceImagesRequest(_message.Message):
     characters without spaces.
     """
     tenant: _builtins.str
-    """Tenant (fairness id), as SubmitRequest.tenant: at most tenants.max_tenant_length
-    bytes of printable ASCII; empty or unknown = the default class. A tenant's cap on
-    patches in flight (tenants.tenants[].max_vision_patches) is one more filter: over
-    it, RESOURCE_EXHAUSTED with `retry-after-ms`.
+    """Tenant (fairness id), as SubmitRequest.tenant (at most tenants.max_tenant_length
+    printable characters; empty or unknown = the default class's parameters). The
+    tenant's cap (tenants.*.vision_max_concurrency, image requests held at once) is one
+    more filter: over it, RESOURCE_EXHAUSTED with `retry-after-ms`.
     """
     priority: _builtins.int
-    """Priority band, higher first (default 0), in tenants.min_priority..max_priority
-    (INVALID_ARGUMENT naming priority otherwise).
+    """Priority band, higher first (default 0), within tenants.min_priority ..
+    tenants.max_priority (INVALID_ARGUMENT naming priority otherwise). When the VEs are
+    nearly full, lower bands are refused first.
     """
     ttft_slo_ms: _builtins.int
-    """Time-to-first-token objective, in milliseconds; unset = none (1 to 3,600,000 when
-    set).
+    """Time-to-first-token deadline, in milliseconds, as SubmitRequest.ttft_slo_ms
+    (validated; vision does not order by it).
     """
     @_builtins.property
     def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___Image]:
