@@ -1,0 +1,138 @@
+"""Prometheus collectors of tenants, priorities and deadlines (issue 23), on
+:data:`fulcrum.metrics.REGISTRY`.
+
+Labels are bounded: ``tenant`` is a configured tenant's name (``tenants.classes``),
+``"default"`` (no tenant, or folded past ``tenants.max_tenants``) or ``"other"`` (every
+unconfigured tenant: one label for all of them), as given by
+:meth:`fulcrum.core.tenants.TenantTable.label`; never a free tenant string. ``priority``
+is a band inside ``tenants.min_priority .. max_priority`` (at most 2001 values, 17 by
+default), ``balancer`` one of :data:`BALANCERS`, ``reason`` one of :data:`SHED_REASONS`,
+``field`` one of :data:`FIELDS`, ``header`` one of :data:`HEADERS`.
+
+Plain values set on the event loop as things happen (no callback reads state at scrape).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from fulcrum.metrics import REGISTRY
+
+#: Balancers that see a request's class (label values of ``balancer``).
+BALANCERS: Final = ("prefill", "decode", "vision")
+#: Why a request of a class was refused (label values of ``reason``): ``deadline``
+#: (sheddable class, predicted TTFT misses its deadline), ``cap`` (the tenant's
+#: concurrency, KV or compute cap), ``band`` (fleet nearly full: a lower band refused
+#: first).
+SHED_REASONS: Final = ("deadline", "cap", "band")
+#: Request fields the service boundary validates (label values of ``field``).
+FIELDS: Final = ("tenant", "priority", "ttft_slo_ms")
+#: Roles of the headers the gateway reads (label values of ``header``): the fairness
+#: id (x-gateway-inference-fairness-id), the objective (x-gateway-inference-objective)
+#: and the TTFT deadline (x-slo-ttft-ms).
+HEADERS: Final = ("fairness_id", "objective", "ttft_slo_ms")
+#: Why the gateway ignored a header (label values of ``reason``).
+HEADER_REASONS: Final = ("malformed", "out_of_range", "unknown_objective", "too_long")
+
+#: Seconds, for queue waits: 1 ms .. 10 min.
+_SECONDS = (
+    1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0, 600.0,
+)
+
+PREFILL_COMPUTE = Counter(
+    "fulcrum_tenant_prefill_compute_seconds",
+    "Predicted prefill compute delivered to engines (acknowledged requests), by tenant "
+    "label, seconds of GPU time (cost(q, c) of the uncached part).",
+    ["tenant"],
+    registry=REGISTRY,
+)
+PRIORITY_COMPUTE = Counter(
+    "fulcrum_priority_prefill_compute_seconds",
+    "Predicted prefill compute delivered to engines, by priority band, seconds.",
+    ["priority"],
+    registry=REGISTRY,
+)
+PREFILL_QUEUED = Gauge(
+    "fulcrum_tenant_prefill_queue_depth",
+    "Prefill requests waiting for an engine (all tiers), by tenant label, requests.",
+    ["tenant"],
+    registry=REGISTRY,
+)
+PREFILL_QUEUED_SECONDS = Gauge(
+    "fulcrum_tenant_prefill_queued_compute_seconds",
+    "Predicted compute of the queued prefill requests, by tenant label, seconds.",
+    ["tenant"],
+    registry=REGISTRY,
+)
+PREFILL_WAIT = Histogram(
+    "fulcrum_tenant_prefill_wait_seconds",
+    "Time from Submit to the engine's pull of a delivered prefill request, by tenant "
+    "label, seconds.",
+    ["tenant"],
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+SHED = Counter(
+    "fulcrum_tenant_shed",
+    "Requests refused for their class (RESOURCE_EXHAUSTED with retry-after-ms), by "
+    "balancer, tenant label and reason: deadline (sheddable class, predicted TTFT misses "
+    "its deadline), cap (tenant cap), band (fleet nearly full, lower band first).",
+    ["balancer", "tenant", "reason"],
+    registry=REGISTRY,
+)
+DEADLINE_MISSES = Counter(
+    "fulcrum_tenant_deadline_misses",
+    "Requests with a TTFT deadline that missed it: prefill requests delivered with wait "
+    "plus predicted cost over the deadline, or expired in the queue; by tenant label.",
+    ["balancer", "tenant"],
+    registry=REGISTRY,
+)
+FOLDED = Counter(
+    "fulcrum_tenant_folded",
+    "Requests whose tenant was folded into the default class because "
+    "tenants.max_tenants distinct tenants are already tracked.",
+    registry=REGISTRY,
+)
+TRACKED = Gauge(
+    "fulcrum_tenants_tracked",
+    "Distinct unconfigured tenants tracked as their own fairness id (bounded by "
+    "tenants.max_tenants minus the configured ones), tenants.",
+    registry=REGISTRY,
+)
+INVALID = Counter(
+    "fulcrum_tenant_invalid_fields",
+    "Requests refused INVALID_ARGUMENT for a class field (tenant too long or not "
+    "printable, priority out of range, ttft_slo_ms out of range), by field.",
+    ["field"],
+    registry=REGISTRY,
+)
+DECODE_HELD = Gauge(
+    "fulcrum_tenant_decode_placements",
+    "Decode placements held, by tenant label, requests.",
+    ["tenant"],
+    registry=REGISTRY,
+)
+DECODE_KV = Gauge(
+    "fulcrum_tenant_decode_kv_tokens",
+    "KV held by the decode placements of each tenant label, tokens.",
+    ["tenant"],
+    registry=REGISTRY,
+)
+VISION_HELD = Gauge(
+    "fulcrum_tenant_vision_requests",
+    "Image requests placed on VEs and not released, by tenant label, requests.",
+    ["tenant"],
+    registry=REGISTRY,
+)
+HEADER_IGNORED = Counter(
+    "fulcrum_gateway_tenancy_headers_ignored",
+    "Tenancy headers the gateway ignored (the request goes on with the default for that "
+    "field), by header role (fairness_id, objective, ttft_slo_ms) and reason: malformed "
+    "(not a number, not printable, repeated with differing values), out_of_range, "
+    "unknown_objective (no gateway.tenancy.objectives entry: priority 0), too_long.",
+    ["header", "reason"],
+    registry=REGISTRY,
+)
