@@ -46,7 +46,6 @@ request id.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +55,7 @@ import numpy.typing as npt
 from fulcrum.core.prefill import order as aff_order
 from fulcrum.core.prefill.affinity import Affinity
 from fulcrum.core.prefill.batch import BatchFill, select_batch
+from fulcrum.core.prefill.fair import FairLedger, TierQueue
 from fulcrum.core.prefill.items import EngineEntry, Offer, Queued, Taken
 from fulcrum.core.prefill.pull import Pull
 from fulcrum.core.prefill.rules import (
@@ -73,6 +73,7 @@ from fulcrum.core.prefill.tiers import (
     tier_of,
     validate_bounds,
 )
+from fulcrum.core.tenants import TenantPolicy
 
 __all__ = [
     "DEFAULT",
@@ -108,6 +109,8 @@ class BalancerConfig:
     #: round may move it again (0 = no minimum). Joins, leaves and orphaned tiers
     #: redistribute regardless: they are not flapping, they are the fleet changing.
     min_dwell_ns: int = 0
+    #: Tenants' weights, caps and the starvation bound of the queue order (issue 23).
+    tenants: TenantPolicy = field(default_factory=TenantPolicy)
 
     @property
     def rank_horizon_ns(self) -> int | None:
@@ -183,7 +186,7 @@ def _split(
 
 @dataclass(slots=True)
 class _Tier:
-    queue: OrderedDict[str, Queued] = field(default_factory=OrderedDict)
+    queue: TierQueue
     queued_ns: int = 0
     arrived_ns: int = 0
 
@@ -195,9 +198,12 @@ class PrefillBalancer:
         self.config = config
         self.bounds = config.bounds
         self.n_tiers = len(self.bounds) + 1
-        self._tiers = [_Tier() for _ in range(self.n_tiers)]
-        self._index: dict[str, Queued] = {}
         self._engines: dict[str, EngineEntry] = {}
+        #: Tenants' virtual times and usage, shared by the tier queues (issue 23).
+        self.fair = FairLedger(config.tenants,
+                               lambda: sum(e.dp_ranks for e in self._engines.values()))
+        self._tiers = [_Tier(TierQueue(self.fair)) for _ in range(self.n_tiers)]
+        self._index: dict[str, Queued] = {}
         self._counts = [0] * self.n_tiers
         self.last_demand_ns: list[float] = [0.0] * self.n_tiers
         self.moves_total = 0
@@ -210,7 +216,10 @@ class PrefillBalancer:
         """Adopt new knobs (same tier bounds; ValueError otherwise)."""
         if config.bounds != self.bounds:
             raise ValueError("tier_bounds: cannot change while running")
+        if config.rules.order.name != self.config.rules.order.name:
+            self.fair.v.clear()  # another rule counts other units
         self.config = config
+        self.fair.policy = config.tenants
 
     # -- queries --------------------------------------------------------------------------
 
@@ -261,14 +270,16 @@ class PrefillBalancer:
         """The queued request of that id, or None."""
         return self._index.get(request_id)
 
-    def queued(self, tier: int) -> Iterator[Queued]:
-        """The queued requests of ``tier``, head first."""
-        return iter(self._tiers[tier].queue.values())
+    def queued(self, tier: int, now_ns: int | None = None) -> Iterator[Queued]:
+        """The queued requests of ``tier`` in take order (the order rule's, at ``now_ns``
+        or the latest time given; tenants at their compute cap left out), head first."""
+        fair = self.fair
+        return self.config.rules.order.order(
+            self._tiers[tier].queue, fair.now_ns if now_ns is None else now_ns)
 
     def head(self, tier: int) -> Queued | None:
-        """The head of ``tier``'s queue, or None."""
-        q = self._tiers[tier].queue
-        return next(iter(q.values())) if q else None
+        """The head of ``tier``'s queue in take order, or None."""
+        return next(self.queued(tier), None) if self._tiers[tier].queue else None
 
     def cost_for(self, item: Queued, engine_id: str) -> int:
         """Quota (ns) ``item`` costs ``engine_id``: with prefix affinity and block hashes,
@@ -287,7 +298,8 @@ class PrefillBalancer:
         if item.request_id in self._index:
             raise ValueError(f"request_id: {item.request_id!r} is already queued")
         t = self._tiers[item.tier]
-        t.queue[item.request_id] = item
+        t.queue.add(item)
+        self.fair.now_ns = max(self.fair.now_ns, item.enqueued_ns)
         self._index[item.request_id] = item
         t.queued_ns += item.cost_ns
         t.arrived_ns += item.cost_ns
@@ -298,11 +310,12 @@ class PrefillBalancer:
         return None
 
     def requeue_front(self, items: Sequence[Queued]) -> None:
-        """Put taken requests back at the head of their tiers (in the given order)."""
+        """Put taken requests back at the head of their tiers (in the given order); their
+        tenants' charges are refunded."""
         for item in reversed(items):
             t = self._tiers[item.tier]
-            t.queue[item.request_id] = item
-            t.queue.move_to_end(item.request_id, last=False)
+            t.queue.add_front(item)
+            self.fair.refund(item.cls.tenant, self.config.rules.order.units(item, item.cost_ns))
             self._index[item.request_id] = item
             t.queued_ns += item.cost_ns
 
@@ -312,7 +325,7 @@ class PrefillBalancer:
         if item is None:
             return None
         t = self._tiers[item.tier]
-        del t.queue[request_id]
+        t.queue.discard(item)
         t.queued_ns -= item.cost_ns
         return item
 
@@ -453,7 +466,7 @@ class PrefillBalancer:
         if head is None:
             return False
         if now_ns is not None:
-            order = self._affinity_order(tier, offer.engine_id, now_ns)
+            order = _affinity_order(self, tier, offer.engine_id, now_ns)
             if order is not None:
                 if not order:
                     return False
@@ -479,7 +492,7 @@ class PrefillBalancer:
         nothing is queued). With prefix affinity and ``now_ns`` (head within the fairness
         bound), the engines holding the longest prefix of the work they would take come
         first."""
-        w = None if now_ns is None else self._affinity_window(tier, now_ns)
+        w = None if now_ns is None else _affinity_window(self, tier, now_ns)
         if w is None:
             able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
         else:
@@ -489,35 +502,6 @@ class PrefillBalancer:
         if not able:
             return -1
         return self.config.rules.puller.choose(able, offers)
-
-    def _affinity_window(
-        self, tier: int, now_ns: int,
-        alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
-    ) -> aff_order.Window | None:
-        """The tier's affinity window (:func:`fulcrum.core.prefill.order.window`) over the
-        engines the source rule lets serve it; None when affinity does not apply (off,
-        nothing queued, or the head waited past the fairness bound: FIFO)."""
-        aff = self.affinity
-        if aff is None:
-            return None
-        src = self.config.rules.source
-        serving = [e.engine_id for e in self._engines.values() if src.serves(e.tier, tier)]
-        return aff_order.window(aff, self._tiers[tier].queue.values(), serving, now_ns,
-                                alive, dead)
-
-    def _affinity_order(
-        self, tier: int, engine_id: str, now_ns: int,
-        alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
-    ) -> list[Queued] | None:
-        """The requests ``engine_id`` may take from ``tier`` under prefix affinity, in the
-        order it takes them (see :meth:`take`); None when affinity does not apply."""
-        w = self._affinity_window(tier, now_ns, alive, dead)
-        if w is None:
-            return None
-        assert self.affinity is not None
-        aff, engines = self.affinity, self._engines
-        return aff_order.order_for(aff, engine_id, now_ns, w, lambda e, it, m: aff_order.finish_ns(
-            aff, engines.get(e), it, m, now_ns))
 
     def take(
         self,
@@ -554,17 +538,28 @@ class PrefillBalancer:
         if len(loads) != eng.dp_ranks:
             raise ValueError(f"rank_loads_ns: must have {eng.dp_ranks} entries")
         eng.load_ns = sum(loads)
+        if now_ns is not None:
+            self.fair.now_ns = max(self.fair.now_ns, now_ns)
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
             aff_order.seen(eng, loads, (), (), now_ns)
             return Taken(tier=tier)
         pull = self._start_pull(eng, tier, loads, remaining_ns, limit, alive, now_ns)
-        pull.run(self._tiers[tier].queue.values(), alive, self.cost_for)
+        pull.run(self.queued(tier, now_ns), alive, self.cost_for)
         taken = pull.commit(tier, loads, self.remove, now_ns)
+        self._charge(taken, pull.costs, now_ns)
         if taken.items:
             eng.load_ns = sum(loads) + taken.quota_ns
         aff_order.seen(eng, loads, taken.ranks, pull.costs, now_ns)
         return taken
+
+    def _charge(self, taken: Taken, costs: Sequence[int], now_ns: int | None) -> None:
+        """Charge each taken request's tenant its cost there (ns; its order rule's units)
+        and mark its band served."""
+        order, q = self.config.rules.order, self._tiers[taken.tier].queue
+        for it, cost in zip(taken.items, costs, strict=True):
+            self.fair.charge(it.cls.tenant, order.units(it, cost), cost, now_ns)
+            q.served(it, now_ns)
 
     def _start_pull(self, eng: EngineEntry, tier: int, loads: list[int], remaining_ns: int,
                     limit: int | None, alive: Callable[[Queued], bool] | None,
@@ -576,8 +571,8 @@ class PrefillBalancer:
         if limit is not None and limit > 0:
             cap = min(cap, limit)
         dead: list[Queued] = []
-        order = None if now_ns is None else self._affinity_order(
-            tier, eng.engine_id, now_ns, alive, dead)
+        order = None if now_ns is None else _affinity_order(
+            self, tier, eng.engine_id, now_ns, alive, dead)
         bound = self.helping_bound_ns(eng.tier) if tier > eng.tier >= 0 else None
         return Pull(
             eng.engine_id, order, bound,
@@ -586,3 +581,34 @@ class PrefillBalancer:
                       max_requests=cap),
             self.affinity, dead=dead,
         )
+
+
+def _affinity_window(
+    bal: PrefillBalancer, tier: int, now_ns: int,
+    alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
+) -> aff_order.Window | None:
+    """The tier's affinity window (:func:`fulcrum.core.prefill.order.window`) over the
+    take order and the engines the source rule lets serve it; None when affinity does
+    not apply (off, nothing queued, or the head waited past the fairness bound: FIFO)."""
+    aff = bal.affinity
+    if aff is None:
+        return None
+    src = bal.config.rules.source
+    serving = [e for e in bal.engine_ids() if src.serves(bal.engine_tier(e), tier)]
+    return aff_order.window(aff, bal.queued(tier, now_ns), serving, now_ns, alive, dead)
+
+
+def _affinity_order(
+    bal: PrefillBalancer, tier: int, engine_id: str, now_ns: int,
+    alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
+) -> list[Queued] | None:
+    """The requests ``engine_id`` may take from ``tier`` under prefix affinity, in the
+    order it takes them (see :meth:`PrefillBalancer.take`); None when affinity does not
+    apply."""
+    w = _affinity_window(bal, tier, now_ns, alive, dead)
+    if w is None:
+        return None
+    aff = bal.affinity
+    assert aff is not None
+    return aff_order.order_for(aff, engine_id, now_ns, w, lambda e, it, m: aff_order.finish_ns(
+        aff, bal.engine(e), it, m, now_ns))

@@ -10,11 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass
+
 
 @dataclass(slots=True, eq=False)
 class Queued:
     """A queued request: tokens, tier, predicted cost (ns, with ``k``), enqueue time (ns),
-    and its prefix as chained block hashes (empty: none given)."""
+    its prefix as chained block hashes (empty: none given) and its class (tenant,
+    priority, TTFT deadline; issue 23)."""
 
     request_id: str
     total: int
@@ -25,6 +28,7 @@ class Queued:
     blocks: tuple[int, ...] = ()
     #: Prefix matches per engine memoised by the affinity index (bounded by engines).
     held: dict[str, tuple[int, int, int]] = field(default_factory=dict, repr=False)
+    cls: RequestClass = DEFAULT_CLASS
 
 
 @dataclass(slots=True, eq=False)

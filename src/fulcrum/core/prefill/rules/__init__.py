@@ -1,8 +1,11 @@
 """Prefill rule sets: named lists of small rules, one per extension point.
 
 A rule set (:class:`Rules`) is a list of rules from :data:`RULES`, at most one of each
-kind (``source``, ``binding``, ``puller``, ``orphan``; see
+kind (``source``, ``binding``, ``puller``, ``orphan``, ``order``; see
 :mod:`fulcrum.core.prefill.rules.base`); a kind left out takes its published rule. The
+queue ``order`` (issue 23, :mod:`fulcrum.core.prefill.rules.order`) defaults to
+``wfq_ns`` in every set: with one tenant at one priority it is FIFO, the order before
+tenants existed; ``fifo``, ``strict_rr`` and ``vtc_tokens`` are the baselines. The
 shipped sets (:data:`RULE_SETS`):
 
 * ``published`` (the letter of the design): ``own_tier``, ``early_binding``,
@@ -29,11 +32,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
-from fulcrum.core.prefill.rules import binding, orphan, puller, source
+from fulcrum.core.prefill.rules import binding, order, orphan, puller, source
 from fulcrum.core.prefill.rules.base import (
+    ALL_KINDS,
     KINDS,
     RULES,
     BindingRule,
+    OrderRule,
     OrphanRule,
     PullerRule,
     Rule,
@@ -50,6 +55,7 @@ KIND_DEFAULTS: Final[Mapping[str, Rule]] = {
     "binding": binding.EarlyBinding(),
     "puller": puller.MostQuota(),
     "orphan": orphan.OrphanGate(),
+    "order": order.WfqNs(),
 }
 """The rule a set uses for a kind it does not list (the published design's)."""
 
@@ -60,16 +66,16 @@ def _resolve(steps: Sequence[Rule]) -> dict[str, Rule]:
         if rule.kind in chosen:
             raise ValueError(
                 f"rules[{i}] {rule.name}: a second {rule.kind} rule "
-                f"(already {chosen[rule.kind].name!r}; one per kind: {', '.join(KINDS)})"
+                f"(already {chosen[rule.kind].name!r}; one per kind: {', '.join(ALL_KINDS)})"
             )
         chosen[rule.kind] = rule
-    return {k: chosen.get(k, KIND_DEFAULTS[k]) for k in KINDS}
+    return {k: chosen.get(k, KIND_DEFAULTS[k]) for k in ALL_KINDS}
 
 
 @dataclass(frozen=True, slots=True)
 class Rules:
     """A named rule set: ``steps`` (at most one rule per kind) and, resolved from them,
-    the rule of each kind (``source``, ``binding``, ``puller``, ``orphan``)."""
+    the rule of each kind (``source``, ``binding``, ``puller``, ``orphan``, ``order``)."""
 
     name: str = DEFAULT
     steps: tuple[Rule, ...] = ()
@@ -77,6 +83,7 @@ class Rules:
     binding: BindingRule = field(init=False, repr=False, compare=False)
     puller: PullerRule = field(init=False, repr=False, compare=False)
     orphan: OrphanRule = field(init=False, repr=False, compare=False)
+    order: OrderRule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         kinds = _resolve(self.steps)
@@ -84,6 +91,7 @@ class Rules:
         object.__setattr__(self, "binding", cast(BindingRule, kinds["binding"]))
         object.__setattr__(self, "puller", cast(PullerRule, kinds["puller"]))
         object.__setattr__(self, "orphan", cast(OrphanRule, kinds["orphan"]))
+        object.__setattr__(self, "order", cast(OrderRule, kinds["order"]))
 
     @property
     def rank_horizon_steps(self) -> float | None:
@@ -107,8 +115,17 @@ class Rules:
         return isinstance(self.orphan, orphan.OrphanGate)
 
     def names(self) -> tuple[str, ...]:
-        """The rule of each kind, by name (source, binding, puller, orphan)."""
+        """The rule of each kind, by name (source, binding, puller, orphan; the queue
+        order is :attr:`order`'s name)."""
         return (self.source.name, self.binding.name, self.puller.name, self.orphan.name)
+
+    def with_order(self, name: str) -> Rules:
+        """This set with the queue order rule ``name`` (ValueError when unknown)."""
+        rule = RULES.make(name)
+        if rule.kind != "order":
+            raise ValueError(f"order: {name!r} is a {rule.kind} rule, not a queue order")
+        steps = (*(r for r in self.steps if r.kind != "order"), rule)
+        return Rules(self.name if name == self.order.name else f"{self.name}+{name}", steps)
 
 
 RULE_SETS: Final[dict[str, Rules]] = {
@@ -161,6 +178,7 @@ def rules_by_name(spec: RuleSpec) -> Rules:
 
 
 __all__ = [
+    "ALL_KINDS",
     "CUSTOM",
     "DEFAULT",
     "KINDS",
@@ -169,6 +187,7 @@ __all__ = [
     "RULES",
     "RULE_SETS",
     "BindingRule",
+    "OrderRule",
     "OrphanRule",
     "PullerRule",
     "Rule",

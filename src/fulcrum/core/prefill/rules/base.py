@@ -11,7 +11,9 @@ filters, scorers and picker):
 * ``puller`` (:class:`PullerRule`): among the engines able to take a tier's head, which
   one does;
 * ``orphan`` (:class:`OrphanRule`): whether work for a tier with no engine redistributes
-  at once.
+  at once;
+* ``order`` (:class:`OrderRule`): the take order inside a tier queue (priority bands,
+  tenants' fair shares; issue 23).
 
 A kind left out of a list takes its published rule (:data:`KIND_DEFAULTS`). Each rule
 module owns its parameter dataclass (frozen, validated in ``__post_init__``) and
@@ -20,13 +22,14 @@ registers itself in :data:`RULES`. Pure: no clock, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from fulcrum.core.registry import Registry
 
 if TYPE_CHECKING:
     from fulcrum.core.prefill.affinity import Affinity
+    from fulcrum.core.prefill.fair import TierQueue
     from fulcrum.core.prefill.items import Offer, Queued
 
 
@@ -132,7 +135,26 @@ class OrphanRule(Rule):
         raise NotImplementedError
 
 
+class OrderRule(Rule):
+    """The take order inside a tier queue (``order``)."""
+
+    kind: ClassVar[str] = "order"
+
+    def order(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
+        """``queue``'s requests in take order at ``now_ns`` (a tenant at its compute cap
+        is skipped)."""
+        raise NotImplementedError
+
+    def units(self, item: Queued, cost_ns: int) -> float:
+        """What serving ``item`` at ``cost_ns`` (ns) charges its tenant's virtual time
+        (before the weight): ns by default."""
+        return float(cost_ns)
+
+
 #: Every prefill rule, by name (the YAML names of ``prefill.rules`` list entries).
 RULES: Registry[Rule] = Registry("prefill.rules")
 
 KINDS: tuple[str, ...] = ("source", "binding", "puller", "orphan")
+#: Every kind a rule list may name: :data:`KINDS` and the queue ``order`` (issue 23),
+#: which the shipped sets leave to its default (``wfq_ns``: FIFO for one tenant).
+ALL_KINDS: tuple[str, ...] = (*KINDS, "order")

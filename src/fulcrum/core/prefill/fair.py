@@ -1,0 +1,208 @@
+"""Tier queues with tenants and priority bands, and the fair-share ledger (issue 23).
+
+A :class:`TierQueue` holds one tier's queued requests three ways at once: in arrival
+order (a taken request put back goes to the front: today's FIFO queue), per priority
+band in the same order, and per band per tenant (a *flow*) in the same order. The
+queue *order rule* (:mod:`fulcrum.core.prefill.rules.order`) walks them in take order.
+
+The :class:`FairLedger` is shared by every tier queue of a balancer (a tenant's share is
+of the whole fleet's prefill compute): per tenant a virtual time (charged units / weight;
+units: ns of predicted cost, or tokens for ``vtc_tokens``), the system virtual time
+``vnow`` (start-time fair queueing: the virtual time of the flow served last), the
+tenant's queued count over all tiers (a flow that becomes backlogged is lifted to
+``vnow``, as in VTC: an idle tenant banks no credit, its share is lent), and for a
+tenant with a compute cap an exponentially decayed sum of its served ns (time constant
+``cap_window_ns``). Entries of idle tenants without debt are dropped, so the ledger
+holds at most the tenants with queued work or debt (bounded by the tenant table).
+Pure: every time is passed in (ns).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from fulcrum.core.prefill.items import Queued
+from fulcrum.core.tenants import TenantPolicy
+
+Flow = OrderedDict[str, Queued]
+
+
+class FairLedger:
+    """Virtual times, queued counts and capped usage per tenant (see module docstring).
+
+    ``capacity_ranks``: the shell's count of prefill DP ranks in the fleet (a compute
+    cap is a fraction of ``capacity_ranks * cap_window_ns`` ns per window)."""
+
+    def __init__(self, policy: TenantPolicy, capacity_ranks: Callable[[], int]) -> None:
+        self.policy = policy
+        self.capacity_ranks = capacity_ranks
+        self.v: dict[str, float] = {}
+        self.vnow = 0.0
+        self.count: dict[str, int] = {}
+        self.used: dict[str, tuple[float, int]] = {}
+        #: Latest time the shell gave (ns): the clock of starvation checks without one.
+        self.now_ns = 0
+
+    def weight(self, tenant: str) -> float:
+        """Fair-share weight of ``tenant``."""
+        return self.policy.classes.get(tenant, self.policy.default).weight
+
+    def cap(self, tenant: str) -> float | None:
+        """Compute cap of ``tenant`` (fraction of the fleet), None: none."""
+        return self.policy.classes.get(tenant, self.policy.default).compute_cap
+
+    def vt(self, tenant: str) -> float:
+        """Virtual time of ``tenant`` (units per weight)."""
+        return self.v.get(tenant, self.vnow)
+
+    def joined(self, tenant: str) -> None:
+        """One more request of ``tenant`` is queued (a new backlog is lifted to vnow)."""
+        n = self.count.get(tenant, 0)
+        if n == 0:
+            self.v[tenant] = max(self.v.get(tenant, self.vnow), self.vnow)
+        self.count[tenant] = n + 1
+
+    def left(self, tenant: str) -> None:
+        """One request of ``tenant`` left the queues (taken, cancelled, expired)."""
+        n = self.count.get(tenant, 0) - 1
+        if n > 0:
+            self.count[tenant] = n
+            return
+        self.count.pop(tenant, None)
+        if self.v.get(tenant, 0.0) <= self.vnow:
+            self.v.pop(tenant, None)  # no debt: a new backlog starts at vnow anyway
+        if tenant in self.used and self.cap(tenant) is None:
+            del self.used[tenant]
+
+    def charge(self, tenant: str, units: float, cost_ns: int, now_ns: int | None) -> None:
+        """``tenant`` was served ``units`` (its order rule's) costing ``cost_ns``."""
+        v = self.vt(tenant)
+        self.vnow = max(self.vnow, v)
+        self.v[tenant] = v + units / self.weight(tenant)
+        if self.cap(tenant) is not None:
+            t = self.now_ns if now_ns is None else now_ns
+            self.used[tenant] = (self.usage(tenant, t) + cost_ns, t)
+
+    def refund(self, tenant: str, units: float) -> None:
+        """A taken request of ``tenant`` came back unserved (a lapsed lease)."""
+        if tenant in self.v:
+            self.v[tenant] = max(self.vnow, self.v[tenant] - units / self.weight(tenant))
+
+    def usage(self, tenant: str, now_ns: int) -> float:
+        """Served ns of ``tenant``, exponentially decayed over ``cap_window_ns``."""
+        val, at = self.used.get(tenant, (0.0, now_ns))
+        return val * math.exp(-max(0, now_ns - at) / self.policy.cap_window_ns)
+
+    def capped(self, tenant: str, now_ns: int) -> bool:
+        """True when ``tenant`` has used its compute cap of the fleet (skip its work)."""
+        cap = self.cap(tenant)
+        if cap is None:
+            return False
+        budget = cap * max(1, self.capacity_ranks()) * self.policy.cap_window_ns
+        return self.usage(tenant, now_ns) >= budget
+
+    @property
+    def any_cap(self) -> bool:
+        """True when some tenant class has a compute cap."""
+        p = self.policy
+        return p.default.compute_cap is not None or any(
+            s.compute_cap is not None for s in p.classes.values())
+
+
+class TierQueue:
+    """One tier's queue: arrival order, per band, per band and tenant (module docstring).
+
+    ``seq`` numbers each request's place in arrival order (a put-back request gets a
+    number below every other); ``served_ns`` is when each band was last served (the
+    starvation bound counts from it)."""
+
+    def __init__(self, ledger: FairLedger) -> None:
+        self.ledger = ledger
+        self.all: Flow = OrderedDict()
+        self.bands: dict[int, Flow] = {}
+        self.flows: dict[int, OrderedDict[str, Flow]] = {}
+        self.seq: dict[str, int] = {}
+        self.served_ns: dict[int, int] = {}
+        self._tail = 0
+        self._front = 0
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.all
+
+    def single(self) -> bool:
+        """True when every request is of one tenant and band (then all orders are FIFO)."""
+        if len(self.bands) > 1:
+            return False
+        return all(len(f) <= 1 for f in self.flows.values())
+
+    def _place(self, item: Queued, front: bool) -> None:
+        rid, band, tenant = item.request_id, item.cls.priority, item.cls.tenant
+        bq = self.bands.setdefault(band, OrderedDict())
+        flows = self.flows.setdefault(band, OrderedDict())
+        flow = flows.setdefault(tenant, OrderedDict())
+        for q in (self.all, bq, flow):
+            q[rid] = item
+            if front:
+                q.move_to_end(rid, last=False)
+        if front:
+            self._front -= 1
+            self.seq[rid] = self._front
+        else:
+            self._tail += 1
+            self.seq[rid] = self._tail
+        self.ledger.joined(tenant)
+
+    def add(self, item: Queued) -> None:
+        """Queue ``item`` at the tail."""
+        self._place(item, front=False)
+
+    def add_front(self, item: Queued) -> None:
+        """Put ``item`` back at the front (of its band and flow too)."""
+        self._place(item, front=True)
+
+    def discard(self, item: Queued) -> None:
+        """Take ``item`` out (it must be queued here)."""
+        rid, band, tenant = item.request_id, item.cls.priority, item.cls.tenant
+        del self.all[rid]
+        del self.seq[rid]
+        bq = self.bands[band]
+        del bq[rid]
+        flows = self.flows[band]
+        flow = flows[tenant]
+        del flow[rid]
+        if not flow:
+            del flows[tenant]
+        if not bq:
+            del self.bands[band]
+            del self.flows[band]
+        self.ledger.left(tenant)
+
+    def served(self, item: Queued, now_ns: int | None) -> None:
+        """``item`` was taken at ``now_ns``: its band was served, its flow goes last in
+        its band's round-robin turn."""
+        band = item.cls.priority
+        self.served_ns[band] = self.ledger.now_ns if now_ns is None else now_ns
+        flows = self.flows.get(band)
+        if flows is not None and item.cls.tenant in flows:
+            flows.move_to_end(item.cls.tenant)
+
+    def starved_since(self, band: int) -> int:
+        """When ``band``'s wait for service began (ns): the later of its last service
+        and its oldest request's enqueue time (the band must be non-empty)."""
+        oldest = next(iter(self.bands[band].values())).enqueued_ns
+        return max(self.served_ns.get(band, oldest), oldest)
+
+    def fifo(self, now_ns: int) -> Iterator[Queued]:
+        """Arrival order, skipping tenants at their compute cap."""
+        led = self.ledger
+        if not led.any_cap:
+            yield from self.all.values()
+            return
+        for item in self.all.values():
+            if not led.capped(item.cls.tenant, now_ns):
+                yield item

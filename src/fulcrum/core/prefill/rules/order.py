@@ -1,0 +1,157 @@
+"""Order rules: the take order inside a tier queue (issue 23).
+
+* ``wfq_ns`` (default): priority bands, highest first; within a band, weighted fair
+  queueing over predicted compute: the flow (tenant) with the least virtual time
+  (charged ns of ``cost(q, c)`` / weight; VTC's counters, in ns) goes next, ties by
+  arrival; FIFO within a tenant. Work-conserving: an idle tenant's share is lent (its
+  counter is lifted to the system's when it comes back, so it banks no credit). A lower
+  band whose wait for service (since it was last served, or since its oldest request
+  came) reached ``tenants.starvation_bound_ms`` has its oldest request taken first.
+  With one tenant at one priority it is exactly FIFO.
+* ``fifo``: arrival order, tenants and priorities ignored (the order before issue 23).
+* ``strict_rr``: strict priority bands (no starvation bound); round robin between the
+  fairness ids of a band, one request each, FIFO within one (llm-d's flow control).
+* ``vtc_tokens``: no bands; the tenant with the least virtual token counter (computed
+  prompt tokens / weight) goes next (AIBrix's VTC, prefill side).
+
+Every rule skips tenants at their compute cap (:meth:`FairLedger.capped`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fulcrum.core.prefill.fair import FairLedger, Flow, TierQueue
+from fulcrum.core.prefill.items import Queued
+from fulcrum.core.prefill.rules.base import RULES, OrderRule
+from fulcrum.core.registry import NoParams
+
+
+def fair_flows(queue: TierQueue, flows: Iterable[tuple[str, Flow]], now_ns: int,
+               units: Callable[[Queued], float]) -> Iterator[Queued]:
+    """Weighted fair order over ``flows`` (tenant, FIFO of its requests): the least
+    virtual time next (ties: arrival), charging ``units(item)`` / weight provisionally
+    as each request is yielded. O(log flows) per request."""
+    led = queue.ledger
+    heap: list[tuple[float, int, str, Queued, Iterator[Queued]]] = []
+    for tenant, flow in flows:
+        if led.capped(tenant, now_ns):
+            continue
+        it = iter(flow.values())
+        first = next(it)
+        heap.append((led.vt(tenant), queue.seq[first.request_id], tenant, first, it))
+    heapq.heapify(heap)
+    while heap:
+        v, _, tenant, item, it = heapq.heappop(heap)
+        yield item
+        nxt = next(it, None)
+        if nxt is not None:
+            v += units(item) / led.weight(tenant)
+            heapq.heappush(heap, (v, queue.seq[nxt.request_id], tenant, nxt, it))
+
+
+def _starved(queue: TierQueue, bands: list[int], now_ns: int) -> list[Queued]:
+    """The oldest request of each lower band starved past the bound (oldest first)."""
+    led: FairLedger = queue.ledger
+    bound = led.policy.starvation_bound_ns
+    out: list[tuple[int, int, Queued]] = []
+    for b in bands[1:]:
+        since = queue.starved_since(b)
+        if now_ns - since < bound:
+            continue
+        first = next((it for it in queue.bands[b].values()
+                      if not led.capped(it.cls.tenant, now_ns)), None)
+        if first is not None:
+            out.append((since, queue.seq[first.request_id], first))
+    return [x[2] for x in sorted(out, key=lambda x: (x[0], x[1]))]
+
+
+@dataclass(frozen=True, slots=True)
+class WfqNs(OrderRule):
+    """Priority bands with a starvation bound, then weighted fair shares in ns."""
+
+    name: ClassVar[str] = "wfq_ns"
+
+    def order(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
+        if queue.single() and not queue.ledger.any_cap:
+            yield from queue.all.values()  # one tenant, one band: FIFO exactly
+            return
+        bands = sorted(queue.bands, reverse=True)
+        first = _starved(queue, bands, now_ns)
+        yield from first
+        done = {it.request_id for it in first}
+        for b in bands:
+            for item in fair_flows(queue, queue.flows[b].items(), now_ns,
+                                   lambda it: float(it.cost_ns)):
+                if item.request_id not in done:
+                    yield item
+
+
+def _round_robin(queue: TierQueue, flows: Iterable[tuple[str, Flow]],
+                 now_ns: int) -> Iterator[Queued]:
+    led = queue.ledger
+    turns = [iter(f.values()) for t, f in flows if not led.capped(t, now_ns)]
+    while turns:
+        alive = []
+        for it in turns:
+            item = next(it, None)
+            if item is not None:
+                yield item
+                alive.append(it)
+        turns = alive
+
+
+@dataclass(frozen=True, slots=True)
+class StrictRoundRobin(OrderRule):
+    """Strict priority bands; round robin between a band's fairness ids."""
+
+    name: ClassVar[str] = "strict_rr"
+
+    def order(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
+        if queue.single() and not queue.ledger.any_cap:
+            yield from queue.all.values()
+            return
+        for b in sorted(queue.bands, reverse=True):
+            yield from _round_robin(queue, queue.flows[b].items(), now_ns)
+
+
+def computed_tokens(item: Queued) -> float:
+    """Prompt tokens a request computes (its total minus its cached prefix), tokens."""
+    return float(max(1, item.total - item.cached))
+
+
+@dataclass(frozen=True, slots=True)
+class VtcTokens(OrderRule):
+    """Virtual token counters (VTC), no priority bands."""
+
+    name: ClassVar[str] = "vtc_tokens"
+
+    def order(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
+        if queue.single() and not queue.ledger.any_cap:
+            yield from queue.all.values()
+            return
+        flows = [x for b in queue.flows.values() for x in b.items()]
+        yield from fair_flows(queue, flows, now_ns, computed_tokens)
+
+    def units(self, item: Queued, cost_ns: int) -> float:
+        return computed_tokens(item)
+
+
+@dataclass(frozen=True, slots=True)
+class Fifo(OrderRule):
+    """Arrival order (tenants and priorities ignored)."""
+
+    name: ClassVar[str] = "fifo"
+
+    def order(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
+        return queue.fifo(now_ns)
+
+
+RULES.register(WfqNs.name, lambda p: WfqNs(), NoParams, kind=WfqNs.kind)
+RULES.register(Fifo.name, lambda p: Fifo(), NoParams, kind=Fifo.kind)
+RULES.register(StrictRoundRobin.name, lambda p: StrictRoundRobin(), NoParams,
+               kind=StrictRoundRobin.kind)
+RULES.register(VtcTokens.name, lambda p: VtcTokens(), NoParams, kind=VtcTokens.kind)
