@@ -35,7 +35,9 @@ class ClassFields(Protocol):
     tenant: str
     priority: int
 
-    def HasField(self, name: str) -> bool: ...  # noqa: N802 - protobuf's name
+    ttft_slo_ms: int
+
+    def HasField(self, name: str) -> bool: ...
 
 
 class Tenancy:
@@ -72,7 +74,7 @@ class Tenancy:
     def of(self, request: ClassFields) -> RequestClass:
         """The class of a request message (SubmitRequest, PlaceDecodeRequest,
         PlaceImagesRequest)."""
-        ttft = int(getattr(request, "ttft_slo_ms")) if request.HasField("ttft_slo_ms") else None
+        ttft = int(request.ttft_slo_ms) if request.HasField("ttft_slo_ms") else None
         return self.resolve(request.tenant, request.priority, ttft)
 
     def label(self, rc: RequestClass) -> str:
