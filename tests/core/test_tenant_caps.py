@@ -56,7 +56,8 @@ def test_cap_refusal_names_the_tenant_and_the_cap() -> None:
 @given(st.integers(-4, 4), st.integers(-4, 4), st.integers(0, 1000), st.floats(0.01, 1.0))
 def test_lower_bands_are_shed_first(p: int, q: int, used: int, reserve: float) -> None:
     lo, hi = min(p, q), max(p, q)
-    fill = Fill(requests=used, max_requests=1000, amount=0, max_amount=0)
+    def fill() -> Fill:
+        return Fill(requests=used, max_requests=1000, amount=0, max_amount=0)
     held = TenantHeld()
 
     def shed(prio: int) -> bool:
@@ -70,7 +71,8 @@ def test_lower_bands_are_shed_first(p: int, q: int, used: int, reserve: float) -
 
 
 def test_sheddable_tenant_is_shed_past_the_reserve_and_others_are_not() -> None:
-    fill = Fill(requests=95, max_requests=100, amount=0, max_amount=0)
+    def fill() -> Fill:
+        return Fill(requests=95, max_requests=100, amount=0, max_amount=0)
     held = TenantHeld()
     got = refusal(POLICY, RequestClass("batch", 4), held, (None, None), 1, fill, 0.9)
     assert got is not None and got.reason == BAND

@@ -18,6 +18,7 @@ finding room longer. ``reserve`` 0 turns it off.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -103,12 +104,12 @@ def refusal(
     held: TenantHeld,
     caps: tuple[int | None, int | None],
     amount: int,
-    fill: Fill | None = None,
+    fill: Callable[[], Fill] | None = None,
     reserve: float = 0.0,
 ) -> Refusal | None:
     """Whether a request of class ``rc`` and ``amount`` units may go on: None, or the
     refusal. ``caps``: the tenant's (max requests, max units), None = no cap; ``fill``:
-    the fleet's load (None: no band shedding); ``reserve``: the fraction of the fleet
+    gives the fleet's load, called only for a sheddable request (None: no band shedding); ``reserve``: the fraction of the fleet
     kept for higher bands (see the module docstring)."""
     max_n, max_a = caps
     n, a = held.held(rc.tenant)
@@ -123,7 +124,7 @@ def refusal(
     if not (spec.sheddable or rc.priority in policy.sheddable_priorities):
         return None
     limit = band_threshold(policy, rc.priority, reserve)
-    used = fill.after(amount)
+    used = fill().after(amount)
     if used > limit:
         return Refusal(BAND, f"fleet {used:.0%} full: sheddable priority {rc.priority} is "
                        f"refused past {limit:.0%}")
