@@ -277,6 +277,10 @@ class PrefillBalancer:
         return self.config.rules.order.order(
             self._tiers[tier].queue, fair.now_ns if now_ns is None else now_ns)
 
+    def tier_queue(self, tier: int) -> TierQueue:
+        """``tier``'s queue by band and tenant (read it; change it through the balancer)."""
+        return self._tiers[tier].queue
+
     def head(self, tier: int) -> Queued | None:
         """The head of ``tier``'s queue in take order, or None."""
         return next(self.queued(tier), None) if self._tiers[tier].queue else None

@@ -81,9 +81,28 @@ class FairLedger:
         v = self.vt(tenant)
         self.vnow = max(self.vnow, v)
         self.v[tenant] = v + units / self.weight(tenant)
+        if len(self.v) > max(self.SWEEP_AT, 2 * len(self.count)):
+            self._sweep()
         if self.cap(tenant) is not None:
             t = self.now_ns if now_ns is None else now_ns
             self.used[tenant] = (self.usage(tenant, t) + cost_ns, t)
+
+    #: Ledger size that starts a sweep of idle tenants' entries.
+    SWEEP_AT = 1024
+
+    def _sweep(self) -> None:
+        """Drop idle tenants' virtual times at or below ``vnow`` (a new backlog starts
+        there anyway); past ``max_tenants`` entries, also the idle ones with the least
+        debt."""
+        idle = [t for t in self.v if t not in self.count]
+        for t in idle:
+            if self.v[t] <= self.vnow:
+                del self.v[t]
+        over = len(self.v) - self.policy.max_tenants
+        if over > 0:
+            rest = sorted((t for t in idle if t in self.v), key=lambda t: self.v[t])
+            for t in rest[:over]:
+                del self.v[t]
 
     def refund(self, tenant: str, units: float) -> None:
         """A taken request of ``tenant`` came back unserved (a lapsed lease)."""
@@ -125,6 +144,8 @@ class TierQueue:
         self.flows: dict[int, OrderedDict[str, Flow]] = {}
         self.seq: dict[str, int] = {}
         self.served_ns: dict[int, int] = {}
+        #: Queued predicted cost per (band, tenant), ns.
+        self.flow_ns: dict[tuple[int, str], int] = {}
         self._tail = 0
         self._front = 0
 
@@ -155,6 +176,8 @@ class TierQueue:
         else:
             self._tail += 1
             self.seq[rid] = self._tail
+        key = (band, tenant)
+        self.flow_ns[key] = self.flow_ns.get(key, 0) + item.cost_ns
         self.ledger.joined(tenant)
 
     def add(self, item: Queued) -> None:
@@ -175,8 +198,10 @@ class TierQueue:
         flows = self.flows[band]
         flow = flows[tenant]
         del flow[rid]
+        self.flow_ns[band, tenant] -= item.cost_ns
         if not flow:
             del flows[tenant]
+            del self.flow_ns[band, tenant]
         if not bq:
             del self.bands[band]
             del self.flows[band]
