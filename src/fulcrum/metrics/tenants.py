@@ -136,3 +136,55 @@ HEADER_IGNORED = Counter(
     ["header", "reason"],
     registry=REGISTRY,
 )
+
+
+class PrefillMeter:
+    """Per-tenant prefill figures, set by the prefill state as requests queue, leave and
+    are delivered. ``label``: a fairness id's bounded label
+    (:meth:`fulcrum.core.tenants.TenantTable.label`), read when a request queues and kept
+    with it so that a reload never unbalances a gauge. Event loop only."""
+
+    def __init__(self) -> None:
+        #: label -> (requests queued, predicted ns queued).
+        self._queued: dict[str, tuple[int, int]] = {}
+
+    def queued(self, label: str, cost_ns: int) -> None:
+        """A request of ``label`` costing ``cost_ns`` (ns) joined a tier queue."""
+        n, ns = self._queued.get(label, (0, 0))
+        self._set(label, n + 1, ns + cost_ns)
+
+    def left(self, label: str, cost_ns: int) -> None:
+        """A request of ``label`` left the queues (taken by a pull, cancelled, expired)."""
+        n, ns = self._queued.get(label, (0, 0))
+        self._set(label, max(0, n - 1), max(0, ns - cost_ns))
+
+    def _set(self, label: str, n: int, ns: int) -> None:
+        if n:
+            self._queued[label] = (n, ns)
+        else:
+            self._queued.pop(label, None)
+            ns = 0
+        PREFILL_QUEUED.labels(label).set(n)
+        PREFILL_QUEUED_SECONDS.labels(label).set(ns / 1e9)
+
+    @staticmethod
+    def delivered(label: str, priority: int, cost_ns: int, waited_ns: int,
+                  slo_ns: int | None) -> None:
+        """A request was acknowledged by its engine after ``waited_ns`` (ns) queued; its
+        predicted TTFT (wait + ``cost_ns``) over ``slo_ns`` is a deadline miss."""
+        PREFILL_COMPUTE.labels(label).inc(cost_ns / 1e9)
+        PRIORITY_COMPUTE.labels(str(priority)).inc(cost_ns / 1e9)
+        PREFILL_WAIT.labels(label).observe(waited_ns / 1e9)
+        if slo_ns is not None and waited_ns + cost_ns > slo_ns:
+            DEADLINE_MISSES.labels("prefill", label).inc()
+
+    @staticmethod
+    def expired(label: str, slo_ns: int | None) -> None:
+        """A request with a deadline expired in the queue (DEADLINE_EXCEEDED)."""
+        if slo_ns is not None:
+            DEADLINE_MISSES.labels("prefill", label).inc()
+
+    @staticmethod
+    def shed(label: str) -> None:
+        """A sheddable request was refused on a predicted deadline miss."""
+        SHED.labels("prefill", label, "deadline").inc()
