@@ -17,6 +17,7 @@ from fulcrum.config.policies import (
     policy_fields,
     sweep_field,
 )
+from fulcrum.config.tenancy import band_reserve_field
 from fulcrum.core.decode.registry import DEFAULT_POLICY, REGISTRY
 from fulcrum.core.decode.view import MAX_KV_LIMIT
 
@@ -47,6 +48,7 @@ class DecodeSettings(PolicySection):
     del _name, _section, _field
     lease_ms: int = lease_field(600_000)
     sweep_interval_ms: int = sweep_field()
+    band_reserve: float = band_reserve_field()
     max_placements: int = Field(
         1_000_000,
         ge=1,

@@ -13,6 +13,7 @@ malformed value is ignored (the field keeps its default) and counted in
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
@@ -74,3 +75,17 @@ class GatewayTenancySettings(Section):
         if len(set(names)) != len(names):
             raise ValueError("fairness_header, objective_header and ttft_header must differ")
         return self
+
+
+def band_reserve_field() -> Any:
+    """``<table>.band_reserve`` (decode, vision): lower bands are shed first as the
+    fleet fills (see :mod:`fulcrum.core.tenant_caps`)."""
+    return Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="fraction of the fleet's capacity (requests or KV/patches, the fuller) "
+        "kept from sheddable classes (tenants.*.sheddable, tenants.sheddable_priorities): "
+        "the lowest band is refused past 1 - band_reserve full, higher bands later "
+        "(0 = off; no class is sheddable by default)",
+    )

@@ -17,6 +17,7 @@ from fulcrum.config.policies import (
     policy_fields,
     sweep_field,
 )
+from fulcrum.config.tenancy import band_reserve_field
 from fulcrum.core.vision.registry import DEFAULT_POLICY, REGISTRY
 
 
@@ -56,6 +57,7 @@ class VisionSettings(PolicySection):
     )
     lease_ms: int = lease_field(120_000)
     sweep_interval_ms: int = sweep_field()
+    band_reserve: float = band_reserve_field()
     max_placements: int = Field(
         100_000,
         ge=1,
