@@ -88,6 +88,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="offered prefill load (sets the rate scale)")
     p.add_argument("--length-scale", metavar="X", type=float, default=1.0,
                    help="input length multiplier")
+    p.add_argument("--tenant-mix", metavar="T:NAME:RHO,...",
+                   help="mix traces as tenants, each TRACE:TENANT:LOAD[:PRIORITY[:SLO_MS]] "
+                        "(replaces --trace; see docs/tenants.md)")
     p.add_argument("--mix-synthetic", action="store_true",
                    help="merge synthetic agent sessions and a surge into the trace")
     p.add_argument("--cache-blocks", metavar="N", type=int,
@@ -403,6 +406,10 @@ def _cluster(args: argparse.Namespace) -> Cluster:
 
 def _workload(args: argparse.Namespace, cluster: Cluster) -> tuple[list[W.Request], float]:
     """The requests to run (windowed, mixed, scaled) and the rate scale applied."""
+    if args.tenant_mix:
+        from fulcrum.sim.tenant_mix import parse_mix
+
+        return parse_mix(args.tenant_mix, cluster, args.seed, args.duration), 1.0
     reqs = load_trace(args)
     if args.mix_synthetic:
         from fulcrum.sim.synthetic import SyntheticSpec, generate

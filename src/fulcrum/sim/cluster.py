@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fulcrum.config.decode import DecodeSettings
 from fulcrum.config.prefill import PrefillSettings
+from fulcrum.config.tenants import TenantsSettings
 from fulcrum.core.prefill.chunks import DEFAULT_FLOOR_FRACTION
 from fulcrum.sim.baselines import DEFAULT_STALENESS_NS
 
@@ -233,6 +234,8 @@ class Cluster(_Section):
     vision: VisionCluster = VisionCluster()
     experts: ExpertModel = ExpertModel()
     cache: CacheModel = CacheModel()
+    #: The daemon's own ``tenants:`` section (weights, caps, sheddable classes; issue 23).
+    tenants: TenantsSettings = TenantsSettings()
 
     def with_overrides(self, **sections: dict[str, Any]) -> Cluster:
         """A copy with some fields of some sections replaced (validated)."""

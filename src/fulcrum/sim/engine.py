@@ -72,6 +72,7 @@ from fulcrum.core.prefill.balancer import (
 from fulcrum.core.prefill.batch import quota_ns
 from fulcrum.core.prefill.dispatch import pick_puller
 from fulcrum.core.prefill.rules import DEFAULT as DEFAULT_RULES
+from fulcrum.core.tenants import RequestClass
 from fulcrum.sim import baselines
 from fulcrum.sim.cache import PER_ENGINE, BlockCache, block_hit_ratio, engine_caches
 from fulcrum.sim.cluster import Cluster
@@ -86,6 +87,7 @@ from fulcrum.sim.experts import EplbGroup, Popularity, eplb_policy
 from fulcrum.sim.policies import FULCRUM, PolicySet
 from fulcrum.sim.stats import Series as Series
 from fulcrum.sim.stats import StageTotals as StageTotals
+from fulcrum.sim.tenant_stage import TenantStage
 from fulcrum.sim.vision_stage import VisionStage
 from fulcrum.sim.workload import BLOCK_TOKENS, Request
 
@@ -127,6 +129,12 @@ class SimResult:
     decode_rejected: int = 0
     start_ns: int = 0
     block_hit_ratio: float = 0.0
+    #: Per request (issue 23): its class, shed or not, when handed to an engine (ns,
+    #: -1: never), useful prefill compute (ns). None on results built by hand.
+    classes: tuple[RequestClass, ...] = ()
+    shed: npt.NDArray[np.bool_] | None = None
+    taken_ns: I64 | None = None
+    useful_ns: F64 | None = None
 
     @property
     def span_ns(self) -> int:
@@ -254,6 +262,7 @@ class Simulator:
         self.window = (first + (last - first) // 10, last)
 
         self._init_requests()
+        self.tenants = TenantStage(cluster.tenants.to_policy(), self.reqs)
         self._init_prefill(r_route, trace)
         self._init_affinity()
         self._init_decode()
@@ -264,10 +273,7 @@ class Simulator:
 
     def _init_requests(self) -> None:
         """Per-request arrays (index: request id after sorting by arrival)."""
-        n = self.n
-        p = self.cluster.prefill
-        cluster = self.cluster
-        n = self.n
+        p, cluster, n = self.cluster.prefill, self.cluster, self.n
         self.arrival = np.array([r.arrival_ns for r in self.reqs], dtype=np.int64)
         self.inp = np.array([r.input_tokens for r in self.reqs], dtype=np.int64)
         self.outp = np.array([r.output_tokens for r in self.reqs], dtype=np.int64)
@@ -312,15 +318,17 @@ class Simulator:
         # as a deployment starts: the engines join one by one at t = 0 (an even split
         # until the first round closes).
         self.engine_ids = [f"e{i:03d}" for i in range(p.engines)]
+        rules = rules_by_name(policy.rules if policy.rules != DEFAULT_RULES else p.rules)
         self.balancer = PrefillBalancer(BalancerConfig(
             bounds=self.bounds,
             batch_cap_ns=tuple(p.tier_batch_cap_ns),
             backlog_rounds=p.backlog_rounds,
             hysteresis=p.hysteresis,
             max_batch_requests=p.max_batch_requests,
-            rules=rules_by_name(policy.rules if policy.rules != DEFAULT_RULES else p.rules),
+            rules=rules.with_order(policy.order) if policy.order else rules,
             step_quota_ns=p.step_quota_ns,
             min_dwell_ns=p.min_tier_dwell_ms * 1_000_000,
+            tenants=self.tenants.table.policy,
         ))
         #: Optional observer of the balancer calls (tests replay them through the daemon).
         self.trace: Callable[[tuple[object, ...]], None] | None = trace
@@ -347,10 +355,9 @@ class Simulator:
             self.router_index = PrefixIndex(BLOCK_TOKENS)
             for e in range(p.engines):
                 self.router_index.add_engine(str(e), index_cap)
-        if self.fulcrum_prefill:
-            for eid in self.engine_ids:
-                self.balancer.add_engine(eid, p.ranks_per_engine)
-                self._trace(("join", 0, eid, p.ranks_per_engine))
+        for eid in self.engine_ids if self.fulcrum_prefill else ():
+            self.balancer.add_engine(eid, p.ranks_per_engine)
+            self._trace(("join", 0, eid, p.ranks_per_engine))
         # Every policy runs the same engine-side chunk planner (time budget, chunk cap).
         self.step_limit = float(p.step_quota_ns)
         self.step_floor = p.step_quota_ns * p.step_floor_fraction
@@ -454,7 +461,11 @@ class Simulator:
             if self.affinity is not None and blocks:
                 cost = self.affinity.expected_cost(int(self.inp[rid]), blocks)
             item = Queued(str(rid), int(self.inp[rid]), int(self.cached[rid]),
-                          bal.tier_for(int(self.inp[rid]), blocks), cost, self.now, blocks)
+                          bal.tier_for(int(self.inp[rid]), blocks), cost, self.now, blocks,
+                          cls=self.tenants.classes[rid])
+            if self.tenants.refuse(bal, item, self.now - int(self.arrival[rid])):
+                self.pending -= 1  # shed: refused at once, never queued
+                return
             red = bal.enqueue(item)
             self._trace(("submit", self.now, item.request_id, item.total, item.cached,
                          tuple(bal.engines_per_tier())))
@@ -504,6 +515,7 @@ class Simulator:
         taken = self.balancer.take(eid, remaining, loads, now_ns=self.now)
         self._trace(("pull", self.now, eid, remaining, tuple(loads),
                      tuple(it.request_id for it in taken.items), taken.ranks))
+        self.tenants.taken(taken.items, self.now)
         for it, r in zip(taken.items, taken.ranks, strict=True):
             self._enqueue(e, r, int(it.request_id))
         if taken.items:
@@ -561,6 +573,7 @@ class Simulator:
             extra = self.cluster.prefill.moe_fraction * self.model.b * tokens / r * (lb - 1.0)
             dur = mx + extra
         _count_prefill_step(self.prefill_tot, plan, queues, dur, ideal=self.policy.ideal)
+        self.tenants.step(plan)
         if self.window[0] <= self.now < self.window[1]:
             self.prefill_tot.window_ideal_ns += mean * r
         if mean > 0:
@@ -651,6 +664,10 @@ def _result_of(sim: Simulator) -> SimResult:
         window_ns=sim.window,
         decode_rejected=sim.decode.rejected,
         start_ns=int(sim.arrival[0]) if sim.n else 0,
+        classes=tuple(sim.tenants.classes),
+        shed=sim.tenants.shed,
+        taken_ns=sim.tenants.taken_ns,
+        useful_ns=sim.tenants.useful_ns,
     )
 
 

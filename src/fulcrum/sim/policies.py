@@ -42,6 +42,9 @@ from fulcrum.sim import baselines
 from fulcrum.sim.experts import STATIC, default_eplb_policy
 
 FULCRUM: Final = "fulcrum"
+#: Baseline queue orders (issue 23), each a policy set of that name: Fulcrum's default
+#: with the tier queues in FIFO, strict bands + round robin (llm-d), or token VTC (AIBrix).
+ORDER_BASELINES: Final = ("fifo", "strict_rr", "vtc_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,8 @@ class PolicySet:
     ideal: bool = False
     rules: str = DEFAULT_RULES
     affinity: bool = True
+    #: Queue order rule replacing the rule set's (issue 23; "": the set's own).
+    order: str = ""
 
 
 def policy_sets() -> dict[str, PolicySet]:
@@ -78,6 +83,10 @@ def policy_sets() -> dict[str, PolicySet]:
                                           core_vision.DEFAULT_POLICY, eplb, affinity=False)
     for b in baselines.PREFIX_NAMES:
         out[b] = PolicySet(b, b, baselines.LEAST_REQUESTS, baselines.LEAST_REQUESTS, eplb)
+    # Queue orders inside the tier queues (issue 23): the default is wfq_ns.
+    for order in ORDER_BASELINES:
+        out[order] = PolicySet(order, FULCRUM, core_decode.DEFAULT_POLICY,
+                               core_vision.DEFAULT_POLICY, eplb, order=order)
     out["eplb_static"] = PolicySet("eplb_static", FULCRUM, core_decode.DEFAULT_POLICY,
                                    core_vision.DEFAULT_POLICY, STATIC)
     if eplb != "reference":

@@ -33,6 +33,10 @@ Diagnostics:
 * ``prefill_capacity_fraction``: balanced prefill work done while requests kept
   arriving / (prefill GPUs x that time).
 
+Per class (issue 23, :mod:`fulcrum.sim.tenant_report`): ``by_tenant`` and
+``by_priority`` (TTFT, shed, compute share of the fleet, longest service gap), and
+``shed`` (requests refused on a predicted deadline miss).
+
 ``ttft`` (per tier ``requests``, ``ttft_p50_s``, ``ttft_p99_s`` over finished requests
 only), ``completed``, ``tpot_p50_ms`` / ``tpot_p99_ms`` are kept for older readers.
 """
@@ -49,6 +53,7 @@ import numpy as np
 
 from fulcrum.core.prefill.tiers import tier_label
 from fulcrum.sim.engine import Series, SimResult
+from fulcrum.sim.tenant_report import class_tables
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:
@@ -132,6 +137,7 @@ def summarize(res: SimResult) -> dict[str, Any]:
     finished = int((res.finish_ns >= 0).sum())
     tpot_p50 = _pct(tpot, 50)
     tpot_p99 = _pct(tpot, 99)
+    by_tenant, by_priority = class_tables(res)
     return {
         "policy": res.policy,
         "seed": res.seed,
@@ -164,6 +170,9 @@ def summarize(res: SimResult) -> dict[str, Any]:
         "prefill_steps": p.steps,
         "decode_steps": d.steps,
         "eplb_rebalances": res.eplb_rebalances,
+        "shed": sum(e["shed"] for e in by_tenant.values()),
+        "by_tenant": by_tenant,
+        "by_priority": by_priority,
     }
 
 

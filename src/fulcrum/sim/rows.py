@@ -80,12 +80,39 @@ def _hash_ids(path: Path, line: int, row: Mapping[str, object]) -> tuple[int, ..
     return tuple(raw)
 
 
-JsonlRow = tuple[int, int, int, tuple[int, ...]]
+#: A request's class fields as a trace gives them: ``(tenant, priority, ttft_slo_ms)``
+#: (``""``, 0, None when absent; issue 23).
+ClassFields = tuple[str, int, int | None]
+NO_CLASS: Final[ClassFields] = ("", 0, None)
+
+JsonlRow = tuple[int, int, int, tuple[int, ...], ClassFields]
+
+
+def _class_fields(path: Path, line: int, row: Mapping[str, object]) -> ClassFields:
+    """The optional ``tenant`` (string), ``priority`` (integer) and ``ttft_slo_ms``
+    (positive number, ms) of a row."""
+    tenant = row.get("tenant", "")
+    if tenant is None:
+        tenant = ""
+    if not isinstance(tenant, str):
+        raise TraceError(path, f"field 'tenant': expected a string, got {tenant!r}", line=line)
+    prio = row.get("priority", 0)
+    if prio is None:
+        prio = 0
+    if isinstance(prio, bool) or not isinstance(prio, int):
+        raise TraceError(path, f"field 'priority': expected an integer, got {prio!r}",
+                         line=line)
+    slo = row.get("ttft_slo_ms")
+    if slo is not None and (isinstance(slo, bool) or not isinstance(slo, int | float)
+                            or not math.isfinite(slo) or slo <= 0):
+        raise TraceError(path, f"field 'ttft_slo_ms': expected milliseconds > 0, got {slo!r}",
+                         line=line)
+    return (tenant, prio, None if slo is None else max(1, round(slo)))
 
 
 def iter_jsonl(path: Path, *, limit: int | None = None) -> Iterator[JsonlRow]:
-    """Rows ``(arrival_ns, input_tokens, output_tokens, hash_ids)`` of a JSONL trace, in
-    file order, arrivals not re-based; stops after ``limit`` rows."""
+    """Rows ``(arrival_ns, input_tokens, output_tokens, hash_ids, class fields)`` of a
+    JSONL trace, in file order, arrivals not re-based; stops after ``limit`` rows."""
     n = 0
     try:
         with path.open(encoding="utf-8") as fh:
@@ -103,6 +130,7 @@ def iter_jsonl(path: Path, *, limit: int | None = None) -> Iterator[JsonlRow]:
                     max(1, _int_field(path, lineno, row, "input_length")),
                     max(1, _int_field(path, lineno, row, "output_length")),
                     _hash_ids(path, lineno, row),
+                    _class_fields(path, lineno, row),
                 )
                 n += 1
                 if limit is not None and n >= limit:

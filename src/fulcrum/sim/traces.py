@@ -11,11 +11,16 @@
   - ``output_length`` -- generated tokens (integer >= 0; 0 is read as 1);
   - ``hash_ids`` (optional) -- prefix-cache block ids of the prompt, one per 512-token
     block (Mooncake's convention: equal ids mean equal prefix blocks); without them
-    the request has no prefix-cache information (no cache hits).
+    the request has no prefix-cache information (no cache hits);
+  - ``tenant`` (optional, string) -- who sent it (the fairness id; default: the default
+    class), ``priority`` (optional, integer, higher first; default 0) and
+    ``ttft_slo_ms`` (optional, ms > 0) -- its TTFT deadline (issue 23; the ``tenants``
+    settings of ``--cluster`` give weights, caps and which classes are sheddable).
 
   Other keys are ignored. Example line::
 
-      {"timestamp": 1250, "input_length": 8000, "output_length": 200, "hash_ids": [0, 1]}
+      {"timestamp": 1250, "input_length": 8000, "output_length": 200, "hash_ids": [0, 1],
+       "tenant": "acme", "priority": 1, "ttft_slo_ms": 2000}
 
 * **Azure LLM inference CSV** (Splitwise 2023 and DynamoLLM 2024 releases, and the
   2025 multimodal one): header ``TIMESTAMP, ContextTokens, GeneratedTokens`` (column
@@ -63,10 +68,10 @@ import numpy as np
 from fulcrum.sim.rows import AZURE_COLUMNS as AZURE_COLUMNS
 from fulcrum.sim.rows import BURSTGPT_COLUMNS as BURSTGPT_COLUMNS
 from fulcrum.sim.rows import JSONL_FIELDS as JSONL_FIELDS
+from fulcrum.sim.rows import NO_CLASS, _norm
 from fulcrum.sim.rows import NS_PER_MS as NS_PER_MS
 from fulcrum.sim.rows import JsonlRow as JsonlRow
 from fulcrum.sim.rows import TraceError as TraceError
-from fulcrum.sim.rows import _norm
 from fulcrum.sim.rows import azure_label as azure_label
 from fulcrum.sim.rows import azure_timestamp_ns as azure_timestamp_ns
 from fulcrum.sim.rows import iter_csv as iter_csv
@@ -310,13 +315,13 @@ def read_trace(
     if kind in ("mooncake", "jsonl"):
         rows = list(iter_jsonl(path, limit=limit))
     else:
-        rows = [(t, i, o, ()) for t, i, o in iter_csv(path, kind, limit=limit)]
+        rows = [(t, i, o, (), NO_CLASS) for t, i, o in iter_csv(path, kind, limit=limit)]
     if not rows:
         raise TraceError(path, "no request rows")
     label = azure_label(path) if kind == "azure" else kind
     t0 = min(r[0] for r in rows)
     return renumber(
         Request(rid=i, arrival_ns=t - t0, input_tokens=inp, output_tokens=out,
-                hash_ids=h, source=label)
-        for i, (t, inp, out, h) in enumerate(rows)
+                hash_ids=h, source=label, tenant=c[0], priority=c[1], ttft_slo_ms=c[2])
+        for i, (t, inp, out, h, c) in enumerate(rows)
     )

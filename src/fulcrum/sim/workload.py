@@ -56,7 +56,9 @@ class Request:
     (tokens, text + image tokens); ``output_tokens`` -- generated tokens (>= 1);
     ``hash_ids`` -- prefix-cache block ids, one per :data:`BLOCK_TOKENS` tokens of input
     (may be empty: no prefix information); ``image_patches`` -- patches of each image
-    (patches); ``source`` -- a short label of where the request came from.
+    (patches); ``source`` -- a short label of where the request came from;
+    ``tenant`` (fairness id, ``""``: the default class), ``priority`` (higher first) and
+    ``ttft_slo_ms`` (TTFT deadline, ms; None: none) -- its class (issue 23).
     """
 
     rid: int
@@ -66,6 +68,9 @@ class Request:
     hash_ids: tuple[int, ...] = ()
     image_patches: tuple[int, ...] = ()
     source: str = ""
+    tenant: str = ""
+    priority: int = 0
+    ttft_slo_ms: int | None = None
 
 
 def traces_dir() -> Path:
@@ -95,8 +100,8 @@ def read_mooncake(path: Path, *, limit: int | None = None) -> list[Request]:
 
     return renumber(
         Request(rid=i, arrival_ns=t, input_tokens=inp, output_tokens=out, hash_ids=h,
-                source="mooncake")
-        for i, (t, inp, out, h) in enumerate(iter_jsonl(Path(path), limit=limit))
+                source="mooncake", tenant=c[0], priority=c[1], ttft_slo_ms=c[2])
+        for i, (t, inp, out, h, c) in enumerate(iter_jsonl(Path(path), limit=limit))
     )
 
 
