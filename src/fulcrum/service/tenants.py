@@ -46,10 +46,12 @@ class Tenancy:
     def __init__(self, settings: TenantsSettings) -> None:
         self.table = TenantTable(settings.to_policy())
         self._folded_logged = False
+        self._default = self.table.resolve()
 
     def apply_settings(self, settings: TenantsSettings) -> None:
         """Reload: the new policy applies to the next request (tracked tenants stay)."""
         self.table.apply(settings.to_policy())
+        self._default = self.table.resolve()
         tm.TRACKED.set(self.table.tracked)
 
     def resolve(self, tenant: str, priority: int, ttft_slo_ms: int | None) -> RequestClass:
@@ -73,8 +75,11 @@ class Tenancy:
 
     def of(self, request: ClassFields) -> RequestClass:
         """The class of a request message (SubmitRequest, PlaceDecodeRequest,
-        PlaceImagesRequest)."""
-        ttft = int(request.ttft_slo_ms) if request.HasField("ttft_slo_ms") else None
+        PlaceImagesRequest). A request naming nothing takes the fast path (no lookup)."""
+        has_ttft = request.HasField("ttft_slo_ms")
+        if not (request.tenant or request.priority or has_ttft):
+            return self._default
+        ttft = int(request.ttft_slo_ms) if has_ttft else None
         return self.resolve(request.tenant, request.priority, ttft)
 
     def label(self, rc: RequestClass) -> str:
