@@ -109,8 +109,9 @@ def refusal(
 ) -> Refusal | None:
     """Whether a request of class ``rc`` and ``amount`` units may go on: None, or the
     refusal. ``caps``: the tenant's (max requests, max units), None = no cap; ``fill``:
-    gives the fleet's load, called only for a sheddable request (None: no band shedding); ``reserve``: the fraction of the fleet
-    kept for higher bands (see the module docstring)."""
+    gives the fleet's load, called only for a sheddable request (None: no band
+    shedding); ``reserve``: the fraction of the fleet kept for higher bands (see the
+    module docstring)."""
     max_n, max_a = caps
     n, a = held.held(rc.tenant)
     if max_n is not None and n + 1 > max_n:
