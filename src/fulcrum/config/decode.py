@@ -1,20 +1,16 @@
-"""Settings of the decode balancer: policy, its parameters, leases and bounds.
-
-Every key is reloadable: on SIGHUP the decode table's ``apply_settings`` applies all of
-them to the next call (none is restart-only).
-"""
+"""Settings of the decode balancer: policy, its parameters, leases and bounds; all
+reloadable (:mod:`fulcrum.config.placement`)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import Field
 
+from fulcrum.config.placement import TableSection, add_policy_sections
 from fulcrum.config.policies import (
-    PolicySection,
     gpu_series_field,
     lease_field,
-    policy_fields,
     sweep_field,
 )
 from fulcrum.config.tenancy import band_reserve_field
@@ -22,7 +18,7 @@ from fulcrum.core.decode.registry import DEFAULT_POLICY, REGISTRY
 from fulcrum.core.decode.view import MAX_KV_LIMIT
 
 
-class DecodeSettings(PolicySection):
+class DecodeSettings(TableSection):
     """The decode balancer: per-GPU concurrency AND per-GPU total KV.
 
     ``decode.policy`` is a name of :data:`fulcrum.core.decode.registry.REGISTRY`; each
@@ -42,10 +38,7 @@ class DecodeSettings(PolicySection):
         ),
     )
     # One section per registered policy with parameters, right after ``policy``.
-    for _name, (_section, _field) in policy_fields(REGISTRY).items():
-        __annotations__[_name] = _section
-        vars()[_name] = _field
-    del _name, _section, _field
+    add_policy_sections(vars(), REGISTRY)
     lease_ms: int = lease_field(600_000)
     sweep_interval_ms: int = sweep_field()
     band_reserve: float = band_reserve_field()
@@ -63,7 +56,3 @@ class DecodeSettings(PolicySection):
     )
 
     metrics_gpu_series: int = gpu_series_field("decode")
-
-    def params(self) -> Any:
-        """The parameter dataclass of the policy in force (``NoParams`` when it has none)."""
-        return self.policy_params()

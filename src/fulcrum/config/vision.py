@@ -1,27 +1,23 @@
-"""Settings of the vision-encoder (VE) balancer.
-
-Every key is reloadable: on SIGHUP the vision table's ``apply_settings`` applies all of
-them to the next call (none is restart-only).
-"""
+"""Settings of the vision-encoder (VE) balancer: policy, patch defaults, image bounds,
+leases; every key takes effect on reload (see :mod:`fulcrum.config.placement`)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import Field
 
+from fulcrum.config.placement import TableSection, add_policy_sections
 from fulcrum.config.policies import (
-    PolicySection,
     gpu_series_field,
     lease_field,
-    policy_fields,
     sweep_field,
 )
 from fulcrum.config.tenancy import band_reserve_field
 from fulcrum.core.vision.registry import DEFAULT_POLICY, REGISTRY
 
 
-class VisionSettings(PolicySection):
+class VisionSettings(TableSection):
     """The vision balancer: image patches in flight on VE GPUs.
 
     ``vision.policy`` is a name of :data:`fulcrum.core.vision.registry.REGISTRY`; a
@@ -40,9 +36,8 @@ class VisionSettings(PolicySection):
             "two random machines) or least_patches (globally least-loaded GPU)"
         ),
     )
-    for _name, (_section, _field) in policy_fields(REGISTRY).items():
-        __annotations__[_name] = _section
-        vars()[_name] = _field
+    # One section per registered policy with parameters, right after ``policy``.
+    add_policy_sections(vars(), REGISTRY)
     patch_size: int = Field(
         16, ge=1, le=4096, description="patch side used when an image gives none, pixels"
     )
@@ -66,7 +61,3 @@ class VisionSettings(PolicySection):
     )
 
     metrics_gpu_series: int = gpu_series_field("VE")
-
-    def params(self) -> Any:
-        """The parameter dataclass of the policy in force (``NoParams`` when it has none)."""
-        return self.policy_params()

@@ -1,15 +1,31 @@
-"""Helpers of the placement balancers' collectors (decode, vision), run in the scrape
-thread on published snapshots only: bounded per-GPU rows and imbalance."""
+"""The one collector of the placement tables (decode, vision): run in the scrape thread
+on published snapshots only (:class:`fulcrum.state.placement.TableSnapshot`), with
+bounded per-GPU rows, per-member sums, imbalance and the call counters. Each balancer's
+module names its families (:class:`TableMetrics`) and registers one
+:func:`table_collector`.
+
+One owner: the scrape thread never reads a table's live state, only the immutable
+snapshot the event loop publishes after changes
+(:class:`fulcrum.state.placement.Publisher`); everything derived (imbalance, sums,
+top-k) is computed here, in the scrape thread, from that snapshot.
+"""
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
+from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from fulcrum.state.placement import MemberFigures
+from fulcrum.metrics import REGISTRY
+from fulcrum.state.placement import MemberFigures, TableSnapshot
 
 I64 = npt.NDArray[np.int64]
 
@@ -75,3 +91,141 @@ def member_sums(members: Sequence[MemberFigures], which: int) -> list[int]:
     starts = np.cumsum([0, *sizes[:-1]])
     sums: list[int] = np.add.reduceat(values, starts).tolist()
     return sums
+
+
+# -- the one collector of a placement table ---------------------------------------------
+
+
+Family = GaugeMetricFamily | CounterMetricFamily
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One metric family of a table's collector: ``kind`` "gauge" or "counter"."""
+
+    kind: str
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+
+    def build(self) -> Family:
+        if self.kind == "gauge":
+            return GaugeMetricFamily(self.name, self.doc, labels=list(self.labels))
+        return CounterMetricFamily(self.name, self.doc, labels=list(self.labels))
+
+
+@dataclass(frozen=True, slots=True)
+class TableMetrics:
+    """The families a placement table's snapshot feeds (built at every scrape).
+
+    ``per_gpu`` and ``per_member`` have one family per figure of the snapshot's members
+    (labels ``[member, gpu]`` and ``[member]``); ``imbalance`` is labelled by policy, and
+    by dimension when ``dimensions`` names the figures; ``units`` are per-policy counters
+    of the snapshot's ``units`` (in :attr:`TableKind.units` order); ``rank`` orders GPUs
+    for the bounded per-GPU series (largest first).
+    """
+
+    per_gpu: tuple[Spec, ...]
+    per_member: tuple[Spec, ...]
+    gpus: Spec
+    imbalance: Spec
+    held: Spec
+    placements: Spec
+    releases: Spec
+    rank: Callable[[tuple[I64, ...]], I64]
+    dimensions: tuple[str, ...] = ()
+    units: tuple[Spec, ...] = ()
+
+    def specs(self) -> tuple[Spec, ...]:
+        return (
+            *self.per_gpu, *self.per_member, self.gpus, self.imbalance, self.held,
+            self.placements, *self.units, self.releases,
+        )
+
+
+class SnapshotSource(Protocol):
+    @property
+    def snapshot(self) -> TableSnapshot: ...
+
+
+def _add_per_member(members: Sequence[MemberFigures], fams: Sequence[Family]) -> None:
+    sums = [member_sums(members, which) for which in range(len(fams))]
+    for i, m in enumerate(members):
+        for fam, figure in zip(fams, sums, strict=True):
+            fam.add_metric([m.member_id], float(figure[i]))
+        if i % YIELD_EVERY == YIELD_EVERY - 1:
+            yield_gil()
+
+
+def _add_per_gpu(
+    members: Sequence[MemberFigures], spec: TableMetrics, limit: int, fams: Sequence[Family]
+) -> None:
+    for i, (member_id, gpu, row) in enumerate(gpu_rows(members, limit, spec.rank)):
+        labels = [member_id, str(gpu)]
+        for fam, value in zip(fams, row, strict=True):
+            fam.add_metric(labels, float(value))
+        if i % YIELD_EVERY == YIELD_EVERY - 1:
+            yield_gil()
+
+
+def _add_counts(fam: Family, items: Sequence[tuple[tuple[str, ...] | str, int]]) -> None:
+    for labels, n in sorted(items):
+        fam.add_metric([labels] if isinstance(labels, str) else list(labels), float(n))
+
+
+class TableCollector(Collector):
+    """Per-GPU (bounded) and per-member figures, imbalance and counters of one table,
+    from its published snapshot only (in the scrape thread)."""
+
+    def __init__(self, spec: TableMetrics) -> None:
+        self._spec = spec
+        self._source: weakref.ReferenceType[SnapshotSource] | None = None
+
+    def set_source(self, source: SnapshotSource) -> None:
+        """Feed the families from ``source`` (the table's publisher; held weakly)."""
+        self._source = weakref.ref(source)
+
+    def describe(self) -> Iterator[Metric]:
+        yield from (s.build() for s in self._spec.specs())
+
+    def collect(self) -> Iterator[Metric]:
+        spec = self._spec
+        fams = {s.name: s.build() for s in spec.specs()}
+        source = self._source() if self._source is not None else None
+        if source is not None:
+            self._fill(source.snapshot, fams)
+        yield from fams.values()
+
+    def _fill(self, snap: TableSnapshot, fams: dict[str, Family]) -> None:
+        spec = self._spec
+        members = sorted(snap.members, key=lambda m: m.member_id)
+        _add_per_member(members, [fams[s.name] for s in spec.per_member])
+        n_gpus = sum(int(m.values[0].shape[0]) for m in members)
+        fams[spec.gpus.name].add_metric([], float(n_gpus))
+        _add_per_gpu(members, spec, snap.gpu_series, [fams[s.name] for s in spec.per_gpu])
+        imbalance = fams[spec.imbalance.name]
+        for which, dimension in enumerate(spec.dimensions or ("",)):
+            value = imbalance_of([m.values[which] for m in members])
+            imbalance.add_metric([snap.policy, dimension] if dimension else [snap.policy], value)
+        fams[spec.held.name].add_metric([], float(snap.held))
+        _add_counts(fams[spec.placements.name], snap.placements)
+        for unit_spec, (_, items) in zip(spec.units, snap.units, strict=True):
+            _add_counts(fams[unit_spec.name], items)
+        _add_counts(fams[spec.releases.name], snap.releases)
+
+
+def table_collector(spec: TableMetrics) -> TableCollector:
+    """A collector of ``spec``, registered on :data:`fulcrum.metrics.REGISTRY`."""
+    collector = TableCollector(spec)
+    REGISTRY.register(collector)
+    return collector
+
+
+def loss_counters(what: str, expired: str, lost: str, lost_doc: str) -> tuple[Counter, Counter]:
+    """The two counters a table increments itself: ``fulcrum_<what>_expirations``
+    (placements whose lease ran out; help ``expired``) and ``lost`` (placements lost with
+    a member that left, by reason: deregistered, lapsed, replaced; help ``lost_doc``)."""
+    return (
+        Counter(f"fulcrum_{what}_expirations", expired, registry=REGISTRY),
+        Counter(lost, lost_doc, ["reason"], registry=REGISTRY),
+    )

@@ -13,11 +13,11 @@ import grpc
 import structlog
 
 from fulcrum.core.types import DecodeInstanceShape, Member, MemberKind
-from fulcrum.errors import InvalidArgument, NotFound
+from fulcrum.errors import NotFound
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
 from fulcrum.service.paging import page_size_of, page_token_of
-from fulcrum.service.placement import check_request_id, liveness, wire_table
+from fulcrum.service.placement import check_request_id, liveness, register_table, release_id
 from fulcrum.service.streams import place_release_stream
 from fulcrum.state.decode import DecodeState
 from fulcrum.units import NS_PER_MS
@@ -95,11 +95,7 @@ class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
     ) -> None:
         """One ReleaseDecode: fills ``reply`` (untouched on error)."""
         state = self._state
-        try:
-            request_id = require_id(request.request_id, "request_id")
-        except InvalidArgument:
-            state.count_release_refused("invalid_argument")
-            raise
+        request_id = release_id(request.request_id, state)
         r = state.release(request_id, self._app.clock())
         reply.instance_id = r.instance_id
         reply.gpu_index = r.gpu_index
@@ -152,10 +148,10 @@ class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
         request_iterator: AsyncIterator[pb.PlaceDecodeStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.PlaceDecodeStreamResponse]:
-        stream = place_release_stream(
-            request_iterator, pb.PlaceDecodeStreamResponse, self.place_into, self.release_into
-        )
-        async for reply in stream:
+        reply_type = pb.PlaceDecodeStreamResponse
+        async for reply in place_release_stream(
+            request_iterator, reply_type, self.place_into, self.release_into
+        ):
             yield reply
 
 
@@ -168,6 +164,8 @@ def register(server: grpc.aio.Server, app: App) -> list[str]:
         liveness=liveness(app),
         debug_log=app.settings.logging.level == "debug",
     )
-    wire_table(app, "decode", MemberKind.DECODE_INSTANCE, state)
-    pb_grpc.add_DecodeBalancerServiceServicer_to_server(DecodeServicer(app, state), server)
+    register_table(
+        server, app, "decode", MemberKind.DECODE_INSTANCE, state,
+        pb_grpc.add_DecodeBalancerServiceServicer_to_server, DecodeServicer(app, state),
+    )
     return [SERVICE]

@@ -11,6 +11,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import grpc
+
 from fulcrum.config import Settings
 from fulcrum.core.types import MemberKind
 from fulcrum.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -32,6 +34,8 @@ class Table(Protocol):
 
     def expire(self, now_ns: int) -> int: ...
 
+    def count_release_refused(self, outcome: str) -> None: ...
+
 
 def check_request_id(request_id: str, refused: Callable[[str], None]) -> None:
     """Refuse a malformed ``request_id`` (INVALID_ARGUMENT naming the rule), counting it
@@ -47,6 +51,16 @@ def check_request_id(request_id: str, refused: Callable[[str], None]) -> None:
         except InvalidArgument:
             refused("invalid_argument")
             raise
+
+
+def release_id(request_id: str, state: Table) -> str:
+    """``request_id`` of a release, checked (INVALID_ARGUMENT naming the rule; the
+    refusal is counted by ``state``)."""
+    try:
+        return require_id(request_id, "request_id")
+    except InvalidArgument:
+        state.count_release_refused("invalid_argument")
+        raise
 
 
 def liveness(app: App) -> Callable[[str, int, int], bool]:
@@ -80,3 +94,18 @@ def wire_table(app: App, section: str, kind: MemberKind, state: Table) -> None:
         sweep_leases(app, state.expire, lambda: state.settings.sweep_interval_ms),
         f"{section}-leases",
     )
+
+
+def register_table(
+    server: grpc.aio.Server,
+    app: App,
+    section: str,
+    kind: MemberKind,
+    state: Table,
+    add_servicer: Callable[[Any, grpc.aio.Server], None],
+    servicer: Any,
+) -> None:
+    """:func:`wire_table` ``state``, then add ``servicer`` to ``server`` with the generated
+    ``add_..._to_server`` function ``add_servicer``."""
+    wire_table(app, section, kind, state)
+    add_servicer(servicer, server)

@@ -13,10 +13,9 @@ import grpc
 import structlog
 
 from fulcrum.core.types import MemberKind
-from fulcrum.errors import InvalidArgument
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
-from fulcrum.service.placement import check_request_id, liveness, wire_table
+from fulcrum.service.placement import check_request_id, liveness, register_table, release_id
 from fulcrum.service.streams import place_release_stream
 from fulcrum.state.vision import ImageRequest, VisionState
 from fulcrum.v1 import vision_pb2 as pb
@@ -52,11 +51,7 @@ class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
 
     def release(self, request: pb.ReleaseImagesRequest, reply: pb.ReleaseImagesResponse) -> None:
         """One ReleaseImages, unary or streamed: fills ``reply`` (untouched on error)."""
-        try:
-            request_id = require_id(request.request_id, "request_id")
-        except InvalidArgument:
-            self._state.count_release_refused("invalid_argument")
-            raise
+        request_id = release_id(request.request_id, self._state)
         reply.images, reply.patches = self._state.release(request_id, self._app.clock())
 
     # -- RPCs ----------------------------------------------------------------------------
@@ -80,10 +75,10 @@ class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
         request_iterator: AsyncIterator[pb.PlaceImagesStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.PlaceImagesStreamResponse]:
-        stream = place_release_stream(
+        replies = place_release_stream(
             request_iterator, pb.PlaceImagesStreamResponse, self.place, self.release
         )
-        async for reply in stream:
+        async for reply in replies:
             yield reply
 
     async def GetMachineLoad(
@@ -105,6 +100,7 @@ def register(server: grpc.aio.Server, app: App) -> list[str]:
     # depend only on server.seed and the vision calls, not on other balancers' draws.
     rng = app.rng.spawn(1)[0]
     state = VisionState(app.settings.vision, rng, liveness=liveness(app))
-    wire_table(app, "vision", MemberKind.VISION_MACHINE, state)
-    pb_grpc.add_VisionBalancerServiceServicer_to_server(VisionServicer(app, state), server)
+    servicer = VisionServicer(app, state)
+    add = pb_grpc.add_VisionBalancerServiceServicer_to_server
+    register_table(server, app, "vision", MemberKind.VISION_MACHINE, state, add, servicer)
     return [SERVICE]

@@ -34,16 +34,18 @@ everything that is the same for both:
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Generic, NamedTuple, TypeVar
+from typing import Any, ClassVar, Final, Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 
-from fulcrum.core.types import Member
-from fulcrum.errors import AlreadyExists, ResourceExhausted
+from fulcrum.core.types import Member, MemberLoad
+from fulcrum.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from fulcrum.units import NS_PER_MS
 
 R = TypeVar("R")
@@ -380,7 +382,7 @@ class MemberFigureCache:
             self._pos[member_id] = pos
         return pos
 
-    def refresh(self, read: Callable[[Slots], tuple[I64, ...]]) -> MemberTable:
+    def refresh(self, read: Callable[[Any], tuple[I64, ...]]) -> MemberTable:
         """Copy the dirty members' figures (``read(slots)`` returns fresh arrays) and
         return the table of every member's."""
         if self._dirty:
@@ -397,33 +399,270 @@ class MemberFigureCache:
         return self._table
 
 
-# -- the table skeleton -----------------------------------------------------------------
+# -- counters and the published snapshot -----------------------------------------------
+
+
+#: Outcomes of a placement call (unary or streamed); the first is the success.
+PLACE_OUTCOMES: Final = ("placed", "invalid_argument", "already_exists", "resource_exhausted")
+#: Outcomes of a release call.
+RELEASE_OUTCOMES: Final = ("released", "invalid_argument", "not_found")
+
+
+@dataclass(slots=True)
+class Counts:
+    """Per-call counters kept as plain ints by a table (on the loop); the published
+    snapshot carries a copy."""
+
+    #: ``(policy, [branch,] outcome)`` -> placement calls; outcome in
+    #: :data:`PLACE_OUTCOMES` (decode keys carry the policy's branch label).
+    placements: dict[tuple[str, ...], int] = field(default_factory=dict)
+    #: outcome -> release calls; outcome in :data:`RELEASE_OUTCOMES`.
+    releases: dict[str, int] = field(default_factory=dict)
+    #: unit ("images", "patches") -> policy -> units placed (:attr:`TableKind.units`).
+    units: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class TableSnapshot(NamedTuple):
+    """What the scrape thread reads of a table: published by the loop, never written after."""
+
+    policy: str = ""
+    held: int = 0
+    #: Per-GPU series bound (``<table>.metrics_gpu_series``).
+    gpu_series: int = 0
+    #: Per member: its figures per GPU (decode: ``(concurrency, kv_tokens)``; vision:
+    #: ``(patches_in_flight,)``), each of shape ``(gpus,)``.
+    members: MemberTable = MemberTable()
+    placements: tuple[tuple[tuple[str, ...], int], ...] = ()
+    releases: tuple[tuple[str, int], ...] = ()
+    #: ``(unit, ((policy, units placed), ...))`` of every unit the table counts.
+    units: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
+
+
+# -- filters: the extension point before the policy's select ----------------------------
+
+
+#: A boolean mask over a table's slots, shape ``(slots,)``: True where a GPU may be chosen.
+SlotMask = npt.NDArray[np.bool_]
+Q = TypeVar("Q", contravariant=True)
+
+
+class SlotFilter(Protocol[Q]):
+    """One step of a table's filter list (:attr:`PlacementTable.filters`), applied in
+    order before the policy's ``select``: each narrows the GPUs one request may take.
+
+    ``allowed(request, slots, now_ns)`` returns a mask of shape ``(slots,)`` (True: may be
+    chosen) or None (no restriction, the fast path); the masks of all filters (and the
+    caller's own restriction, e.g. the gateway's ``allowed``) are and-ed, and the policy
+    chooses among what is left (none left: RESOURCE_EXHAUSTED, as any "no capacity").
+    ``request`` is the table's request tuple (:class:`fulcrum.state.decode.DecodeRequest`,
+    :class:`fulcrum.state.vision.VisionRequest`). A filter may also refuse the request
+    outright by raising a :mod:`fulcrum.errors` error (before anything changes).
+
+    ``held(request_id, request, slots)`` and ``freed(request_id)`` tell a filter that keeps
+    counts (a per-tenant cap) that a request now holds placements on those slots, and no
+    longer holds any (released, expired or lost with its member). A filter keeping per-slot
+    arrays follows the layout with :meth:`PlacementTable.add_slot_listener`.
+    """
+
+    def allowed(self, request: Q, slots: int, now_ns: int) -> SlotMask | None: ...
+
+    def held(self, request_id: str, request: Q, slots: Sequence[int]) -> None: ...
+
+    def freed(self, request_id: str) -> None: ...
+
+
+def and_masks(masks: Iterator[SlotMask | None], slots: int) -> SlotMask | None:
+    """The conjunction of ``masks`` (None: no restriction); None when all are None."""
+    out: SlotMask | None = None
+    for mask in masks:
+        if mask is None:
+            continue
+        if mask.shape != (slots,):
+            raise ValueError(f"a filter's mask must have shape ({slots},)")
+        out = mask.copy() if out is None else np.logical_and(out, mask, out=out)
+    return out
+
+
+class SlotListener(Protocol):
+    """Follows which member's GPUs occupy which slots of a table's per-GPU arrays (for
+    callers that keep per-slot tables, e.g. the gateway's slot -> address map, or a filter's
+    per-slot counts). Called on the loop, after the change."""
+
+    def slots_opened(self, member_id: str, start: int, gpus: int) -> None:
+        """The member's GPUs ``0..gpus-1`` now occupy slots ``[start, start + gpus)``."""
+
+    def slots_closed(self, member_id: str, start: int, gpus: int) -> None:
+        """The member left; slots ``[start, start + gpus)`` are free (dead)."""
+
+    def slots_moved(self) -> None:
+        """The arrays were rebuilt (grown or compacted): every member may have moved; read
+        :meth:`PlacementTable.slot_ranges` again."""
+
+
+# -- the one placement table ------------------------------------------------------------
 
 
 M = TypeVar("M", bound=Slots)
-SettingsT = TypeVar("SettingsT")
-CountsT = TypeVar("CountsT")
+SettingsT = TypeVar("SettingsT", bound="TableSettings")
+ReleasedT = TypeVar("ReleasedT")
+
+#: ``liveness(member_id, incarnation, now_ns) -> bool``: is the member still live?
+Liveness = Callable[[str, int, int], bool]
 
 
-class PlacementTable(Generic[M, SettingsT, CountsT]):
-    """What the decode and the vision tables share: members by id (``M``, a
-    :class:`Slots`), the :class:`LeaseTable`, the settings section in force, the
-    per-call counters and the :class:`Publisher`. Subclasses keep their fleet arrays, their
-    ``place``/``release`` and :meth:`_remove`."""
+class TableSettings(Protocol):
+    """The keys of a settings section the table reads itself (``decode.*``, ``vision.*``)."""
 
-    _members: dict[str, M]
-    _leases: LeaseTable[Any]
-    _settings: SettingsT
-    _counts: CountsT
-    _policy: Any  # has ``name``
-    publisher: Publisher[Any]
+    @property
+    def policy(self) -> str: ...
+    @property
+    def lease_ms(self) -> int: ...
+    @property
+    def max_placements(self) -> int: ...
+    @property
+    def sweep_interval_ms(self) -> int: ...
+    @property
+    def metrics_gpu_series(self) -> int: ...
+    def params(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TableKind:
+    """What names a table: in messages, settings, log events and metrics."""
+
+    #: Table name ("decode", "vision"): messages, settings section, log event prefix.
+    what: str
+    #: Member noun in log events ("instance", "machine") and its id key ("instance_id").
+    member: str
+    id_key: str
+    #: Log key of the placements lost with a member that left.
+    lost_key: str
+    #: The ``MemberShape`` and ``MemberLoad`` types of this table's members.
+    shape: type
+    load: type
+    #: NotFound message of a release of nothing held (``{request_id!r}`` is filled in).
+    not_held: str
+    #: ``make_policy(name, params)`` of the balancer's registry.
+    make_policy: Callable[[str, Any], Any]
+    #: The balancer's metrics module (counters ``EXPIRATIONS``, ``LOST``; ``set_source``).
+    metrics: Any
+    #: ``branches(policy)``: the branch labels the policy declares (its registry entry);
+    #: None: the table's counter keys carry no branch.
+    branches: Callable[[str], tuple[str, ...]] | None = None
+    #: Units counted per policy besides calls ("images", "patches").
+    units: tuple[str, ...] = ()
+
+
+class PlacementTable(Generic[M, SettingsT, ReleasedT]):
+    """The one "place on GPUs under a lease" table of the decode and the vision balancers.
+
+    It owns members by id (``M``, a :class:`Slots`), their slot ranges
+    (:class:`SlotAllocator`, growth and compaction, :class:`SlotListener` s), the
+    :class:`LeaseTable`, the settings section and policy in force (reload), the per-call
+    counters, the :class:`Publisher`, the fleet-listener protocol (join, load, leave,
+    lapse), release, expiry and the filter list (:attr:`filters`). A balancer (subclass)
+    keeps only its per-GPU fleet arrays and its ``place`` (the policy's ``select`` over
+    those arrays, after :meth:`_admit` and :meth:`_allowed`), through these hooks:
+
+    - ``_init_arrays(capacity)``, ``_resize(capacity, index)``: the per-GPU arrays;
+    - ``_open(member, start, gpus) -> M``, ``_close(slots)``, ``_move(slots, start)``,
+      ``_write_load(slots, load)``, ``_read(slots)``: one member's slots;
+    - ``_drop(slots) -> lost``: held placements on a member that leaves;
+    - ``_unhold(request_id, record) -> units`` and ``_released(request_id, lease,
+      now_ns)``: what a held record frees;
+    - ``_count_expired(n, units)``: its expiry metrics and log line.
+    """
+
+    KIND: ClassVar[TableKind]
+    #: Whether a load report also expires due leases (decode: reports come often).
+    EXPIRE_ON_LOAD: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        settings: SettingsT,
+        rng: np.random.Generator,
+        liveness: Liveness | None,
+        filters: Sequence[SlotFilter[Any]] = (),
+    ) -> None:
+        kind = self.KIND
+        self._log = structlog.get_logger(f"fulcrum.state.{kind.what}")
+        self._rng = rng
+        self._liveness = liveness
+        self._members: dict[str, M] = {}
+        self._alloc = SlotAllocator(64)
+        self._leases: LeaseTable[Any] = LeaseTable(
+            kind.what, f"{kind.what}.max_placements", settings.lease_ms,
+            settings.max_placements, settings.sweep_interval_ms,
+        )
+        self._settings = settings
+        self._policy: Any = kind.make_policy(settings.policy, settings.params())
+        self._counts = Counts()
+        self._figures = MemberFigureCache()
+        #: The filter steps applied, in order, before the policy's select (see
+        #: :class:`SlotFilter`); empty: the unfiltered decision path, unchanged.
+        self.filters: list[SlotFilter[Any]] = list(filters)
+        self._slot_listeners: list[SlotListener] = []
+        #: Grows on every change of the slot layout (join, leave, growth, compaction).
+        self.layout_version = 0
+        self.expired_total = 0
+        self.lost_total = 0
+        self._init_arrays(self._alloc.capacity)
+        self._configure(settings)
+        self._bind_metrics()
+        self.publisher: Publisher[Any] = Publisher(self._snapshot)
+        kind.metrics.set_source(self.publisher)
+
+    # -- hooks of a balancer -------------------------------------------------------------
+
+    def _init_arrays(self, capacity: int) -> None:
+        raise NotImplementedError
+
+    def _resize(self, capacity: int, index: I64 | None = None) -> None:
+        raise NotImplementedError
+
+    def _open(self, member: Member, start: int, gpus: int) -> M:
+        raise NotImplementedError
+
+    def _close(self, slots: M) -> None:
+        raise NotImplementedError
+
+    def _move(self, slots: M, start: int) -> None:
+        slots.start = start
+
+    def _write_load(self, slots: M, load: Any) -> None:
+        raise NotImplementedError
+
+    def _drop(self, slots: M) -> int:
+        raise NotImplementedError
+
+    def _unhold(self, request_id: str, record: Any) -> int:
+        raise NotImplementedError
+
+    def _released(self, request_id: str, lease: Lease[Any], now_ns: int) -> ReleasedT:
+        raise NotImplementedError
+
+    def _read(self, slots: M) -> tuple[I64, ...]:
+        """Copies of one member's per-GPU figures (for the snapshot)."""
+        raise NotImplementedError
+
+    def _count_expired(self, n: int, units: int) -> None:
+        raise NotImplementedError
+
+    def _configure(self, settings: SettingsT) -> None:
+        """Per-balancer keys of a new settings section (after the table's own)."""
+
+    def _joined_fields(self, member: Member) -> dict[str, Any]:
+        """Extra fields of the "joined" log line."""
+        return {}
+
+    # -- read-only views -----------------------------------------------------------------
 
     def set_schedule(self, schedule: Schedule | None) -> None:
         """Publish metrics snapshots through the event loop's ``call_soon``."""
         self.publisher.set_schedule(schedule)
 
     @property
-    def counts(self) -> CountsT:
+    def counts(self) -> Counts:
         """Placement and release counters (live: the loop's own; see :attr:`publisher`)."""
         return self._counts
 
@@ -447,11 +686,215 @@ class PlacementTable(Generic[M, SettingsT, CountsT]):
         """Placements held (not yet released, expired or lost)."""
         return len(self._leases)
 
+    def add_slot_listener(self, listener: SlotListener) -> None:
+        """Tell ``listener`` about every later change of the slot layout (see
+        :class:`SlotListener`); read the current one with :meth:`slot_ranges`."""
+        self._slot_listeners.append(listener)
+
+    def remove_slot_listener(self, listener: SlotListener) -> None:
+        if listener in self._slot_listeners:
+            self._slot_listeners.remove(listener)
+
+    def slot_ranges(self) -> Iterator[tuple[str, int, int]]:
+        """``(member_id, start, gpus)`` of every member: its GPU ``g`` is slot
+        ``start + g`` of the per-GPU arrays (in no particular order)."""
+        for member_id, s in self._members.items():
+            yield member_id, s.start, s.gpus
+
+    # -- configuration and counting ------------------------------------------------------
+
+    def apply_settings(self, settings: SettingsT) -> None:
+        """Apply every key of new settings (SIGHUP): policy and its parameters, lease,
+        table bound, sweep period, metrics bound and the balancer's own keys apply to the
+        next call. Held placements keep their deadline (expiry runs in placement order, so
+        a shortened lease takes effect once older placements are gone)."""
+        self._policy = self.KIND.make_policy(settings.policy, settings.params())
+        self._settings = settings
+        self._leases.configure(
+            settings.lease_ms, settings.max_placements, settings.sweep_interval_ms
+        )
+        self._configure(settings)
+        self._bind_metrics()
+        self.publisher.changed()
+        self._log.info(
+            f"{self.KIND.what}_settings_applied", policy=settings.policy,
+            lease_ms=settings.lease_ms,
+        )
+
+    def _bind_metrics(self) -> None:
+        """Zero the counters of the policy in force (exported at once) and precompute the
+        keys the decision path increments (plain ints: no lock, no label lookup)."""
+        kind = self.KIND
+        name: str = self._policy.name
+        c = self._counts
+        self._k_placed: dict[str, tuple[str, ...]]
+        self._k_refused: dict[str, tuple[str, ...]]
+        if kind.branches is None:
+            self._k_placed = {"": (name, "placed")}
+            self._k_refused = {o: (name, o) for o in PLACE_OUTCOMES[1:]}
+        else:
+            labels = dict.fromkeys(("", *kind.branches(name)))  # "" and the policy's own
+            self._k_placed = {b: (name, b, "placed") for b in labels}
+            self._k_refused = {o: (name, "", o) for o in PLACE_OUTCOMES[1:]}
+        for key in (*self._k_placed.values(), *self._k_refused.values()):
+            c.placements.setdefault(key, 0)
+        for outcome in RELEASE_OUTCOMES:
+            c.releases.setdefault(outcome, 0)
+        self._units = [c.units.setdefault(unit, {}) for unit in kind.units]
+        for per_policy in self._units:
+            per_policy.setdefault(name, 0)
+
+    def _snapshot(self) -> TableSnapshot:
+        """The immutable snapshot for the scrape thread (built on the loop)."""
+        c = self._counts
+        units = self.KIND.units
+        return TableSnapshot(
+            self._policy.name,
+            len(self._leases),
+            self._settings.metrics_gpu_series,
+            self._figures.refresh(self._read),
+            tuple(c.placements.items()),
+            tuple(c.releases.items()),
+            tuple([(u, tuple(c.units[u].items())) for u in units]) if units else (),
+        )
+
+    def count_refused(self, outcome: str) -> None:
+        """Count a placement refused with ``outcome`` (one of the metrics module's
+        ``PLACE_OUTCOMES`` but "placed"), e.g. before it reached the table (a bad id)."""
+        self._counts.placements[self._k_refused[outcome]] += 1
+        self.publisher.changed()
+
     def count_release_refused(self, outcome: str) -> None:
         """Count a release refused before it reached the table (e.g. a bad id)."""
-        releases: dict[str, int] = getattr(self._counts, "releases")  # noqa: B009
-        releases[outcome] += 1
+        self._counts.releases[outcome] += 1
         self.publisher.changed()
+
+    # -- the steps of a placement --------------------------------------------------------
+
+    def _admit(self, request_id: str, now_ns: int) -> None:
+        """Expire due leases, then refuse (counted) a request id already held or a full
+        table: the first step of every ``place``."""
+        leases = self._leases
+        held = leases.held
+        if held and next(iter(held.values()))[DEADLINE_NS] <= now_ns:
+            self.expire(now_ns)
+        if request_id in held or len(held) >= leases.max_held:
+            outcome, error = leases.refusal(request_id)
+            self.count_refused(outcome)
+            raise error
+
+    def _allowed(
+        self, request: Any, slots: int, now_ns: int, mask: SlotMask | None = None
+    ) -> SlotMask | None:
+        """The filter step: ``mask`` (the caller's own restriction, or None) and-ed with
+        every filter's (None: no restriction at all). Counts a refusal by a filter."""
+        masks = (f.allowed(request, slots, now_ns) for f in self.filters)
+        try:
+            return and_masks(itertools.chain((mask,), masks), slots)
+        except ResourceExhausted:
+            self.count_refused("resource_exhausted")
+            raise
+        except InvalidArgument:
+            self.count_refused("invalid_argument")
+            raise
+
+    def _held_by(self, request_id: str, request: Any, slots: Sequence[int]) -> None:
+        """Tell the filters that ``request_id`` now holds placements on ``slots``."""
+        for f in self.filters:
+            f.held(request_id, request, slots)
+
+    def _freed(self, request_id: str) -> None:
+        """Tell the filters that ``request_id`` holds nothing any more."""
+        for f in self.filters:
+            f.freed(request_id)
+
+    def _still_live(self, slots: M, now_ns: int, compact: bool = True) -> bool:
+        """Whether the fleet still has ``slots``' member live; a lapsed one is taken out
+        (the fleet normally reports the lapse through :meth:`on_leave` already)."""
+        liveness = self._liveness
+        member = slots.member
+        if liveness is None or liveness(member.member_id, member.incarnation, now_ns):
+            return True
+        if self._members.get(member.member_id) is slots:
+            self._remove(slots, "lapsed", compact=compact)
+        return False
+
+    # -- release and expiry --------------------------------------------------------------
+
+    def release(self, request_id: str, now_ns: int) -> ReleasedT:
+        """Free a held placement; NotFound when unknown, released, expired or lost."""
+        lease = self._leases.pop(request_id)
+        if lease is None:
+            self._counts.releases["not_found"] += 1
+            self.publisher.changed()
+            raise NotFound(self.KIND.not_held.format(request_id=request_id))
+        out = self._released(request_id, lease, now_ns)
+        if self.filters:
+            self._freed(request_id)
+        self._counts.releases["released"] += 1
+        self.publisher.changed()
+        return out
+
+    def expire(self, now_ns: int) -> int:
+        """Free the placements whose lease ran out by ``now_ns`` (in placement order: O(
+        expired)); returns how many."""
+        n = units = 0
+        for request_id, lease in self._leases.expired(now_ns):
+            units += self._unhold(request_id, lease[RECORD])
+            if self.filters:
+                self._freed(request_id)
+            n += 1
+        if n:
+            self.expired_total += n
+            self._count_expired(n, units)
+            self.publisher.changed()
+        return n
+
+    # -- fleet listener ------------------------------------------------------------------
+
+    def on_join(self, member: Member, now_ns: int) -> None:
+        """Give the member slots: O(its GPUs) (amortised, when the arrays grow)."""
+        shape = member.shape
+        if not isinstance(shape, self.KIND.shape):
+            return
+        old = self._members.get(member.member_id)
+        if old is not None:  # the fleet calls on_leave first; be safe anyway
+            self._remove(old, "replaced")
+        gpus: int = shape.gpus
+        start, grow_to = self._alloc.alloc(gpus)
+        if grow_to:
+            self._resize(grow_to)
+            self._moved()
+        slots = self._open(member, start, gpus)
+        self._members[member.member_id] = slots
+        self._figures.mark(slots)
+        self.publisher.changed()
+        self.layout_version += 1
+        for listener in self._slot_listeners:
+            listener.slots_opened(member.member_id, start, gpus)
+        kind = self.KIND
+        self._log.info(
+            f"{kind.what}_{kind.member}_joined",
+            **{kind.id_key: member.member_id},
+            incarnation=member.incarnation,
+            gpus=gpus,
+            **self._joined_fields(member),
+        )
+
+    def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
+        """A heartbeat's report replaces the member's figures (O(its GPUs))."""
+        slots = self._members.get(member.member_id)
+        if (
+            slots is None
+            or slots.member.incarnation != member.incarnation
+            or not isinstance(load, self.KIND.load)
+        ):
+            return
+        self._write_load(slots, load)
+        self._figures.mark(slots)
+        self.publisher.changed()
+        if self.EXPIRE_ON_LOAD:
+            self.expire(now_ns)
 
     def on_leave(self, member: Member, reason: str, now_ns: int) -> None:
         """The fleet dropped ``member``: take it out (if it is the incarnation we hold)."""
@@ -460,5 +903,51 @@ class PlacementTable(Generic[M, SettingsT, CountsT]):
             return
         self._remove(slots, reason)
 
-    def _remove(self, slots: M, reason: str) -> None:
-        raise NotImplementedError
+    def _remove(self, slots: M, reason: str, compact: bool = True) -> None:
+        """Take a member out: its slots are freed, its placements lost. O(its GPUs + its
+        placements); amortised O(1) per GPU when the arrays are compacted (not with
+        ``compact=False``, which keeps slot indices valid: then at a later leave)."""
+        member_id = slots.member_id
+        del self._members[member_id]
+        lost = self._drop(slots)
+        slots.requests.clear()
+        self._close(slots)
+        self._alloc.free(slots.start, slots.gpus)
+        self._figures.forget(member_id)
+        self.layout_version += 1
+        for listener in self._slot_listeners:
+            listener.slots_closed(member_id, slots.start, slots.gpus)
+        if compact and self._alloc.needs_compaction():
+            self._compact()
+        if lost:
+            self.lost_total += lost
+            self.KIND.metrics.LOST.labels(reason).inc(lost)
+        self.publisher.changed()
+        kind = self.KIND
+        self._log.info(
+            f"{kind.what}_{kind.member}_left",
+            **{kind.id_key: member_id},
+            incarnation=slots.member.incarnation,
+            reason=reason,
+            **{kind.lost_key: lost},
+        )
+
+    def _lose(self, request_id: str) -> None:
+        """A request lost its last placement with a member that left."""
+        if self.filters:
+            self._freed(request_id)
+
+    def _moved(self) -> None:
+        self.layout_version += 1
+        for listener in self._slot_listeners:
+            listener.slots_moved()
+
+    def _compact(self) -> None:
+        """Pack the members' slots at the front (O(GPUs), amortised over the leaves that
+        freed as many slots as are used)."""
+        order = list(self._members.values())
+        index, starts = self._alloc.compaction([(s.start, s.gpus) for s in order])
+        self._resize(self._alloc.capacity, index)
+        for s, start in zip(order, starts, strict=True):
+            self._move(s, start)
+        self._moved()

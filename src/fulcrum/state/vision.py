@@ -18,21 +18,26 @@ Slots: each machine's GPUs occupy a contiguous range of slots
 leave or a heartbeat costs O(the machine's GPUs), never a rebuild of the fleet. The
 layout depends on the order of events: the same events in the same order with the same
 seed give the same decisions.
+
+Filters: every step of :attr:`VisionState.filters`
+(:class:`fulcrum.state.placement.SlotFilter`, given a :class:`VisionRequest`) narrows
+the GPUs a request's images may take (:func:`fulcrum.core.vision.filters.restrict`);
+without filters the decision path is the unfiltered one, unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-import structlog
 
 from fulcrum.config.vision import VisionSettings
 from fulcrum.core.types import Member, MemberLoad, VisionMachineLoad, VisionMachineShape
 from fulcrum.core.vision.base import VisionPolicy
+from fulcrum.core.vision.filters import restrict
 from fulcrum.core.vision.fleet import (
     NoCapacity,
     Placement,
@@ -46,16 +51,14 @@ from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.metrics import vision as metrics
 from fulcrum.state.placement import (
     RECORD,
-    LeaseTable,
-    MemberFigureCache,
+    Lease,
     PlacementTable,
-    Publisher,
-    SlotAllocator,
+    SlotFilter,
+    SlotMask,
     Slots,
+    TableKind,
 )
 from fulcrum.units import MAX_EXACT_FLOAT
-
-log = structlog.get_logger(__name__)
 
 #: Largest reported patches in flight per GPU (keeps int64 sums exact).
 MAX_REPORTED_PATCHES = MAX_EXACT_FLOAT
@@ -70,6 +73,15 @@ class ImageRequest(NamedTuple):
     width: int
     height: int
     patch_size: int = 0
+
+
+class VisionRequest(NamedTuple):
+    """One PlaceImages as the filters see it (:class:`fulcrum.state.placement.SlotFilter`;
+    built only when there are filters)."""
+
+    request_id: str
+    #: Patch count of each image, in order.
+    patches: tuple[int, ...]
 
 
 class PlacedImage(NamedTuple):
@@ -133,8 +145,6 @@ class _VisionViews:
     _topology: SlotTopology
     _fleet: VisionFleet
 
-    # -- views (tests, diagnostics, GetMachineLoad; on the loop) ------------------------
-
     def machine_ids(self) -> list[str]:
         """Machines, sorted by id."""
         return sorted(self._members)
@@ -170,190 +180,57 @@ class _VisionViews:
         return imbalance(self._fleet)
 
 
-class VisionState(_VisionViews, PlacementTable[_Machine, VisionSettings, metrics.VisionCounts]):
-    """VE machines, patches in flight and held placements. Not thread-safe; the daemon's
-    event loop is the only caller (the scrape thread reads :attr:`publisher`'s snapshot).
-    Implements the fleet's ``FleetListener`` protocol."""
+#: The record held for one request: its images as plain tuples of PlacedImage's fields
+#: (atomic values only, so the collector untracks them: see placement.Lease).
+_Images = tuple[tuple[str, int, int, int, int], ...]
+
+_KIND = TableKind(
+    what="vision",
+    member="machine",
+    id_key="machine_id",
+    lost_key="lost",
+    shape=VisionMachineShape,
+    load=VisionMachineLoad,
+    not_held=(
+        "request_id: {request_id!r} holds no placement "
+        "(released, expired, lost with its machine, or never placed)"
+    ),
+    make_policy=make_policy,
+    metrics=metrics,
+    units=("images", "patches"),
+)
+
+
+class VisionState(
+    _VisionViews, PlacementTable[_Machine, VisionSettings, tuple[int, int]]
+):
+    """VE machines, patches in flight and held placements: the one placement table
+    (:class:`fulcrum.state.placement.PlacementTable`) over the VE fleet's arrays. Not
+    thread-safe; the daemon's event loop is the only caller (the scrape thread reads
+    :attr:`publisher`'s snapshot). Implements the fleet's ``FleetListener`` protocol."""
+
+    KIND = _KIND
+    _policy: VisionPolicy
 
     def __init__(
         self,
         settings: VisionSettings,
         rng: np.random.Generator,
         liveness: Liveness | None = None,
+        filters: Sequence[SlotFilter[VisionRequest]] = (),
     ) -> None:
-        self._rng = rng
-        self._liveness = liveness
-        self._members: dict[str, _Machine] = {}
-        self._alloc = SlotAllocator(64)
-        cap = self._alloc.capacity
-        self._topology = SlotTopology(cap)
+        super().__init__(settings, rng, liveness, filters)
+
+    # -- fleet arrays --------------------------------------------------------------------
+
+    def _init_arrays(self, capacity: int) -> None:
+        self._topology = SlotTopology(capacity)
         self._by_index: list[_Machine | None] = []  # machine index -> machine
-        self._base: npt.NDArray[np.int64] = np.zeros(cap, dtype=np.int64)
-        self._pending: npt.NDArray[np.int64] = np.zeros(cap, dtype=np.int64)
-        self._pif: npt.NDArray[np.int64] = np.zeros(cap, dtype=np.int64)
+        self._base: npt.NDArray[np.int64] = np.zeros(capacity, dtype=np.int64)
+        self._pending: npt.NDArray[np.int64] = np.zeros(capacity, dtype=np.int64)
+        self._pif: npt.NDArray[np.int64] = np.zeros(capacity, dtype=np.int64)
         # The decision's input: the topology over the very array ``_pif`` (in place).
         self._fleet = VisionFleet(self._topology, self._pif)
-        # Records are plain tuples of plain tuples (the fields of PlacedImage): atomic
-        # values only, so the collector untracks them (see placement.Lease).
-        self._leases: LeaseTable[tuple[tuple[str, int, int, int, int], ...]] = LeaseTable(
-            "vision", "vision.max_placements", settings.lease_ms, settings.max_placements,
-            settings.sweep_interval_ms,
-        )
-        self._settings = settings
-        self._policy: VisionPolicy = make_policy(settings.policy, settings.params())
-        self._counts = metrics.VisionCounts()
-        self._figures = MemberFigureCache()
-        self._bind_metrics()
-        self.publisher: Publisher[metrics.VisionSnapshot] = Publisher(self._snapshot)
-        metrics.set_source(self.publisher)
-
-    # -- configuration -------------------------------------------------------------------
-
-    def _bind_metrics(self) -> None:
-        """Zero the counters of the policy in force (so that they are exported at once)."""
-        name = self._policy.name
-        c = self._counts
-        for outcome in metrics.PLACE_OUTCOMES:
-            c.placements.setdefault((name, outcome), 0)
-        c.images.setdefault(name, 0)
-        c.patches.setdefault(name, 0)
-        for outcome in metrics.RELEASE_OUTCOMES:
-            c.releases.setdefault(outcome, 0)
-        self._k_placed = (name, "placed")
-        self._k_invalid = (name, "invalid_argument")
-        self._k_dup = (name, "already_exists")
-        self._k_exhausted = (name, "resource_exhausted")
-
-    def _snapshot(self) -> metrics.VisionSnapshot:
-        """The immutable snapshot for the scrape thread (built on the loop)."""
-        pif = self._pif
-
-        def read(s: Slots) -> tuple[npt.NDArray[np.int64]]:
-            return (pif[s.start : s.start + s.gpus].copy(),)
-
-        c = self._counts
-        return metrics.VisionSnapshot(
-            policy=self._policy.name,
-            held=len(self._leases),
-            gpu_series=self._settings.metrics_gpu_series,
-            members=self._figures.refresh(read),
-            placements=tuple(c.placements.items()),
-            images=tuple(c.images.items()),
-            patches=tuple(c.patches.items()),
-            releases=tuple(c.releases.items()),
-        )
-
-    def apply_settings(self, settings: VisionSettings) -> None:
-        """Apply every key of new settings (SIGHUP): policy, patch defaults, image bounds,
-        lease, table bound, sweep period and metrics bound apply to the next call;
-        placements already held keep their deadline."""
-        if settings.policy != self._policy.name:
-            self._policy = make_policy(settings.policy, settings.params())
-            self._bind_metrics()
-        self._settings = settings
-        self._leases.configure(
-            settings.lease_ms, settings.max_placements, settings.sweep_interval_ms
-        )
-        self.publisher.changed()
-        log.info("vision_settings_applied", policy=settings.policy, lease_ms=settings.lease_ms)
-
-    def count_refused(self, outcome: str) -> None:
-        """Count a PlaceImages refused before it reached the table (e.g. a bad id)."""
-        key = (self._policy.name, outcome)
-        self._counts.placements[key] = self._counts.placements.get(key, 0) + 1
-        self.publisher.changed()
-
-    # -- fleet listener ------------------------------------------------------------------
-
-    def validate_load(self, member: Member, load: MemberLoad) -> None:
-        """Refuse a report with an absurd per-GPU figure (changes nothing)."""
-        if not isinstance(load, VisionMachineLoad):
-            raise InvalidArgument("load", "must be vision_machine for a VE machine")
-        for i, value in enumerate(load.patches_in_flight):
-            if not 0 <= value <= MAX_REPORTED_PATCHES:
-                raise InvalidArgument(
-                    f"vision_machine.patches_in_flight[{i}]",
-                    f"must be in [0, 2^53 = {MAX_REPORTED_PATCHES}]",
-                )
-
-    def on_join(self, member: Member, now_ns: int) -> None:
-        """Give the machine slots: O(its GPUs) (amortised, when the arrays grow)."""
-        shape = member.shape
-        assert isinstance(shape, VisionMachineShape)
-        old = self._members.get(member.member_id)
-        if old is not None:  # the fleet calls on_leave first; be safe anyway
-            self._remove(old, "replaced")
-        gpus = shape.gpus
-        start, grow_to = self._alloc.alloc(gpus)
-        if grow_to:
-            self._resize(grow_to)
-        max_patches = min(shape.max_patches_in_flight, MAX_REPORTED_PATCHES)
-        index = self._topology.add_machine(member.member_id, start, gpus, max_patches)
-        machine = _Machine(member, start, gpus, index=index, max_patches=max_patches)
-        if index == len(self._by_index):
-            self._by_index.append(machine)
-        else:
-            self._by_index[index] = machine
-        self._members[member.member_id] = machine
-        self._figures.mark(machine)
-        self.publisher.changed()
-        log.info(
-            "vision_machine_joined",
-            machine_id=member.member_id,
-            incarnation=member.incarnation,
-            gpus=gpus,
-            max_patches_in_flight=shape.max_patches_in_flight,
-        )
-
-    def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
-        machine = self._members.get(member.member_id)
-        if (
-            machine is None
-            or machine.member.incarnation != member.incarnation
-            or not isinstance(load, VisionMachineLoad)
-        ):
-            return
-        s, e = machine.start, machine.start + machine.gpus
-        machine.generation += 1
-        self._base[s:e] = np.asarray(load.patches_in_flight, dtype=np.int64)
-        self._pending[s:e] = 0
-        self._pif[s:e] = self._base[s:e]
-        self._figures.mark(machine)
-        self.publisher.changed()
-
-    def _remove(self, machine: _Machine, reason: str) -> None:
-        """Take a machine out: its slots are freed, its images lost. O(its GPUs + its
-        held requests); amortised O(1) per GPU when the arrays are compacted."""
-        member_id = machine.member_id
-        leases = self._leases
-        lost = 0
-        for request_id in machine.requests:
-            lease = leases.get(request_id)
-            if lease is None:
-                continue
-            images, placed_ns, deadline_ns = lease
-            keep = tuple(im for im in images if im[0] != member_id)
-            lost += len(images) - len(keep)
-            if keep:
-                leases.held[request_id] = (keep, placed_ns, deadline_ns)
-            else:
-                leases.pop(request_id)
-        machine.requests.clear()
-        del self._members[member_id]
-        s, e = machine.start, machine.start + machine.gpus
-        self._topology.remove_machine(machine.index)
-        self._by_index[machine.index] = None
-        self._base[s:e] = 0
-        self._pending[s:e] = 0
-        self._pif[s:e] = 0
-        self._alloc.free(machine.start, machine.gpus)
-        self._figures.forget(member_id)
-        if self._alloc.needs_compaction():
-            self._compact()
-        if lost:
-            metrics.LOST_IMAGES.labels(reason).inc(lost)
-        self.publisher.changed()
-        log.info("vision_machine_left", machine_id=member_id, reason=reason, lost=lost)
 
     def _resize(self, capacity: int, index: npt.NDArray[np.int64] | None = None) -> None:
         """New per-slot arrays of ``capacity`` slots (growth, or compaction by ``index``)."""
@@ -369,14 +246,83 @@ class VisionState(_VisionViews, PlacementTable[_Machine, VisionSettings, metrics
         self._base, self._pending, self._pif = arrays
         self._fleet = VisionFleet(self._topology, self._pif)
 
-    def _compact(self) -> None:
-        """Pack the machines' slots at the front (O(GPUs), amortised)."""
-        order = list(self._members.values())
-        index, starts = self._alloc.compaction([(m.start, m.gpus) for m in order])
-        self._resize(self._alloc.capacity, index)
-        for machine, start in zip(order, starts, strict=True):
-            machine.start = start
-            self._topology.move_machine(machine.index, start)
+    def _open(self, member: Member, start: int, gpus: int) -> _Machine:
+        shape = member.shape
+        assert isinstance(shape, VisionMachineShape)
+        max_patches = min(shape.max_patches_in_flight, MAX_REPORTED_PATCHES)
+        index = self._topology.add_machine(member.member_id, start, gpus, max_patches)
+        machine = _Machine(member, start, gpus, index=index, max_patches=max_patches)
+        if index == len(self._by_index):
+            self._by_index.append(machine)
+        else:
+            self._by_index[index] = machine
+        return machine
+
+    def _joined_fields(self, member: Member) -> dict[str, Any]:
+        shape = member.shape
+        assert isinstance(shape, VisionMachineShape)
+        return {"max_patches_in_flight": shape.max_patches_in_flight}
+
+    def _close(self, machine: _Machine) -> None:
+        s, e = machine.start, machine.start + machine.gpus
+        self._topology.remove_machine(machine.index)
+        self._by_index[machine.index] = None
+        self._base[s:e] = 0
+        self._pending[s:e] = 0
+        self._pif[s:e] = 0
+
+    def _move(self, machine: _Machine, start: int) -> None:
+        machine.start = start
+        self._topology.move_machine(machine.index, start)
+
+    def _write_load(self, machine: _Machine, load: VisionMachineLoad) -> None:
+        s, e = machine.start, machine.start + machine.gpus
+        machine.generation += 1
+        self._base[s:e] = np.asarray(load.patches_in_flight, dtype=np.int64)
+        self._pending[s:e] = 0
+        self._pif[s:e] = self._base[s:e]
+
+    def _drop(self, machine: _Machine) -> int:
+        """The images held on a leaving machine are lost; a request keeps the others."""
+        member_id = machine.member_id
+        leases = self._leases
+        lost = 0
+        for request_id in machine.requests:
+            lease = leases.get(request_id)
+            if lease is None:
+                continue
+            images, placed_ns, deadline_ns = lease
+            keep = tuple(im for im in images if im[0] != member_id)
+            lost += len(images) - len(keep)
+            if keep:
+                leases.held[request_id] = (keep, placed_ns, deadline_ns)
+            else:
+                leases.pop(request_id)
+                self._lose(request_id)
+        return lost
+
+    # -- configuration and metrics -------------------------------------------------------
+
+    def _read(self, slots: _Machine) -> tuple[npt.NDArray[np.int64]]:
+        return (self._pif[slots.start : slots.start + slots.gpus].copy(),)
+
+    def _count_expired(self, n: int, units: int) -> None:
+        metrics.EXPIRATIONS.inc(n)
+        metrics.EXPIRED_IMAGES.inc(units)
+        self._log.info("vision_placements_expired", requests=n, images=units)
+
+    # -- fleet listener ------------------------------------------------------------------
+
+    def validate_load(self, member: Member, load: MemberLoad) -> None:
+        """Refuse a report with an absurd per-GPU figure (changes nothing)."""
+        if not isinstance(load, VisionMachineLoad):
+            raise InvalidArgument("load", "must be vision_machine for a VE machine")
+        for i, value in enumerate(load.patches_in_flight):
+            if not 0 <= value <= MAX_REPORTED_PATCHES:
+                raise InvalidArgument(
+                    f"vision_machine.patches_in_flight[{i}]",
+                    f"must be in [0, 2^53 = {MAX_REPORTED_PATCHES}]",
+                )
 
     # -- placement -----------------------------------------------------------------------
 
@@ -400,21 +346,37 @@ class VisionState(_VisionViews, PlacementTable[_Machine, VisionSettings, metrics
             InvalidArgument: no images, too many, or a size breaks a rule (the field is
                 named, e.g. ``images[1].width``).
             AlreadyExists: ``request_id`` already holds a placement.
-            ResourceExhausted: the table is full, or no live GPU has room.
+            ResourceExhausted: the table is full, or no live (allowed) GPU has room.
         """
         try:
             counts = _patch_counts(self._settings, images)
         except InvalidArgument:
             self.count_refused("invalid_argument")
             raise
-        leases = self._leases
-        if leases.due(now_ns):
-            self.expire(now_ns)
-        if not leases.room_for(request_id):
-            outcome, error = leases.refusal(request_id)
-            self.count_refused(outcome)
-            raise error
-        placed = self._fold(counts, now_ns)
+        self._admit(request_id, now_ns)
+        request = mask = None
+        if self.filters:
+            request = VisionRequest(request_id, tuple(counts))
+            mask = self._allowed(request, self._topology.n_gpus, now_ns)
+        placed = self._fold(counts, now_ns, mask)
+        out = self._commit(request_id, placed)
+        self._leases.hold(
+            request_id,
+            tuple((m, g, p, i, gen) for m, g, p, i, gen in out),  # plain tuples: untracked
+            now_ns,
+        )
+        if request is not None:
+            self._held_by(request_id, request, [d.gpu for d in placed])
+        self._counts.placements[self._k_placed[""]] += 1
+        name = self._policy.name
+        images_placed, patches_placed = self._units
+        images_placed[name] += len(out)
+        patches_placed[name] += sum(counts)
+        self.publisher.changed()
+        return out
+
+    def _commit(self, request_id: str, placed: list[Placement]) -> list[PlacedImage]:
+        """Add the chosen images to their GPUs' pending patches (in place)."""
         pif = self._fleet.patches_in_flight
         machines = self._by_index
         pending = self._pending
@@ -435,28 +397,17 @@ class VisionState(_VisionViews, PlacementTable[_Machine, VisionSettings, metrics
             )
             machine.add_request(request_id)
             self._figures.mark(machine)
-        leases.hold(
-            request_id,
-            tuple((m, g, p, i, gen) for m, g, p, i, gen in out),  # plain tuples: untracked
-            now_ns,
-        )
-        c = self._counts
-        c.placements[self._k_placed] += 1
-        name = self._k_placed[0]
-        c.images[name] += len(out)
-        c.patches[name] += sum(counts)
-        self.publisher.changed()
         return out
 
-    def _fold(self, counts: list[int], now_ns: int) -> list[Placement]:
+    def _fold(self, counts: list[int], now_ns: int, mask: SlotMask | None) -> list[Placement]:
         """Choose a GPU for each image in order (each sees the ones before it) on live
-        machines only; the view is left unchanged. Raises ResourceExhausted (counted)."""
-        leases = self._leases
+        (and ``mask``-allowed) machines only; the view is left unchanged. Raises
+        ResourceExhausted (counted)."""
         policy, rng = self._policy, self._rng
         while True:
             # The pure fold of core.vision.place_many, done in place on our own array:
             # each image sees the ones before it; undone if any image fails.
-            fleet = self._fleet
+            fleet = self._fleet if mask is None else restrict(self._fleet, mask)
             pif = fleet.patches_in_flight
             placed: list[Placement] = []
             for n in counts:
@@ -465,18 +416,17 @@ class VisionState(_VisionViews, PlacementTable[_Machine, VisionSettings, metrics
                     for done in placed:
                         pif[done.gpu] -= done.patches
                     self.count_refused("resource_exhausted")
-                    raise leases.refuse_no_capacity(decision.reason)
+                    raise self._leases.refuse_no_capacity(decision.reason)
                 g = decision.gpu
                 pif[g] = pif.item(g) + n  # scalar Python arithmetic: no numpy scalars
                 placed.append(decision)
             for decision in placed:  # undone here; committed below once all are live
                 pif[decision.gpu] -= decision.patches
-            if self._liveness is None or self._all_live(placed, now_ns):
+            if self._liveness is None or self._all_live(placed, now_ns, mask is None):
                 return placed
 
-    def _all_live(self, placed: Sequence[Placement], now_ns: int) -> bool:
+    def _all_live(self, placed: Sequence[Placement], now_ns: int, compact: bool) -> bool:
         """Whether every machine chosen is still live; a lapsed one is taken out."""
-        assert self._liveness is not None
         seen: set[int] = set()
         for p in placed:
             m = p.machine
@@ -484,40 +434,23 @@ class VisionState(_VisionViews, PlacementTable[_Machine, VisionSettings, metrics
                 continue
             seen.add(m)
             machine = self._by_index[m]
-            if machine is None:
-                return False
-            member = machine.member
-            if not self._liveness(member.member_id, member.incarnation, now_ns):
-                # The fleet normally reports the lapse through on_leave; make sure the
-                # machine is gone so that the next round cannot pick it again.
-                if self._members.get(member.member_id) is machine:
-                    self._remove(machine, "lapsed")
+            if machine is None or not self._still_live(machine, now_ns, compact):
                 return False
         return True
 
-    def release(self, request_id: str, now_ns: int) -> tuple[int, int]:
-        """Free every image of ``request_id``; returns (images, patches) freed.
+    # -- release -------------------------------------------------------------------------
 
-        Raises:
-            NotFound: nothing is held under ``request_id`` (released, expired, lost with
-                its machine, or never placed).
-        """
-        lease = self._leases.pop(request_id)
-        if lease is None:
-            self._counts.releases["not_found"] += 1
-            self.publisher.changed()
-            raise NotFound(
-                f"request_id: {request_id!r} holds no placement "
-                "(released, expired, lost with its machine, or never placed)"
-            )
+    def _released(self, request_id: str, lease: Lease[Any], now_ns: int) -> tuple[int, int]:
+        """(images, patches) freed."""
         images = lease[RECORD]
-        patches = self._free(request_id, images)
-        self._counts.releases["released"] += 1
-        self.publisher.changed()
-        return len(images), patches
+        return len(images), self._free(request_id, images)
 
-    def _free(self, request_id: str, images: Sequence[tuple[str, int, int, int, int]]) -> int:
-        """Take held images off their GPUs (records: PlacedImage fields as plain tuples)."""
+    def _unhold(self, request_id: str, images: _Images) -> int:
+        self._free(request_id, images)
+        return len(images)
+
+    def _free(self, request_id: str, images: _Images) -> int:
+        """Take held images off their GPUs; returns their patches."""
         total = 0
         for machine_id, gpu_index, p, incarnation, generation in images:
             machine = self._members.get(machine_id)
@@ -535,22 +468,3 @@ class VisionState(_VisionViews, PlacementTable[_Machine, VisionSettings, metrics
             machine.drop_request(request_id)
             self._figures.mark(machine)
         return total
-
-    def expire(self, now_ns: int) -> int:
-        """Free the placements whose lease ran out by ``now_ns``; returns how many.
-
-        O(expired): only the oldest entries are looked at (deadlines grow with placement
-        order); after a reload that shortens the lease, older entries expire at their own
-        (later) deadline.
-        """
-        n = images = 0
-        for request_id, lease in self._leases.expired(now_ns):
-            self._free(request_id, lease[RECORD])
-            n += 1
-            images += len(lease[RECORD])
-        if n:
-            metrics.EXPIRATIONS.inc(n)
-            metrics.EXPIRED_IMAGES.inc(images)
-            self.publisher.changed()
-            log.info("vision_placements_expired", requests=n, images=images)
-        return n

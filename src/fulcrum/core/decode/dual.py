@@ -80,12 +80,9 @@ class DualParams:
 
 
 @dataclass(frozen=True, slots=True)
-class Dual:
-    """The ``dual`` policy (see module docstring); parameters as in :class:`DualParams`."""
-
-    long_factor: float = 2.0
-    long_tokens: int = 65_536
-    short_slack: int = 0
+class Dual(DualParams):
+    """The ``dual`` policy (see module docstring): its parameters (:class:`DualParams`,
+    checked at construction) and its ``select``."""
 
     @property
     def name(self) -> str:
@@ -141,8 +138,4 @@ class Dual:
 
 def from_params(params: DualParams) -> Dual:
     """Factory for the registry."""
-    return Dual(
-        long_factor=params.long_factor,
-        long_tokens=params.long_tokens,
-        short_slack=params.short_slack,
-    )
+    return Dual(params.long_factor, params.long_tokens, params.short_slack)

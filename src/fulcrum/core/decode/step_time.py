@@ -35,12 +35,9 @@ class StepTimeParams:
 
 
 @dataclass(frozen=True, slots=True)
-class StepTime:
-    """The ``step_time`` policy (see module docstring)."""
-
-    d0_ns: float = 5_000_000.0
-    d1_ns: float = 20_000.0
-    d2_ns: float = 0.5
+class StepTime(StepTimeParams):
+    """The ``step_time`` policy (see module docstring): its coefficients
+    (:class:`StepTimeParams`, checked at construction) and its ``select``."""
 
     @property
     def name(self) -> str:
@@ -78,4 +75,4 @@ class StepTime:
 
 def from_params(params: StepTimeParams) -> StepTime:
     """Factory for the registry."""
-    return StepTime(d0_ns=params.d0_ns, d1_ns=params.d1_ns, d2_ns=params.d2_ns)
+    return StepTime(params.d0_ns, params.d1_ns, params.d2_ns)

@@ -11,7 +11,7 @@ machine, lowest machine index between machines).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +25,7 @@ from fulcrum.core.vision.fleet import (
 )
 
 __all__ = [
+    "Checked",
     "VisionPolicy",
     "best_gpu",
     "check_patches",
@@ -54,6 +55,42 @@ class VisionPolicy(Protocol):
             ValueError: ``patches`` < 1.
         """
         ...
+
+
+#: What :meth:`Checked.choose` returns: ``(machine index, global GPU index)``, or why
+#: no GPU can take the image.
+Chosen = tuple[int, int] | NoCapacity
+
+
+class Checked:
+    """Base of a VE policy: ``select`` checks the patch count (:func:`check_patches`),
+    asks :meth:`choose` for ``(machine, gpu)`` and returns the :class:`Placement`.
+    A subclass names itself in its bases: ``class RandomMachine(Checked, name=NAME)``."""
+
+    __slots__ = ()
+    NAME: ClassVar[str] = ""
+
+    def __init_subclass__(cls, name: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.NAME = name
+
+    @property
+    def name(self) -> str:
+        return self.NAME
+
+    def choose(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Chosen:
+        """``(machine index, global GPU index)`` for an image of ``patches`` (>= 1)
+        patches, or why nowhere."""
+        raise NotImplementedError
+
+    def select(
+        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
+    ) -> Placement | NoCapacity:
+        check_patches(patches)
+        chosen = self.choose(fleet, patches, rng)
+        if isinstance(chosen, NoCapacity):
+            return chosen
+        return Placement(machine=chosen[0], gpu=chosen[1], patches=int(patches))
 
 
 def check_patches(patches: int) -> None:

@@ -12,27 +12,18 @@ from typing import Final
 
 import numpy as np
 
-from fulcrum.core.vision.base import check_patches, no_fit_reason
-from fulcrum.core.vision.fleet import NO_LIMIT, NoCapacity, Placement, VisionFleet
-
-__all__ = ["NAME", "LeastPatches"]
+from fulcrum.core.vision.base import Checked, Chosen, no_fit_reason
+from fulcrum.core.vision.fleet import NO_LIMIT, NoCapacity, VisionFleet
 
 NAME: Final = "least_patches"
 
 
-class LeastPatches:
+class LeastPatches(Checked, name=NAME):
     """Global argmin of patches in flight over eligible GPUs."""
 
     __slots__ = ()
 
-    @property
-    def name(self) -> str:
-        return NAME
-
-    def select(
-        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
-    ) -> Placement | NoCapacity:
-        check_patches(patches)
+    def choose(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Chosen:
         t = fleet.topology
         load = fleet.patches_in_flight
         if t.n_gpus == 0:
@@ -44,4 +35,4 @@ class LeastPatches:
             gpu = int(np.where(fits, load, NO_LIMIT).argmin())
             if not fits[gpu]:
                 return NoCapacity(no_fit_reason(fleet, patches))
-        return Placement(machine=int(t.gpu_machine[gpu]), gpu=gpu, patches=int(patches))
+        return int(t.gpu_machine[gpu]), gpu

@@ -17,36 +17,23 @@ from typing import Final
 
 import numpy as np
 
-from fulcrum.core.vision.base import check_patches, draw_two_machines
-from fulcrum.core.vision.fleet import NoCapacity, Placement, VisionFleet
-
-__all__ = ["NAME", "PowerOfTwo"]
+from fulcrum.core.vision.base import Checked, Chosen, draw_two_machines
+from fulcrum.core.vision.fleet import NoCapacity, VisionFleet
 
 NAME: Final = "power_of_two"
 
 
-class PowerOfTwo:
+class PowerOfTwo(Checked, name=NAME):
     """Less loaded (per live GPU) of two random eligible machines, then its best GPU."""
 
     __slots__ = ()
 
-    @property
-    def name(self) -> str:
-        return NAME
-
-    def select(
-        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
-    ) -> Placement | NoCapacity:
-        check_patches(patches)
+    def choose(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Chosen:
         drawn = draw_two_machines(fleet, patches, rng)
-        if isinstance(drawn, NoCapacity):
-            return drawn
-        if len(drawn) == 1:
-            machine, gpu = drawn[0]
-        else:
-            (a, ga), (b, gb) = sorted(drawn)
-            gpus = fleet.topology.live_gpus_list
-            load_a = fleet.machine_load(a) * gpus[b]
-            load_b = fleet.machine_load(b) * gpus[a]
-            machine, gpu = (b, gb) if load_b < load_a else (a, ga)
-        return Placement(machine=machine, gpu=gpu, patches=int(patches))
+        if isinstance(drawn, NoCapacity) or len(drawn) == 1:
+            return drawn if isinstance(drawn, NoCapacity) else drawn[0]
+        (a, ga), (b, gb) = sorted(drawn)
+        gpus = fleet.topology.live_gpus_list
+        load_a = fleet.machine_load(a) * gpus[b]
+        load_b = fleet.machine_load(b) * gpus[a]
+        return (b, gb) if load_b < load_a else (a, ga)

@@ -16,29 +16,16 @@ from typing import Final
 
 import numpy as np
 
-from fulcrum.core.vision.base import check_patches, draw_machine
-from fulcrum.core.vision.fleet import NoCapacity, Placement, VisionFleet
-
-__all__ = ["NAME", "RandomMachine"]
+from fulcrum.core.vision.base import Checked, Chosen, draw_machine
+from fulcrum.core.vision.fleet import VisionFleet
 
 NAME: Final = "random_machine"
 
 
-class RandomMachine:
+class RandomMachine(Checked, name=NAME):
     """Uniformly random eligible machine, then its least-loaded eligible GPU."""
 
     __slots__ = ()
 
-    @property
-    def name(self) -> str:
-        return NAME
-
-    def select(
-        self, fleet: VisionFleet, patches: int, rng: np.random.Generator
-    ) -> Placement | NoCapacity:
-        check_patches(patches)
-        drawn = draw_machine(fleet, patches, rng)
-        if isinstance(drawn, NoCapacity):
-            return drawn
-        machine, gpu = drawn
-        return Placement(machine=machine, gpu=gpu, patches=int(patches))
+    def choose(self, fleet: VisionFleet, patches: int, rng: np.random.Generator) -> Chosen:
+        return draw_machine(fleet, patches, rng)
