@@ -77,7 +77,6 @@ def _tenant_labels(d: Daemon) -> set[str]:
 async def test_tenant_past_max_tenants_is_folded_and_counted() -> None:
     async with (running_server({"tenants": TENANTS}) as d,
                 FulcrumClient(d.address, timeout_s=10.0) as c):
-        tenancy = d.app.components.get("tenants")
         # No decode GPU: each placement is refused after its class is resolved.
         for tenant in ("gold", "u1", "u2", "u3", "u4", "u1"):
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -92,4 +91,5 @@ async def test_tenant_past_max_tenants_is_folded_and_counted() -> None:
         assert samples[("fulcrum_tenant_folded_total", ())] >= 2
         assert samples[("fulcrum_tenants_tracked", ())] == 2
         assert tenancy.table.tenant_of("u3") == "default"
-        assert _tenant_labels(d) <= {"gold", "default", "other"}
+        # (the registry is process-wide: other tests' configured names may be there)
+        assert not _tenant_labels(d) & {"u1", "u2", "u3", "u4"}

@@ -13,31 +13,31 @@ class and counted (``fulcrum_tenant_folded``), never a new label. Event loop onl
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import structlog
+from prometheus_client import Gauge
 
 from fulcrum.config import Settings
 from fulcrum.config.tenants import TenantsSettings
-from fulcrum.core.tenants import RequestClass, TenantTable
+from fulcrum.core.tenant_caps import Fill
+from fulcrum.core.tenants import RequestClass, TenantPolicy, TenantSpec, TenantTable
 from fulcrum.errors import InvalidArgument
 from fulcrum.metrics import tenants as tm
 from fulcrum.service.app import App
+from fulcrum.state.tenant_filter import TenantFilter
 
 log = structlog.get_logger(__name__)
 
 _KEY = "tenants"
+#: A tenant's caps from its spec: (max requests, max units), None = no cap.
+Caps = Callable[[TenantSpec], tuple[int | None, int | None]]
 
 
-class ClassFields(Protocol):
-    """The class fields every entry point's request message carries."""
-
-    tenant: str
-    priority: int
-
-    ttft_slo_ms: int
-
-    def HasField(self, name: str) -> bool: ...
+#: A request message carrying the class fields (``tenant``, ``priority``, optional
+#: ``ttft_slo_ms``): SubmitRequest, PlaceDecodeRequest, PlaceImagesRequest.
+ClassFields = Any
 
 
 class Tenancy:
@@ -100,3 +100,72 @@ def tenancy_of(app: App) -> Tenancy:
 
     app.reload_hooks.append(reload)
     return tenancy
+
+
+class FilteredTable(Protocol):
+    """What :func:`install_filter` needs of a placement table (decode, vision)."""
+
+    filters: list[Any]
+
+    @property
+    def settings(self) -> Any: ...
+
+    def fill(self) -> Fill: ...
+
+
+def needs_filter(policy: TenantPolicy, caps: Caps, reserve: float) -> bool:
+    """Whether the tenant step has anything to enforce: a cap, or a sheddable class with
+    a band reserve. (Without, the table keeps its unfiltered fast path.)"""
+    specs = (policy.default, *policy.classes.values())
+    if any(c is not None for spec in specs for c in caps(spec)):
+        return True
+    sheddable = bool(policy.sheddable_priorities) or any(s.sheddable for s in specs)
+    return reserve > 0 and sheddable
+
+
+def install_filter(
+    app: App, balancer: str, state: FilteredTable, caps: Caps,
+    amount: Callable[[Any], int], gauges: tuple[Gauge, Gauge | None],
+) -> None:
+    """Add the tenant step (:class:`TenantFilter`) to ``state``'s filter list once the
+    ``tenants:`` settings give it something to enforce, now or at a later reload (a step
+    added by a reload counts the placements made from then on)."""
+    tenancy = tenancy_of(app)
+    added: list[TenantFilter[Any]] = []
+
+    def ensure(settings: Settings) -> None:
+        if added or not needs_filter(tenancy.table.policy, caps,
+                                     getattr(settings, balancer).band_reserve):
+            return
+        f: TenantFilter[Any] = TenantFilter(
+            balancer, tenancy.table, caps, amount, state.fill,
+            lambda: float(state.settings.band_reserve),
+            lambda: int(state.settings.sweep_interval_ms), gauges)
+        state.filters.append(f)
+        added.append(f)
+        log.info("tenant_filter_added", balancer=balancer)
+
+    ensure(app.settings)
+    app.reload_hooks.append(ensure)  # after tenancy's own hook: the new policy is read
+
+
+def decode_caps(spec: TenantSpec) -> tuple[int | None, int | None]:
+    """A tenant's decode caps: (requests, KV tokens)."""
+    return spec.decode_max_concurrency, spec.decode_max_kv_tokens
+
+
+def vision_caps(spec: TenantSpec) -> tuple[int | None, int | None]:
+    """A tenant's vision cap: (image requests, no unit cap)."""
+    return spec.vision_max_concurrency, None
+
+
+def class_of(
+    tenancy: Tenancy, request: ClassFields, refused: Callable[[str], None]
+) -> RequestClass:
+    """``tenancy.of(request)``, counting a refused field through
+    ``refused("invalid_argument")`` (the table's outcome counter)."""
+    try:
+        return tenancy.of(request)
+    except InvalidArgument:
+        refused("invalid_argument")
+        raise
