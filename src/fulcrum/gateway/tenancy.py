@@ -15,7 +15,8 @@ header                                  field (SubmitRequest, PlaceDecodeRequest
 A header whose value cannot be used is *ignored*: the field keeps its default and the
 request goes on (never a 400 for a tenancy header); each ignored header is one
 :class:`Ignored` (role and reason), counted in ``fulcrum_gateway_tenancy_headers_ignored``
-by :func:`count_ignored`. :func:`parse` itself is pure.
+by :func:`count_ignored`. :func:`parse` itself is pure; :func:`classify` turns an
+ext_proc header map into the daemon's class (the picker's hook).
 """
 
 from __future__ import annotations
@@ -24,11 +25,17 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+from envoy.config.core.v3 import base_pb2
 
 from fulcrum.config.tenancy import GatewayTenancySettings
-from fulcrum.core.tenants import MAX_TTFT_SLO_MS, TenantPolicy
+from fulcrum.core.tenants import DEFAULT_CLASS, MAX_TTFT_SLO_MS, RequestClass, TenantPolicy
+from fulcrum.errors import InvalidArgument
 from fulcrum.metrics import tenants as tm
+
+if TYPE_CHECKING:
+    from fulcrum.service.tenants import Tenancy as ServiceTenancy
 
 #: Roles of the headers (the bounded ``header`` label of the ignored counter).
 FAIRNESS: Final = "fairness_id"
@@ -151,3 +158,32 @@ def count_ignored(t: Tenancy) -> None:
     """Count each ignored header of ``t`` (event loop)."""
     for ig in t.ignored:
         tm.HEADER_IGNORED.labels(ig.role, ig.reason).inc()
+
+
+def _text(h: base_pb2.HeaderValue) -> str:
+    """A header's value as text; bytes that are not UTF-8 give a value every rule
+    refuses (a control character), so the header is ignored and counted."""
+    if not h.raw_value:
+        return str(h.value)
+    try:
+        return bytes(h.raw_value).decode("utf-8")
+    except UnicodeDecodeError:
+        return "\x00"
+
+
+def classify(
+    tenancy: ServiceTenancy | None, settings: GatewayTenancySettings, headers: base_pb2.HeaderMap
+) -> RequestClass:
+    """The class of a request from its ext_proc request headers, through the daemon's
+    tenant table (``tenancy``; None: the default class). Ignored headers are counted;
+    never raises on a header."""
+    if tenancy is None:
+        return DEFAULT_CLASS
+    t = parse(((h.key, _text(h)) for h in headers.headers), settings, tenancy.table.policy)
+    count_ignored(t)
+    if t.tenant == "" and t.priority == 0 and t.ttft_slo_ms is None:
+        return tenancy.default
+    try:
+        return tenancy.resolve(t.tenant, t.priority, t.ttft_slo_ms)
+    except InvalidArgument:  # pragma: no cover - parse keeps every field in range
+        return tenancy.default

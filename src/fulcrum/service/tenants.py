@@ -82,6 +82,11 @@ class Tenancy:
         ttft = int(request.ttft_slo_ms) if has_ttft else None
         return self.resolve(request.tenant, request.priority, ttft)
 
+    @property
+    def default(self) -> RequestClass:
+        """The class of a request that names none."""
+        return self._default
+
     def label(self, rc: RequestClass) -> str:
         """The bounded metric label of ``rc``'s tenant."""
         return self.table.label(rc.tenant)
