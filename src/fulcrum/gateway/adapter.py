@@ -367,9 +367,11 @@ class PrefillAdapter:
     def max_total_tokens(self) -> int:
         return int(self._state.settings.max_total_tokens)
 
-    async def submit(self, request_id: str, total_tokens: int, wait_ns: int) -> Delivery:
-        """Queue a request; returns where an engine's pull put it (engine, DP rank)."""
-        return await self._state.submit(request_id, total_tokens, 0, wait_ns)
+    async def submit(self, request_id: str, total_tokens: int, wait_ns: int,
+                     cls: RequestClass = DEFAULT_CLASS) -> Delivery:
+        """Queue a request of class ``cls``; returns where an engine's pull put it
+        (engine, DP rank)."""
+        return await self._state.submit(request_id, total_tokens, 0, wait_ns, cls=cls)
 
     async def pull(
         self,

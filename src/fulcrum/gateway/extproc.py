@@ -313,16 +313,19 @@ class Picker:
             shape = await loop.run_in_executor(None, self.parse, body, path)
         out = self.pick(body, path, subset, shape, cls)
         if self.prefill is not None and isinstance(out, Placement) and out.prompt_tokens > 0:
-            return await self.pick_prefill(out)
+            return await self.pick_prefill(out, cls)
         return out
 
-    async def pick_prefill(self, placement: Placement) -> Placement | Refusal:
+    async def pick_prefill(
+        self, placement: Placement, cls: RequestClass = DEFAULT_CLASS
+    ) -> Placement | Refusal:
         """P/D: choose the prefill engine and rank with the prefill balancer (waits for a
         pull made on an engine's behalf). On a refusal the decode placement is released."""
         assert self.prefill is not None
         s = self.settings
         try:
-            prefiller = await self.prefill.place(placement.request_id, placement.prompt_tokens)
+            prefiller = await self.prefill.place(
+                placement.request_id, placement.prompt_tokens, cls)
         except asyncio.CancelledError:  # the stream went away while waiting for a pull
             self.release(placement, "stream_closed")
             raise

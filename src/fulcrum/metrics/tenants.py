@@ -14,11 +14,16 @@ Plain values set on the event loop as things happen (no callback reads state at 
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Final
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from fulcrum.metrics import REGISTRY
+
+if TYPE_CHECKING:
+    from fulcrum.core.prefill.items import Queued
+    from fulcrum.core.tenants import RequestClass
 
 #: Balancers that see a request's class (label values of ``balancer``).
 BALANCERS: Final = ("prefill", "decode", "vision")
@@ -139,24 +144,42 @@ HEADER_IGNORED = Counter(
 
 
 class PrefillMeter:
-    """Per-tenant prefill figures, set by the prefill state as requests queue, leave and
-    are delivered. ``label``: a fairness id's bounded label
+    """Per-tenant prefill figures, set by the prefill shell as requests queue, leave the
+    queues and are delivered. ``label``: a fairness id's bounded label
     (:meth:`fulcrum.core.tenants.TenantTable.label`), read when a request queues and kept
-    with it so that a reload never unbalances a gauge. Event loop only."""
+    with it (so a reload never unbalances a gauge). Memory: one entry per queued request
+    (bounded by the tier queues' bound). Event loop only."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: Callable[[str], str]) -> None:
+        self._label = label
+        #: queued request id -> (label, predicted ns).
+        self._ids: dict[str, tuple[str, int]] = {}
         #: label -> (requests queued, predicted ns queued).
         self._queued: dict[str, tuple[int, int]] = {}
 
-    def queued(self, label: str, cost_ns: int) -> None:
-        """A request of ``label`` costing ``cost_ns`` (ns) joined a tier queue."""
+    def queued(self, item: Queued) -> None:
+        """``item`` joined a tier queue (submitted, or put back after a lease)."""
+        if item.request_id in self._ids:
+            return
+        label = self._label(item.cls.tenant)
+        self._ids[item.request_id] = (label, item.cost_ns)
         n, ns = self._queued.get(label, (0, 0))
-        self._set(label, n + 1, ns + cost_ns)
+        self._set(label, n + 1, ns + item.cost_ns)
 
-    def left(self, label: str, cost_ns: int) -> None:
-        """A request of ``label`` left the queues (taken by a pull, cancelled, expired)."""
+    def left(self, request_id: str) -> None:
+        """The request left the queues (taken by a pull, cancelled, expired, drained);
+        nothing when it was not queued."""
+        entry = self._ids.pop(request_id, None)
+        if entry is None:
+            return
+        label, cost = entry
         n, ns = self._queued.get(label, (0, 0))
-        self._set(label, max(0, n - 1), max(0, ns - cost_ns))
+        self._set(label, max(0, n - 1), max(0, ns - cost))
+
+    def took(self, items: Iterable[Queued]) -> None:
+        """A pull took these requests out of the queues (delivered, leased or dead)."""
+        for item in items:
+            self.left(item.request_id)
 
     def _set(self, label: str, n: int, ns: int) -> None:
         if n:
@@ -167,24 +190,23 @@ class PrefillMeter:
         PREFILL_QUEUED.labels(label).set(n)
         PREFILL_QUEUED_SECONDS.labels(label).set(ns / 1e9)
 
-    @staticmethod
-    def delivered(label: str, priority: int, cost_ns: int, waited_ns: int,
-                  slo_ns: int | None) -> None:
-        """A request was acknowledged by its engine after ``waited_ns`` (ns) queued; its
-        predicted TTFT (wait + ``cost_ns``) over ``slo_ns`` is a deadline miss."""
-        PREFILL_COMPUTE.labels(label).inc(cost_ns / 1e9)
-        PRIORITY_COMPUTE.labels(str(priority)).inc(cost_ns / 1e9)
+    def delivered(self, item: Queued, waited_ns: int) -> None:
+        """``item`` was delivered after ``waited_ns`` (ns) queued: its predicted compute
+        is served to its tenant; a predicted TTFT (wait + cost) past its deadline is a
+        miss."""
+        label = self._label(item.cls.tenant)
+        PREFILL_COMPUTE.labels(label).inc(item.cost_ns / 1e9)
+        PRIORITY_COMPUTE.labels(str(item.cls.priority)).inc(item.cost_ns / 1e9)
         PREFILL_WAIT.labels(label).observe(waited_ns / 1e9)
-        if slo_ns is not None and waited_ns + cost_ns > slo_ns:
+        slo = item.cls.ttft_slo_ns
+        if slo is not None and waited_ns + item.cost_ns > slo:
             DEADLINE_MISSES.labels("prefill", label).inc()
 
-    @staticmethod
-    def expired(label: str, slo_ns: int | None) -> None:
-        """A request with a deadline expired in the queue (DEADLINE_EXCEEDED)."""
-        if slo_ns is not None:
-            DEADLINE_MISSES.labels("prefill", label).inc()
+    def expired(self, item: Queued) -> None:
+        """``item`` failed DEADLINE_EXCEEDED: a miss when it had a TTFT deadline."""
+        if item.cls.ttft_slo_ns is not None:
+            DEADLINE_MISSES.labels("prefill", self._label(item.cls.tenant)).inc()
 
-    @staticmethod
-    def shed(label: str) -> None:
+    def shed(self, cls: RequestClass) -> None:
         """A sheddable request was refused on a predicted deadline miss."""
-        SHED.labels("prefill", label, "deadline").inc()
+        SHED.labels("prefill", self._label(cls.tenant), "deadline").inc()
