@@ -13,6 +13,7 @@ from fulcrum.client import FulcrumClient
 from fulcrum.testing import running_server
 from fulcrum.v1 import decode_pb2, vision_pb2
 from tests.service.test_decode import add_instance
+from tests.service.test_decode_reload import reload
 from tests.service.test_server import scrape
 from tests.service.test_vision import add_machine
 
@@ -91,3 +92,16 @@ async def test_vision_cap_per_tenant() -> None:
         await c.vision.PlaceImages(vision_pb2.PlaceImagesRequest(
             request_id="v2", images=img, tenant="few"))
         assert scrape(d)[("fulcrum_tenant_vision_requests", (("tenant", "few"),))] == 1
+
+
+async def test_reloaded_tenant_cap_applies_to_the_next_placement() -> None:
+    async with running_server() as d, FulcrumClient(d.address, timeout_s=10.0) as c:
+        state = d.app.components["decode"]
+        assert state.filters == []  # nothing to enforce: the unfiltered fast path
+        await add_instance(c, "dec-1")
+        await c.decode.PlaceDecode(place("a1", tenant="t"))
+        reload(d, {"tenants": {"classes": {"t": {"decode_max_concurrency": 1}}}})
+        assert len(state.filters) == 1
+        await c.decode.PlaceDecode(place("a2", tenant="t"))  # counted from the reload on
+        await refused(c.decode.PlaceDecode(place("a3", tenant="t")))
+        await c.decode.PlaceDecode(place("b1", tenant="u"))

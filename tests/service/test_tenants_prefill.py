@@ -12,6 +12,7 @@ import pytest
 
 from fulcrum.v1 import prefill_pb2
 from tests.service.prefill_helpers import prefill_daemon, pull_request, register, until
+from tests.service.test_decode_reload import reload
 from tests.service.test_server import scrape
 
 S = 1_000_000_000
@@ -105,3 +106,17 @@ async def test_per_tenant_metrics_follow_queue_and_delivery() -> None:
                       tenant="gold") == misses + 1
         # the unknown tenant is never its own label
         assert not any(dict(lb).get("tenant") == "u-123" for _, lb in scrape(d))
+
+
+async def test_reloaded_tenants_apply_to_the_next_submit() -> None:
+    async with prefill_daemon() as (d, c, st):
+        await register(c, "e1", dp_ranks=1)
+        kept = asyncio.ensure_future(c.prefill.Submit(submit("k", tenant="t", ttft_slo_ms=1)))
+        await until(lambda: st.queue_depths()[0] == 1)
+        reload(d, {"tenants": {"classes": {"t": {"sheddable": True, "weight": 2.0}}}})
+        assert st.balancer.config.tenants.classes["t"].weight == 2.0
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.prefill.Submit(submit("s", tenant="t", ttft_slo_ms=1))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        kept.cancel()
+        await until(lambda: st.queue_depths()[0] == 0)
