@@ -1,7 +1,7 @@
 # ruff: noqa: E501 - PromQL queries read best on one line
 """Generate deploy/grafana/fulcrum.json, the Fulcrum dashboard: an overview row, then one
-row per balancer (prefill, decode, VE, EPLB) with its imbalance, queues and decisions, and
-a security row. Run ``python deploy/grafana/build_dashboard.py`` after changing it; the test
+row per balancer (prefill, decode, VE, EPLB) with its imbalance, queues and decisions, a
+tenants row (compute share, queues, shedding, deadline misses) and a security row. Run ``python deploy/grafana/build_dashboard.py`` after changing it; the test
 suite checks that the JSON is current and uses only metrics the daemon exports.
 """
 
@@ -167,6 +167,37 @@ def build() -> dict[str, Any]:
     b.panel("Lost and expired placements", [
         (f"sum by (reason) (rate(fulcrum_vision_lost_placements_total{{{SEL}}}[$__rate_interval]))", "lost {{reason}}"),
         (f"rate(fulcrum_vision_expirations_total{{{SEL}}}[$__rate_interval])", "expired")], unit="ops")
+
+    b.row("Tenants and priorities")
+    b.panel("Prefill compute share by tenant", [(
+        f"sum by (tenant) (rate(fulcrum_tenant_prefill_compute_seconds_total{{{SEL}}}[$__rate_interval])) / ignoring(tenant) group_left sum(rate(fulcrum_tenant_prefill_compute_seconds_total{{{SEL}}}[$__rate_interval]))",
+        "{{tenant}}")], unit="percentunit",
+        description="Share of the predicted prefill compute delivered to engines (GPU-seconds per second); tenant labels: configured tenants, default, other.")
+    b.panel("Prefill compute by priority band (GPU-s/s)", [(
+        f"sum by (priority) (rate(fulcrum_priority_prefill_compute_seconds_total{{{SEL}}}[$__rate_interval]))",
+        "priority {{priority}}")])
+    b.panel("Prefill queue depth by tenant", [(
+        f"sum by (tenant) (fulcrum_tenant_prefill_queue_depth{{{SEL}}})", "{{tenant}}")])
+    b.panel("Prefill queue wait p99 by tenant", [(
+        f"histogram_quantile(0.99, sum by (le, tenant) (rate(fulcrum_tenant_prefill_wait_seconds_bucket{{{SEL}}}[$__rate_interval])))",
+        "{{tenant}}")], unit="s")
+    b.panel("Shed by balancer, tenant and reason", [(
+        f"sum by (balancer, tenant, reason) (rate(fulcrum_tenant_shed_total{{{SEL}}}[$__rate_interval]))",
+        "{{balancer}} {{tenant}} {{reason}}")], unit="reqps")
+    b.panel("TTFT deadline misses by tenant", [(
+        f"sum by (balancer, tenant) (rate(fulcrum_tenant_deadline_misses_total{{{SEL}}}[$__rate_interval]))",
+        "{{balancer}} {{tenant}}")], unit="reqps")
+    b.panel("Decode placements and vision requests held by tenant", [
+        (f"sum by (tenant) (fulcrum_tenant_decode_placements{{{SEL}}})", "decode {{tenant}}"),
+        (f"sum by (tenant) (fulcrum_tenant_vision_requests{{{SEL}}})", "vision {{tenant}}")])
+    b.panel("Decode KV held by tenant", [(
+        f"sum by (tenant) (fulcrum_tenant_decode_kv_tokens{{{SEL}}})", "{{tenant}}")])
+    b.panel("Tenant table: tracked, folded, refused fields and headers", [
+        (f"sum(fulcrum_tenants_tracked{{{SEL}}})", "tracked"),
+        (f"sum(rate(fulcrum_tenant_folded_total{{{SEL}}}[$__rate_interval]))", "folded/s"),
+        (f"sum by (field) (rate(fulcrum_tenant_invalid_fields_total{{{SEL}}}[$__rate_interval]))", "invalid {{field}}/s"),
+        (f"sum by (header, reason) (rate(fulcrum_gateway_tenancy_headers_ignored_total{{{SEL}}}[$__rate_interval]))",
+         "header {{header}} {{reason}}/s")])
 
     b.row("Expert-parallel load balancer (EPLB)")
     b.panel("moe_lb observed vs predicted by group", [

@@ -19,6 +19,7 @@ import pytest
 
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.config.server import FleetSettings
+from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass, TenantTable
 from fulcrum.core.types import MemberKind, PrefillEngineShape
 from fulcrum.sim.cluster import Cluster
 from fulcrum.sim.engine import simulate
@@ -54,13 +55,18 @@ def record(policy: str, reqs: list[Request]) -> list[tuple[Any, ...]]:
     return events
 
 
-async def replay(events: list[tuple[Any, ...]], rules: str) -> dict[str, int]:
+async def replay(events: list[tuple[Any, ...]], rules: str | list[str],
+                 tenants: TenantTable | None = None,
+                 classes: dict[str, RequestClass] | None = None) -> dict[str, int]:
+    """Replay ``events`` through the daemon's shell (``tenants``, ``classes``: the tenant
+    table and each request's class, issue 23)."""
     now = [0]
     fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
     state = PrefillState(
         PrefillSettings(round_period_ms=3_600_000, max_queued_per_tier=100_000, rules=rules),
         fleet,
         lambda: now[0],
+        tenants,
     )
     fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
     tasks: dict[str, asyncio.Task[Delivery]] = {}
@@ -72,7 +78,9 @@ async def replay(events: list[tuple[Any, ...]], rules: str) -> dict[str, int]:
                 fleet.register(ev[2], PrefillEngineShape(dp_ranks=ev[3]), now[0])
             elif kind == "submit":
                 _, _, rid, total, cached, counts = ev
-                tasks[rid] = asyncio.ensure_future(state.submit(rid, total, cached, 3600 * S))
+                cls = (classes or {}).get(rid, DEFAULT_CLASS)
+                tasks[rid] = asyncio.ensure_future(
+                    state.submit(rid, total, cached, 3600 * S, cls=cls))
                 await asyncio.sleep(0)
                 assert state.is_queued(rid)
                 assert tuple(state.engines_per_tier()) == counts, ev

@@ -13,6 +13,7 @@ from fulcrum.config.policies import (
     lease_field,
     sweep_field,
 )
+from fulcrum.config.tenancy import band_reserve_field
 from fulcrum.core.decode.registry import DEFAULT_POLICY, REGISTRY
 from fulcrum.core.decode.view import MAX_KV_LIMIT
 
@@ -40,6 +41,7 @@ class DecodeSettings(TableSection):
     add_policy_sections(vars(), REGISTRY)
     lease_ms: int = lease_field(600_000)
     sweep_interval_ms: int = sweep_field()
+    band_reserve: float = band_reserve_field()
     max_placements: int = Field(
         1_000_000,
         ge=1,

@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 
 from fulcrum.config.base import Section
 from fulcrum.config.cache import CacheSettings
+from fulcrum.config.tenancy import GatewayTenancySettings
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -237,6 +238,7 @@ class GatewaySettings(Section):
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     prefill: PrefillProxySettings = Field(default_factory=PrefillProxySettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
+    tenancy: GatewayTenancySettings = Field(default_factory=GatewayTenancySettings)
     subset_namespace: str = Field(
         "envoy.lb.subset_hint",
         min_length=1,

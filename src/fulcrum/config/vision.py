@@ -13,6 +13,7 @@ from fulcrum.config.policies import (
     lease_field,
     sweep_field,
 )
+from fulcrum.config.tenancy import band_reserve_field
 from fulcrum.core.vision.registry import DEFAULT_POLICY, REGISTRY
 
 
@@ -51,6 +52,7 @@ class VisionSettings(TableSection):
     )
     lease_ms: int = lease_field(120_000)
     sweep_interval_ms: int = sweep_field()
+    band_reserve: float = band_reserve_field()
     max_placements: int = Field(
         100_000,
         ge=1,

@@ -39,6 +39,7 @@ import numpy.typing as npt
 from fulcrum.core.decode import Allowed, FleetView
 from fulcrum.core.decode.fallbacks import best_in_blocks, best_slots
 from fulcrum.core.decode.view import INT64_MAX
+from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass
 from fulcrum.errors import NotFound, ResourceExhausted
 from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.registry import AddressBook
@@ -251,12 +252,14 @@ class DecodeAdapter:
         subset: Collection[str] | None = None,
         fallbacks: int = 0,
         pin: int | None = None,
+        cls: RequestClass = DEFAULT_CLASS,
     ) -> Placement:
         """Place ``kv_tokens`` tokens (prompt + output estimate) on an allowed decode GPU.
 
         Allowed: GPUs with an address, and in ``subset`` (``ip:port`` strings) when given.
         ``pin``: a slot from :meth:`candidates` the caller chose (cache-aware picks); the
-        decode table then places on it alone (its filter still applies).
+        decode table then places on it alone (its filter still applies). ``cls``: the
+        request's class from its headers (the table's tenant step sees it).
         Raises NoEligibleEndpoint when none is allowed, and the decode table's errors
         (ResourceExhausted when no allowed GPU has room, InvalidArgument, AlreadyExists).
         """
@@ -274,7 +277,7 @@ class DecodeAdapter:
                 else "no live decode endpoint with a serving address"
             )
         try:
-            r = state.place(request_id, kv_tokens, now_ns, allowed=allowed)
+            r = state.place(request_id, kv_tokens, now_ns, allowed=allowed, cls=cls)
         except ResourceExhausted:
             # No room, or no allowed GPU left live (the table may just have dropped a
             # lapsed instance): the latter is "no eligible endpoint", not a bound.
@@ -364,9 +367,11 @@ class PrefillAdapter:
     def max_total_tokens(self) -> int:
         return int(self._state.settings.max_total_tokens)
 
-    async def submit(self, request_id: str, total_tokens: int, wait_ns: int) -> Delivery:
-        """Queue a request; returns where an engine's pull put it (engine, DP rank)."""
-        return await self._state.submit(request_id, total_tokens, 0, wait_ns)
+    async def submit(self, request_id: str, total_tokens: int, wait_ns: int,
+                     cls: RequestClass = DEFAULT_CLASS) -> Delivery:
+        """Queue a request of class ``cls``; returns where an engine's pull put it
+        (engine, DP rank)."""
+        return await self._state.submit(request_id, total_tokens, 0, wait_ns, cls=cls)
 
     async def pull(
         self,

@@ -52,6 +52,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from fulcrum.config.gateway import GatewaySettings
+from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass
 from fulcrum.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -64,7 +65,9 @@ from fulcrum.gateway.adapter import DecodeAdapter, NoEligibleEndpoint, Placement
 from fulcrum.gateway.body import BodyTooDeep, RequestShape, TokenCounter, parse_body
 from fulcrum.gateway.cache_pick import CachePicker
 from fulcrum.gateway.prefill import PrefillProxy
+from fulcrum.gateway.tenancy import classify
 from fulcrum.service.streams import drain
+from fulcrum.service.tenants import Tenancy
 
 log = structlog.get_logger(__name__)
 
@@ -188,6 +191,7 @@ class Picker:
         self.release_hooks: list[Callable[[str, str], None]] = []
         #: Cache-aware picks (gateway.cache.enabled, engines without a prefill pool).
         self.cache: CachePicker | None = None
+        self.tenancy: Tenancy | None = None  # the daemon's tenant table (gateway/server)
         if settings.cache.enabled and prefill is None:
             cache = CachePicker(settings.cache, settings.chars_per_token, adapter)
             cache.default_kv_tokens = max(
@@ -242,6 +246,7 @@ class Picker:
         path: str,
         subset: list[str] | None,
         shape: RequestShape | None = None,
+        cls: RequestClass = DEFAULT_CLASS,
     ) -> Placement | Refusal:
         """Choose the destination of one request (placement held until :meth:`release`).
         ``shape``: the body already parsed (off the loop), else it is parsed here."""
@@ -268,7 +273,7 @@ class Picker:
         pin = None if choice is None else choice.slot
         try:
             placement = self.adapter.place(
-                request_id, kv, now, subset=subset, fallbacks=s.fallbacks, pin=pin
+                request_id, kv, now, subset=subset, fallbacks=s.fallbacks, pin=pin, cls=cls
             )
         except NoEligibleEndpoint as err:
             self._count("no_endpoint")
@@ -297,7 +302,7 @@ class Picker:
         return placement
 
     async def pick_full(
-        self, body: bytes, path: str, subset: list[str] | None
+        self, body: bytes, path: str, subset: list[str] | None, cls: RequestClass = DEFAULT_CLASS
     ) -> Placement | Refusal:
         """:meth:`pick`, then (P/D, a request with a prompt) :meth:`pick_prefill`. A body
         over ``OFFLOAD_BYTES`` is parsed (and tokenized) in a worker thread, so that the
@@ -306,18 +311,21 @@ class Picker:
         if len(body) > OFFLOAD_BYTES or (self.counter is not None and body):
             loop = asyncio.get_running_loop()
             shape = await loop.run_in_executor(None, self.parse, body, path)
-        out = self.pick(body, path, subset, shape)
+        out = self.pick(body, path, subset, shape, cls)
         if self.prefill is not None and isinstance(out, Placement) and out.prompt_tokens > 0:
-            return await self.pick_prefill(out)
+            return await self.pick_prefill(out, cls)
         return out
 
-    async def pick_prefill(self, placement: Placement) -> Placement | Refusal:
+    async def pick_prefill(
+        self, placement: Placement, cls: RequestClass = DEFAULT_CLASS
+    ) -> Placement | Refusal:
         """P/D: choose the prefill engine and rank with the prefill balancer (waits for a
         pull made on an engine's behalf). On a refusal the decode placement is released."""
         assert self.prefill is not None
         s = self.settings
         try:
-            prefiller = await self.prefill.place(placement.request_id, placement.prompt_tokens)
+            prefiller = await self.prefill.place(
+                placement.request_id, placement.prompt_tokens, cls)
         except asyncio.CancelledError:  # the stream went away while waiting for a pull
             self.release(placement, "stream_closed")
             raise
@@ -471,7 +479,7 @@ class _Stream:
 
     __slots__ = (
         "_chunks", "_deadline", "_duplex", "_pending", "_pending_headers", "_picker",
-        "_resp_duplex", "_settings", "path", "phase", "placement", "subset",
+        "_resp_duplex", "_settings", "cls", "path", "phase", "placement", "subset",
     )
 
     def __init__(self, picker: Picker, now: float) -> None:
@@ -485,6 +493,7 @@ class _Stream:
         self.placement: Placement | None = None
         self.path = ""
         self.subset: list[str] | None = None
+        self.cls = DEFAULT_CLASS  # from the request headers (issue 23)
 
     async def next(self, it: AsyncIterator[ep.ProcessingRequest]) -> ep.ProcessingRequest:
         """The next message; while the request is incomplete, within ``max_body_ms`` of
@@ -536,6 +545,8 @@ class _Stream:
             raise self._out_of_order("request_headers")
         body_none = self._begin(req)
         self.path = _path(req)
+        p = self._picker
+        self.cls = classify(p.tenancy, p.settings.tenancy, req.request_headers.headers)
         if req.request_headers.end_of_stream or body_none:
             return (self._picker.destination(await self._pick(b""), "request_headers"),)
         self.phase = _BODY
@@ -607,7 +618,7 @@ class _Stream:
     async def _pick(self, body: bytes) -> Placement:
         """The one pick of the stream (or the refusal that ends it)."""
         try:
-            out = await self._picker.pick_full(body, self.path, self.subset)
+            out = await self._picker.pick_full(body, self.path, self.subset, self.cls)
         except BodyTooDeep as err:
             raise _refuse("too_deep", 400, str(err)) from None
         if isinstance(out, Refusal):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from fulcrum.config.gateway import GatewaySettings, PoolEngine
+from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass
 from fulcrum.core.types import Member, PrefillEngineShape
 from fulcrum.errors import FailedPrecondition, NotFound, Unavailable
 from fulcrum.gateway.adapter import PrefillAdapter
@@ -185,11 +186,12 @@ class PrefillProxy:
 
     # -- the picker's side -----------------------------------------------------------------
 
-    async def place(self, request_id: str, prompt_tokens: int) -> str:
+    async def place(self, request_id: str, prompt_tokens: int,
+                    cls: RequestClass = DEFAULT_CLASS) -> str:
         """Submit the request's prefill and wait for a pull; returns the prefill rank's
         ``ip:port``. Raises the prefill balancer's errors (DeadlineExceeded when no engine
         took it in ``gateway.prefill.wait_ms``, ResourceExhausted, InvalidArgument,
         Unavailable)."""
         wait_ns = self._settings.prefill.wait_ms * 1_000_000
-        delivery = await self._adapter.submit(request_id, max(1, prompt_tokens), wait_ns)
+        delivery = await self._adapter.submit(request_id, max(1, prompt_tokens), wait_ns, cls)
         return self.addresses[(delivery.engine_id, delivery.dp_rank)]

@@ -26,6 +26,7 @@ from fulcrum.gateway.extproc import SERVICE, Picker, add_to_server
 from fulcrum.gateway.pool import StaticPool
 from fulcrum.gateway.prefill import PrefillProxy
 from fulcrum.gateway.scrape import Scraper
+from fulcrum.service.tenants import tenancy_of
 from fulcrum.state.decode import DecodeState
 
 log = structlog.get_logger(__name__)
@@ -174,6 +175,7 @@ def build(app: Any) -> Gateway | None:
         prefill,
     )
     app.components["gateway"] = picker
+    picker.tenancy = tenancy_of(app)  # tenancy headers -> the daemon's classes (issue 23)
 
     def reload(new: Settings) -> None:
         picker.apply_settings(new.gateway)

@@ -14,11 +14,13 @@ import structlog
 
 from fulcrum.core.types import DecodeInstanceShape, Member, MemberKind
 from fulcrum.errors import NotFound
+from fulcrum.metrics import tenants as tm
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
 from fulcrum.service.paging import page_size_of, page_token_of
 from fulcrum.service.placement import check_request_id, liveness, register_table, release_id
 from fulcrum.service.streams import place_release_stream
+from fulcrum.service.tenants import class_of, decode_caps, install_filter, tenancy_of
 from fulcrum.state.decode import DecodeState
 from fulcrum.units import NS_PER_MS
 from fulcrum.v1 import decode_pb2 as pb
@@ -59,6 +61,7 @@ class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
     def __init__(self, app: App, state: DecodeState) -> None:
         self._app = app
         self._state = state
+        self._tenancy = tenancy_of(app)
 
     # -- shared by unary and streaming ---------------------------------------------------
 
@@ -74,7 +77,8 @@ class DecodeServicer(pb_grpc.DecodeBalancerServiceServicer):
         state = self._state
         request_id = request.request_id
         check_request_id(request_id, state.count_refused)
-        r = state.place(request_id, request.kv_tokens, self._app.clock())
+        cls = class_of(self._tenancy, request, state.count_refused)
+        r = state.place(request_id, request.kv_tokens, self._app.clock(), cls=cls)
         reply.instance_id = r.instance_id
         reply.gpu_index = r.gpu_index
         reply.policy = state.policy_name
@@ -164,6 +168,8 @@ def register(server: grpc.aio.Server, app: App) -> list[str]:
         liveness=liveness(app),
         debug_log=app.settings.logging.level == "debug",
     )
+    install_filter(app, "decode", state, decode_caps, lambda r: int(r.kv_tokens),
+                   (tm.DECODE_HELD, tm.DECODE_KV))
     register_table(
         server, app, "decode", MemberKind.DECODE_INSTANCE, state,
         pb_grpc.add_DecodeBalancerServiceServicer_to_server, DecodeServicer(app, state),

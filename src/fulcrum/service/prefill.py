@@ -15,6 +15,7 @@ from fulcrum.core.types import MemberKind, PrefillEngineShape
 from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
+from fulcrum.service.tenants import tenancy_of
 from fulcrum.state.prefill import Batch, PrefillState, wait_ns
 from fulcrum.v1 import fleet_pb2
 from fulcrum.v1 import prefill_pb2 as pb
@@ -50,6 +51,7 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
     def __init__(self, app: App, state: PrefillState) -> None:
         self._app = app
         self._state = state
+        self._tenancy = tenancy_of(app)
         self._max_call_ns = int(app.settings.server.max_call_s * 1e9) - _CALL_MARGIN_NS
 
     def _cap_wait(self, ns: int, context: grpc.aio.ServicerContext) -> int:
@@ -67,6 +69,7 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
         wait = wait_ns(request.max_wait_ms, s.submit_wait_ms, s.max_submit_wait_ms)
         # bounded by the prompt and the table's limit before converting
         self._state.prefix.validate(request.block_hashes, int(request.total_tokens))
+        cls = self._tenancy.of(request)  # INVALID_ARGUMENT naming the field, nothing held
         delivery = await self._state.submit(
             request_id,
             int(request.total_tokens),
@@ -74,6 +77,7 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             self._cap_wait(wait, context),
             request.block_hashes,
             submitter_of(context),
+            cls,
         )
         return pb.SubmitResponse(
             engine_id=delivery.engine_id,
@@ -201,7 +205,8 @@ def assignment_pb(state: PrefillState, engine_id: str) -> fleet_pb2.PrefillAssig
 def register(server: grpc.aio.Server, app: App) -> list[str]:
     """Build the prefill state, follow prefill engines, schedule rounds and refits."""
     settings = app.settings.prefill
-    state = PrefillState(settings, app.fleet, app.clock)
+    tenancy = tenancy_of(app)  # its reload hook runs before ours: one policy per reload
+    state = PrefillState(settings, app.fleet, app.clock, tenancy.table)
     app.fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
     app.components["prefill"] = state
     app.drain_hooks.append(state.drain)

@@ -13,10 +13,12 @@ import grpc
 import structlog
 
 from fulcrum.core.types import MemberKind
+from fulcrum.metrics import tenants as tm
 from fulcrum.service.app import App
 from fulcrum.service.errors import require_id
 from fulcrum.service.placement import check_request_id, liveness, register_table, release_id
 from fulcrum.service.streams import place_release_stream
+from fulcrum.service.tenants import class_of, install_filter, tenancy_of, vision_caps
 from fulcrum.state.vision import ImageRequest, VisionState
 from fulcrum.v1 import vision_pb2 as pb
 from fulcrum.v1 import vision_pb2_grpc as pb_grpc
@@ -31,6 +33,7 @@ class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
     def __init__(self, app: App, state: VisionState) -> None:
         self._app = app
         self._state = state
+        self._tenancy = tenancy_of(app)
 
     # -- shared by unary and streaming ---------------------------------------------------
 
@@ -42,7 +45,8 @@ class VisionServicer(pb_grpc.VisionBalancerServiceServicer):
         # The repeated field's length is bounded before any element is converted.
         state.check_image_count(len(request.images))
         images = [ImageRequest(im.width, im.height, im.patch_size) for im in request.images]
-        placed = state.place(request_id, images, self._app.clock())
+        cls = class_of(self._tenancy, request, state.count_refused)
+        placed = state.place(request_id, images, self._app.clock(), cls=cls)
         reply.policy = state.policy_name
         reply.lease_ms = state.lease_ms
         add = reply.placements.add
@@ -100,6 +104,8 @@ def register(server: grpc.aio.Server, app: App) -> list[str]:
     # depend only on server.seed and the vision calls, not on other balancers' draws.
     rng = app.rng.spawn(1)[0]
     state = VisionState(app.settings.vision, rng, liveness=liveness(app))
+    install_filter(app, "vision", state, vision_caps, lambda r: sum(r.patches),
+                   (tm.VISION_HELD, None))
     servicer = VisionServicer(app, state)
     add = pb_grpc.add_VisionBalancerServiceServicer_to_server
     register_table(server, app, "vision", MemberKind.VISION_MACHINE, state, add, servicer)

@@ -57,6 +57,8 @@ from fulcrum.core.decode import (
 from fulcrum.core.decode.keys import MAX_CONCURRENCY_LIMIT, MAX_KV_LIMIT
 from fulcrum.core.decode.policy import DecodePolicy
 from fulcrum.core.decode.writers import GpuWriter
+from fulcrum.core.tenant_caps import Fill
+from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass
 from fulcrum.core.types import DecodeInstanceLoad, DecodeInstanceShape, Member, MemberLoad
 from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.metrics import decode as metrics
@@ -82,6 +84,8 @@ class DecodeRequest(NamedTuple):
     request_id: str
     #: KV length asked for, tokens.
     kv_tokens: int
+    #: The request's class (tenant, priority, deadline; issue 23).
+    cls: RequestClass = DEFAULT_CLASS
 
 
 class PlaceResult(NamedTuple):
@@ -275,7 +279,8 @@ class DecodeState(
     # -- placement -----------------------------------------------------------------------
 
     def place(
-        self, request_id: str, kv_tokens: int, now_ns: int, allowed: Allowed | None = None
+        self, request_id: str, kv_tokens: int, now_ns: int, allowed: Allowed | None = None,
+        cls: RequestClass = DEFAULT_CLASS,
     ) -> PlaceResult:
         """Choose a GPU for ``kv_tokens`` tokens and hold the placement under the lease.
 
@@ -284,7 +289,8 @@ class DecodeState(
         boolean mask: see :func:`fulcrum.core.decode.select_allowed`); None (the default)
         with no :attr:`filters` is the unchanged fast path. Slot indices are valid until
         the next change of :attr:`layout_version` (follow it with
-        :meth:`add_slot_listener`).
+        :meth:`add_slot_listener`). ``cls``: the request's class, seen by the filters
+        (the tenant step: :mod:`fulcrum.state.tenant_filter`).
 
         Raises InvalidArgument (kv_tokens, allowed), AlreadyExists (request_id held),
         ResourceExhausted (table full, or no (allowed) GPU fits); a refused call changes
@@ -295,7 +301,7 @@ class DecodeState(
         self._admit(request_id, now_ns)
         request = None
         if self.filters:
-            request = DecodeRequest(request_id, kv_tokens)
+            request = DecodeRequest(request_id, kv_tokens, cls)
             allowed = self._filtered(request, allowed, now_ns)
         out, slots = self._choose(kv_tokens, now_ns, allowed)
         slot = out.gpu
@@ -328,6 +334,14 @@ class DecodeState(
             member.member_id, member.incarnation, gpu_index, out.kind, conc, kv,
             leases.lease_ms,
         )
+
+    def fill(self) -> Fill:
+        """The fleet's load over live GPUs (requests and KV tokens held, with their
+        capacities), for the tenant step's band shedding. O(GPUs)."""
+        v = self._view
+        live = v.live
+        return Fill(v.total_concurrency, int(v.max_concurrency[live].sum()),
+                    v.total_kv_tokens, int(v.max_kv_tokens[live].sum()))
 
     def _refuse_kv(self, kv_tokens: int) -> None:
         self.count_refused("invalid_argument")

@@ -37,6 +37,8 @@ import numpy as np
 import numpy.typing as npt
 
 from fulcrum.config.vision import VisionSettings
+from fulcrum.core.tenant_caps import Fill
+from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass
 from fulcrum.core.types import Member, MemberLoad, VisionMachineLoad, VisionMachineShape
 from fulcrum.core.vision.base import VisionPolicy
 from fulcrum.core.vision.filters import restrict
@@ -82,6 +84,8 @@ class VisionRequest(NamedTuple):
     request_id: str
     #: Patch count of each image, in order.
     patches: tuple[int, ...]
+    #: The request's class (tenant, priority, deadline; issue 23).
+    cls: RequestClass = DEFAULT_CLASS
 
 
 class PlacedImage(NamedTuple):
@@ -338,9 +342,11 @@ class VisionState(
             )
 
     def place(
-        self, request_id: str, images: Sequence[ImageRequest], now_ns: int
+        self, request_id: str, images: Sequence[ImageRequest], now_ns: int,
+        cls: RequestClass = DEFAULT_CLASS,
     ) -> list[PlacedImage]:
         """Place every image of ``request_id`` in order (each sees the ones before it).
+        ``cls``: the request's class, seen by the filters (the tenant step).
 
         Raises (nothing changes then):
             InvalidArgument: no images, too many, or a size breaks a rule (the field is
@@ -356,7 +362,7 @@ class VisionState(
         self._admit(request_id, now_ns)
         request = mask = None
         if self.filters:
-            request = VisionRequest(request_id, tuple(counts))
+            request = VisionRequest(request_id, tuple(counts), cls)
             mask = self._allowed(request, self._topology.n_gpus, now_ns)
         placed = self._fold(counts, now_ns, mask)
         out = self._commit(request_id, placed)
@@ -374,6 +380,13 @@ class VisionState(
         patches_placed[name] += sum(counts)
         self.publisher.changed()
         return out
+
+    def fill(self) -> Fill:
+        """Patches in flight on live GPUs with a capacity, and those capacities (GPUs
+        without one are not counted), for the tenant step's band shedding. O(GPUs)."""
+        t = self._topology
+        limited = t.live & (t.capacity > 0)
+        return Fill(0, 0, int(self._pif[limited].sum()), int(t.capacity[limited].sum()))
 
     def _commit(self, request_id: str, placed: list[Placement]) -> list[PlacedImage]:
         """Add the chosen images to their GPUs' pending patches (in place)."""

@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66ulcrum/v1/decode.proto\x12\nfulcrum.v1\";\n\x12PlaceDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tkv_tokens\x18\x02 \x01(\x04\"\xb4\x01\n\x13PlaceDecodeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x0e\n\x06\x62ranch\x18\x06 \x01(\t\x12\x17\n\x0fgpu_concurrency\x18\x07 \x01(\r\x12\x15\n\rgpu_kv_tokens\x18\x08 \x01(\x04\"*\n\x14ReleaseDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"P\n\x15ReleaseDecodeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\x0f\n\x07held_ms\x18\x03 \x01(\x04\"\x98\x01\n\x18PlaceDecodeStreamRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12/\n\x05place\x18\x02 \x01(\x0b\x32\x1e.fulcrum.v1.PlaceDecodeRequestH\x00\x12\x33\n\x07release\x18\x03 \x01(\x0b\x32 .fulcrum.v1.ReleaseDecodeRequestH\x00\x42\x04\n\x02op\"\xbe\x01\n\x19PlaceDecodeStreamResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x30\n\x05place\x18\x04 \x01(\x0b\x32\x1f.fulcrum.v1.PlaceDecodeResponseH\x00\x12\x34\n\x07release\x18\x05 \x01(\x0b\x32!.fulcrum.v1.ReleaseDecodeResponseH\x00\x42\x08\n\x06result\"R\n\x14GetDecodeLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"\xcb\x01\n\x13\x44\x65\x63odeInstanceState\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0b\x63oncurrency\x18\x03 \x03(\r\x12\x11\n\tkv_tokens\x18\x04 \x03(\x04\x12\x17\n\x0fmax_concurrency\x18\x05 \x03(\r\x12\x15\n\rmax_kv_tokens\x18\x06 \x03(\x04\x12\x19\n\x11total_concurrency\x18\x07 \x01(\x04\x12\x17\n\x0ftotal_kv_tokens\x18\x08 \x01(\x04\"d\n\x15GetDecodeLoadResponse\x12\x32\n\tinstances\x18\x01 \x03(\x0b\x32\x1f.fulcrum.v1.DecodeInstanceState\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2\xf9\x02\n\x15\x44\x65\x63odeBalancerService\x12N\n\x0bPlaceDecode\x12\x1e.fulcrum.v1.PlaceDecodeRequest\x1a\x1f.fulcrum.v1.PlaceDecodeResponse\x12T\n\rReleaseDecode\x12 .fulcrum.v1.ReleaseDecodeRequest\x1a!.fulcrum.v1.ReleaseDecodeResponse\x12\x64\n\x11PlaceDecodeStream\x12$.fulcrum.v1.PlaceDecodeStreamRequest\x1a%.fulcrum.v1.PlaceDecodeStreamResponse(\x01\x30\x01\x12T\n\rGetDecodeLoad\x12 .fulcrum.v1.GetDecodeLoadRequest\x1a!.fulcrum.v1.GetDecodeLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66ulcrum/v1/decode.proto\x12\nfulcrum.v1\"\x87\x01\n\x12PlaceDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tkv_tokens\x18\x02 \x01(\x04\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x18\n\x0bttft_slo_ms\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_ttft_slo_ms\"\xb4\x01\n\x13PlaceDecodeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x0e\n\x06\x62ranch\x18\x06 \x01(\t\x12\x17\n\x0fgpu_concurrency\x18\x07 \x01(\r\x12\x15\n\rgpu_kv_tokens\x18\x08 \x01(\x04\"*\n\x14ReleaseDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"P\n\x15ReleaseDecodeResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\x0f\n\x07held_ms\x18\x03 \x01(\x04\"\x98\x01\n\x18PlaceDecodeStreamRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12/\n\x05place\x18\x02 \x01(\x0b\x32\x1e.fulcrum.v1.PlaceDecodeRequestH\x00\x12\x33\n\x07release\x18\x03 \x01(\x0b\x32 .fulcrum.v1.ReleaseDecodeRequestH\x00\x42\x04\n\x02op\"\xbe\x01\n\x19PlaceDecodeStreamResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x30\n\x05place\x18\x04 \x01(\x0b\x32\x1f.fulcrum.v1.PlaceDecodeResponseH\x00\x12\x34\n\x07release\x18\x05 \x01(\x0b\x32!.fulcrum.v1.ReleaseDecodeResponseH\x00\x42\x08\n\x06result\"R\n\x14GetDecodeLoadRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"\xcb\x01\n\x13\x44\x65\x63odeInstanceState\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0b\x63oncurrency\x18\x03 \x03(\r\x12\x11\n\tkv_tokens\x18\x04 \x03(\x04\x12\x17\n\x0fmax_concurrency\x18\x05 \x03(\r\x12\x15\n\rmax_kv_tokens\x18\x06 \x03(\x04\x12\x19\n\x11total_concurrency\x18\x07 \x01(\x04\x12\x17\n\x0ftotal_kv_tokens\x18\x08 \x01(\x04\"d\n\x15GetDecodeLoadResponse\x12\x32\n\tinstances\x18\x01 \x03(\x0b\x32\x1f.fulcrum.v1.DecodeInstanceState\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t2\xf9\x02\n\x15\x44\x65\x63odeBalancerService\x12N\n\x0bPlaceDecode\x12\x1e.fulcrum.v1.PlaceDecodeRequest\x1a\x1f.fulcrum.v1.PlaceDecodeResponse\x12T\n\rReleaseDecode\x12 .fulcrum.v1.ReleaseDecodeRequest\x1a!.fulcrum.v1.ReleaseDecodeResponse\x12\x64\n\x11PlaceDecodeStream\x12$.fulcrum.v1.PlaceDecodeStreamRequest\x1a%.fulcrum.v1.PlaceDecodeStreamResponse(\x01\x30\x01\x12T\n\rGetDecodeLoad\x12 .fulcrum.v1.GetDecodeLoadRequest\x1a!.fulcrum.v1.GetDecodeLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fulcrum.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PLACEDECODEREQUEST']._serialized_start=39
-  _globals['_PLACEDECODEREQUEST']._serialized_end=98
-  _globals['_PLACEDECODERESPONSE']._serialized_start=101
-  _globals['_PLACEDECODERESPONSE']._serialized_end=281
-  _globals['_RELEASEDECODEREQUEST']._serialized_start=283
-  _globals['_RELEASEDECODEREQUEST']._serialized_end=325
-  _globals['_RELEASEDECODERESPONSE']._serialized_start=327
-  _globals['_RELEASEDECODERESPONSE']._serialized_end=407
-  _globals['_PLACEDECODESTREAMREQUEST']._serialized_start=410
-  _globals['_PLACEDECODESTREAMREQUEST']._serialized_end=562
-  _globals['_PLACEDECODESTREAMRESPONSE']._serialized_start=565
-  _globals['_PLACEDECODESTREAMRESPONSE']._serialized_end=755
-  _globals['_GETDECODELOADREQUEST']._serialized_start=757
-  _globals['_GETDECODELOADREQUEST']._serialized_end=839
-  _globals['_DECODEINSTANCESTATE']._serialized_start=842
-  _globals['_DECODEINSTANCESTATE']._serialized_end=1045
-  _globals['_GETDECODELOADRESPONSE']._serialized_start=1047
-  _globals['_GETDECODELOADRESPONSE']._serialized_end=1147
-  _globals['_DECODEBALANCERSERVICE']._serialized_start=1150
-  _globals['_DECODEBALANCERSERVICE']._serialized_end=1527
+  _globals['_PLACEDECODEREQUEST']._serialized_start=40
+  _globals['_PLACEDECODEREQUEST']._serialized_end=175
+  _globals['_PLACEDECODERESPONSE']._serialized_start=178
+  _globals['_PLACEDECODERESPONSE']._serialized_end=358
+  _globals['_RELEASEDECODEREQUEST']._serialized_start=360
+  _globals['_RELEASEDECODEREQUEST']._serialized_end=402
+  _globals['_RELEASEDECODERESPONSE']._serialized_start=404
+  _globals['_RELEASEDECODERESPONSE']._serialized_end=484
+  _globals['_PLACEDECODESTREAMREQUEST']._serialized_start=487
+  _globals['_PLACEDECODESTREAMREQUEST']._serialized_end=639
+  _globals['_PLACEDECODESTREAMRESPONSE']._serialized_start=642
+  _globals['_PLACEDECODESTREAMRESPONSE']._serialized_end=832
+  _globals['_GETDECODELOADREQUEST']._serialized_start=834
+  _globals['_GETDECODELOADREQUEST']._serialized_end=916
+  _globals['_DECODEINSTANCESTATE']._serialized_start=919
+  _globals['_DECODEINSTANCESTATE']._serialized_end=1122
+  _globals['_GETDECODELOADRESPONSE']._serialized_start=1124
+  _globals['_GETDECODELOADRESPONSE']._serialized_end=1224
+  _globals['_DECODEBALANCERSERVICE']._serialized_start=1227
+  _globals['_DECODEBALANCERSERVICE']._serialized_end=1604
 # @@protoc_insertion_point(module_scope)

@@ -26,6 +26,9 @@ class PlaceDecodeRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     KV_TOKENS_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TTFT_SLO_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique id of the request among held placements, 1 to 128 printable ASCII characters
     without spaces; a duplicate of a held placement gets ALREADY_EXISTS.
@@ -34,17 +37,37 @@ class PlaceDecodeRequest(_message.Message):
     """KV length the request brings to decode, in tokens (> 0, at most
     decode.max_request_kv_tokens).
     """
+    tenant: _builtins.str
+    """Tenant (fairness id), as SubmitRequest.tenant (at most tenants.max_tenant_length
+    printable characters; empty or unknown = the default class's parameters). The
+    tenant's caps (tenants.*.decode_max_concurrency, decode_max_kv_tokens) are one more
+    filter: a placement over them gets RESOURCE_EXHAUSTED with `retry-after-ms`.
+    """
+    priority: _builtins.int
+    """Priority band, higher first (default 0), within tenants.min_priority ..
+    tenants.max_priority (INVALID_ARGUMENT naming priority otherwise). When the fleet is
+    nearly full, lower bands are refused first.
+    """
+    ttft_slo_ms: _builtins.int
+    """Time-to-first-token deadline, in milliseconds, as SubmitRequest.ttft_slo_ms
+    (validated and counted per tenant; decode does not order by it).
+    """
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         kv_tokens: _builtins.int = ...,
+        tenant: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        ttft_slo_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ttft_slo_ms", b"_ttft_slo_ms", "ttft_slo_ms", b"ttft_slo_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_tokens", b"kv_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ttft_slo_ms", b"_ttft_slo_ms", "kv_tokens", b"kv_tokens", "priority", b"priority", "request_id", b"request_id", "tenant", b"tenant", "ttft_slo_ms", b"ttft_slo_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__ttft_slo_ms: _TypeAlias = _typing.Literal["ttft_slo_ms"]  # noqa: Y015
+    _WhichOneofArgType__ttft_slo_ms: _TypeAlias = _typing.Literal["_ttft_slo_ms", b"_ttft_slo_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_slo_ms) -> _WhichOneofReturnType__ttft_slo_ms | None: ...
 
 Global___PlaceDecodeRequest: _TypeAlias = PlaceDecodeRequest  # noqa: Y015
 

@@ -30,6 +30,9 @@ class SubmitRequest(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TTFT_SLO_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique id of the request, 1 to 128 printable characters."""
     total_tokens: _builtins.int
@@ -38,6 +41,27 @@ class SubmitRequest(_message.Message):
     """Prefix already in the KV store (cache hit), in tokens; must be < total_tokens."""
     max_wait_ms: _builtins.int
     """Longest time to wait for an engine, in milliseconds (0 = the configured default)."""
+    tenant: _builtins.str
+    """Tenant (fairness id; header x-gateway-inference-fairness-id at the gateway), at most
+    tenants.max_tenant_length printable characters (default 128; INVALID_ARGUMENT naming
+    tenant otherwise). Empty = the default class. A tenant not configured in
+    tenants.classes takes the default class's parameters under its own fairness id; a
+    distinct tenant beyond tenants.max_tenants (default 10000) is folded into the
+    default tenant and counted, never a new metric label.
+    """
+    priority: _builtins.int
+    """Priority band, higher first (default 0), within tenants.min_priority ..
+    tenants.max_priority (default -8 .. 8; INVALID_ARGUMENT naming priority otherwise).
+    Within a tier queue requests are ordered by band, then by fair share of compute.
+    """
+    ttft_slo_ms: _builtins.int
+    """Time-to-first-token deadline, in milliseconds from submission (header x-slo-ttft-ms
+    at the gateway); unset or 0 = the class's default (tenants.*.ttft_slo_ms; none by
+    default); at most 86,400,000 (INVALID_ARGUMENT naming ttft_slo_ms otherwise). Only
+    when the class is sheddable (tenants.*.sheddable or tenants.sheddable_priorities) and
+    the predicted TTFT (queued work ahead plus its own cost) misses it, Submit answers
+    RESOURCE_EXHAUSTED at once with a `retry-after-ms` trailer.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The request's prefix as chained block hashes, for a pool whose engines each keep
@@ -55,12 +79,17 @@ class SubmitRequest(_message.Message):
         cached_tokens: _builtins.int = ...,
         max_wait_ms: _builtins.int = ...,
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        tenant: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        ttft_slo_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ttft_slo_ms", b"_ttft_slo_ms", "ttft_slo_ms", b"ttft_slo_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "cached_tokens", b"cached_tokens", "max_wait_ms", b"max_wait_ms", "request_id", b"request_id", "total_tokens", b"total_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ttft_slo_ms", b"_ttft_slo_ms", "block_hashes", b"block_hashes", "cached_tokens", b"cached_tokens", "max_wait_ms", b"max_wait_ms", "priority", b"priority", "request_id", b"request_id", "tenant", b"tenant", "total_tokens", b"total_tokens", "ttft_slo_ms", b"ttft_slo_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__ttft_slo_ms: _TypeAlias = _typing.Literal["ttft_slo_ms"]  # noqa: Y015
+    _WhichOneofArgType__ttft_slo_ms: _TypeAlias = _typing.Literal["_ttft_slo_ms", b"_ttft_slo_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_slo_ms) -> _WhichOneofReturnType__ttft_slo_ms | None: ...
 
 Global___SubmitRequest: _TypeAlias = SubmitRequest  # noqa: Y015
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66ulcrum/v1/vision.proto\x12\nfulcrum.v1\":\n\x05Image\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\x12\n\npatch_size\x18\x03 \x01(\r\"K\n\x12PlaceImagesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06images\x18\x02 \x03(\x0b\x32\x11.fulcrum.v1.Image\"H\n\x0eImagePlacement\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\x0f\n\x07patches\x18\x03 \x01(\x04\"g\n\x13PlaceImagesResponse\x12.\n\nplacements\x18\x01 \x03(\x0b\x32\x1a.fulcrum.v1.ImagePlacement\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"*\n\x14ReleaseImagesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"8\n\x15ReleaseImagesResponse\x12\x0e\n\x06images\x18\x01 \x01(\r\x12\x0f\n\x07patches\x18\x02 \x01(\x04\"\x98\x01\n\x18PlaceImagesStreamRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12/\n\x05place\x18\x02 \x01(\x0b\x32\x1e.fulcrum.v1.PlaceImagesRequestH\x00\x12\x33\n\x07release\x18\x03 \x01(\x0b\x32 .fulcrum.v1.ReleaseImagesRequestH\x00\x42\x04\n\x02op\"\xbe\x01\n\x19PlaceImagesStreamResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x30\n\x05place\x18\x04 \x01(\x0b\x32\x1f.fulcrum.v1.PlaceImagesResponseH\x00\x12\x34\n\x07release\x18\x05 \x01(\x0b\x32!.fulcrum.v1.ReleaseImagesResponseH\x00\x42\x08\n\x06result\"+\n\x15GetMachineLoadRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\"v\n\x16GetMachineLoadResponse\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x19\n\x11patches_in_flight\x18\x02 \x03(\x04\x12\x1d\n\x15max_patches_in_flight\x18\x03 \x01(\x04\x12\x0e\n\x06images\x18\x04 \x01(\r2\xfc\x02\n\x15VisionBalancerService\x12N\n\x0bPlaceImages\x12\x1e.fulcrum.v1.PlaceImagesRequest\x1a\x1f.fulcrum.v1.PlaceImagesResponse\x12T\n\rReleaseImages\x12 .fulcrum.v1.ReleaseImagesRequest\x1a!.fulcrum.v1.ReleaseImagesResponse\x12\x64\n\x11PlaceImagesStream\x12$.fulcrum.v1.PlaceImagesStreamRequest\x1a%.fulcrum.v1.PlaceImagesStreamResponse(\x01\x30\x01\x12W\n\x0eGetMachineLoad\x12!.fulcrum.v1.GetMachineLoadRequest\x1a\".fulcrum.v1.GetMachineLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66ulcrum/v1/vision.proto\x12\nfulcrum.v1\":\n\x05Image\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\x12\x12\n\npatch_size\x18\x03 \x01(\r\"\x97\x01\n\x12PlaceImagesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06images\x18\x02 \x03(\x0b\x32\x11.fulcrum.v1.Image\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x18\n\x0bttft_slo_ms\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_ttft_slo_ms\"H\n\x0eImagePlacement\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x11\n\tgpu_index\x18\x02 \x01(\r\x12\x0f\n\x07patches\x18\x03 \x01(\x04\"g\n\x13PlaceImagesResponse\x12.\n\nplacements\x18\x01 \x03(\x0b\x32\x1a.fulcrum.v1.ImagePlacement\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"*\n\x14ReleaseImagesRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"8\n\x15ReleaseImagesResponse\x12\x0e\n\x06images\x18\x01 \x01(\r\x12\x0f\n\x07patches\x18\x02 \x01(\x04\"\x98\x01\n\x18PlaceImagesStreamRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12/\n\x05place\x18\x02 \x01(\x0b\x32\x1e.fulcrum.v1.PlaceImagesRequestH\x00\x12\x33\n\x07release\x18\x03 \x01(\x0b\x32 .fulcrum.v1.ReleaseImagesRequestH\x00\x42\x04\n\x02op\"\xbe\x01\n\x19PlaceImagesStreamResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x30\n\x05place\x18\x04 \x01(\x0b\x32\x1f.fulcrum.v1.PlaceImagesResponseH\x00\x12\x34\n\x07release\x18\x05 \x01(\x0b\x32!.fulcrum.v1.ReleaseImagesResponseH\x00\x42\x08\n\x06result\"+\n\x15GetMachineLoadRequest\x12\x12\n\nmachine_id\x18\x01 \x01(\t\"v\n\x16GetMachineLoadResponse\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x19\n\x11patches_in_flight\x18\x02 \x03(\x04\x12\x1d\n\x15max_patches_in_flight\x18\x03 \x01(\x04\x12\x0e\n\x06images\x18\x04 \x01(\r2\xfc\x02\n\x15VisionBalancerService\x12N\n\x0bPlaceImages\x12\x1e.fulcrum.v1.PlaceImagesRequest\x1a\x1f.fulcrum.v1.PlaceImagesResponse\x12T\n\rReleaseImages\x12 .fulcrum.v1.ReleaseImagesRequest\x1a!.fulcrum.v1.ReleaseImagesResponse\x12\x64\n\x11PlaceImagesStream\x12$.fulcrum.v1.PlaceImagesStreamRequest\x1a%.fulcrum.v1.PlaceImagesStreamResponse(\x01\x30\x01\x12W\n\x0eGetMachineLoad\x12!.fulcrum.v1.GetMachineLoadRequest\x1a\".fulcrum.v1.GetMachineLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_IMAGE']._serialized_start=39
   _globals['_IMAGE']._serialized_end=97
-  _globals['_PLACEIMAGESREQUEST']._serialized_start=99
-  _globals['_PLACEIMAGESREQUEST']._serialized_end=174
-  _globals['_IMAGEPLACEMENT']._serialized_start=176
-  _globals['_IMAGEPLACEMENT']._serialized_end=248
-  _globals['_PLACEIMAGESRESPONSE']._serialized_start=250
-  _globals['_PLACEIMAGESRESPONSE']._serialized_end=353
-  _globals['_RELEASEIMAGESREQUEST']._serialized_start=355
-  _globals['_RELEASEIMAGESREQUEST']._serialized_end=397
-  _globals['_RELEASEIMAGESRESPONSE']._serialized_start=399
-  _globals['_RELEASEIMAGESRESPONSE']._serialized_end=455
-  _globals['_PLACEIMAGESSTREAMREQUEST']._serialized_start=458
-  _globals['_PLACEIMAGESSTREAMREQUEST']._serialized_end=610
-  _globals['_PLACEIMAGESSTREAMRESPONSE']._serialized_start=613
-  _globals['_PLACEIMAGESSTREAMRESPONSE']._serialized_end=803
-  _globals['_GETMACHINELOADREQUEST']._serialized_start=805
-  _globals['_GETMACHINELOADREQUEST']._serialized_end=848
-  _globals['_GETMACHINELOADRESPONSE']._serialized_start=850
-  _globals['_GETMACHINELOADRESPONSE']._serialized_end=968
-  _globals['_VISIONBALANCERSERVICE']._serialized_start=971
-  _globals['_VISIONBALANCERSERVICE']._serialized_end=1351
+  _globals['_PLACEIMAGESREQUEST']._serialized_start=100
+  _globals['_PLACEIMAGESREQUEST']._serialized_end=251
+  _globals['_IMAGEPLACEMENT']._serialized_start=253
+  _globals['_IMAGEPLACEMENT']._serialized_end=325
+  _globals['_PLACEIMAGESRESPONSE']._serialized_start=327
+  _globals['_PLACEIMAGESRESPONSE']._serialized_end=430
+  _globals['_RELEASEIMAGESREQUEST']._serialized_start=432
+  _globals['_RELEASEIMAGESREQUEST']._serialized_end=474
+  _globals['_RELEASEIMAGESRESPONSE']._serialized_start=476
+  _globals['_RELEASEIMAGESRESPONSE']._serialized_end=532
+  _globals['_PLACEIMAGESSTREAMREQUEST']._serialized_start=535
+  _globals['_PLACEIMAGESSTREAMREQUEST']._serialized_end=687
+  _globals['_PLACEIMAGESSTREAMRESPONSE']._serialized_start=690
+  _globals['_PLACEIMAGESSTREAMRESPONSE']._serialized_end=880
+  _globals['_GETMACHINELOADREQUEST']._serialized_start=882
+  _globals['_GETMACHINELOADREQUEST']._serialized_end=925
+  _globals['_GETMACHINELOADRESPONSE']._serialized_start=927
+  _globals['_GETMACHINELOADRESPONSE']._serialized_end=1045
+  _globals['_VISIONBALANCERSERVICE']._serialized_start=1048
+  _globals['_VISIONBALANCERSERVICE']._serialized_end=1428
 # @@protoc_insertion_point(module_scope)

@@ -56,9 +56,27 @@ class PlaceImagesRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     IMAGES_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TTFT_SLO_MS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique id of the request among the placements held, 1 to 128 printable ASCII
     characters without spaces.
+    """
+    tenant: _builtins.str
+    """Tenant (fairness id), as SubmitRequest.tenant (at most tenants.max_tenant_length
+    printable characters; empty or unknown = the default class's parameters). The
+    tenant's cap (tenants.*.vision_max_concurrency, image requests held at once) is one
+    more filter: over it, RESOURCE_EXHAUSTED with `retry-after-ms`.
+    """
+    priority: _builtins.int
+    """Priority band, higher first (default 0), within tenants.min_priority ..
+    tenants.max_priority (INVALID_ARGUMENT naming priority otherwise). When the VEs are
+    nearly full, lower bands are refused first.
+    """
+    ttft_slo_ms: _builtins.int
+    """Time-to-first-token deadline, in milliseconds, as SubmitRequest.ttft_slo_ms
+    (validated; vision does not order by it).
     """
     @_builtins.property
     def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___Image]:
@@ -69,12 +87,17 @@ class PlaceImagesRequest(_message.Message):
         *,
         request_id: _builtins.str = ...,
         images: _abc.Iterable[Global___Image] | None = ...,
+        tenant: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        ttft_slo_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ttft_slo_ms", b"_ttft_slo_ms", "ttft_slo_ms", b"ttft_slo_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ttft_slo_ms", b"_ttft_slo_ms", "images", b"images", "priority", b"priority", "request_id", b"request_id", "tenant", b"tenant", "ttft_slo_ms", b"ttft_slo_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__ttft_slo_ms: _TypeAlias = _typing.Literal["ttft_slo_ms"]  # noqa: Y015
+    _WhichOneofArgType__ttft_slo_ms: _TypeAlias = _typing.Literal["_ttft_slo_ms", b"_ttft_slo_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_slo_ms) -> _WhichOneofReturnType__ttft_slo_ms | None: ...
 
 Global___PlaceImagesRequest: _TypeAlias = PlaceImagesRequest  # noqa: Y015
 

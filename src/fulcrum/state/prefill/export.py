@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from fulcrum.core.cost import CostModel
 from fulcrum.core.prefill.balancer import PrefillBalancer, Redistribution
 from fulcrum.core.prefill.leases import LeaseTable
+from fulcrum.core.tenants import DEFAULT_TENANT
 from fulcrum.metrics import prefill as m
+from fulcrum.metrics.tenants import PrefillMeter
 from fulcrum.state.prefill.records import LEASE_OUTCOMES, OUTCOMES, Batch
 from fulcrum.units import NS_PER_S
 
@@ -62,6 +64,8 @@ class PrefillMetrics:
         # [request tier][engine tier] children
         self._helped = [[m.HELPED.labels(t, e) for e in labels] for t in labels]
         self.leases = {o: m.LEASES.labels(o) for o in LEASE_OUTCOMES}
+        #: Per-tenant figures (issue 23); the state gives it its tenant table's labels.
+        self.tenants = PrefillMeter(lambda _tenant: DEFAULT_TENANT)
         for tm in self.tiers:
             tm.engines.set(0)
 

@@ -126,6 +126,8 @@ class LeaseBook(Part):
             else:
                 back.append(x)
         self._bal.requeue_front(requeue_order(back))
+        for x in back:
+            self._m.tenants.queued(x.item)
         self._log.info("prefill_leases_requeued", reason=reason, n=len(back),
                        engine_id=leases[0].engine_id)
         for t in tiers:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.core.prefill.balancer import BalancerConfig, Queued, rules_by_name
+from fulcrum.core.tenants import TenantPolicy
 from fulcrum.units import NS_PER_MS
 
 #: Outcomes of a submitted request (label values of ``fulcrum_prefill_submits``).
@@ -27,8 +28,10 @@ OUTCOMES = (
 LEASE_OUTCOMES = ("acknowledged", "expired", "engine_left", "cancelled", "rejected_ack")
 
 
-def balancer_config(settings: PrefillSettings) -> BalancerConfig:
-    """The core balancer's knobs from the ``prefill:`` section."""
+def balancer_config(settings: PrefillSettings,
+                    tenants: TenantPolicy | None = None) -> BalancerConfig:
+    """The core balancer's knobs from the ``prefill:`` section, with the ``tenants:``
+    policy (weights, caps, starvation bound of the queue order; issue 23)."""
     return BalancerConfig(
         bounds=tuple(settings.tier_bounds),
         batch_cap_ns=tuple(settings.tier_batch_cap_ns),
@@ -38,6 +41,7 @@ def balancer_config(settings: PrefillSettings) -> BalancerConfig:
         rules=rules_by_name(settings.rules),
         step_quota_ns=settings.step_quota_ns,
         min_dwell_ns=settings.min_tier_dwell_ms * NS_PER_MS,
+        tenants=tenants or TenantPolicy(),
     )
 
 

@@ -21,10 +21,14 @@ import structlog
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.core.cost import CostModel
 from fulcrum.core.prefill.balancer import PrefillBalancer, Redistribution
+from fulcrum.core.prefill.items import Queued
 from fulcrum.core.prefill.leases import Lease, LeaseTable
+from fulcrum.core.prefill.shed import shed_check
 from fulcrum.core.prefill.tiers import tier_label
+from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass, TenantTable
 from fulcrum.core.types import Member, MemberLoad, PrefillEngineShape
-from fulcrum.errors import InvalidArgument, Unavailable
+from fulcrum.errors import InvalidArgument, ResourceExhausted, Unavailable
+from fulcrum.metrics.tenants import PrefillMeter
 from fulcrum.state.fleet import Fleet
 from fulcrum.state.prefill.context import Shell
 from fulcrum.state.prefill.dispatcher import Dispatcher
@@ -54,15 +58,17 @@ class PrefillState:
     """The prefill balancer's daemon shell. One per daemon (``app.components["prefill"]``)."""
 
     def __init__(self, settings: PrefillSettings, fleet: Fleet,
-                 clock: Callable[[], int]) -> None:
+                 clock: Callable[[], int], tenants: TenantTable | None = None) -> None:
         self.settings = settings
         self._clock = clock
-        self.balancer = PrefillBalancer(balancer_config(settings))
+        self.tenants = tenants or TenantTable()  # the daemon's (issue 23)
+        self.balancer = PrefillBalancer(balancer_config(settings, self.tenants.policy))
         self.bounds = self.balancer.bounds
         self.n_tiers = self.balancer.n_tiers
         self.labels = tuple(tier_label(self.bounds, t) for t in range(self.n_tiers))
         self.leases = LeaseTable(self.n_tiers)
         self.metrics = PrefillMetrics(self.labels, self.balancer, self.leases)
+        self.metrics.tenants = PrefillMeter(self.tenants.label)
         self.cost = CostRefitter(settings, self.metrics)
         self.prefix = PrefixWiring(self.balancer, settings, self.cost.cost_ns, self.labels)
         # the parts read settings, clock and draining through the state: a reload (and a
@@ -204,8 +210,10 @@ class PrefillState:
         self, request_id: str, total: int, cached: int, wait_ns: int,
         block_hashes: Sequence[int] = (),
         submitter: str = "",
+        cls: RequestClass = DEFAULT_CLASS,
     ) -> Delivery:
-        """Queue a request and wait until an engine acknowledges it (or it fails).
+        """Queue a request of class ``cls`` and wait until an engine acknowledges it (or
+        it fails; a shed intent of the core refuses it at once: :func:`refuse_if_shed`).
 
         Idempotent: the same id with the same lengths joins the request in flight, or
         gets the retained outcome of an acknowledged one; another request reusing an id in
@@ -219,7 +227,8 @@ class PrefillState:
             return kept
         tier = self.validate_submit(request_id, total, cached)
         self.submits.reserve(submitter, now)
-        item = self.submits.item(request_id, total, cached, tier, block_hashes, now)
+        item = self.submits.item(request_id, total, cached, tier, block_hashes, now, cls)
+        refuse_if_shed(self.balancer, self.tenants, self.metrics.tenants, item)
         rec = self.submits.admit(item, submitter, wait_ns)
         red = self.balancer.enqueue(item)
         self.metrics.gauge_tier(item.tier)
@@ -314,6 +323,7 @@ class PrefillState:
         )
         if taken.items:
             self.prefix.after_take(eng_id)
+        self.metrics.tenants.took((*taken.items, *taken.dead))
         self.submits.cancelled(taken.dead)
         if not taken.items:
             return Batch(tier=taken.tier, items=(), quota_ns=0)
@@ -397,12 +407,16 @@ class PrefillState:
         if tuple(new.tier_bounds) != self.bounds:
             log.warning("prefill_reload_refused", reason="tier_bounds change needs a restart")
             return False
-        self.balancer.reconfigure(balancer_config(new))
+        self.balancer.reconfigure(balancer_config(new, self.tenants.policy))
         self.settings = new
         self.prefix.apply(new)
         self.cost.apply(new)
         self.dispatcher.dispatch_all()
         return True
+
+    def apply_tenants(self) -> None:
+        """The tenant table's policy was reloaded: the queue order uses it at once."""
+        self.apply_settings(self.settings)
 
     def drain(self) -> None:
         """Refuse new submits, fail queued ones with UNAVAILABLE, end every long poll."""
@@ -418,3 +432,20 @@ class PrefillState:
     def refit(self, now_ns: int) -> bool:
         """Refit from the window; adopt when better by the margin. True when adopted."""
         return self.cost.refit()
+
+
+def refuse_if_shed(balancer: PrefillBalancer, tenants: TenantTable, meter: PrefillMeter,
+                   item: Queued) -> None:
+    """RESOURCE_EXHAUSTED (counted), before anything changes, when the core sheds
+    ``item``: a sheddable class whose predicted TTFT misses its deadline
+    (:func:`fulcrum.core.prefill.shed.shed_check`)."""
+    if item.cls.ttft_slo_ns is None:
+        return
+    intent = shed_check(balancer, item, tenants.sheddable(item.cls))
+    if intent is None:
+        return
+    meter.shed(item.cls)
+    raise ResourceExhausted(
+        f"prefill: predicted TTFT {intent.predicted_ns // 1_000_000} ms misses the "
+        f"deadline ({intent.budget_ns // 1_000_000} ms) of a sheddable class",
+        retry_after_ms=intent.retry_after_ms)

@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 
 from fulcrum.core.prefill.balancer import Queued
+from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass
 from fulcrum.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -120,11 +121,12 @@ class SubmitTable(Part):
     # -- admission --------------------------------------------------------------------------
 
     def item(self, request_id: str, total: int, cached: int, tier: int,
-             block_hashes: Sequence[int], now_ns: int) -> Queued:
+             block_hashes: Sequence[int], now_ns: int,
+             cls: RequestClass = DEFAULT_CLASS) -> Queued:
         """The core's queued item of a validated submit (lengths in tokens, tier by
-        length, enqueued at ``now_ns``): its blocks, the tier it queues in and its
-        predicted cost (ns). RESOURCE_EXHAUSTED when its block hashes would pass the
-        in-flight bound."""
+        length, enqueued at ``now_ns``, class ``cls``): its blocks, the tier it queues in
+        and its predicted cost (ns). RESOURCE_EXHAUSTED when its block hashes would pass
+        the in-flight bound."""
         blocks = self._prefix.blocks(block_hashes)
         self._check_hashes(len(blocks))
         tier = self._prefix.tier(total, blocks, tier)
@@ -136,16 +138,19 @@ class SubmitTable(Part):
             cost_ns=self._prefix.cost(total, cached, blocks, self._price(total, cached)),
             enqueued_ns=now_ns,
             blocks=blocks,
+            cls=cls,
         )
 
     def admit(self, item: Queued, submitter: str, wait_ns: int) -> Pending:
-        """Put ``item`` in flight (its wait timer of ``wait_ns`` running)."""
+        """Put ``item`` in flight (its wait timer of ``wait_ns`` running; the caller
+        queues it)."""
         loop = asyncio.get_running_loop()
         rec = Pending(item, loop.create_future(), submitter=submitter)
         self.index[item.request_id] = rec
         self.held_hashes += len(item.blocks)
         m.BLOCK_HASHES_HELD.set(self.held_hashes)
         rec.timer = loop.call_later(max(0.0, wait_ns / NS_PER_S), self.expire, rec)
+        self._m.tenants.queued(item)
         self._m.tiers[item.tier].predicted.observe(item.cost_ns / NS_PER_S)
         return rec
 
@@ -205,6 +210,7 @@ class SubmitTable(Part):
     def drop(self, rec: Pending, outcome: str, error: Exception | None = None) -> None:
         """Take a request out of its queue or lease without delivering it."""
         self._bal.remove(rec.request_id)
+        self._m.tenants.left(rec.request_id)
         if self._leases.release(rec.request_id) is not None:
             self._m.leases["cancelled"].inc()
             self._m.gauge_leases(rec.tier)
@@ -225,6 +231,7 @@ class SubmitTable(Part):
         tm = tiers[delivery.tier if 0 <= delivery.tier < len(tiers) else rec.tier]
         tm.wait.observe(delivery.waited_ns / NS_PER_S)
         self._m.count(rec.tier, "delivered")
+        self._m.tenants.delivered(rec.item, delivery.waited_ns)
         for hook in self.hooks:
             hook(rec.request_id, "delivered", delivery.engine_id)
 
@@ -243,6 +250,7 @@ class SubmitTable(Part):
             rec.timer = None
             return
         waited_ms = (self._clock() - rec.item.enqueued_ns) // 1_000_000
+        self._m.tenants.expired(rec.item)
         self.drop(rec, "deadline_exceeded", DeadlineExceeded(
             f"prefill: no engine took the request in {waited_ms} ms "
             f"(tier {self._m.labels[rec.tier]})"
