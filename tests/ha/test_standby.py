@@ -1,43 +1,15 @@
 """A pair on a real etcd: one leader serves, the standby refuses with the leader's address
-and reports NOT_SERVING everywhere but ``liveness``."""
+and reports NOT_SERVING everywhere but ``liveness``; a SIGTERM hands over at once."""
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Callable
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from fulcrum.ha.harness import DaemonProcess
-from fulcrum.v1 import diagnostics_pb2, diagnostics_pb2_grpc
+from tests.ha.helpers import metric, pair, ping
 from tests.polling import until_sync
-
-
-def leader_gauge(d: DaemonProcess) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "fulcrum_ha_leader":
-            return float(fam.samples[0].value)
-    raise AssertionError("fulcrum_ha_leader not exported")
-
-
-def ping(d: DaemonProcess) -> grpc.RpcError | None:
-    stub = diagnostics_pb2_grpc.DiagnosticsServiceStub(d.channel)
-    try:
-        stub.Ping(diagnostics_pb2.PingRequest(), timeout=5)
-    except grpc.RpcError as err:
-        return err
-    return None
-
-
-def pair(daemons: Callable[..., DaemonProcess]) -> tuple[DaemonProcess, DaemonProcess]:
-    """Two daemons; returns (leader, standby) once one of them serves."""
-    a = daemons("a")
-    b = daemons("b")
-    until_sync(lambda: "SERVING" in (a.health(), b.health()), "a leader elected", 20)
-    return (a, b) if a.health() == "SERVING" else (b, a)
 
 
 def test_standby_refuses_with_leader_trailer_and_health(
@@ -49,13 +21,14 @@ def test_standby_refuses_with_leader_trailer_and_health(
     assert err is not None and err.code() is grpc.StatusCode.UNAVAILABLE
     trailer = dict(err.trailing_metadata() or ())
     assert trailer["x-fulcrum-leader"] == leader.address
-    for name in ("", "readiness", "fulcrum.v1.FleetService", "fulcrum.v1.PrefillBalancerService"):
+    for name in ("", "readiness", "fulcrum.v1.FleetService",
+                 "fulcrum.v1.PrefillBalancerService"):
         assert standby.health(name) == "NOT_SERVING", name
         assert leader.health(name) == "SERVING", name
     assert standby.health("liveness") == "SERVING"
     assert leader.health("liveness") == "SERVING"
-    assert leader_gauge(leader) == 1.0
-    assert leader_gauge(standby) == 0.0
+    assert metric(leader, "fulcrum_ha_leader") == 1.0
+    assert metric(standby, "fulcrum_ha_leader") == 0.0
     assert [e["role"] for e in leader.events("ha_role")] == ["leader"]
     assert standby.events("ha_role") == []  # never changed role: nothing to log
 
