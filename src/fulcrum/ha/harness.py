@@ -42,11 +42,11 @@ def _wait(cond: Any, what: str, timeout_s: float) -> None:
 class EtcdProcess:
     """A single-member etcd on loopback with its data in a temporary directory."""
 
-    def __init__(self, timeout_s: float = 20.0) -> None:
+    def __init__(self, timeout_s: float = 20.0, port: int = 0) -> None:
         if ETCD is None:
             raise FileNotFoundError("etcd not found (apt-get install etcd-server)")
         self._dir = tempfile.mkdtemp(prefix="fulcrum-etcd-")
-        self.port, peer = free_port(), free_port()
+        self.port, peer = port or free_port(), free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         client, peer_url = f"http://{self.endpoint}", f"http://127.0.0.1:{peer}"
         self.p = subprocess.Popen(
