@@ -127,6 +127,9 @@ class EtcdElector:
                 self._lease_lost(str(err))
             except (grpc.aio.AioRpcError, TimeoutError, OSError) as err:
                 await self._unreachable(err)
+            except Exception:  # e.g. an on_elected hook: never stop campaigning
+                log.exception("ha_elector_step_failed", leading=self._leading)
+                self._gate.close("election step failed")
             await asyncio.sleep(max(0.0, delay))
 
     async def _step(self) -> float:
