@@ -226,7 +226,7 @@ class EtcdElector:
         m.ETCD_ERRORS.labels("request").inc()
         what = (f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError)
                 else f"{type(err).__name__}: {err}")
-        if self._fault != what.split(":")[0]:
+        if not self._fault:  # one line until etcd answers again, however many retries
             self._fault = what.split(":")[0]
             log.warning("ha_etcd_unreachable", endpoint=self._conn.endpoint, error=what,
                         leading=self._leading,

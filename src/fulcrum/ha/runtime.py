@@ -21,6 +21,7 @@ import structlog
 
 from fulcrum.config import Settings
 from fulcrum.ha import tls
+from fulcrum.ha.elector import Elector
 from fulcrum.ha.etcd import EtcdElector
 from fulcrum.ha.gate import Gate
 from fulcrum.ha.interceptor import HaInterceptor
@@ -51,6 +52,12 @@ class Ha:
         #: Called with an exit status to stop the daemon (set by the server).
         self.stop: Callable[[int], None] | None = None
         m.LEADER.set(0)
+
+    @property
+    def backend(self) -> Elector:
+        """The election backend, as the protocol a Kubernetes Lease backend would also
+        implement (mypy checks that the etcd one does)."""
+        return self.elector
 
     def interceptor(self) -> HaInterceptor:
         return HaInterceptor(self.gate)
