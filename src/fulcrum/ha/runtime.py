@@ -67,7 +67,13 @@ class Ha:
         EPLB state whose maps are made durable."""
         self._health = health
         self._names = [*names, "", READINESS]
-        self.elector.set_advertise(self.settings.advertise or advertise)
+        address = self.settings.advertise or advertise
+        host = address.rpartition(":")[0].strip("[]")
+        if host in ("0.0.0.0", "::", ""):
+            log.warning("ha_advertise_wildcard", advertise=address,
+                        hint="set ha.advertise (or server.host) to an address clients can "
+                        "reach: standbys name it in x-fulcrum-leader")
+        self.elector.set_advertise(address)
         self._eplb = eplb
         if eplb is not None:
             eplb.durable = self.maps
