@@ -53,7 +53,9 @@ class FakeStandby(grpc.GenericRpcHandler):  # type: ignore[misc]
     async def _refuse(self, method: str, context: Any) -> None:
         self.calls[method] += 1
         await context.abort(
-            grpc.StatusCode.UNAVAILABLE, "standby: not the leader", trailing_metadata=self._trailers()
+            grpc.StatusCode.UNAVAILABLE,
+            "standby: not the leader",
+            trailing_metadata=self._trailers(),
         )
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
