@@ -266,7 +266,9 @@ def test_targets_stay_bounded_and_current_is_always_a_target(
 def test_malformed_leader_trailers_count_as_no_leader() -> None:
     assert leader_hint(()) is None
     assert leader_hint((("x-fulcrum-leader", "10.0.0.1:50051"),)) == "10.0.0.1:50051"
-    for bad in ("", "no-port", "a b:1", "h:" + "9" * 300):
+    assert leader_hint((("x-fulcrum-leader", b"[::1]:7"),)) == "[::1]:7"
+    for bad in ("", "no-port", ":50051", "a b:1", "h:" + "9" * 300, "0.0.0.0:50051",
+                "[::]:50051"):
         assert leader_hint((("x-fulcrum-leader", bad),)) == ""
 
 

@@ -71,19 +71,22 @@ IDEMPOTENT_METHODS: frozenset[str] = frozenset(
 #: Leaders learned from trailers beyond the configured targets (each holds a channel).
 MAX_LEARNED_TARGETS = 8
 _MAX_TARGET_CHARS = 255
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "[::]", "::", "[::0]"})
 
 
 def leader_hint(trailers: Any) -> str | None:
     """The ``x-fulcrum-leader`` trailer of a standby's refusal (``trailers``: the
     call's trailing metadata): ``None`` when the call was not refused by a standby, ``""``
-    when the standby knows no leader, else ``host:port`` (a malformed value counts as
-    ``""``)."""
+    when the standby knows no leader, else ``host:port``. A malformed value, or one no
+    client can dial (a wildcard listen address such as ``0.0.0.0:50051``), counts as
+    ``""``."""
     for key, value in trailers or ():
         if key == LEADER_KEY:
             text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
             text = text.strip()
-            ok = 0 < len(text) <= _MAX_TARGET_CHARS and ":" in text and " " not in text
-            return text if ok else ""
+            host = text.rpartition(":")[0]
+            ok = 0 < len(text) <= _MAX_TARGET_CHARS and bool(host) and " " not in text
+            return text if ok and host not in _WILDCARD_HOSTS else ""
     return None
 
 
