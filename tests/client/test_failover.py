@@ -19,7 +19,7 @@ from fulcrum.service.server import Daemon
 from fulcrum.testing import running_server
 from fulcrum.v1 import decode_pb2, diagnostics_pb2, fleet_pb2, prefill_pb2
 from tests.client.standby import FakeStandby, free_port
-from tests.polling import until
+from tests.polling import FakeClock, until
 
 PING = "/fulcrum.v1.DiagnosticsService/Ping"
 PLACE = "/fulcrum.v1.DecodeBalancerService/PlaceDecode"
@@ -237,7 +237,8 @@ def test_targets_need_one_and_policy_bounds_are_checked() -> None:
 
 
 _OPS = st.lists(
-    st.tuples(st.sampled_from(["follow", "advance"]), st.integers(0, 30), st.integers(0, 30)),
+    st.tuples(st.sampled_from(["follow", "lost", "refused", "tick"]), st.integers(0, 30),
+              st.integers(0, 30)),
     max_size=60,
 )
 
@@ -249,18 +250,44 @@ def test_targets_stay_bounded_and_current_is_always_a_target(
     """Whatever trailers say, the rotation holds the configured targets plus at most
     MAX_LEARNED_TARGETS learned ones, and the current target is one of them."""
     configured = [f"h{i}:1" for i in range(n)]
-    t = Targets(configured, lambda target: target)
+    clock = FakeClock()
+    t = Targets(configured, lambda target: target, lost_s=1.0, clock=clock)
     for op, a, b in ops:
         failed = t.targets[a % len(t.targets)]
         if op == "follow":
-            t.follow(failed, f"h{b}:1")
+            was = t.current
+            followed = t.follow(failed, f"h{b}:1")
+            if followed and was == failed:
+                assert t.current == f"h{b}:1" and not t.is_lost(t.current)
+        elif op == "lost":
+            t.lost(failed)
+            if len(t.targets) > 1:
+                assert t.current != failed
+        elif op == "refused":
+            t.refused(failed)
         else:
-            t.advance(failed)
+            clock.advance(b / 10)
         assert t.current in t.targets
         assert t.targets[:n] == configured
         assert len(t.targets) <= n + MAX_LEARNED_TARGETS
         assert len(set(t.targets)) == len(t.targets)
     assert t.channel() == t.current
+
+
+async def test_a_standby_naming_a_lost_leader_keeps_the_calls_until_it_leads() -> None:
+    """The leader died; until its lease ends the standby still names it. The client does
+    not bounce between them: it stays on the standby (backing off) and gets the answer
+    once the standby leads."""
+    dead = f"127.0.0.1:{free_port()}"
+    async with FakeStandby(dead) as standby, FulcrumClient(
+        [dead, standby.address], failover=FAST
+    ) as c:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.diagnostics.Ping(diagnostics_pb2.PingRequest())
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # dead once, then the standby on every attempt left (its hint is not followed)
+        assert standby.refused == FAST.max_attempts - 1
+        assert c.leader == standby.address and c.failovers == 1
 
 
 def test_malformed_leader_trailers_count_as_no_leader() -> None:

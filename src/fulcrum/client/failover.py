@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,16 +98,28 @@ def _has_retry_after(trailers: Any) -> bool:
 class Targets:
     """The targets of one client, a channel for each (opened on first use) and the one
     believed to lead (``current``). Leaders named by trailers join the rotation, at most
-    :data:`MAX_LEARNED_TARGETS` of them. Changes are compare-and-set on the target a
+    :data:`MAX_LEARNED_TARGETS` of them. A target that did not answer is *lost* for
+    ``lost_s`` seconds (``clock``: seconds): trailers naming it are not followed and
+    moves skip it, so that a standby still naming a dead leader (until its lease ends)
+    does not bounce calls between the two. Changes are compare-and-set on the target a
     failed call used, so a burst of calls failing together moves the client once."""
 
-    def __init__(self, targets: Sequence[str], open_channel: Callable[[str], Any]) -> None:
+    def __init__(
+        self,
+        targets: Sequence[str],
+        open_channel: Callable[[str], Any],
+        lost_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not targets:
             raise ValueError("targets: at least one target is needed")
         self.targets: list[str] = list(dict.fromkeys(targets))
         self.configured = len(self.targets)
         self._open = open_channel
         self._channels: dict[str, Any] = {}
+        self._lost_at: dict[str, float] = {}  # one entry per target at most: bounded
+        self._lost_s = lost_s
+        self._clock = clock
         self.current = self.targets[0]
         #: How many times ``current`` changed (a failover, seen from this client).
         self.switches = 0
@@ -119,24 +132,49 @@ class Targets:
             ch = self._channels[target] = self._open(target)
         return ch
 
-    def follow(self, failed: str, leader: str) -> bool:
-        """A standby at ``failed`` named ``leader``: make it current (False when it cannot
-        be followed: the standby itself, or too many learned targets)."""
-        if leader == failed:
+    def is_lost(self, target: str) -> bool:
+        """Whether ``target`` failed to answer within the last ``lost_s`` seconds."""
+        at = self._lost_at.get(target)
+        return at is not None and self._clock() - at < self._lost_s
+
+    def follow(self, standby: str, leader: str) -> bool:
+        """A standby at ``standby`` named ``leader``: make it current. False when it is
+        not followed: the standby itself, a target lost lately, or one learned target
+        too many."""
+        if leader == standby or self.is_lost(leader):
             return False
         if leader not in self.targets:
             if len(self.targets) - self.configured >= MAX_LEARNED_TARGETS:
                 return False
             self.targets.append(leader)
-        if self.current == failed:
+        if self.current == standby:
             self._switch(leader)
         return True
 
-    def advance(self, failed: str) -> None:
-        """``failed`` did not answer as leader: the next target becomes current."""
-        if self.current == failed and len(self.targets) > 1:
-            i = self.targets.index(failed)
-            self._switch(self.targets[(i + 1) % len(self.targets)])
+    def refused(self, standby: str) -> None:
+        """A standby answered with no leader to follow: move to the next target not lost
+        lately, or stay (the standby at least answers; it may lead soon)."""
+        if self.current == standby:
+            nxt = self._next(standby, skip_lost=True)
+            if nxt is not None:
+                self._switch(nxt)
+
+    def lost(self, target: str) -> None:
+        """``target`` did not answer as a leader (connection lost, draining): note it and
+        move to the next target, preferring one not lost lately."""
+        self._lost_at[target] = self._clock()
+        if self.current == target:
+            nxt = self._next(target, skip_lost=True) or self._next(target, skip_lost=False)
+            if nxt is not None:
+                self._switch(nxt)
+
+    def _next(self, after: str, skip_lost: bool) -> str | None:
+        n, i = len(self.targets), self.targets.index(after)
+        for k in range(1, n):
+            t = self.targets[(i + k) % n]
+            if not (skip_lost and self.is_lost(t)):
+                return t
+        return None
 
     def _switch(self, target: str) -> None:
         self.current = target
@@ -234,11 +272,16 @@ class FailoverStub:
             return
         self._learn(target, leader_hint(await call.trailing_metadata()))
 
-    def _learn(self, target: str, hint: str | None) -> None:
+    def _learn(self, target: str, hint: str | None) -> bool:
         """Move the targets after an UNAVAILABLE from ``target`` (``hint``: its leader
-        trailer, see :func:`leader_hint`)."""
-        if not hint or not self._targets.follow(target, hint):
-            self._targets.advance(target)
+        trailer, see :func:`leader_hint`); True when the call now follows a leader."""
+        if hint is None:
+            self._targets.lost(target)
+            return False
+        if hint and self._targets.follow(target, hint):
+            return True
+        self._targets.refused(target)
+        return False
 
     async def _unary(
         self, name: str, request: Any, timeout: float | None, kw: dict[str, Any]
@@ -263,12 +306,13 @@ class FailoverStub:
                 hint = leader_hint(trailers)
                 if hint is None and _has_retry_after(trailers):
                     raise  # the leader's own answer: retry later, as it says
-                self._learn(target, hint)
+                now_following = self._learn(target, hint)
                 if attempt == self._policy.max_attempts or (hint is None and not repeatable):
                     raise
                 # the first redirect to a named leader goes at once; the rest back off
-                pause = 0.0 if (hint and not followed) else self._policy.backoff_s(attempt)
-                followed = followed or bool(hint)
+                at_once = now_following and not followed
+                pause = 0.0 if at_once else self._policy.backoff_s(attempt)
+                followed = followed or now_following
                 if loop.time() + pause >= deadline:
                     raise
                 await asyncio.sleep(pause)
