@@ -33,7 +33,7 @@ def daemons(etcd: EtcdProcess, tmp_path: Path) -> Iterator[Callable[..., DaemonP
     started: list[DaemonProcess] = []
     key = f"/fulcrum-test/{os.getpid()}/{next(_keys)}/leader"
 
-    def start(name: str, ttl_s: int = 2, renew_s: float = 1.2, **extra: Any) -> DaemonProcess:
+    def start(name: str, ttl_s: int = 3, renew_s: float = 2.0, **extra: Any) -> DaemonProcess:
         d = DaemonProcess(ha_config(etcd.endpoint, key, ttl_s, renew_s, **extra),
                           tmp_path, name)
         started.append(d)

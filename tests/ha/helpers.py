@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,14 @@ def pair(daemons: Callable[..., DaemonProcess], **kw: Any) -> tuple[DaemonProces
     b = daemons("b", **kw)
     until_sync(lambda: "SERVING" in (a.health(), b.health()), "a leader elected", 30)
     return (a, b) if a.health() == "SERVING" else (b, a)
+
+
+def roles(d: DaemonProcess) -> list[str]:
+    """The roles of the daemon's ``ha_role`` lines, checked to alternate (each
+    transition logged once: never two lines for one change)."""
+    seen = [str(e["role"]) for e in d.events("ha_role")]
+    assert all(a != b for a, b in itertools.pairwise(seen)), seen
+    return seen
 
 
 def expert(d: DaemonProcess) -> Any:

@@ -26,7 +26,7 @@ def test_etcd_unreachable_at_start_then_reachable(tmp_path: Path) -> None:
             pytest.fail("etcd is not installed (.ci/run installs etcd-server)")
         pytest.skip("etcd is not installed")
     port = free_port()
-    d = DaemonProcess(ha_config(f"127.0.0.1:{port}", "/fulcrum-test/late", 2, 1.2),
+    d = DaemonProcess(ha_config(f"127.0.0.1:{port}", "/fulcrum-test/late"),
                       tmp_path, "late")
     etcd: EtcdProcess | None = None
     try:

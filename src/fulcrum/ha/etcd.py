@@ -127,6 +127,9 @@ class EtcdElector:
                 self._lease_lost(str(err))
             except (grpc.aio.AioRpcError, TimeoutError, OSError) as err:
                 await self._unreachable(err)
+            except Exception:  # e.g. an on_elected hook: never stop campaigning
+                log.exception("ha_elector_step_failed", leading=self._leading)
+                self._gate.close("election step failed")
             await asyncio.sleep(max(0.0, delay))
 
     async def _step(self) -> float:
@@ -223,7 +226,7 @@ class EtcdElector:
         m.ETCD_ERRORS.labels("request").inc()
         what = (f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError)
                 else f"{type(err).__name__}: {err}")
-        if self._fault != what.split(":")[0]:
+        if not self._fault:  # one line until etcd answers again, however many retries
             self._fault = what.split(":")[0]
             log.warning("ha_etcd_unreachable", endpoint=self._conn.endpoint, error=what,
                         leading=self._leading,

@@ -12,6 +12,7 @@ are not gated here (health reports the gate itself).
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -88,7 +89,13 @@ class HaInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             assert task is not None
             gate.calls.add(task)
             try:
-                result = await behavior(request, context)
+                result = behavior(request, context)
+                if inspect.isasyncgen(result):  # a streaming handler not wrapped by the shell
+                    async for item in result:
+                        await context.write(item)
+                    result = None
+                else:
+                    result = await result
             except asyncio.CancelledError:
                 if gate.ok():
                     raise  # the caller went away

@@ -21,6 +21,7 @@ import structlog
 
 from fulcrum.config import Settings
 from fulcrum.ha import tls
+from fulcrum.ha.elector import Elector
 from fulcrum.ha.etcd import EtcdElector
 from fulcrum.ha.gate import Gate
 from fulcrum.ha.interceptor import HaInterceptor
@@ -52,6 +53,12 @@ class Ha:
         self.stop: Callable[[int], None] | None = None
         m.LEADER.set(0)
 
+    @property
+    def backend(self) -> Elector:
+        """The election backend, as the protocol a Kubernetes Lease backend would also
+        implement (mypy checks that the etcd one does)."""
+        return self.elector
+
     def interceptor(self) -> HaInterceptor:
         return HaInterceptor(self.gate)
 
@@ -60,7 +67,13 @@ class Ha:
         EPLB state whose maps are made durable."""
         self._health = health
         self._names = [*names, "", READINESS]
-        self.elector.set_advertise(self.settings.advertise or advertise)
+        address = self.settings.advertise or advertise
+        host = address.rpartition(":")[0].strip("[]")
+        if host in ("0.0.0.0", "::", ""):
+            log.warning("ha_advertise_wildcard", advertise=address,
+                        hint="set ha.advertise (or server.host) to an address clients can "
+                        "reach: standbys name it in x-fulcrum-leader")
+        self.elector.set_advertise(address)
         self._eplb = eplb
         if eplb is not None:
             eplb.durable = self.maps

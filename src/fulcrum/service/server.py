@@ -47,6 +47,7 @@ from fulcrum.metrics import (
     DRAINING,
     REGISTRY,
 )
+from fulcrum.metrics.ha import LEADER as HA_LEADER
 from fulcrum.service import (
     authz,
     decode,
@@ -135,6 +136,7 @@ class Daemon:
         if self.ha is None:
             for name in [*self.services, ""]:
                 await self.health.set(name, serving)
+            HA_LEADER.set(1)  # alone: always the leader
         else:  # standby until elected (fulcrum.ha.runtime)
             for name in [*self.services, "", "readiness"]:
                 await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
