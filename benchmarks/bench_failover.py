@@ -55,6 +55,8 @@ from fulcrum.v1 import prefill_pb2 as ppb  # noqa: E402
 from fulcrum.v1 import prefill_pb2_grpc as p_grpc  # noqa: E402
 
 TTL_S = 3
+#: An engine of the bench is still running what it pulled this long ago (seconds).
+HOLD_S = 2.0
 KEY = "/fulcrum-bench/failover/leader"
 STUBS: dict[str, Any] = {"fleet": f_grpc.FleetServiceStub,
                          "prefill": p_grpc.PrefillBalancerServiceStub,
@@ -140,13 +142,18 @@ class Load:
 
     async def engine(self, name: str, done: asyncio.Event) -> None:
         f = Follower(self.addresses)
-        shape = fpb.PrefillEngineShape(dp_ranks=4, step_quota_ns=1_000_000_000)
         inc = 0
         acks: list[str] = []
+        # what it pulled in the last HOLD_S seconds is still running on it: declared when it
+        # registers again (a new leader), so a retried Submit of one is not handed out twice
+        running: dict[str, tuple[float, fpb.HeldPrefillRequest]] = {}
         while not done.is_set() or acks:
             if inc == 0:
+                now = time.monotonic()
+                held = [h for t, h in running.values() if now - t < HOLD_S]
                 reg = await f.call("fleet", "Register", fpb.RegisterRequest(
-                    member_id=name, prefill_engine=shape))
+                    member_id=name, prefill_engine=fpb.PrefillEngineShape(
+                        dp_ranks=4, step_quota_ns=1_000_000_000, held=held)))
                 inc = int(reg.incarnation)
             addr = f.current
             try:
@@ -166,6 +173,12 @@ class Load:
                 continue
             acks = [r.request_id for r in reply.requests]
             self.delivered.update(acks)
+            now = time.monotonic()
+            running = {k: v for k, v in running.items() if now - v[0] < HOLD_S}
+            for r in reply.requests:
+                running[r.request_id] = (now, fpb.HeldPrefillRequest(
+                    request_id=r.request_id, dp_rank=r.dp_rank, total_tokens=r.total_tokens,
+                    cached_tokens=r.cached_tokens))
 
     async def placer(self) -> None:
         f = Follower(self.addresses)

@@ -106,6 +106,13 @@ class HaSettings(Section):
         json_schema_extra=RESTART_ONLY,
     )
 
+    adopt_grace_ms: int = Field(
+        1000, ge=0, le=60_000, description="a new leader hands out no prefill work for "
+        "this long after it is elected, so that engines re-register first and declare the "
+        "requests they still hold from the old leader (never run twice), milliseconds",
+        json_schema_extra=RESTART_ONLY,
+    )
+
     etcd: EtcdSettings = Field(default_factory=EtcdSettings)
 
     @model_validator(mode="after")

@@ -48,6 +48,7 @@ class Ha:
         self._health: Any = None
         self._names: list[str] = []
         self._eplb: Any = None
+        self._prefill: Any = None
         self._tasks: set[asyncio.Future[None]] = set()
         #: Called with an exit status to stop the daemon (set by the server).
         self.stop: Callable[[int], None] | None = None
@@ -62,9 +63,11 @@ class Ha:
     def interceptor(self) -> HaInterceptor:
         return HaInterceptor(self.gate)
 
-    def bind(self, health: Any, names: list[str], advertise: str, eplb: Any) -> None:
-        """Attach health (``names``: the gated service names), the address and the
-        EPLB state whose maps are made durable."""
+    def bind(self, health: Any, names: list[str], advertise: str, eplb: Any,
+             prefill: Any = None) -> None:
+        """Attach health (``names``: the gated service names), the address, the
+        EPLB state whose maps are made durable and the prefill state whose pulls wait
+        ``adopt_grace_ms`` after an election."""
         self._health = health
         self._names = [*names, "", READINESS]
         address = self.settings.advertise or advertise
@@ -75,9 +78,10 @@ class Ha:
                         "reach: standbys name it in x-fulcrum-leader")
         self.elector.set_advertise(address)
         self._eplb = eplb
+        self._prefill = prefill
         if eplb is not None:
             eplb.durable = self.maps
-            self.elector.on_elected = self._elected
+        self.elector.on_elected = self._elected
 
     def gated(self, service: str) -> bool:
         """Whether a health name follows the gate (everything but ``liveness``)."""
@@ -86,6 +90,8 @@ class Ha:
     async def _elected(self) -> None:
         if self._eplb is not None:
             self._eplb.adopt(await self.maps.load())
+        if self._prefill is not None:
+            self._prefill.hold(self.settings.adopt_grace_ms)
 
     def _changed(self, serving: bool, reason: str) -> None:
         role = "leader" if serving else "standby"

@@ -247,7 +247,8 @@ def build(settings: Settings, app: App | None = None) -> Daemon:
     daemon = Daemon(app=app, server=server, health=health, services=names, port=port,
                     gateway=gw, ha=ha)
     if ha is not None:
-        ha.bind(health, names, daemon.address, app.components.get("eplb"))
+        ha.bind(health, names, daemon.address, app.components.get("eplb"),
+                app.components.get("prefill"))
         ha.stop = daemon.stop_with
     return daemon
 
