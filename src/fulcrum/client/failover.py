@@ -23,6 +23,10 @@ Attempts back off from ``first_backoff_s`` doubling to ``max_backoff_s`` (with j
 stop at ``max_attempts`` or at the call's deadline, which bounds all attempts together.
 Streams are not repeated either; how one ended (standby refusal, lost connection) still
 moves the client to the leader or the next target for the calls that follow.
+
+A target that did not answer is skipped, and a trailer naming it is not followed, for
+one second (:class:`Targets`): until a killed leader's lease ends the standby still
+names it, and calls wait on the standby rather than bounce between the two.
 """
 
 from __future__ import annotations
