@@ -247,15 +247,21 @@ class FailoverStub:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        method: Callable[..., Any]
         if name in self._streaming:
-            return self._streaming_method(name)
-        if not hasattr(self._stub(self._targets.current), name):
+            method = self._streaming_method(name)
+        elif hasattr(self._stub(self._targets.current), name):
+            repeatable = (
+                self._prefix + name in IDEMPOTENT_METHODS and self._targets.configured > 1
+            )
+
+            def method(request: Any, *, timeout: float | None = None, **kw: Any) -> Any:
+                return self._unary(name, repeatable, request, timeout, kw)
+
+        else:
             raise AttributeError(name)
-
-        def unary(request: Any, *, timeout: float | None = None, **kw: Any) -> Any:
-            return self._unary(name, request, timeout, kw)
-
-        return unary
+        self.__dict__[name] = method  # made once: the next lookups are plain attributes
+        return method
 
     def _streaming_method(self, name: str) -> Callable[..., Any]:
         def start(*args: Any, **kw: Any) -> Any:
@@ -288,13 +294,11 @@ class FailoverStub:
         return False
 
     async def _unary(
-        self, name: str, request: Any, timeout: float | None, kw: dict[str, Any]
+        self, name: str, repeatable: bool, request: Any, timeout: float | None,
+        kw: dict[str, Any],
     ) -> Any:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self._timeout_s if timeout is None else timeout)
-        repeatable = (
-            self._prefix + name in IDEMPOTENT_METHODS and self._targets.configured > 1
-        )
         followed = False
         for attempt in range(1, self._policy.max_attempts + 1):
             target = self._targets.current
