@@ -5,10 +5,11 @@ answers every ``fulcrum.v1`` call UNAVAILABLE with an ``x-fulcrum-leader: host:p
 trailer. :class:`Targets` keeps the channel of each target and the one believed to lead;
 :class:`FailoverStub` is a service stub whose unary calls go to that target and move on:
 
-* **A standby's refusal** (the ``x-fulcrum-leader`` trailer is present): the call was not
-  processed, so it goes again, whatever the method, to the leader the trailer names (at
-  once the first time), or, when the trailer is empty (no leader elected yet) or names
-  the target itself, to the next target after a backoff.
+* **A standby's refusal** (the ``x-fulcrum-leader`` trailer is present): a standby refuses
+  before reading the request, so the call goes again, whatever the method, to the leader
+  the trailer names (at once the first time), or, when the value is empty or names the
+  target itself, after a backoff to the next target not lost lately (or the same one).
+  (The daemon sends no trailer at all while it knows no leader: that counts as below.)
 * **Any other UNAVAILABLE** (connection refused or reset, a daemon draining) may have been
   processed. The next call goes to the next target; this one is tried again there only
   when the method is idempotent (:data:`IDEMPOTENT_METHODS`: Submit by its request id,
