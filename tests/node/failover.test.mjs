@@ -54,8 +54,8 @@ test("a standby names the leader; after the leader is killed the standby serves"
   const ha = {
     backend: "etcd",
     election_key: `/fulcrum-node-test/${process.pid}/leader`,
-    lease_ttl_s: 2,
-    renew_deadline_s: 1.2,
+    lease_ttl_s: 3, // the defaults: less spurious fencing on a loaded machine
+    renew_deadline_s: 2,
     retry_period_s: 0.1,
     etcd: { endpoints: [etcd.endpoint] },
   };

@@ -18,21 +18,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fulcrum.client.failover import FailoverPolicy, FailoverStub, Targets
 from fulcrum.v1 import (
-    decode_pb2,
     decode_pb2_grpc,
-    diagnostics_pb2,
     diagnostics_pb2_grpc,
-    expert_pb2,
     expert_pb2_grpc,
     fleet_pb2,
     fleet_pb2_grpc,
-    prefill_pb2,
     prefill_pb2_grpc,
-    vision_pb2,
     vision_pb2_grpc,
 )
 
@@ -78,6 +74,15 @@ class FulcrumClient:
     deadline of a call, all its attempts included.
     """
 
+    # One stub per service (FailoverStub, typed as the generated async stubs).
+    diagnostics: diagnostics_pb2_grpc.DiagnosticsServiceAsyncStub
+    fleet: fleet_pb2_grpc.FleetServiceAsyncStub
+    prefill: prefill_pb2_grpc.PrefillBalancerServiceAsyncStub
+    decode: decode_pb2_grpc.DecodeBalancerServiceAsyncStub
+    vision: vision_pb2_grpc.VisionBalancerServiceAsyncStub
+    expert: expert_pb2_grpc.ExpertBalancerServiceAsyncStub
+    health: Any
+
     def __init__(
         self,
         target: str | Sequence[str],
@@ -107,29 +112,21 @@ class FulcrumClient:
         self.timeout_s = timeout_s
         policy = failover or FailoverPolicy()
 
-        def stub(cls: Callable[[Any], Any], module: Any, name: str) -> Any:
-            service = module.DESCRIPTOR.services_by_name[name]
+        def stub(cls: Callable[[Any], Any], package: str = "fulcrum.v1") -> Any:
+            name = f"{package}.{cls.__name__.removesuffix('Stub')}"  # e.g. fulcrum.v1.FleetService
+            service = descriptor_pool.Default().FindServiceByName(name)
             return FailoverStub(cls, service, self._targets, policy, timeout_s)
 
-        self.diagnostics: diagnostics_pb2_grpc.DiagnosticsServiceAsyncStub = stub(
-            diagnostics_pb2_grpc.DiagnosticsServiceStub, diagnostics_pb2, "DiagnosticsService"
-        )
-        self.fleet: fleet_pb2_grpc.FleetServiceAsyncStub = stub(
-            fleet_pb2_grpc.FleetServiceStub, fleet_pb2, "FleetService"
-        )
-        self.prefill: prefill_pb2_grpc.PrefillBalancerServiceAsyncStub = stub(
-            prefill_pb2_grpc.PrefillBalancerServiceStub, prefill_pb2, "PrefillBalancerService"
-        )
-        self.decode: decode_pb2_grpc.DecodeBalancerServiceAsyncStub = stub(
-            decode_pb2_grpc.DecodeBalancerServiceStub, decode_pb2, "DecodeBalancerService"
-        )
-        self.vision: vision_pb2_grpc.VisionBalancerServiceAsyncStub = stub(
-            vision_pb2_grpc.VisionBalancerServiceStub, vision_pb2, "VisionBalancerService"
-        )
-        self.expert: expert_pb2_grpc.ExpertBalancerServiceAsyncStub = stub(
-            expert_pb2_grpc.ExpertBalancerServiceStub, expert_pb2, "ExpertBalancerService"
-        )
-        self.health = stub(health_pb2_grpc.HealthStub, health_pb2, "Health")
+        for attr, cls in (
+            ("diagnostics", diagnostics_pb2_grpc.DiagnosticsServiceStub),
+            ("fleet", fleet_pb2_grpc.FleetServiceStub),
+            ("prefill", prefill_pb2_grpc.PrefillBalancerServiceStub),
+            ("decode", decode_pb2_grpc.DecodeBalancerServiceStub),
+            ("vision", vision_pb2_grpc.VisionBalancerServiceStub),
+            ("expert", expert_pb2_grpc.ExpertBalancerServiceStub),
+        ):
+            setattr(self, attr, stub(cls))
+        self.health = stub(health_pb2_grpc.HealthStub, "grpc.health.v1")
 
     @property
     def channel(self) -> grpc.aio.Channel:

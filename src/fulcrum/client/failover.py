@@ -5,10 +5,11 @@ answers every ``fulcrum.v1`` call UNAVAILABLE with an ``x-fulcrum-leader: host:p
 trailer. :class:`Targets` keeps the channel of each target and the one believed to lead;
 :class:`FailoverStub` is a service stub whose unary calls go to that target and move on:
 
-* **A standby's refusal** (the ``x-fulcrum-leader`` trailer is present): the call was not
-  processed, so it goes again, whatever the method, to the leader the trailer names (at
-  once the first time), or, when the trailer is empty (no leader elected yet) or names
-  the target itself, to the next target after a backoff.
+* **A standby's refusal** (the ``x-fulcrum-leader`` trailer is present): a standby refuses
+  before reading the request, so the call goes again, whatever the method, to the leader
+  the trailer names (at once the first time), or, when the value is empty or names the
+  target itself, after a backoff to the next target not lost lately (or the same one).
+  (The daemon sends no trailer at all while it knows no leader: that counts as below.)
 * **Any other UNAVAILABLE** (connection refused or reset, a daemon draining) may have been
   processed. The next call goes to the next target; this one is tried again there only
   when the method is idempotent (:data:`IDEMPOTENT_METHODS`: Submit by its request id,
@@ -23,6 +24,10 @@ Attempts back off from ``first_backoff_s`` doubling to ``max_backoff_s`` (with j
 stop at ``max_attempts`` or at the call's deadline, which bounds all attempts together.
 Streams are not repeated either; how one ended (standby refusal, lost connection) still
 moves the client to the leader or the next target for the calls that follow.
+
+A target that did not answer is skipped, and a trailer naming it is not followed, for
+one second (:class:`Targets`): until a killed leader's lease ends the standby still
+names it, and calls wait on the standby rather than bounce between the two.
 """
 
 from __future__ import annotations
@@ -243,15 +248,21 @@ class FailoverStub:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        method: Callable[..., Any]
         if name in self._streaming:
-            return self._streaming_method(name)
-        if not hasattr(self._stub(self._targets.current), name):
+            method = self._streaming_method(name)
+        elif hasattr(self._stub(self._targets.current), name):
+            repeatable = (
+                self._prefix + name in IDEMPOTENT_METHODS and self._targets.configured > 1
+            )
+
+            def method(request: Any, *, timeout: float | None = None, **kw: Any) -> Any:
+                return self._unary(name, repeatable, request, timeout, kw)
+
+        else:
             raise AttributeError(name)
-
-        def unary(request: Any, *, timeout: float | None = None, **kw: Any) -> Any:
-            return self._unary(name, request, timeout, kw)
-
-        return unary
+        self.__dict__[name] = method  # made once: the next lookups are plain attributes
+        return method
 
     def _streaming_method(self, name: str) -> Callable[..., Any]:
         def start(*args: Any, **kw: Any) -> Any:
@@ -284,13 +295,11 @@ class FailoverStub:
         return False
 
     async def _unary(
-        self, name: str, request: Any, timeout: float | None, kw: dict[str, Any]
+        self, name: str, repeatable: bool, request: Any, timeout: float | None,
+        kw: dict[str, Any],
     ) -> Any:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self._timeout_s if timeout is None else timeout)
-        repeatable = (
-            self._prefix + name in IDEMPOTENT_METHODS and self._targets.configured > 1
-        )
         followed = False
         for attempt in range(1, self._policy.max_attempts + 1):
             target = self._targets.current

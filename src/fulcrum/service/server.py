@@ -17,7 +17,9 @@ flight get up to ``server.grace_period_s`` to finish, then the server stops.
 Health names: every service and ``""``. With ``ha.backend`` other than ``none``
 (:mod:`fulcrum.ha.runtime`) also ``readiness`` and ``liveness``, and all but ``liveness``
 follow the leadership: a standby is NOT_SERVING there and SERVING on ``liveness``; a drain resigns
-the leadership first (a standby takes over at once). Without HA nothing of it runs.
+the leadership first (a standby takes over at once), which closes the calls in flight
+with UNAVAILABLE at once instead of giving them ``grace_period_s``: past the resignation
+another daemon leads. Without HA nothing of it runs.
 """
 
 from __future__ import annotations
