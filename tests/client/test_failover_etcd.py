@@ -21,8 +21,9 @@ from tests.polling import until
 
 class Submitter:
     """Submits by id and retries only what the daemon says to retry later (UNAVAILABLE
-    with retry-after-ms: no live engine yet on a new leader); counts any other
-    UNAVAILABLE, which the client should have hidden."""
+    with retry-after-ms: no live engine yet on a new leader; RESOURCE_EXHAUSTED with
+    retry-after-ms: calls shed on a loaded machine); counts any other UNAVAILABLE, which
+    the client should have hidden."""
 
     def __init__(self, client: FulcrumClient) -> None:
         self.client = client
@@ -34,10 +35,11 @@ class Submitter:
             try:
                 return await submit_prefill(self.client, rid, 2_000, timeout_s=20.0)
             except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.RESOURCE_EXHAUSTED):
                     raise
                 hint = dict(err.trailing_metadata() or ()).get("retry-after-ms")
-                if hint is None:
+                if hint is None:  # (RESOURCE_EXHAUSTED always carries it: load shedding)
                     self.unhidden += 1
                     raise
                 self.told_to_wait += 1

@@ -23,7 +23,8 @@ def test_standby_refuses_with_leader_trailer_and_health(
         err = ping(standby)
         assert err is not None and err.code() is grpc.StatusCode.UNAVAILABLE
         refusals.append(err)
-        return "x-fulcrum-leader" in dict(err.trailing_metadata() or ())
+        # (an empty value: a standby that knows no leader yet)
+        return bool(dict(err.trailing_metadata() or ()).get("x-fulcrum-leader"))
 
     # the standby learns the leader's address on its first campaign that loses
     until_sync(refused_naming_the_leader, "a refusal naming the leader", 20)

@@ -56,8 +56,10 @@ class HaInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return handler
 
     def _trailer(self) -> tuple[tuple[str, str], ...]:
-        leader = self._gate.leader
-        return ((LEADER_KEY, leader),) if leader else ()
+        """The standby's mark: the leader's address (empty while none is known, so that
+        clients still tell a standby from a lost connection), and no retry by gRPC's own
+        retry policy (``grpc-retry-pushback-ms: -1``): the client's failover decides."""
+        return ((LEADER_KEY, self._gate.leader or ""), ("grpc-retry-pushback-ms", "-1"))
 
     async def _refuse(self, context: grpc.aio.ServicerContext) -> None:
         leader = self._gate.leader or "unknown"
