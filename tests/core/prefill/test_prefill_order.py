@@ -286,3 +286,33 @@ def test_urgency_serves_a_head_owed_past_the_starvation_bound_first() -> None:
     assert bal.head(other) is not None
     assert next(it.request_id for it in bal.queued(other, 2 * S)) == "low"
     assert bal.source_tier("e0", [0], now_ns=2 * S) == other
+
+
+MULTI = st.lists(st.tuples(st.sampled_from(["add", "take", "remove", "requeue"]),
+                           st.integers(0, 5), st.integers(1, 30)), max_size=80)
+
+
+@settings(max_examples=60, deadline=None)
+@given(MULTI)
+def test_wfq_heaps_match_a_rebuilt_fair_order(ops: list[tuple[str, int, int]]) -> None:
+    """The persistent per-band heaps (kept up to date on every add, take, removal,
+    put-back and charge) give the same order as fair queueing rebuilt from scratch."""
+    from fulcrum.core.prefill.rules.order import fair_flows
+
+    bal = make(policy=TenantPolicy(classes={"t0": TenantSpec(weight=3.0)}))
+    for n, (op, who, cost) in enumerate(ops):
+        if op == "add":
+            bal.enqueue(q(f"r{n}", f"t{who}", cost=cost * MS, t=n))
+        elif op == "take":
+            t = bal.take("e0", cost * 5 * MS, [0], now_ns=n)
+            if who == 0:
+                bal.requeue_front(t.items)
+        elif op == "remove":
+            bal.remove(f"r{max(0, n - cost)}")
+        tq = bal.tier_queue(0)
+        got = [it.request_id for it in bal.queued(0, n)]
+        if tq.single() or not tq.flows:
+            continue
+        ref = [it.request_id for it in fair_flows(tq, tq.flows[0].items(), n,
+                                                   lambda it: float(it.cost_ns))]
+        assert got == ref

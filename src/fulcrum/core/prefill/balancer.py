@@ -217,7 +217,7 @@ class PrefillBalancer:
         if config.bounds != self.bounds:
             raise ValueError("tier_bounds: cannot change while running")
         if config.rules.order.name != self.config.rules.order.name:
-            self.fair.v.clear()  # another rule counts other units
+            self.fair.reset()  # another rule counts other units
         self.config = config
         self.fair.policy = config.tenants
 

@@ -19,6 +19,7 @@ Pure: every time is passed in (ns).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -44,6 +45,8 @@ class FairLedger:
         self.used: dict[str, tuple[float, int]] = {}
         #: Latest time the shell gave (ns): the clock of starvation checks without one.
         self.now_ns = 0
+        #: The tier queues sharing this ledger (told when a tenant's virtual time moves).
+        self.queues: list[TierQueue] = []
 
     def weight(self, tenant: str) -> float:
         """Fair-share weight of ``tenant``."""
@@ -81,6 +84,7 @@ class FairLedger:
         v = self.vt(tenant)
         self.vnow = max(self.vnow, v)
         self.v[tenant] = v + units / self.weight(tenant)
+        self._moved(tenant)
         if len(self.v) > max(self.SWEEP_AT, 2 * len(self.count)):
             self._sweep()
         if self.cap(tenant) is not None:
@@ -108,6 +112,18 @@ class FairLedger:
         """A taken request of ``tenant`` came back unserved (a lapsed lease)."""
         if tenant in self.v:
             self.v[tenant] = max(self.vnow, self.v[tenant] - units / self.weight(tenant))
+            self._moved(tenant)
+
+    def _moved(self, tenant: str) -> None:
+        for q in self.queues:
+            q.repush(tenant)
+
+    def reset(self) -> None:
+        """Forget every virtual time (another order rule counts other units): queued
+        tenants restart at ``vnow``."""
+        self.v = {t: self.vnow for t in self.count}
+        for q in self.queues:
+            q.rebuild()
 
     def usage(self, tenant: str, now_ns: int) -> float:
         """Served ns of ``tenant``, exponentially decayed over ``cap_window_ns``."""
@@ -146,8 +162,12 @@ class TierQueue:
         self.served_ns: dict[int, int] = {}
         #: Queued predicted cost per (band, tenant), ns.
         self.flow_ns: dict[tuple[int, str], int] = {}
+        #: Per band, a heap of (virtual time, head seq, tenant) of its flows; an entry is
+        #: stale once the flow's head or the tenant's virtual time moved (dropped lazily).
+        self.heaps: dict[int, list[tuple[float, int, str]]] = {}
         self._tail = 0
         self._front = 0
+        ledger.queues.append(self)
 
     def __len__(self) -> int:
         return len(self.all)
@@ -179,6 +199,8 @@ class TierQueue:
         key = (band, tenant)
         self.flow_ns[key] = self.flow_ns.get(key, 0) + item.cost_ns
         self.ledger.joined(tenant)
+        if next(iter(flow)) == rid:
+            self._push(band, tenant)  # a new head of its flow
 
     def add(self, item: Queued) -> None:
         """Queue ``item`` at the tail."""
@@ -197,6 +219,7 @@ class TierQueue:
         del bq[rid]
         flows = self.flows[band]
         flow = flows[tenant]
+        was_head = next(iter(flow)) == rid
         del flow[rid]
         self.flow_ns[band, tenant] -= item.cost_ns
         if not flow:
@@ -205,7 +228,55 @@ class TierQueue:
         if not bq:
             del self.bands[band]
             del self.flows[band]
+            self.heaps.pop(band, None)
         self.ledger.left(tenant)
+        if flow and was_head:
+            self._push(band, tenant)
+
+    # -- the per-band heaps of flows ------------------------------------------------------
+
+    def _push(self, band: int, tenant: str) -> None:
+        flow = self.flows[band][tenant]
+        h = self.heaps.setdefault(band, [])
+        heapq.heappush(h, (self.ledger.vt(tenant), self.seq[next(iter(flow))], tenant))
+        if len(h) > 2 * len(self.flows[band]) + 16:
+            self._rebuild_band(band)
+
+    def valid(self, band: int, entry: tuple[float, int, str]) -> bool:
+        """True when ``entry`` is the current (virtual time, head seq) of its flow."""
+        v, seq, tenant = entry
+        flows = self.flows.get(band)
+        flow = None if flows is None else flows.get(tenant)
+        return (flow is not None and self.seq[next(iter(flow))] == seq
+                and self.ledger.vt(tenant) == v)
+
+    def repush(self, tenant: str) -> None:
+        """``tenant``'s virtual time moved: fresh heap entries for its flows."""
+        for band, flows in self.flows.items():
+            if tenant in flows:
+                self._push(band, tenant)
+
+    def _rebuild_band(self, band: int) -> None:
+        led, flows = self.ledger, self.flows[band]
+        h = [(led.vt(t), self.seq[next(iter(f))], t) for t, f in flows.items()]
+        heapq.heapify(h)
+        self.heaps[band] = h
+
+    def rebuild(self) -> None:
+        """Every band's heap afresh."""
+        for band in self.flows:
+            self._rebuild_band(band)
+
+    def heap(self, band: int) -> list[tuple[float, int, str]]:
+        """``band``'s heap with its top valid (stale top entries dropped): ``[0]`` is the
+        flow fair queueing serves next. O(log flows) amortised."""
+        h = self.heaps[band]
+        while h and not self.valid(band, h[0]):
+            heapq.heappop(h)
+        if not h:
+            self._rebuild_band(band)
+            h = self.heaps[band]
+        return h
 
     def served(self, item: Queued, now_ns: int | None) -> None:
         """``item`` was taken at ``now_ns``: its band was served, its flow goes last in

@@ -53,6 +53,39 @@ def fair_flows(queue: TierQueue, flows: Iterable[tuple[str, Flow]], now_ns: int,
             heapq.heappush(heap, (v, queue.seq[nxt.request_id], tenant, nxt, it))
 
 
+def band_flows(queue: TierQueue, band: int, now_ns: int) -> Iterator[Queued]:
+    """Weighted fair order within ``band`` from the queue's persistent heap of flows
+    (:meth:`TierQueue.heap`): a copy is walked, each yielded request charging its cost
+    (ns) / weight to its tenant provisionally. The head costs O(log flows)."""
+    led, flows = queue.ledger, queue.flows[band]
+    work = list(queue.heap(band))
+    prov: dict[str, tuple[float, int] | None] = {}
+    nexts: dict[str, tuple[Queued, Iterator[Queued]]] = {}
+    while work:
+        v, seq, tenant = heapq.heappop(work)
+        if tenant in prov:
+            if prov[tenant] != (v, seq):
+                continue
+            item, it = nexts[tenant]
+        elif queue.valid(band, (v, seq, tenant)):
+            if led.any_cap and led.capped(tenant, now_ns):
+                prov[tenant] = None
+                continue
+            it = iter(flows[tenant].values())
+            item = next(it)
+        else:
+            continue
+        yield item
+        nxt = next(it, None)
+        if nxt is None:
+            prov[tenant] = None
+            continue
+        v += item.cost_ns / led.weight(tenant)
+        prov[tenant] = (v, queue.seq[nxt.request_id])
+        nexts[tenant] = (nxt, it)
+        heapq.heappush(work, (v, queue.seq[nxt.request_id], tenant))
+
+
 def plain(queue: TierQueue) -> Iterator[Queued] | None:
     """Arrival order when ``queue`` holds one tenant at one priority and no compute cap
     applies (every rule is exactly FIFO then); None otherwise."""
@@ -92,8 +125,7 @@ class WfqNs(OrderRule):
         yield from first
         done = {it.request_id for it in first}
         for b in bands:
-            for item in fair_flows(queue, queue.flows[b].items(), now_ns,
-                                   lambda it: float(it.cost_ns)):
+            for item in band_flows(queue, b, now_ns):
                 if item.request_id not in done:
                     yield item
 
@@ -101,7 +133,13 @@ class WfqNs(OrderRule):
 def _round_robin(queue: TierQueue, flows: Iterable[tuple[str, Flow]],
                  now_ns: int) -> Iterator[Queued]:
     led = queue.ledger
-    turns = [iter(f.values()) for t, f in flows if not led.capped(t, now_ns)]
+    turns = []
+    for t, f in flows:  # the first turn lazily: the head costs O(1)
+        if led.any_cap and led.capped(t, now_ns):
+            continue
+        it = iter(f.values())
+        yield next(it)
+        turns.append(it)
     while turns:
         alive = []
         for it in turns:
