@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -103,6 +105,7 @@ def test_settings_to_policy_converts_units() -> None:
     assert p.classes["a"].ttft_slo_ns == 250_000_000
     assert p.starvation_bound_ns == 1_000_000_000
     assert parse_settings({}).tenants.to_policy() == TenantPolicy()
+    assert pickle.loads(pickle.dumps(p)) == p  # crosses the simulator's process pool
 
 
 @given(st.lists(st.text(min_size=0, max_size=6), max_size=60), st.integers(1, 8))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Final
 
 from fulcrum.errors import InvalidArgument
@@ -105,7 +104,7 @@ class TenantPolicy:
     cap_window_ns: int = DEFAULT_CAP_WINDOW_NS
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "classes", MappingProxyType(dict(self.classes)))
+        object.__setattr__(self, "classes", dict(self.classes))  # a copy (picklable)
         if self.max_tenants < 1:
             raise ValueError("max_tenants: must be >= 1")
         if len(self.classes) > self.max_tenants:

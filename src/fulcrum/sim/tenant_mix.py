@@ -4,7 +4,9 @@ A :class:`TenantPart` is one tenant's traffic: a workload, its tenant string, th
 offered prefill load it should put on the cluster (``rho``: predicted prefill compute /
 (prefill GPUs x time); 1.5 = one and a half fleets' worth), its priority and TTFT
 deadline. :func:`tenant_mix` scales each part's arrival rate to its load, tags its
-requests, cuts every part to the shortest part's span (so all tenants send throughout)
+requests and, given ``duration_s``, repeats the part back to back (block ids offset per
+copy: a copy shares no prefix with the one before) and fits its load over that window;
+then it cuts every part to the shortest part's span (so all tenants send throughout)
 and merges them (block ids offset per part, so tenants never share a prefix by
 accident). ``fulcrum simulate --tenant-mix`` builds one from the command line
 (:func:`parse_mix`).
@@ -51,11 +53,41 @@ def tenant_mix(parts: Sequence[TenantPart], cluster: Cluster,
         if not p.reqs:
             raise ValueError(f"tenant mix: tenant {p.tenant!r} has no request")
         reqs, _ = scenarios.scale_to_load(p.reqs, cluster, p.load)
+        if duration_s is not None:
+            reqs = _fit(reqs, cluster, p.load, int(duration_s * 1e9))
         scaled.append(tag(reqs, p.tenant, p.priority, p.ttft_slo_ms))
     span = min(W.duration_ns(r) for r in scaled)
     if duration_s is not None:
         span = min(span, int(duration_s * 1e9))
     return W.merge(*([r for r in reqs if r.arrival_ns < span] for reqs in scaled))
+
+
+def _fit(reqs: Sequence[W.Request], cluster: Cluster, load: float,
+         span_ns: int) -> list[W.Request]:
+    """``reqs`` repeated and cut to ``span_ns`` with offered load ``load`` over that span
+    (rescaling moves the span, so a few rounds)."""
+    out = list(reqs)
+    for _ in range(3):
+        out = [r for r in repeat(out, int(span_ns * 1.5)) if r.arrival_ns < span_ns]
+        out, _ = scenarios.scale_to_load(out, cluster, load)
+    return [r for r in repeat(out, span_ns) if r.arrival_ns < span_ns]
+
+
+def repeat(reqs: Sequence[W.Request], span_ns: int) -> list[W.Request]:
+    """``reqs`` played back to back until ``span_ns`` is covered (each copy starts one
+    mean inter-arrival after the last request of the previous one; its block ids are
+    offset so copies share no prefix), renumbered."""
+    if not reqs:
+        return []
+    dur = W.duration_ns(reqs)
+    gap = dur // max(1, len(reqs) - 1) if len(reqs) > 1 else 1
+    period = max(1, dur + gap)
+    t0 = min(r.arrival_ns for r in reqs)
+    copies = max(1, -(-span_ns // period))
+    out = [replace(r, arrival_ns=r.arrival_ns - t0 + k * period,
+                   hash_ids=tuple(h + (k << 40) for h in r.hash_ids))
+           for k in range(copies) for r in reqs]
+    return W.renumber(out)
 
 
 def _workload(name: str, seed: int) -> list[W.Request]:

@@ -250,3 +250,39 @@ def test_no_band_starves_past_the_bound(bound_s: int, floods: list[int]) -> None
             last_low = now
         assert now - last_low <= bound + step
         now += step
+
+
+# -- across tiers: the urgency source rule with tenants -----------------------------------
+
+
+def two_tiers(policy: TenantPolicy | None = None) -> PrefillBalancer:
+    bal = make(policy=policy)
+    assert bal.engine_tier("e0") >= 0
+    return bal
+
+
+def test_urgency_prefers_the_tier_whose_head_is_furthest_below_its_share() -> None:
+    bal = two_tiers()
+    own = bal.engine_tier("e0")
+    other = 1 - own if own <= 1 else 0
+    # the heavy tenant owes compute: its head waited longer, yet the light one goes first
+    bal.fair.v["heavy"] = 50.0 * S
+    bal.enqueue(Queued("h", 100 if own == 0 else 20_000, 0, own, MS, 0,
+                       cls=RequestClass("heavy")))
+    bal.enqueue(Queued("l", 100 if other == 0 else 20_000, 0, other, MS, 9 * S,
+                       cls=RequestClass("light")))
+    assert bal.source_tier("e0", [0], now_ns=10 * S) == other
+
+
+def test_urgency_serves_a_head_owed_past_the_starvation_bound_first() -> None:
+    bal = two_tiers(TenantPolicy(starvation_bound_ns=S))
+    own = bal.engine_tier("e0")
+    other = 1 - own if own <= 1 else 0
+    tok = {0: 100, 1: 20_000}
+    bal.enqueue(Queued("hi-own", tok[own], 0, own, MS, 0, cls=RequestClass("a", 1)))
+    bal.enqueue(Queued("hi-other", tok[other], 0, other, MS, 0, cls=RequestClass("a", 1)))
+    bal.enqueue(Queued("low", tok[other], 0, other, MS, 0, cls=RequestClass("b", 0)))
+    assert bal.source_tier("e0", [0], now_ns=S // 2) == own  # ties: its own tier
+    assert bal.head(other) is not None
+    assert next(it.request_id for it in bal.queued(other, 2 * S)) == "low"
+    assert bal.source_tier("e0", [0], now_ns=2 * S) == other

@@ -449,6 +449,8 @@ class PrefillBalancer:
         engine with room whose own tier has nothing queued takes from the nearest shorter
         tier with work; ``urgency``, given ``now_ns``: the tier whose head waited longest
         for its tier's scale, a longer tier only within :meth:`helping_bound_ns`)."""
+        if now_ns is not None:
+            self.fair.now_ns = max(self.fair.now_ns, now_ns)  # the clock of the order
         eng = self._engines.get(engine_id)
         if eng is None or eng.tier < 0:
             return -1
@@ -542,8 +544,6 @@ class PrefillBalancer:
         if len(loads) != eng.dp_ranks:
             raise ValueError(f"rank_loads_ns: must have {eng.dp_ranks} entries")
         eng.load_ns = sum(loads)
-        if now_ns is not None:
-            self.fair.now_ns = max(self.fair.now_ns, now_ns)
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
             aff_order.seen(eng, loads, (), (), now_ns)

@@ -29,7 +29,7 @@ from fulcrum.core.registry import Registry
 
 if TYPE_CHECKING:
     from fulcrum.core.prefill.affinity import Affinity
-    from fulcrum.core.prefill.fair import TierQueue
+    from fulcrum.core.prefill.fair import FairLedger, TierQueue
     from fulcrum.core.prefill.items import Offer, Queued
 
 
@@ -38,8 +38,11 @@ class TierView(Protocol):
 
     n_tiers: int
     affinity: Affinity | None
+    fair: FairLedger
 
     def head(self, tier: int) -> Queued | None: ...
+
+    def tier_queue(self, tier: int) -> TierQueue: ...
 
     def cost_for(self, item: Queued, engine_id: str) -> int: ...
 

@@ -53,6 +53,14 @@ def fair_flows(queue: TierQueue, flows: Iterable[tuple[str, Flow]], now_ns: int,
             heapq.heappush(heap, (v, queue.seq[nxt.request_id], tenant, nxt, it))
 
 
+def plain(queue: TierQueue) -> Iterator[Queued] | None:
+    """Arrival order when ``queue`` holds one tenant at one priority and no compute cap
+    applies (every rule is exactly FIFO then); None otherwise."""
+    if queue.single() and not queue.ledger.any_cap:
+        return iter(queue.all.values())
+    return None
+
+
 def _starved(queue: TierQueue, bands: list[int], now_ns: int) -> list[Queued]:
     """The oldest request of each lower band starved past the bound (oldest first)."""
     led: FairLedger = queue.ledger
@@ -76,9 +84,9 @@ class WfqNs(OrderRule):
     name: ClassVar[str] = "wfq_ns"
 
     def order(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
-        if queue.single() and not queue.ledger.any_cap:
-            yield from queue.all.values()  # one tenant, one band: FIFO exactly
-            return
+        return plain(queue) or self._fair(queue, now_ns)
+
+    def _fair(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
         bands = sorted(queue.bands, reverse=True)
         first = _starved(queue, bands, now_ns)
         yield from first
@@ -111,9 +119,9 @@ class StrictRoundRobin(OrderRule):
     name: ClassVar[str] = "strict_rr"
 
     def order(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
-        if queue.single() and not queue.ledger.any_cap:
-            yield from queue.all.values()
-            return
+        return plain(queue) or self._bands(queue, now_ns)
+
+    def _bands(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
         for b in sorted(queue.bands, reverse=True):
             yield from _round_robin(queue, queue.flows[b].items(), now_ns)
 
@@ -130,11 +138,8 @@ class VtcTokens(OrderRule):
     name: ClassVar[str] = "vtc_tokens"
 
     def order(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
-        if queue.single() and not queue.ledger.any_cap:
-            yield from queue.all.values()
-            return
         flows = [x for b in queue.flows.values() for x in b.items()]
-        yield from fair_flows(queue, flows, now_ns, computed_tokens)
+        return plain(queue) or fair_flows(queue, flows, now_ns, computed_tokens)
 
     def units(self, item: Queued, cost_ns: int) -> float:
         return computed_tokens(item)

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -92,7 +93,7 @@ class Urgency(SourceRule):
         if now_ns is None:
             return _nearest_shorter(view, own)
         bound = view.helping_bound_ns(own)
-        best, most = own, -1.0
+        best, most = own, None  # most: (band, -virtual time, wait / scale)
         for t in (own, *range(view.n_tiers)):
             head = view.head(t)
             if head is None:
@@ -100,8 +101,11 @@ class Urgency(SourceRule):
             if t > own and view.cost_for(head, engine_id) > bound:
                 continue  # a long prompt would hold this engine's rank too long
             waited = max(0, now_ns - head.enqueued_ns) / max(1, view.tier_scale_ns(t))
-            if waited > most:
-                best, most = t, waited
+            band = head.cls.priority
+            owed = band < max(view.tier_queue(t).bands, default=band)
+            key = (math.inf if owed else band, -view.fair.vt(head.cls.tenant), waited)
+            if most is None or key > most:
+                best, most = t, key
         return best
 
 
