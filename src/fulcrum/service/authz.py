@@ -35,7 +35,6 @@ Reload: identities, tokens and ``auth.enabled`` are swapped on SIGHUP by referen
 from __future__ import annotations
 
 import hashlib
-import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -60,6 +59,7 @@ from fulcrum.service.admission import handler_started
 from fulcrum.service.app import App
 from fulcrum.service.errors import RETRY_AFTER_KEY
 from fulcrum.service.streams import drain
+from fulcrum.service.wrap import Behavior, is_exempt, method_labels, rewrap, run_behavior
 
 log = structlog.get_logger(__name__)
 
@@ -67,10 +67,6 @@ ENTRYPOINT: Final = "entrypoint"
 ENGINE: Final = "engine"
 ADMIN: Final = "admin"
 ROLES: Final = (ENTRYPOINT, ENGINE, ADMIN)
-
-#: Method prefixes that need no identity at all.
-OPEN_PREFIXES: Final = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
 
 @dataclass(frozen=True, slots=True)
 class Rule:
@@ -133,7 +129,7 @@ METHOD_RULES: Final[dict[str, Rule]] = {
 
 def rule_for(method: str) -> Rule | None:
     """The rule of a full method name; ``None`` for open methods (health, reflection)."""
-    if method.startswith(OPEN_PREFIXES):
+    if is_exempt(method):
         return None
     return METHOD_RULES.get(method, _ADMIN_ONLY)
 
@@ -311,12 +307,6 @@ class _LogLimiter:
         return True
 
 
-def _labels(method: str) -> tuple[str, str]:
-    _, _, rest = method.partition("/")
-    service, _, name = rest.partition("/")
-    return service.rsplit(".", 1)[-1], name
-
-
 class _Malformed:
     """What the lenient deserializer returns for bytes that do not parse."""
 
@@ -386,36 +376,19 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method: str = details.method
         rule = rule_for(method)
         deserializer = _lenient(handler.request_deserializer, self._max_bytes)
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, rule, handler.unary_unary),
-                request_deserializer=deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._server_stream(method, rule, handler.unary_stream),
-                request_deserializer=deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                self._client_stream(method, rule, handler.stream_unary),
-                request_deserializer=deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._client_stream(method, rule, handler.stream_stream),
-                request_deserializer=deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+
+        def wrap(behavior: Behavior, request_streaming: bool, response_streaming: bool
+                 ) -> Behavior:
+            if request_streaming:
+                return self._client_stream(method, rule, behavior)
+            return self._one_request(method, rule, behavior)
+
+        return rewrap(handler, wrap, deserializer)
 
     # -- checks -------------------------------------------------------------------------
 
     def _record(self, method: str, denied: Denied, context: grpc.aio.ServicerContext) -> None:
-        service, name = _labels(method)
+        service, name = method_labels(method)
         AUTH_DENIALS.labels(service, name, denied.code.name, denied.reason).inc()
         RPC_REQUESTS.labels(service, name, denied.code.name).inc()
         if self._limiter.allow():
@@ -447,7 +420,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         await context.abort(denied.code, denied.message)
 
     async def _malformed(self, method: str, context: grpc.aio.ServicerContext) -> None:
-        service, name = _labels(method)
+        service, name = method_labels(method)
         MALFORMED.labels(service, name).inc()
         RPC_REQUESTS.labels(service, name, grpc.StatusCode.INVALID_ARGUMENT.name).inc()
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED_MESSAGE)
@@ -455,7 +428,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     async def _oversized(
         self, method: str, size: int, context: grpc.aio.ServicerContext
     ) -> None:
-        service, name = _labels(method)
+        service, name = method_labels(method)
         RPC_REQUESTS.labels(service, name, grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -486,29 +459,14 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             except Denied as denied:
                 await self._deny(method, denied, context)
 
-    def _unary(
-        self,
-        method: str,
-        rule: Rule | None,
-        behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
-    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+    def _one_request(self, method: str, rule: Rule | None, behavior: Behavior
+                     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        """The wrapper of a call with one request message (unary or server-streaming)."""
+
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             handler_started()
             await self._pre(method, rule, request, context)
-            return await behavior(request, context)
-
-        return wrapped
-
-    def _server_stream(
-        self,
-        method: str,
-        rule: Rule | None,
-        behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
-    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
-            handler_started()
-            await self._pre(method, rule, request, context)
-            await _run(behavior(request, context), context)
+            return await run_behavior(behavior, request, context)
 
         return wrapped
 
@@ -516,7 +474,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self,
         method: str,
         rule: Rule | None,
-        behavior: Callable[[Any, grpc.aio.ServicerContext], Any],
+        behavior: Behavior,
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         auth = self._auth
 
@@ -529,7 +487,7 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 # Each refusal drains what the client still sends first, so that it sees
                 # this code and not INTERNAL (see fulcrum.service.streams.drain).
                 if isinstance(item, _Malformed):
-                    service, name = _labels(method)
+                    service, name = method_labels(method)
                     MALFORMED.labels(service, name).inc()
                     await drain(requests)
                     raise InvalidArgument("request", "not a valid protobuf message")
@@ -559,18 +517,9 @@ class GuardInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     return None
                 if rule.id_field is None or ident.role == ADMIN:
                     ident = None  # nothing to check per message
-            return await _run(behavior(checked(requests, ident, context), context), context)
+            return await run_behavior(behavior, checked(requests, ident, context), context)
 
         return wrapped
-
-
-async def _run(result: Any, context: grpc.aio.ServicerContext) -> Any:
-    """Await a handler's result; an async generator's items are written to the stream."""
-    if inspect.isasyncgen(result):
-        async for item in result:
-            await context.write(item)
-        return None
-    return await result
 
 
 # -- wiring (called by server.build) ---------------------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import itertools
 import os
 import time
@@ -30,15 +29,20 @@ from fulcrum.logs import RefusalSummary
 from fulcrum.metrics import RPC_DURATION, RPC_IN_FLIGHT, RPC_REQUESTS, STREAM_MESSAGES
 from fulcrum.service.admission import Admission, bind, class_of, handler_started
 from fulcrum.service.app import App
-from fulcrum.service.authz import OPEN_PREFIXES
 from fulcrum.service.errors import RETRY_AFTER_KEY, status_of
+from fulcrum.service.wrap import (
+    Behavior,
+    is_exempt,
+    method_labels,
+    replacing,
+    rewrap,
+    run_behavior,
+)
 
 log = structlog.get_logger(__name__)
 
 _ids = itertools.count(1)
 _prefix = f"{os.getpid():x}-"
-#: Methods neither admitted nor authorised: the one list, shared with :mod:`.authz`.
-_EXEMPT = OPEN_PREFIXES
 
 
 def _request_id(context: grpc.aio.ServicerContext) -> str:
@@ -46,12 +50,6 @@ def _request_id(context: grpc.aio.ServicerContext) -> str:
         if key == "x-request-id" and isinstance(value, str) and 0 < len(value) <= 128:
             return value
     return _prefix + str(next(_ids))
-
-
-def _split(method: str) -> tuple[str, str]:
-    _, _, rest = method.partition("/")
-    service, _, name = rest.partition("/")
-    return service.rsplit(".", 1)[-1], name
 
 
 class _Call:
@@ -63,8 +61,8 @@ class _Call:
         #: Admission token (0 = none).
         self.token = token
         self.method = method
-        self.labels = _split(method)
-        self.exempt = method.startswith(_EXEMPT)
+        self.labels = method_labels(method)
+        self.exempt = is_exempt(method)
         self.cls = cls
         self.admitted = False
         #: Arrival (first interceptor), ``time.perf_counter()`` seconds: durations include
@@ -94,11 +92,11 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return None
         method: str = details.method
         token = 0
-        if self._admission is not None and not method.startswith(_EXEMPT):
+        if self._admission is not None and not is_exempt(method):
             cls = class_of(method)
             token, retry_ms = self._admission.arrive(cls, arrived)
             if retry_ms is not None:
-                return self._refusal(method, cls, arrived, retry_ms, handler)
+                return replacing(handler, self._refusal(method, cls, arrived, retry_ms))
             bind(self._admission, token)
             # the call's task ends however the call ends (a caller that gives up before
             # the handler runs cancels it): it then stops waiting in any case
@@ -106,56 +104,35 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if task is not None:
                 admission = self._admission
                 task.add_done_callback(lambda _t: admission.ended(token))
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary, arrived, token),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(
-                    method, handler.unary_stream, arrived, token, client_streaming=False
-                ),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._stream(
-                    method, handler.stream_stream, arrived, token, client_streaming=True
-                ),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
 
-    def _refusal(
-        self, method: str, cls: str, arrived: float, retry_ms: int, handler: Any
-    ) -> grpc.RpcMethodHandler:
-        """A handler that refuses the call at once, RESOURCE_EXHAUSTED with a retry hint,
-        without reading its request: registered as client-streaming, so that gRPC does not
-        wait for (and parse) the request message before running it."""
+        def wrap(behavior: Behavior, request_streaming: bool, response_streaming: bool
+                 ) -> Behavior:
+            if response_streaming:
+                return self._stream(method, behavior, arrived, token,
+                                    client_streaming=request_streaming)
+            if request_streaming:
+                return behavior  # stream-unary: no such method; left as it is
+            return self._unary(method, behavior, arrived, token)
+
+        return rewrap(handler, wrap)
+
+    def _refusal(self, method: str, cls: str, arrived: float, retry_ms: int) -> Behavior:
+        """A behaviour that refuses the call at once, RESOURCE_EXHAUSTED with a retry hint,
+        without reading its request (see :func:`fulcrum.service.wrap.replacing`)."""
 
         async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
-            call = _Call(method, cls, arrived)
-            await self._finish(call, grpc.StatusCode.RESOURCE_EXHAUSTED)
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"server: busy, {cls} calls are being shed; retry after {retry_ms} ms",
-                trailing_metadata=((RETRY_AFTER_KEY, str(retry_ms)),),
-            )
+            await self._shed(_Call(method, cls, arrived), context, retry_ms)
 
-        if handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                refuse,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return grpc.stream_unary_rpc_method_handler(
-            refuse,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+        return refuse
+
+    async def _shed(self, call: _Call, context: grpc.aio.ServicerContext,
+                    retry_ms: int) -> None:
+        """End ``call`` RESOURCE_EXHAUSTED: its admission class is being shed."""
+        await self._finish(call, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"server: busy, {call.cls} calls are being shed; retry after {retry_ms} ms",
+            trailing_metadata=((RETRY_AFTER_KEY, str(retry_ms)),),
         )
 
     # -- helpers ------------------------------------------------------------------------
@@ -172,13 +149,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 self._admission.started(call.token)
                 retry_ms = self._admission.admit(call.cls)
                 if retry_ms is not None:
-                    await self._finish(call, grpc.StatusCode.RESOURCE_EXHAUSTED)
-                    await context.abort(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"server: busy, {call.cls} calls are being shed; retry after "
-                        f"{retry_ms} ms",
-                        trailing_metadata=((RETRY_AFTER_KEY, str(retry_ms)),),
-                    )
+                    await self._shed(call, context, retry_ms)
                 call.admitted = True
             self._app.call_started()
             RPC_IN_FLIGHT.inc()
@@ -276,15 +247,7 @@ class ShellInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if client_streaming:
                 request = counted(request, call.labels)
 
-            async def pump() -> None:
-                result = behavior(request, context)
-                if inspect.isasyncgen(result):
-                    async for item in result:
-                        await context.write(item)
-                else:
-                    await result
-
-            task = asyncio.ensure_future(pump())
+            task = asyncio.ensure_future(run_behavior(behavior, request, context))
             drain = asyncio.ensure_future(app.draining.wait())
             try:
                 await asyncio.wait({task, drain}, return_when=asyncio.FIRST_COMPLETED)

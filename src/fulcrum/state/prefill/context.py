@@ -22,3 +22,14 @@ class Shell:
     metrics: PrefillMetrics
     settings: Callable[[], PrefillSettings]
     clock: Callable[[], int]
+
+
+class Part:
+    """A part of the shell: keeps the shared objects of its :class:`Shell`."""
+
+    def __init__(self, shell: Shell) -> None:
+        self._bal = shell.balancer
+        self._leases = shell.leases
+        self._m = shell.metrics
+        self._settings = shell.settings
+        self._clock = shell.clock

@@ -17,7 +17,7 @@ import structlog
 from fulcrum.core.prefill.balancer import Taken
 from fulcrum.core.prefill.leases import Lease, requeue_order
 from fulcrum.errors import DeadlineExceeded
-from fulcrum.state.prefill.context import Shell
+from fulcrum.state.prefill.context import Part, Shell
 from fulcrum.state.prefill.records import AckReply, Batch, Delivery, PulledItem
 from fulcrum.state.prefill.submits import SubmitTable
 from fulcrum.units import MAX_U64
@@ -25,17 +25,13 @@ from fulcrum.units import MAX_U64
 log = structlog.get_logger(__name__)
 
 
-class LeaseBook:
+class LeaseBook(Part):
     """See module docstring. ``wake_all()`` is called after requests went back to their
     queues (pulls may now take them)."""
 
     def __init__(self, shell: Shell, submits: SubmitTable,
                  wake_all: Callable[[], None]) -> None:
-        self.table = shell.leases
-        self._bal = shell.balancer
-        self._m = shell.metrics
-        self._settings = shell.settings
-        self._clock = shell.clock
+        super().__init__(shell)
         self._submits = submits
         self._wake_all = wake_all
         self._log = log.bind()
@@ -58,7 +54,7 @@ class LeaseBook:
                 self._submits.resolve(rec, Delivery(
                     engine_id, rank, tier, item.cost_ns, max(0, now - item.enqueued_ns)))
         if lease:
-            leased = self.table.lease(
+            leased = self._leases.lease(
                 engine_id, taken.items, taken.ranks, now + lease_ms * 1_000_000)
             asyncio.get_running_loop().call_later(lease_ms / 1000, self.expire, leased)
             for t in {it.tier for it in taken.items}:
@@ -72,7 +68,7 @@ class LeaseBook:
         request this engine already acknowledged is not)."""
         if not request_ids:
             return AckReply(0, ())
-        res = self.table.ack(engine_id, request_ids, self._clock())
+        res = self._leases.ack(engine_id, request_ids, self._clock())
         tiers: set[int] = set()
         for lease in res.accepted:
             rec = self._submits.index[lease.request_id]
@@ -98,14 +94,14 @@ class LeaseBook:
 
     def expire(self, leases: list[Lease]) -> None:
         """A batch's lease ran out: unacknowledged requests go back to the head."""
-        current = [x for x in leases if self.table.get(x.request_id) is x]
+        current = [x for x in leases if self._leases.get(x.request_id) is x]
         for x in current:
-            self.table.release(x.request_id)
+            self._leases.release(x.request_id)
         self.requeue(current, "expired")
 
     def drop_engine(self, engine_id: str) -> None:
         """``engine_id`` left (or lost what it held): its leases go back."""
-        self.requeue(self.table.drop_engine(engine_id), "engine_left")
+        self.requeue(self._leases.drop_engine(engine_id), "engine_left")
 
     def requeue(self, leases: Sequence[Lease], reason: str) -> None:
         """Put unacknowledged leased requests back at the head of their tiers (or fail

@@ -26,12 +26,13 @@ from fulcrum.core.prefill.leases import Lease, LeaseTable
 from fulcrum.core.prefill.shed import shed_check
 from fulcrum.core.prefill.tiers import tier_label
 from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass, TenantTable
-from fulcrum.core.types import Member, MemberKind, MemberLoad, PrefillEngineShape
-from fulcrum.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from fulcrum.core.types import Member, MemberLoad, PrefillEngineShape
+from fulcrum.errors import InvalidArgument, ResourceExhausted, Unavailable
 from fulcrum.metrics.tenants import PrefillMeter
 from fulcrum.state.fleet import Fleet
 from fulcrum.state.prefill.context import Shell
 from fulcrum.state.prefill.dispatcher import Dispatcher
+from fulcrum.state.prefill.engines import EngineRoster
 from fulcrum.state.prefill.export import PrefillMetrics
 from fulcrum.state.prefill.leasebook import LeaseBook
 from fulcrum.state.prefill.records import (
@@ -59,7 +60,6 @@ class PrefillState:
     def __init__(self, settings: PrefillSettings, fleet: Fleet,
                  clock: Callable[[], int], tenants: TenantTable | None = None) -> None:
         self.settings = settings
-        self._fleet = fleet
         self._clock = clock
         self.tenants = tenants or TenantTable()  # the daemon's (issue 23)
         self.balancer = PrefillBalancer(balancer_config(settings, self.tenants.policy))
@@ -71,18 +71,24 @@ class PrefillState:
         self.metrics.tenants = PrefillMeter(self.tenants.label)
         self.cost = CostRefitter(settings, self.metrics)
         self.prefix = PrefixWiring(self.balancer, settings, self.cost.cost_ns, self.labels)
-        shell = Shell(self.balancer, self.leases, self.metrics, lambda: self.settings, clock)
+        # the parts read settings, clock and draining through the state: a reload (and a
+        # test that swaps ``_clock``) applies to all of them at once
+        shell = Shell(self.balancer, self.leases, self.metrics, lambda: self.settings,
+                      self._now)
         self.submits = SubmitTable(shell, self.prefix, self.predict_ns)
-        self.dispatcher = Dispatcher(self.balancer, clock, self.submits.live_head,
+        self.dispatcher = Dispatcher(self.balancer, self._now, self.submits.live_head,
                                      lambda: self.draining)
         self.lease_book = LeaseBook(shell, self.submits, self.dispatcher.dispatch_all)
-        self._engines: dict[str, Engine] = {}
+        self.roster = EngineRoster(fleet, self._now)
         self.draining = False
         #: Test/diagnostic hooks: called with (request_id, outcome, engine_id or "").
         self.outcome_hooks: list[OutcomeHook] = self.submits.hooks
         self._log = log.bind()  # resolved once: per-request debug lines cost ~nothing
         for t in range(self.n_tiers):
             self.metrics.gauge_tier(t)
+
+    def _now(self) -> int:
+        return self._clock()
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -158,8 +164,7 @@ class PrefillState:
     def assignment(self, engine_id: str) -> Assignment:
         """The engine's tier, horizon and step budget now (see :class:`Assignment`)."""
         tier = self.engine_tier(engine_id)
-        eng = self._engines.get(engine_id)
-        own = eng.step_quota_ns if eng is not None else 0
+        own = self.roster.step_quota_ns(engine_id)
         s = self.settings
         horizon = s.horizons_ns()[tier] if tier >= 0 else 0
         return Assignment(tier, self.labels[tier] if tier >= 0 else "", horizon,
@@ -171,6 +176,10 @@ class PrefillState:
         return self.submits.retained(request_id)
 
     # The parts' tables under their former names (tests drive these directly).
+
+    @property
+    def _engines(self) -> dict[str, Engine]:
+        return self.roster.engines
 
     @property
     def _index(self) -> dict[str, Pending]:
@@ -195,7 +204,7 @@ class PrefillState:
     def validate_submit(self, request_id: str, total: int, cached: int) -> int:
         """Raise the domain error of an invalid or refused submit; return its tier."""
         return self.submits.validate(request_id, total, cached, draining=self.draining,
-                                     engines=len(self._engines))
+                                     engines=len(self.roster))
 
     async def submit(
         self, request_id: str, total: int, cached: int, wait_ns: int,
@@ -233,30 +242,11 @@ class PrefillState:
 
     # -- pull ------------------------------------------------------------------------------
 
-    def _engine_for_pull(self, engine_id: str, incarnation: int) -> Engine:
-        """The live prefill engine of a call; a refused call is not a heartbeat."""
-        now = self._clock()
-        try:
-            member = self._fleet.get_live(engine_id, incarnation or None, now)
-        except NotFound as err:
-            raise NotFound(err.message.replace("member_id:", "engine_id:", 1)) from None
-        eng = self._engines.get(engine_id)
-        if member.kind is not MemberKind.PREFILL_ENGINE or eng is None:
-            raise NotFound(f"engine_id: {engine_id!r} is not a registered prefill engine")
-        if incarnation:  # a pull from the current incarnation also counts as a heartbeat
-            self._fleet.heartbeat(engine_id, incarnation, None, now)
-        return eng
-
     def validate_pull(
         self, engine_id: str, incarnation: int, rank_loads_ns: Sequence[int]
     ) -> Engine:
-        """The live engine of a pull, or NotFound / FailedPrecondition / InvalidArgument."""
-        eng = self._engine_for_pull(engine_id, incarnation)
-        if rank_loads_ns and len(rank_loads_ns) != eng.dp_ranks:
-            raise InvalidArgument(
-                "rank_loads_ns", f"must have {eng.dp_ranks} entries (one per DP rank) or none"
-            )
-        return eng
+        """The live engine of a pull, or NotFound / InvalidArgument."""
+        return self.roster.puller(engine_id, incarnation, rank_loads_ns)
 
     def _check_acks(self, request_ids: Sequence[str]) -> None:
         limit = self.settings.max_batch_requests
@@ -270,7 +260,7 @@ class PrefillState:
         engine and its DP rank. Ids not leased to it (expired and re-queued, submitter
         gone, unknown) are refused: the engine must not run them."""
         self._check_acks(request_ids)
-        eng = self._engine_for_pull(engine_id, incarnation)
+        eng = self.roster.caller(engine_id, incarnation)
         return self.lease_book.ack(eng.member_id, request_ids)
 
     async def pull(
@@ -314,17 +304,11 @@ class PrefillState:
         batch = take()
         if batch.items or wait_ns <= 0 or self.draining:
             return batch
-        refresh_s = self._fleet.settings.heartbeat_timeout_ms / 2000
-        parked = await self.dispatcher.park(waiter, wait_ns, refresh_s, take,
-                                            partial(self._keepalive, eng, incarnation))
+        parked = await self.dispatcher.park(waiter, wait_ns, self.roster.refresh_s(), take,
+                                            partial(self.roster.keepalive, eng, incarnation))
         if parked is not None:
             return parked
         return Batch(tier=self.engine_tier(eng.member_id), items=(), quota_ns=0)
-
-    def _keepalive(self, eng: Engine, incarnation: int) -> None:
-        """A parked pull keeps its engine alive (when it quoted its incarnation)."""
-        if incarnation and eng.live:
-            self._engine_for_pull(eng.member_id, incarnation)
 
     def _take(self, waiter: Waiter, lease: bool) -> Batch:
         """Let the balancer select and commit a batch for the pull's engine; lease it
@@ -361,15 +345,11 @@ class PrefillState:
         """A prefill engine joined: give it a tier at once."""
         shape = member.shape
         assert isinstance(shape, PrefillEngineShape)
-        old = self._engines.get(member.member_id)
+        old = self.roster.join(member)
         if old is not None:
-            old.live = False
             self.dispatcher.end(old)
             # A new incarnation has lost what the old one held: deliver it elsewhere.
             self.lease_book.drop_engine(member.member_id)
-        self._engines[member.member_id] = Engine(
-            member.member_id, member.incarnation, shape.dp_ranks, shape.step_quota_ns or 0
-        )
         log.info("prefill_engine_joined", engine_id=member.member_id, dp_ranks=shape.dp_ranks)
         self.prefix.join(member.member_id, shape.prefix_cache_blocks,
                          cache_survived=shape.prefix_cache_survived)
@@ -380,10 +360,9 @@ class PrefillState:
 
     def on_leave(self, member: Member, reason: str, now_ns: int) -> None:
         """A prefill engine left: its waiting pulls end with NOT_FOUND; its share moves."""
-        eng = self._engines.pop(member.member_id, None)
+        eng = self.roster.leave(member.member_id)
         if eng is None:
             return
-        eng.live = False
         self.dispatcher.end(eng)
         log.info("prefill_engine_left", engine_id=member.member_id, reason=reason)
         red = self.balancer.remove_engine(member.member_id)

@@ -24,7 +24,7 @@ from fulcrum.errors import (
     Unavailable,
 )
 from fulcrum.metrics import prefill as m
-from fulcrum.state.prefill.context import Shell
+from fulcrum.state.prefill.context import Part, Shell
 from fulcrum.state.prefill.records import Delivery, Pending
 from fulcrum.state.prefix import PrefixWiring
 from fulcrum.state.retention import RetentionTable
@@ -34,17 +34,13 @@ from fulcrum.units import NS_PER_S
 OutcomeHook = Callable[[str, str, str], None]
 
 
-class SubmitTable:
+class SubmitTable(Part):
     """See module docstring. ``price(total, cached)``: the plain predicted cost (ns) of a
     request."""
 
     def __init__(self, shell: Shell, prefix: PrefixWiring,
                  price: Callable[[int, int], int]) -> None:
-        self._bal = shell.balancer
-        self._leases = shell.leases
-        self._m = shell.metrics
-        self._settings = shell.settings
-        self._clock = shell.clock
+        super().__init__(shell)
         self._prefix = prefix
         self._price = price
         self.index: dict[str, Pending] = {}  # in flight: queued or leased
