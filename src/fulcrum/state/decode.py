@@ -6,12 +6,13 @@ plus the placements made since it, minus releases. A report replaces the GPU's f
 lowers them again (never below 0). Without a heartbeat in between, release after place
 restores the view exactly.
 
-The lease/placement mechanics are those of :mod:`fulcrum.state.placement`, shared with
-the vision table: placements are held per request id in a table bounded by
-``decode.max_placements`` with a lease of ``decode.lease_ms``; an instance that leaves
-drops its placements (counted as lost); before a placement is committed the chosen
-instance's liveness is checked with the fleet, so a lapsed instance is never chosen
-even between sweeps.
+The table is :class:`fulcrum.state.placement.PlacementTable`, shared with the vision
+table (members, slots, leases, reload, release, expiry, metrics); this module keeps the
+decode fleet's arrays (:class:`fulcrum.core.decode.FleetView`) and ``place``.
+Placements are held per request id in a table bounded by ``decode.max_placements`` with
+a lease of ``decode.lease_ms``; an instance that leaves drops its placements (counted
+as lost); before a placement is committed the chosen instance's liveness is checked with
+the fleet, so a lapsed instance is never chosen even between sweeps.
 
 Slots: each instance's GPUs occupy a contiguous range of slots of the view's arrays
 (:class:`fulcrum.state.placement.SlotAllocator`); free slots are dead (never eligible).
@@ -22,15 +23,17 @@ events in the same order with the same seed give the same decisions. Callers tha
 per-slot tables follow the layout through :meth:`DecodeState.add_slot_listener`
 (:class:`SlotListener`: O(the instance's GPUs) per join or leave).
 
-Filter: ``place(..., allowed=...)`` restricts one placement to a subset of the slots
-(slot indices or a boolean mask, :func:`fulcrum.core.decode.select_allowed`); the
-policy in force chooses among them, with the whole fleet as context. Without it
-(``allowed=None``) the decision path is the unfiltered one, unchanged.
+Filters: ``place(..., allowed=...)`` restricts one placement to a subset of the slots
+(slot indices or a boolean mask, :func:`fulcrum.core.decode.select_allowed`), and so
+does every step of :attr:`DecodeState.filters`
+(:class:`fulcrum.state.placement.SlotFilter`, given a :class:`DecodeRequest`); the
+policy in force chooses among what is left, with the whole fleet as context. Without
+either (``allowed=None``, no filters) the decision path is the unfiltered one, unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -62,6 +65,7 @@ from fulcrum.metrics import decode as metrics
 from fulcrum.state.placement import (
     I64,
     Lease,
+    Liveness,
     PlacementTable,
     SlotFilter,
     SlotListener,
@@ -71,9 +75,6 @@ from fulcrum.state.placement import (
 )
 
 __all__ = ["DecodeRequest", "DecodeState", "PlaceResult", "ReleaseResult", "SlotListener"]
-
-#: ``liveness(instance_id, incarnation, now_ns) -> bool``: is the instance still live?
-Liveness = Callable[[str, int, int], bool]
 
 
 class DecodeRequest(NamedTuple):
@@ -322,7 +323,7 @@ class DecodeState(
         )
         slots.requests[request_id] = 1
         if request is not None:
-            self._held_by(request_id, request, (slot,))
+            self._held_by(request_id, request, ((member.member_id, gpu_index),))
         self._counts.placements[self._k_placed[out.kind]] += 1
         self._figures.mark(slots)
         self.publisher.changed()

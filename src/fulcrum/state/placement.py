@@ -2,7 +2,13 @@
 
 Both balancers keep fleet members (decode instances, VE machines) whose GPUs occupy slots
 of per-GPU arrays, and placements held per request id under a lease. This module owns
-everything that is the same for both:
+everything that is the same for both, in one class, :class:`PlacementTable`; the decode
+and the VE tables (:mod:`fulcrum.state.decode`, :mod:`fulcrum.state.vision`) keep only
+their per-GPU fleet arrays and their ``place`` (the policy's ``select`` over them):
+
+- **Filters.** One extension point before ``select``: :attr:`PlacementTable.filters`, a
+  list of :class:`SlotFilter` s applied in order, each narrowing (a boolean mask over the
+  slots) or refusing one request; without filters the decision path is unchanged.
 
 - **Slots.** A member's GPUs occupy a contiguous range of slots ``[start, start + gpus)``
   in the balancer's per-GPU arrays (:class:`SlotAllocator`). A join takes a free range of
@@ -455,18 +461,24 @@ class SlotFilter(Protocol[Q]):
     caller's own restriction, e.g. the gateway's ``allowed``) are and-ed, and the policy
     chooses among what is left (none left: RESOURCE_EXHAUSTED, as any "no capacity").
     ``request`` is the table's request tuple (:class:`fulcrum.state.decode.DecodeRequest`,
-    :class:`fulcrum.state.vision.VisionRequest`). A filter may also refuse the request
-    outright by raising a :mod:`fulcrum.errors` error (before anything changes).
+    :class:`fulcrum.state.vision.VisionRequest`); the mask applies to the whole request
+    (every image of a VE request, chosen in one fold, may take any allowed GPU). A filter
+    may also refuse the request outright by raising a :mod:`fulcrum.errors` error (before
+    anything changes).
 
-    ``held(request_id, request, slots)`` and ``freed(request_id)`` tell a filter that keeps
-    counts (a per-tenant cap) that a request now holds placements on those slots, and no
-    longer holds any (released, expired or lost with its member). A filter keeping per-slot
-    arrays follows the layout with :meth:`PlacementTable.add_slot_listener`.
+    ``held(request_id, request, gpus)`` and ``freed(request_id)`` tell a filter that keeps
+    counts (a per-tenant cap) that a request now holds placements on ``gpus`` (``(member_id,
+    gpu_index)`` pairs, one per placement: stable while slots move), and that it no longer
+    holds any (released, expired or lost with its member; a VE request that loses some of
+    its images with a machine but keeps others is still held). A filter maps members to slots
+    with :meth:`PlacementTable.slot_ranges` and follows the layout with
+    :meth:`PlacementTable.add_slot_listener`. A filter that also has
+    ``apply_settings(section)`` gets the table's new settings section on reload.
     """
 
     def allowed(self, request: Q, slots: int, now_ns: int) -> SlotMask | None: ...
 
-    def held(self, request_id: str, request: Q, slots: Sequence[int]) -> None: ...
+    def held(self, request_id: str, request: Q, gpus: Sequence[tuple[str, int]]) -> None: ...
 
     def freed(self, request_id: str) -> None: ...
 
@@ -714,6 +726,10 @@ class PlacementTable(Generic[M, SettingsT, ReleasedT]):
             settings.lease_ms, settings.max_placements, settings.sweep_interval_ms
         )
         self._configure(settings)
+        for f in self.filters:  # a filter with settings of its own follows the reload
+            apply = getattr(f, "apply_settings", None)
+            if apply is not None:
+                apply(settings)
         self._bind_metrics()
         self.publisher.changed()
         self._log.info(
@@ -798,10 +814,11 @@ class PlacementTable(Generic[M, SettingsT, ReleasedT]):
             self.count_refused("invalid_argument")
             raise
 
-    def _held_by(self, request_id: str, request: Any, slots: Sequence[int]) -> None:
-        """Tell the filters that ``request_id`` now holds placements on ``slots``."""
+    def _held_by(self, request_id: str, request: Any, gpus: Sequence[tuple[str, int]]) -> None:
+        """Tell the filters that ``request_id`` now holds placements on ``gpus``
+        (``(member_id, gpu_index)`` pairs)."""
         for f in self.filters:
-            f.held(request_id, request, slots)
+            f.held(request_id, request, gpus)
 
     def _freed(self, request_id: str) -> None:
         """Tell the filters that ``request_id`` holds nothing any more."""

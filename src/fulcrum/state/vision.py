@@ -7,8 +7,10 @@ it; releasing an image placed before the latest report lowers ``base`` (never be
 one placed after it lowers ``pending``. Without heartbeats in between, release after
 place restores the view exactly.
 
-The lease/placement mechanics are those of :mod:`fulcrum.state.placement`, shared with
-the decode table: placed requests are held per request id in a table bounded by
+The table is :class:`fulcrum.state.placement.PlacementTable`, shared with the decode
+table (members, slots, leases, reload, release, expiry, metrics); this module keeps the
+VE fleet's arrays (base, pending and in-flight patches over a ``SlotTopology``) and
+``place``. Placed requests are held per request id in a table bounded by
 ``vision.max_placements`` with a lease of ``vision.lease_ms``; a machine that leaves
 drops its images (counted as lost; a request keeps its images on other machines).
 
@@ -27,7 +29,7 @@ without filters the decision path is the unfiltered one, unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -54,6 +56,7 @@ from fulcrum.metrics import vision as metrics
 from fulcrum.state.placement import (
     RECORD,
     Lease,
+    Liveness,
     PlacementTable,
     SlotFilter,
     SlotMask,
@@ -64,9 +67,6 @@ from fulcrum.units import MAX_EXACT_FLOAT
 
 #: Largest reported patches in flight per GPU (keeps int64 sums exact).
 MAX_REPORTED_PATCHES = MAX_EXACT_FLOAT
-
-#: ``liveness(machine_id, incarnation, now_ns) -> bool``: is the machine still live?
-Liveness = Callable[[str, int, int], bool]
 
 
 class ImageRequest(NamedTuple):
@@ -372,7 +372,7 @@ class VisionState(
             now_ns,
         )
         if request is not None:
-            self._held_by(request_id, request, [d.gpu for d in placed])
+            self._held_by(request_id, request, [(im[0], im[1]) for im in out])
         self._counts.placements[self._k_placed[""]] += 1
         name = self._policy.name
         images_placed, patches_placed = self._units

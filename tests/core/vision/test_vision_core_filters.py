@@ -9,36 +9,16 @@
 from __future__ import annotations
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from vision_fixtures import eligible, fleets
 
 from fulcrum.core.vision.filters import restrict
 from fulcrum.core.vision.fleet import MachineSpec, NoCapacity, VisionFleet, VisionTopology
 from fulcrum.core.vision.registry import make_policy, policy_names
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@st.composite
-def fleets(draw: st.DrawFn) -> VisionFleet:
-    n = draw(st.integers(1, 5))
-    specs = []
-    for i in range(n):
-        gpus = draw(st.integers(1, 6))
-        cap = draw(st.sampled_from([0, 0, draw(st.integers(1, 20_000))]))
-        live = draw(st.booleans()) if n > 1 else True
-        specs.append(MachineSpec(f"m{i}", tuple(range(gpus)), max_patches=cap, live=live))
-    topo = VisionTopology.build(specs)
-    loads = [draw(st.integers(0, int(c) if c > 0 else 20_000)) for c in topo.capacity.tolist()]
-    return VisionFleet(topo, np.asarray(loads, dtype=np.int64))
-
-
-def eligible(fleet: VisionFleet, patches: int) -> npt.NDArray[np.bool_]:
-    t = fleet.topology
-    fits = fleet.patches_in_flight + patches <= t.limit
-    return np.asarray(t.live & fits, dtype=np.bool_)
 
 
 @SETTINGS

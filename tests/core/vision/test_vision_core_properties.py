@@ -11,16 +11,14 @@
 from __future__ import annotations
 
 import numpy as np
-import numpy.typing as npt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from vision_fixtures import eligible, fleets
 
 from fulcrum.core.vision.base import place_many
 from fulcrum.core.vision.fleet import (
-    MachineSpec,
     NoCapacity,
     VisionFleet,
-    VisionTopology,
     commit,
     release,
 )
@@ -29,26 +27,6 @@ from fulcrum.core.vision.registry import make_policy, policy_names
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 policies = st.sampled_from(policy_names())
 image = st.integers(1, 6_000)
-
-
-@st.composite
-def fleets(draw: st.DrawFn) -> VisionFleet:
-    n = draw(st.integers(1, 6))
-    specs = []
-    for i in range(n):
-        gpus = draw(st.integers(1, 8))
-        cap = draw(st.sampled_from([0, 0, draw(st.integers(1, 20_000))]))
-        live = draw(st.booleans()) if n > 1 else True
-        specs.append(MachineSpec(f"m{i}", tuple(range(gpus)), max_patches=cap, live=live))
-    topo = VisionTopology.build(specs)
-    loads = [draw(st.integers(0, int(c) if c > 0 else 20_000)) for c in topo.capacity.tolist()]
-    return VisionFleet(topo, np.asarray(loads, dtype=np.int64))
-
-
-def eligible(fleet: VisionFleet, p: int) -> npt.NDArray[np.bool_]:
-    t = fleet.topology
-    load = fleet.patches_in_flight
-    return np.asarray(t.live & ((t.capacity == 0) | (load + p <= t.capacity)), dtype=np.bool_)
 
 
 @SETTINGS

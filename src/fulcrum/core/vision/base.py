@@ -86,7 +86,8 @@ class Checked:
     def select(
         self, fleet: VisionFleet, patches: int, rng: np.random.Generator
     ) -> Placement | NoCapacity:
-        check_patches(patches)
+        if type(patches) is not int or patches < 1:  # the fast path of check_patches
+            check_patches(patches)
         chosen = self.choose(fleet, patches, rng)
         if isinstance(chosen, NoCapacity):
             return chosen
