@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,10 @@ class VllmFleet:
     model_dir: Path
     n: int = 2
     log_dir: Path | None = None
+    #: Extra command-line arguments per engine: called with the engine's number.
+    extra_args: Callable[[int], list[str]] | None = None
+    #: Extra environment of every engine (over the fleet's own settings).
+    env: dict[str, str] = field(default_factory=dict)
     ports: list[int] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -78,6 +83,7 @@ class VllmFleet:
                 "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": str(i % cores),
                 "VLLM_LOGGING_LEVEL": "WARNING",
+                **self.env,
             }
             log = open((self.log_dir or self.model_dir) / f"vllm-{i}.log", "wb")  # noqa: SIM115
             cmd = [
@@ -86,6 +92,7 @@ class VllmFleet:
                 "--load-format", "dummy", "--block-size", str(BLOCK_SIZE),
                 "--max-model-len", "4096", "--enable-prefix-caching",
                 "--host", "127.0.0.1", "--port", str(port),
+                *(self.extra_args(i) if self.extra_args is not None else []),
             ]
             self.procs.append(
                 subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

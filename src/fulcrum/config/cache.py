@@ -9,10 +9,12 @@ prompt tokens its prefix cache is believed to hold (:mod:`fulcrum.core.prefix_co
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from fulcrum.config.base import RESTART_ONLY, Section
-from fulcrum.config.prefill import CostModelSettings
+from fulcrum.config.prefill import CostModelSettings, RefitSettings
 
 
 class CacheSettings(Section):
@@ -48,7 +50,19 @@ class CacheSettings(Section):
     )
     cost_model: CostModelSettings = Field(
         default_factory=lambda: CostModelSettings(),
-        description="the cost model of every engine's predicted TTFT (ns)",
+        description="the cost model of every engine's predicted TTFT (ns); the starting "
+        "point of the online refit",
+    )
+    refit: RefitSettings = Field(
+        default_factory=lambda: RefitSettings(period_s=10.0),
+        description="online refit of the cost model from the TTFT the gateway observes "
+        "(pick to first response body chunk of streamed responses, minus the predicted "
+        "queue); needs the default Envoy mode (the lean mode sends no response message)",
+    )
+    learn_per: Literal["endpoint", "all"] = Field(
+        "endpoint",
+        description="refit one cost model per endpoint (address) or one for all endpoints",
+        json_schema_extra=RESTART_ONLY,
     )
     emit_scores: bool = Field(
         False,

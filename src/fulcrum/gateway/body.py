@@ -67,6 +67,8 @@ class RequestShape:
     #: The prompt as text for the prefix index (chat: each message's role and content;
     #: completions: the prompt; token ids as decimal text); "" unless asked for.
     text: str = ""
+    #: ``"stream": true``: the response is streamed (its first chunk is the first token).
+    stream: bool = False
 
     @property
     def kv_tokens(self) -> int:
@@ -190,7 +192,8 @@ def parse_body(
             math.ceil(len(body) / chars_per_token), max_tokens, parsed=False, model=model
         )
     text = prompt_text(obj) if with_text else ""
-    return RequestShape(prompt, max_tokens, parsed=True, model=model, text=text)
+    stream = obj.get("stream") is True
+    return RequestShape(prompt, max_tokens, parsed=True, model=model, text=text, stream=stream)
 
 
 def load_tokenizer(path: str) -> TokenCounter:

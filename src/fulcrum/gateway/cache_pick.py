@@ -13,6 +13,9 @@ token (:func:`fulcrum.core.prefix_cost.predicted_ttft_ns`)::
   pick moves the endpoint's predicted "prefill busy until" to ``max(it, now) + cost``;
   when its last request in flight ends, what is left of it is dropped. The scraped queue
   depth corrects it from below: ``waiting x`` the endpoint's mean predicted cost.
+* ``cost``: the configured model (``gateway.cache.cost_model``), refitted online per
+  endpoint (or for all) from the TTFT the gateway observes
+  (:mod:`fulcrum.gateway.cost_learn`, :meth:`CachePicker.first_token`).
 
 Ties go to fewer requests (the decode view's), then to fewer picks so far. A prompt that
 was not parsed or is empty is picked by load alone (no hits), counted as ``load_only``.
@@ -37,6 +40,7 @@ from fulcrum.core.prefix_cost import Coefficients, predicted_ttft_ns, rank
 from fulcrum.gateway import pick_metrics as pm
 from fulcrum.gateway.adapter import DecodeAdapter
 from fulcrum.gateway.body import RequestShape
+from fulcrum.gateway.cost_learn import CostLearner
 from fulcrum.gateway.prefix_index import PrefixIndex, text_blocks
 
 log = structlog.get_logger(__name__)
@@ -50,13 +54,15 @@ _PICKS_MAX: Final = (1 << KV_BITS) - 1
 @dataclass(frozen=True, slots=True)
 class Choice:
     """A cache-aware decision: decode slot to pin, its address and index slot, the
-    request's blocks, its predicted cost there (ns) and the reported figures."""
+    request's blocks, its predicted cost there and the load ahead of it (ns) and the
+    reported figures."""
 
     slot: int
     address: str
     index_slot: int
     blocks: list[int]
     cost_ns: float
+    load_ns: float
     chosen_ns: float
     other_ns: float
     hit_tokens: int
@@ -79,11 +85,14 @@ class CachePicker:
         self._pending = np.zeros(0, dtype=np.int64)  # requests in flight
         self._picks = np.zeros(0, dtype=np.int64)  # picks so far (tie-break)
         self._requests: dict[str, tuple[int, float]] = {}
+        #: Streamed requests waiting for their first token: (slot, q, c, pick ns, load ns).
+        self._first: dict[str, tuple[int, int, int, int, float]] = {}
         self._kv_tokens: dict[str, int] = {}  # scraped KV capacity per address (tokens)
         self.default_kv_tokens = 0
-        self._model = CostModel(
-            settings.cost_model.a, settings.cost_model.b, settings.cost_model.k
-        )
+        base = CostModel(settings.cost_model.a, settings.cost_model.b, settings.cost_model.k)
+        self._base = base
+        self._coef = np.zeros((0, 3), dtype=np.float64)  # (a, b, k) per index slot
+        self.learner = CostLearner(settings.refit, base, settings.learn_per == "endpoint")
         adapter.scrape_listeners.append(self.scraped)
 
     # -- endpoints ---------------------------------------------------------------------------
@@ -110,6 +119,8 @@ class CachePicker:
             self._waiting = np.concatenate([self._waiting, np.zeros(grow)])
             self._pending = np.concatenate([self._pending, np.zeros(grow, dtype=np.int64)])
             self._picks = np.concatenate([self._picks, np.zeros(grow, dtype=np.int64)])
+            b = self._base
+            self._coef = np.concatenate([self._coef, np.tile([b.a, b.b, b.k], (grow, 1))])
         return slot
 
     def scraped(self, address: str, waiting: int, kv_capacity_tokens: int) -> None:
@@ -140,7 +151,11 @@ class CachePicker:
         slots, addrs, keys = adapter.candidates(shape.kv_tokens, subset)
         if not addrs:
             return None
-        isl = np.fromiter((self._slot(a) for a in addrs), dtype=np.int64, count=len(addrs))
+        get = self._slots.get
+        known = [get(a) for a in addrs]
+        isl = np.array(
+            [self._slot(a) for a in addrs] if None in known else known, dtype=np.int64
+        )
         text = shape.text
         blocks = text_blocks(text, self.block_chars) if shape.parsed and text else []
         prompt = shape.prompt_tokens
@@ -150,7 +165,8 @@ class CachePicker:
         else:
             hits = np.zeros(len(addrs), dtype=np.int64)
         load = self.outstanding_ns(isl, now_ns)
-        ttft = predicted_ttft_ns(load, hits, prompt, Coefficients.of(self._model))
+        co = self._coef[isl]
+        ttft = predicted_ttft_ns(load, hits, prompt, Coefficients(co[:, 0], co[:, 1], co[:, 2]))
         # Ties: fewer requests, then fewer picks so far (round robin among equals).
         tie = ((keys >> KV_BITS) << KV_BITS) | np.minimum(self._picks[isl], _PICKS_MAX)
         r = rank(ttft, tie)
@@ -162,6 +178,7 @@ class CachePicker:
             index_slot=int(isl[c]),
             blocks=blocks,
             cost_ns=float(ttft[c] - load[c]),
+            load_ns=float(load[c]),
             chosen_ns=r.chosen_ns,
             other_ns=r.other_ns,
             hit_tokens=hit,
@@ -180,9 +197,20 @@ class CachePicker:
             )
         return choice
 
-    def placed(self, request_id: str, choice: Choice, prompt_tokens: int, now_ns: int) -> None:
-        """The request was placed where :meth:`choose` said: record its blocks and work."""
+    def placed(
+        self,
+        request_id: str,
+        choice: Choice,
+        prompt_tokens: int,
+        now_ns: int,
+        stream: bool = False,
+    ) -> None:
+        """The request was placed where :meth:`choose` said: record its blocks and work
+        (``stream``: a streamed response, whose first chunk is a TTFT sample)."""
         i = choice.index_slot
+        if stream and prompt_tokens > 0:
+            c = choice.hit_tokens
+            self._first[request_id] = (i, prompt_tokens - c, c, now_ns, choice.load_ns)
         if choice.blocks:
             self.index.record(i, choice.blocks)
         self._busy[i] = max(self._busy[i], float(now_ns)) + choice.cost_ns
@@ -201,6 +229,7 @@ class CachePicker:
 
     def released(self, request_id: str, _reason: str, now_ns: int) -> None:
         """A request ended: with none left in flight there, the endpoint's queue is empty."""
+        self._first.pop(request_id, None)
         got = self._requests.pop(request_id, None)
         if got is None:
             return
@@ -209,3 +238,19 @@ class CachePicker:
         if self._pending[i] <= 0:
             self._pending[i] = 0
             self._busy[i] = min(self._busy[i], float(now_ns))
+
+    def first_token(self, request_id: str, now_ns: int) -> None:
+        """The first response body chunk of a request passed: one observed TTFT for the
+        online refit; an adopted model applies to the next picks."""
+        got = self._first.pop(request_id, None)
+        if got is None:
+            return
+        i, q, c, t0, load = got
+        model = self.learner.observe(i, q, c, float(now_ns - t0), load, now_ns)
+        if model is None:
+            return
+        row = [model.a, model.b, model.k]
+        if self.learner.per_endpoint:
+            self._coef[i] = row
+        else:
+            self._coef[:] = row

@@ -292,7 +292,7 @@ class Picker:
         if self.prefill is not None:
             placement = replace(placement, prompt_tokens=shape.prompt_tokens)
         if choice is not None and self.cache is not None:
-            self.cache.placed(request_id, choice, shape.prompt_tokens, now)
+            self.cache.placed(request_id, choice, shape.prompt_tokens, now, shape.stream)
         self._held[request_id] = placement
         gm.IN_FLIGHT.set(len(self._held))
         self._count("picked")
@@ -347,6 +347,11 @@ class Picker:
         """Response headers came back: the request's prefill is done."""
         if self.prefill is not None and placement.prefiller:
             self.prefill.finished(placement.request_id)
+
+    def first_chunk(self, placement: Placement) -> None:
+        """The response's first body chunk passed (a streamed response's first token)."""
+        if self.cache is not None:
+            self.cache.first_token(placement.request_id, self._clock())
 
     def release(self, placement: Placement, reason: str) -> None:
         """End a request's placement (once per pick)."""
@@ -478,8 +483,8 @@ class _Stream:
     A method per phase returns the answers to send; :class:`_Refused` ends the stream."""
 
     __slots__ = (
-        "_chunks", "_deadline", "_duplex", "_pending", "_pending_headers", "_picker",
-        "_resp_duplex", "_settings", "cls", "path", "phase", "placement", "subset",
+        "_chunks", "_deadline", "_duplex", "_first", "_pending", "_pending_headers",
+        "_picker", "_resp_duplex", "_settings", "cls", "path", "phase", "placement", "subset",
     )
 
     def __init__(self, picker: Picker, now: float) -> None:
@@ -487,6 +492,7 @@ class _Stream:
         self._settings = s = picker.settings
         self._deadline = now + s.max_body_ms / 1000
         self._duplex = self._resp_duplex = self._pending_headers = False
+        self._first = True  # no response body chunk seen yet
         self._chunks: list[bytes] = []
         self._pending = 0  # body bytes counted in picker.pending_bytes
         self.phase = _START
@@ -645,6 +651,9 @@ class _Stream:
             out, eos = _EMPTY_RESP_HEADERS, req.response_headers.end_of_stream
         elif kind == "response_body":
             rb = req.response_body
+            if self._first and rb.body and placement is not None:
+                self._first = False
+                self._picker.first_chunk(placement)
             out = _streamed_response_body(rb) if self._resp_duplex else _EMPTY_RESP_BODY
             eos = rb.end_of_stream
         else:

@@ -47,5 +47,31 @@ INDEX_BLOCKS = Gauge(
     registry=REGISTRY,
 )
 
+OBSERVED_TTFT = Histogram(
+    "fulcrum_gateway_cache_observed_ttft_seconds",
+    "Time from a cache-aware pick to the first response body chunk of a streamed "
+    "response (the observed time to first token), seconds.",
+    buckets=_TTFT_BUCKETS,
+    registry=REGISTRY,
+)
+TTFT_SAMPLES = Counter(
+    "fulcrum_gateway_cost_samples",
+    "Observed first tokens offered to the online cost-model learner: kept, or dropped "
+    "(observed TTFT not above the predicted queue ahead).",
+    ["result"],
+    registry=REGISTRY,
+)
+COST_REFITS = Counter(
+    "fulcrum_gateway_cost_refits",
+    "Refits of the gateway's cost model from observed TTFT, by result (adopted, kept, "
+    "skipped).",
+    ["result"],
+    registry=REGISTRY,
+)
+
 for _r in RULES:
     CACHE_PICKS.labels(_r)
+for _r in ("kept", "dropped"):
+    TTFT_SAMPLES.labels(_r)
+for _r in ("adopted", "kept", "skipped"):
+    COST_REFITS.labels(_r)

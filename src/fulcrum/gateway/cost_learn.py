@@ -1,0 +1,131 @@
+"""Online learning of the cache picker's cost model from the time to first token the
+gateway observes (``gateway.cache.refit``, ``gateway.cache.learn_per``).
+
+Each streamed request picked by :class:`fulcrum.gateway.cache_pick.CachePicker` gives one
+sample when its first response body chunk passes the ext_proc stream::
+
+    (q, c, ns) = (prompt - hit tokens, hit tokens, observed TTFT - predicted load at pick)
+
+``observed TTFT`` is the time from the pick to the first response body chunk (ns);
+``predicted load`` is the prefill work the picker believed queued ahead of the request
+there (ns). Samples whose remainder is not positive are dropped (the queue was
+over-predicted). Non-streamed responses give no sample: their first body chunk is the
+whole answer. The lean Envoy mode sends no response message, so it learns nothing.
+
+Samples go to one window per endpoint (``learn_per: endpoint``) or one shared window
+(``all``), ``refit.window_samples`` newest kept, in numpy rings (no per-sample Python
+object). At most every ``refit.period_s`` per window, with ``refit.min_samples`` at least,
+the window is refitted with the daemon's one fitter (:func:`fulcrum.core.cost.fit`, the
+same as the prefill refit and ``fulcrum fit-cost``) and the new model is adopted when its
+p90 relative error on the window beats the model in force by ``refit.adopt_margin``
+(:func:`fulcrum.core.cost.should_adopt`). Every endpoint starts from the configured model
+(``gateway.cache.cost_model``). Event loop only.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import structlog
+
+from fulcrum.config.prefill import RefitSettings
+from fulcrum.core.cost import CostModel, evaluate, fit, should_adopt
+from fulcrum.gateway import pick_metrics as pm
+
+log = structlog.get_logger(__name__)
+
+_NS: Final = 1_000_000_000
+
+
+class _Window:
+    """The newest ``size`` samples (q, c, ns) of one key, a ring of shape ``(size, 3)``."""
+
+    __slots__ = ("data", "n", "next", "refit_ns")
+
+    def __init__(self, size: int) -> None:
+        self.data = np.zeros((size, 3), dtype=np.float64)
+        self.n = 0
+        self.next = 0
+        self.refit_ns: int | None = None  # last refit attempt (ns)
+
+    def add(self, q: float, c: float, ns: float) -> None:
+        self.data[self.next] = (q, c, ns)
+        self.next = (self.next + 1) % self.data.shape[0]
+        self.n = min(self.n + 1, self.data.shape[0])
+
+
+class CostLearner:
+    """Per-key windows and models; :meth:`observe` returns a new model to adopt, or None.
+
+    Keys are the picker's index slots (``learn_per: endpoint``) or 0 (``all``)."""
+
+    def __init__(self, settings: RefitSettings, base: CostModel, per_endpoint: bool) -> None:
+        self.settings = settings
+        self.base = base
+        self.per_endpoint = per_endpoint
+        self._windows: dict[int, _Window] = {}
+        self.models: dict[int, CostModel] = {}
+
+    def key(self, slot: int) -> int:
+        return slot if self.per_endpoint else 0
+
+    def model(self, slot: int) -> CostModel:
+        """The model in force for an index slot (the configured one until a refit)."""
+        return self.models.get(self.key(slot), self.base)
+
+    def forget(self, slot: int) -> None:
+        """An endpoint left: its window and model go (per-endpoint learning only)."""
+        if self.per_endpoint:
+            self._windows.pop(slot, None)
+            self.models.pop(slot, None)
+
+    def observe(
+        self, slot: int, q: int, c: int, ttft_ns: float, load_ns: float, now_ns: int
+    ) -> CostModel | None:
+        """One observed first token: ``q`` tokens computed after ``c`` cached (tokens),
+        ``ttft_ns`` from pick to first chunk, ``load_ns`` the predicted queue then (ns).
+        Returns the model to adopt for the slot's key when a due refit wins."""
+        pm.OBSERVED_TTFT.observe(max(ttft_ns, 0.0) / _NS)
+        ns = ttft_ns - load_ns
+        if q <= 0 or ns <= 0:
+            pm.TTFT_SAMPLES.labels("dropped").inc()
+            return None
+        pm.TTFT_SAMPLES.labels("kept").inc()
+        s = self.settings
+        key = self.key(slot)
+        win = self._windows.get(key)
+        if win is None:
+            win = self._windows[key] = _Window(s.window_samples)
+        win.add(float(q), float(c), float(ns))
+        if not s.enabled or win.n < s.min_samples:
+            return None
+        if win.refit_ns is not None and now_ns - win.refit_ns < s.period_s * _NS:
+            return None
+        win.refit_ns = now_ns
+        return self._refit(key, win)
+
+    def _refit(self, key: int, win: _Window) -> CostModel | None:
+        d = win.data[: win.n]
+        q, c, ns = d[:, 0], d[:, 1], d[:, 2]
+        old_model = self.models.get(key, self.base)
+        try:
+            new = fit(q, c, ns)
+            old = evaluate(old_model, q, c, ns)
+        except ValueError as err:
+            log.warning("gateway_cost_refit_failed", error=str(err))
+            pm.COST_REFITS.labels("skipped").inc()
+            return None
+        if not should_adopt(old, new.quality, self.settings.adopt_margin):
+            pm.COST_REFITS.labels("kept").inc()
+            return None
+        self.models[key] = new.model
+        pm.COST_REFITS.labels("adopted").inc()
+        log.info(
+            "gateway_cost_model_adopted",
+            key=key if self.per_endpoint else "all",
+            a=new.model.a, b=new.model.b, k=new.model.k,
+            old_p90=round(old.rel_err_p90, 4), new_p90=round(new.quality.rel_err_p90, 4),
+            samples=new.quality.n,
+        )
+        return new.model

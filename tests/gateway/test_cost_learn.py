@@ -1,0 +1,127 @@
+"""Online cost learning of the cache-aware picks (gateway.cache.refit): from the TTFT the
+gateway observes per request to a per-endpoint model, and the first-token hook through a
+REAL Envoy."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+from fulcrum.config.cache import CacheSettings
+from fulcrum.config.prefill import RefitSettings
+from fulcrum.core.cost import CostModel
+from fulcrum.gateway import pick_metrics as pm
+from fulcrum.gateway.body import RequestShape
+from fulcrum.gateway.cache_pick import CachePicker
+from tests.gateway.helpers import gateway_stack
+from tests.polling import until
+
+pytestmark = pytest.mark.timeout(120)
+
+BASE = CostModel(a=2.0, b=56_000.0, k=5_000_000.0)
+
+
+class _Candidates:
+    """Stand-in for the decode adapter's filter: every endpoint a candidate, equal load."""
+
+    def __init__(self, n: int) -> None:
+        self.slots = np.arange(n, dtype=np.int64)
+        self.addrs = [f"10.0.0.{i}:8000" for i in range(n)]
+        self.keys = np.zeros(n, dtype=np.int64)
+        self.scrape_listeners: list[object] = []
+
+    def candidates(self, _kv: int, _subset: object) -> tuple[object, list[str], object]:
+        return self.slots, self.addrs, self.keys
+
+
+def _picker(per: str) -> tuple[CachePicker, _Candidates]:
+    fake = _Candidates(2)
+    s = CacheSettings(
+        enabled=True, learn_per=per,
+        refit=RefitSettings(window_samples=64, min_samples=16, period_s=0.001),
+    )
+    return CachePicker(s, 4.0, fake), fake  # type: ignore[arg-type]
+
+
+def _serve(cp: CachePicker, fake: _Candidates, true: dict[int, CostModel], n: int) -> None:
+    """``n`` streamed requests, one at a time, each answered after its true cost."""
+    rng = random.Random(7)
+    now = 0
+    for i in range(n):
+        tokens = rng.randrange(100, 3000)
+        shape = RequestShape(tokens, 8, True, text=f"{i} " * 40, stream=True)
+        choice = cp.choose(fake, shape, None, now)  # type: ignore[arg-type]
+        assert choice is not None
+        cp.placed(f"r{i}", choice, tokens, now, stream=True)
+        q = tokens - choice.hit_tokens
+        now += true[choice.index_slot].cost_ns(q, choice.hit_tokens)
+        cp.first_token(f"r{i}", now)
+        cp.released(f"r{i}", "response_end", now)
+        now += 1_000_000
+
+
+def test_a_slower_endpoint_gets_its_own_model_and_loses_picks() -> None:
+    cp, fake = _picker("endpoint")
+    slow = CostModel(a=BASE.a * 3, b=BASE.b * 3, k=BASE.k * 3)
+    before = pm.COST_REFITS.labels("adopted")._value.get()
+    _serve(cp, fake, {0: slow, 1: BASE}, 80)
+    assert pm.COST_REFITS.labels("adopted")._value.get() > before
+    learnt = cp.learner.model(0)
+    for q in (200, 1000, 2500):
+        assert learnt.cost(q, 0) == pytest.approx(slow.cost(q, 0), rel=0.02)
+    assert cp.learner.model(1) == BASE  # its samples fit the configured model: kept
+    # Both idle, no hit anywhere: the fresh prompt now goes to the faster endpoint.
+    for i in range(4):
+        shape = RequestShape(2000, 8, True, text=f"fresh {i} " * 40)
+        choice = cp.choose(fake, shape, None, 10**15)  # type: ignore[arg-type]
+        assert choice is not None and choice.index_slot == 1
+
+
+def test_one_model_for_all_endpoints_and_bad_samples_are_dropped() -> None:
+    cp, fake = _picker("all")
+    fast = CostModel(a=1.0, b=20_000.0, k=1_000_000.0)
+    _serve(cp, fake, {0: fast, 1: fast}, 40)
+    assert cp.learner.model(0) == cp.learner.model(1) != BASE
+    assert cp.learner.model(1).cost(1000, 0) == pytest.approx(fast.cost(1000, 0), rel=0.02)
+    dropped = pm.TTFT_SAMPLES.labels("dropped")._value.get()
+    # An observed TTFT below the predicted queue ahead gives no sample.
+    assert cp.learner.observe(0, 100, 0, 1_000.0, 5_000.0, 0) is None
+    assert pm.TTFT_SAMPLES.labels("dropped")._value.get() == dropped + 1
+
+
+async def test_first_streamed_chunk_through_envoy_is_one_ttft_sample() -> None:
+    cache = {"cache": {"enabled": True, "block_tokens": 8}}
+    async with gateway_stack(gateway=cache) as st_:
+        picker = st_.gateway.picker
+        assert picker.cache is not None
+        cache_picker = picker.cache
+        kept0 = pm.TTFT_SAMPLES.labels("kept")._value.get()
+        drop0 = pm.TTFT_SAMPLES.labels("dropped")._value.get()
+        seen0 = pm.OBSERVED_TTFT._sum.get(), sum(b.get() for b in pm.OBSERVED_TTFT._buckets)
+        body = {"model": "m", "stream": True, "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hello there " * 30}]}
+        for i in range(3):
+            name = f"ttft-{i}"
+            task = st_.post("/v1/chat/completions", body, {"x-test-hold": name})
+            fut = asyncio.ensure_future(task)
+            await until(lambda n=name: any(n in u.held_now for u in st_.ups), "held")
+            rid = st_.picks[-1][0]
+            # The first chunk passed the ext_proc stream while the response is still open.
+            await until(lambda r=rid: r not in cache_picker._first, "first chunk")
+            for u in st_.ups:
+                u.release_hold(name)
+            r = await fut
+            assert r.status == 200
+            await st_.wait_released(rid)
+        kept = pm.TTFT_SAMPLES.labels("kept")._value.get() - kept0
+        dropped = pm.TTFT_SAMPLES.labels("dropped")._value.get() - drop0
+        assert kept + dropped == 3
+        assert sum(b.get() for b in pm.OBSERVED_TTFT._buckets) - seen0[1] == 3
+        # A non-streamed request gives no sample.
+        r = await st_.post("/v1/chat/completions", {**body, "stream": False})
+        assert r.status == 200
+        assert pm.TTFT_SAMPLES.labels("kept")._value.get() - kept0 == kept
+        assert not cache_picker._first
