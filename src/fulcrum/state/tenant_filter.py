@@ -74,7 +74,7 @@ class TenantFilter(Generic[R]):
         rc = request.cls
         table = self.table
         spec = table.spec(rc.tenant)
-        out = refusal(table.policy, rc, self.counts, self._caps(spec), self._amount(request),
+        out = refusal(table, rc, self.counts, self._caps(spec), self._amount(request),
                       self._fill, self._reserve())
         if out is None:
             return None
