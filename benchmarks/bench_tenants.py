@@ -25,7 +25,7 @@ fleet compute). Three aims:
    each (both saturating): their shares of the compute the two received.
 
 ``compute share`` = the tenant's useful prefill ns / all prefill GPU-ns of the run
-(GPUs x span; idle time counts). Run alone: ``FULCRUM_TRACES=/work/shared/traces
+(GPUs x span; idle time counts). Run alone: ``FULCRUM_TRACES=<traces dir>
 .venv/bin/python benchmarks/bench_tenants.py [--quick]`` (about two minutes on one core).
 """
 
@@ -218,7 +218,7 @@ def run(quick: bool) -> str:
     dur = 40.0 if quick else 120.0
     cluster = Cluster()
     out = ["### Tenants and priorities", "",
-           "Issue 23. Command: `FULCRUM_TRACES=/work/shared/traces python benchmarks/run.py --only tenants`; "
+           "Issue 23. Command: `FULCRUM_TRACES=<traces dir> .venv/bin/python benchmarks/bench_tenants.py` (prints this section; also part of `make bench`); "
            f"simulator, default cluster ({cluster.prefill.engines} prefill engines x "
            f"{cluster.prefill.ranks_per_engine} ranks), {dur:.0f} s of arrivals per run, no drain, "
            "every order rule on the same requests in the same run. Default order: `wfq_ns` "
