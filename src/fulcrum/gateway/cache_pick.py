@@ -41,6 +41,7 @@ from fulcrum.gateway import pick_metrics as pm
 from fulcrum.gateway.adapter import DecodeAdapter
 from fulcrum.gateway.body import RequestShape
 from fulcrum.gateway.cost_learn import CostLearner
+from fulcrum.gateway.kv_events import KvEventSink
 from fulcrum.gateway.prefix_index import PrefixIndex, text_blocks
 
 log = structlog.get_logger(__name__)
@@ -89,6 +90,8 @@ class CachePicker:
         self._first: dict[str, tuple[int, int, int, int, float]] = {}
         self._kv_tokens: dict[str, int] = {}  # scraped KV capacity per address (tokens)
         self.default_kv_tokens = 0
+        #: The KV event receiver, once :meth:`kv_sink` made it (gateway.cache.kv_events).
+        self.kv: KvEventSink | None = None
         base = CostModel(settings.cost_model.a, settings.cost_model.b, settings.cost_model.k)
         self._base = base
         self._coef = np.zeros((0, 3), dtype=np.float64)  # (a, b, k) per index slot
@@ -130,6 +133,11 @@ class CachePicker:
         if kv_capacity_tokens > 0 and self._kv_tokens.get(address) != kv_capacity_tokens:
             self._kv_tokens[address] = kv_capacity_tokens
             self.index.set_capacity(slot, self._capacity(address))
+
+    def kv_sink(self) -> KvEventSink:
+        """The receiver of vLLM's KV events for this picker's index."""
+        self.kv = KvEventSink(self._slots.get, self.index.evict_oldest, self.index.clear)
+        return self.kv
 
     # -- decisions ---------------------------------------------------------------------------
 
