@@ -188,15 +188,9 @@ class PrefixIndex:
 
     def remove(self, slot: int) -> None:
         """Forget an engine slot and its blocks (the slot may be reused by :meth:`add`)."""
-        lru = self._lru[slot]
-        if lru is None:
-            return
-        bit = 1 << slot
-        for h in lru.pos:
-            self._clear(h, bit)
-        self._size -= len(lru.pos)
-        self._lru[slot] = None
-        self._free.append(slot)
+        if self._forget(slot):
+            self._lru[slot] = None
+            self._free.append(slot)
 
     def capacity(self, slot: int) -> int:
         lru = self._lru[slot]
@@ -316,13 +310,8 @@ class PrefixIndex:
     def clear(self, slot: int) -> None:
         """Exact mode: the engine's cache was reset: forget its blocks, keep its slot."""
         lru = self._lru[slot]
-        if lru is None:
-            return
-        bit = 1 << slot
-        for h in lru.pos:
-            self._clear(h, bit)
-        self._size -= len(lru.pos)
-        self._lru[slot] = _Lru(lru.cap)
+        if self._forget(slot) and lru is not None:
+            self._lru[slot] = _Lru(lru.cap)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -339,6 +328,17 @@ class PrefixIndex:
             where[h] = left
         else:
             where.pop(h, None)
+
+    def _forget(self, slot: int) -> bool:
+        """Take an engine's blocks out of the inverted map (False: no such slot)."""
+        lru = self._lru[slot]
+        if lru is None:
+            return False
+        bit = 1 << slot
+        for h in lru.pos:
+            self._clear(h, bit)
+        self._size -= len(lru.pos)
+        return True
 
     def _drop(self, slot: int, lru: _Lru, victims: IntArray) -> None:
         """Evict these entry slots of one engine."""
