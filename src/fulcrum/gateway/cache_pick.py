@@ -96,6 +96,7 @@ class CachePicker:
         self._base = base
         self._coef = np.zeros((0, 3), dtype=np.float64)  # (a, b, k) per index slot
         self.learner = CostLearner(settings.refit, base, settings.learn_per == "endpoint")
+        self._adapter = adapter
         adapter.scrape_listeners.append(self.scraped)
 
     # -- endpoints ---------------------------------------------------------------------------
@@ -136,7 +137,13 @@ class CachePicker:
 
     def kv_sink(self) -> KvEventSink:
         """The receiver of vLLM's KV events for this picker's index."""
-        self.kv = KvEventSink(self._slots.get, self.index.evict_oldest, self.index.clear)
+        def slot_of(address: str) -> int | None:
+            got = self._slots.get(address)
+            if got is None and self._adapter.has_address(address):
+                got = self._slot(address)  # an endpoint not picked nor scraped yet
+            return got
+
+        self.kv = KvEventSink(slot_of, self.index.evict_oldest, self.index.clear)
         return self.kv
 
     # -- decisions ---------------------------------------------------------------------------
