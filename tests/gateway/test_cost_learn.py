@@ -69,10 +69,10 @@ def test_a_slower_endpoint_gets_its_own_model_and_loses_picks() -> None:
     before = pm.COST_REFITS.labels("adopted")._value.get()
     _serve(cp, fake, {0: slow, 1: BASE}, 80)
     assert pm.COST_REFITS.labels("adopted")._value.get() > before
-    learnt = cp.learner.model(0)
+    learnt = cp.learner.model(fake.addrs[0])
     for q in (200, 1000, 2500):
         assert learnt.cost(q, 0) == pytest.approx(slow.cost(q, 0), rel=0.02)
-    assert cp.learner.model(1) == BASE  # its samples fit the configured model: kept
+    assert cp.learner.model(fake.addrs[1]) == BASE  # its samples fit the configured model: kept
     # Both idle, no hit anywhere: the fresh prompt now goes to the faster endpoint.
     for i in range(4):
         shape = RequestShape(2000, 8, True, text=f"fresh {i} " * 40)
@@ -80,15 +80,27 @@ def test_a_slower_endpoint_gets_its_own_model_and_loses_picks() -> None:
         assert choice is not None and choice.index_slot == 1
 
 
+def test_per_engine_the_dp_ranks_of_a_pool_entry_share_one_model() -> None:
+    cp, fake = _picker("engine")
+    cp.engine_of = {fake.addrs[0]: "e0", fake.addrs[1]: "e0"}
+    slow = CostModel(a=BASE.a * 2, b=BASE.b * 2, k=BASE.k * 2)
+    _serve(cp, fake, {0: slow, 1: slow}, 40)
+    assert cp.learn_key(0) == cp.learn_key(1) == "e0"
+    assert cp.learner.model("e0").cost(1500, 0) == pytest.approx(slow.cost(1500, 0), rel=0.02)
+    assert (cp._coef[0] == cp._coef[1]).all()
+
+
 def test_one_model_for_all_endpoints_and_bad_samples_are_dropped() -> None:
     cp, fake = _picker("all")
     fast = CostModel(a=1.0, b=20_000.0, k=1_000_000.0)
     _serve(cp, fake, {0: fast, 1: fast}, 40)
-    assert cp.learner.model(0) == cp.learner.model(1) != BASE
-    assert cp.learner.model(1).cost(1000, 0) == pytest.approx(fast.cost(1000, 0), rel=0.02)
+    assert cp.learn_key(0) == cp.learn_key(1) == ""
+    assert cp.learner.model("") != BASE
+    assert cp.learner.model("").cost(1000, 0) == pytest.approx(fast.cost(1000, 0), rel=0.02)
+    assert (cp._coef[0] == cp._coef[1]).all()
     dropped = pm.TTFT_SAMPLES.labels("dropped")._value.get()
     # An observed TTFT below the predicted queue ahead gives no sample.
-    assert cp.learner.observe(0, 100, 0, 1_000.0, 5_000.0, 0) is None
+    assert cp.learner.observe("", 100, 0, 1_000.0, 5_000.0, 0) is None
     assert pm.TTFT_SAMPLES.labels("dropped")._value.get() == dropped + 1
 
 

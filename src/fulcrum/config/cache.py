@@ -77,9 +77,10 @@ class CacheSettings(Section):
         "(pick to first response body chunk of streamed responses, minus the predicted "
         "queue); needs the default Envoy mode (the lean mode sends no response message)",
     )
-    learn_per: Literal["endpoint", "all"] = Field(
+    learn_per: Literal["endpoint", "engine", "all"] = Field(
         "endpoint",
-        description="refit one cost model per endpoint (address) or one for all endpoints",
+        description="refit one cost model per endpoint (ip:port), per engine (a pool entry: "
+        "its DP ranks together, one engine class) or one for all endpoints",
         json_schema_extra=RESTART_ONLY,
     )
     kv_events: KvEventsSettings = Field(

@@ -95,7 +95,10 @@ class CachePicker:
         base = CostModel(settings.cost_model.a, settings.cost_model.b, settings.cost_model.k)
         self._base = base
         self._coef = np.zeros((0, 3), dtype=np.float64)  # (a, b, k) per index slot
-        self.learner = CostLearner(settings.refit, base, settings.learn_per == "endpoint")
+        self.learner = CostLearner(settings.refit, base)
+        self._addr_of: list[str] = []  # index slot -> address
+        #: address -> engine id (the pool entry), for ``learn_per: engine``.
+        self.engine_of: dict[str, str] = {}
         self._adapter = adapter
         adapter.scrape_listeners.append(self.scraped)
 
@@ -125,7 +128,20 @@ class CachePicker:
             self._picks = np.concatenate([self._picks, np.zeros(grow, dtype=np.int64)])
             b = self._base
             self._coef = np.concatenate([self._coef, np.tile([b.a, b.b, b.k], (grow, 1))])
+        while len(self._addr_of) <= slot:
+            self._addr_of.append("")
+        self._addr_of[slot] = address
+        m = self.learner.model(self.learn_key(slot))
+        self._coef[slot] = (m.a, m.b, m.k)
         return slot
+
+    def learn_key(self, slot: int) -> str:
+        """The online refit's key of an index slot (``gateway.cache.learn_per``)."""
+        per = self.settings.learn_per
+        if per == "all":
+            return ""
+        addr = self._addr_of[slot]
+        return self.engine_of.get(addr, addr) if per == "engine" else addr
 
     def scraped(self, address: str, waiting: int, kv_capacity_tokens: int) -> None:
         """The scraper's figures of one endpoint: requests waiting, KV cache (tokens)."""
@@ -261,11 +277,10 @@ class CachePicker:
         if got is None:
             return
         i, q, c, t0, load = got
-        model = self.learner.observe(i, q, c, float(now_ns - t0), load, now_ns)
+        key = self.learn_key(i)
+        model = self.learner.observe(key, q, c, float(now_ns - t0), load, now_ns)
         if model is None:
             return
-        row = [model.a, model.b, model.k]
-        if self.learner.per_endpoint:
-            self._coef[i] = row
-        else:
-            self._coef[:] = row
+        for j in range(len(self._addr_of)):
+            if self.learn_key(j) == key:
+                self._coef[j] = (model.a, model.b, model.k)

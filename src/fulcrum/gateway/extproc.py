@@ -193,6 +193,9 @@ class Picker:
             cache.default_kv_tokens = max(
                 (e.max_kv_tokens for e in settings.pool.decode), default=0
             )
+            cache.engine_of = {
+                f"{e.host}:{p}": e.id for e in settings.pool.decode for p in e.ports
+            }
             self.cache = cache
             self.release_hooks.append(lambda rid, why: cache.released(rid, why, clock()))
 
