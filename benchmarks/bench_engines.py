@@ -1,7 +1,7 @@
 """Real engines: routers in front of the same real vLLM servers (CPU build, tiny MoE).
 
 Routers: **Fulcrum** (Envoy + Fulcrum's picker with ``gateway.cache`` on, scraping the
-engines; the daemon runs in this process), **smg cache_aware** and **smg round_robin**
+engines; ``fulcrum serve`` in its own process), **smg cache_aware** and **smg round_robin**
 (PyPI ``smg``, its own venv ``.venv-peers``), **Envoy round robin** (the example bootstrap
 without the ext_proc filter). All on loopback, one after the other on the same engines.
 
@@ -15,9 +15,11 @@ Fresh text every run: every text starts with a nonce of (router, workload, time)
 cache left warm by a previous router gives nothing. Figures: the engines' own hit ratio
 (deltas of ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``), TTFT p50
 and p99 (time to the first streamed chunk, client side), wall time, requests per engine
-(deltas of ``vllm:request_success_total``).
+(deltas of ``vllm:request_success_total``), and the router's CPU per request (Envoy and
+picker processes, ``/proc/<pid>/stat`` deltas over the workload).
 
-Run: ``nice .venv/bin/python benchmarks/bench_engines.py [--ports P1,P2] [--quick]``
+Run: ``nice .venv/bin/python benchmarks/bench_engines.py [--ports P1,P2] [--quick]
+[--routers Fulcrum,Envoy] [--workloads no-reuse]``
 (needs ``tests/engines/install_vllm.sh`` and ``.venv-peers/bin/pip install smg``).
 """
 
