@@ -137,3 +137,38 @@ async def test_first_streamed_chunk_through_envoy_is_one_ttft_sample() -> None:
         assert r.status == 200
         assert pm.TTFT_SAMPLES.labels("kept")._value.get() - kept0 == kept
         assert not cache_picker._first
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[dict[str, object]] = []
+
+    def info(self, event: str, **kw: object) -> None:
+        self.lines.append({"event": event, **kw})
+
+
+def test_the_decision_is_exposed_and_its_log_line_switches_on_by_reload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Per pick: chosen and best-other predicted TTFT and hit tokens in metrics; the score
+    line (every candidate's [predicted TTFT ns, hit tokens]) only once emit_scores is on."""
+    import fulcrum.gateway.cache_pick as cache_pick
+
+    rec = _Log()
+    monkeypatch.setattr(cache_pick, "log", rec)
+    cp, fake = _picker("endpoint")
+    shape = RequestShape(1000, 8, True, text="exposed " * 100)
+    other0 = pm.OTHER_TTFT._sum.get()
+    choice = cp.choose(fake, shape, None, 0)  # type: ignore[arg-type]
+    assert choice is not None and not rec.lines
+    cp.placed("x0", choice, 1000, 0)
+    assert pm.OTHER_TTFT._sum.get() > other0 and choice.other_ns >= choice.chosen_ns
+    cp.released("x0", "response_end", 0)
+    cp.apply_settings(cp.settings.model_copy(update={"emit_scores": True}))
+    choice = cp.choose(fake, shape, None, 1)  # type: ignore[arg-type]
+    assert choice is not None
+    (line,) = rec.lines
+    assert line["event"] == "gateway_endpoint_scores" and line["chosen"] == choice.address
+    scores = line["scores"]
+    assert isinstance(scores, dict) and set(scores) == set(fake.addrs)
+    assert scores[choice.address][1] == choice.hit_tokens > 0  # its blocks held

@@ -151,6 +151,14 @@ class CachePicker:
             self._kv_tokens[address] = kv_capacity_tokens
             self.index.set_capacity(slot, self._capacity(address))
 
+    def apply_settings(self, settings: CacheSettings) -> None:
+        """Reload: ``emit_scores``, ``refit.*``, ``max_index_blocks`` / ``index_blocks``
+        (the index of every known endpoint is resized); the rest is restart-only."""
+        self.settings = settings
+        self.learner.settings = settings.refit
+        for address, slot in self._slots.items():
+            self.index.set_capacity(slot, self._capacity(address))
+
     def kv_sink(self) -> KvEventSink:
         """The receiver of vLLM's KV events for this picker's index."""
         def slot_of(address: str) -> int | None:

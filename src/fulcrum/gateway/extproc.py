@@ -208,6 +208,8 @@ class Picker:
         """Reload: every key but the restart-only ones (enabled, host, ports, pool)."""
         self.settings = settings
         self._answers.clear()  # the metadata namespace may have changed
+        if self.cache is not None:
+            self.cache.apply_settings(settings.cache)
 
     def _count(self, outcome: str) -> None:
         if outcome == "picked" and self._policy == self.adapter.policy_name:
