@@ -59,9 +59,10 @@ class _Window:
 class CostLearner:
     """Per-key windows and models; :meth:`observe` returns a new model to adopt, or None.
     Keys (strings: an address, an engine id, or "" for all) are the caller's; at most
-    ``MAX_KEYS`` windows (later keys share the configured model, unlearnt)."""
+    ``MAX_KEYS`` windows of ``window_samples`` x 24 bytes each (later keys keep the
+    configured model, unlearnt)."""
 
-    MAX_KEYS = 65_536
+    MAX_KEYS = 1024
 
     def __init__(self, settings: RefitSettings, base: CostModel) -> None:
         self.settings = settings
