@@ -197,6 +197,9 @@ class Picker:
             cache.default_kv_tokens = max(
                 (e.max_kv_tokens for e in settings.pool.decode), default=0
             )
+            cache.engine_of = {
+                f"{e.host}:{p}": e.id for e in settings.pool.decode for p in e.ports
+            }
             self.cache = cache
             self.release_hooks.append(lambda rid, why: cache.released(rid, why, clock()))
 
@@ -209,6 +212,8 @@ class Picker:
         """Reload: every key but the restart-only ones (enabled, host, ports, pool)."""
         self.settings = settings
         self._answers.clear()  # the metadata namespace may have changed
+        if self.cache is not None:
+            self.cache.apply_settings(settings.cache)
 
     def _count(self, outcome: str) -> None:
         if outcome == "picked" and self._policy == self.adapter.policy_name:
