@@ -107,7 +107,7 @@ def test_versions_and_image_tag_agree() -> None:
     make = (ROOT / "Makefile").read_text()
     assert re.search(rf"^IMAGE\s*:=\s*{re.escape(tag)}$", make, re.M)
     assert "docker build -t $(IMAGE)" in make
-    k8s = ROOT / "deploy" / "kubernetes"
+    k8s = ROOT / "deploy" / "kubernetes" / "base"
     kust = yaml.safe_load((k8s / "kustomization.yaml").read_text())
     images = {i["name"]: f'{i.get("newName", i["name"])}:{i["newTag"]}' for i in kust["images"]}
     dep = yaml.safe_load((k8s / "deployment.yaml").read_text())

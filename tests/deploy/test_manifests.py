@@ -13,10 +13,18 @@ import yaml
 
 from fulcrum.config import parse_settings
 from fulcrum.tools import genproto
+from tests.deploy import kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
-K8S = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
-MANIFESTS = [p for p in K8S if p.name != "kustomization.yaml"]
+K8S_DIR = ROOT / "deploy" / "kubernetes"
+BASE = K8S_DIR / "base"
+HA = K8S_DIR / "ha"
+#: Whole manifests (the HA overlay's patches are partial objects: validated rendered).
+MANIFESTS = [
+    p
+    for p in [*sorted(K8S_DIR.glob("*.yaml")), *sorted(BASE.glob("*.yaml")), HA / "pdb.yaml"]
+    if p.name != "kustomization.yaml"
+]
 
 
 def test_generated_code_is_not_stale() -> None:
@@ -32,21 +40,21 @@ def test_manifest_validates_against_kubernetes_schema(path: Path) -> None:
 
 
 def test_invalid_manifest_is_refused() -> None:
-    doc = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
+    doc = yaml.safe_load((BASE / "deployment.yaml").read_text())
     doc["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "grpc"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
 
 
 def test_configmap_carries_a_valid_configuration() -> None:
-    cm = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "configmap.yaml").read_text())
+    cm = yaml.safe_load((BASE / "configmap.yaml").read_text())
     settings = parse_settings(yaml.safe_load(cm["data"]["fulcrum.yaml"]))
     assert settings.server.host == "0.0.0.0"
 
 
 def test_deployment_probes_and_grace_fit_the_daemon() -> None:
-    dep = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
-    cm = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "configmap.yaml").read_text())
+    dep = yaml.safe_load((BASE / "deployment.yaml").read_text())
+    cm = yaml.safe_load((BASE / "configmap.yaml").read_text())
     settings = parse_settings(yaml.safe_load(cm["data"]["fulcrum.yaml"]))
     pod = dep["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -73,35 +81,12 @@ def test_dockerfile_runs_as_non_root_with_health_check() -> None:
     assert text.count("FROM ") >= 2  # multi-stage
 
 
-def _kustomize() -> list[dict[str, object]]:
-    """What ``kubectl apply -k deploy/kubernetes`` applies, for the fields this
-    kustomization uses (resources, labels without selectors, images)."""
-    k = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "kustomization.yaml").read_text())
-    assert set(k) <= {"apiVersion", "kind", "labels", "resources", "images"}, set(k)
-    assert k["kind"] == "Kustomization"
-    images = {i["name"]: i for i in k.get("images", [])}
-    docs: list[dict[str, object]] = []
-    for res in k["resources"]:
-        for doc in yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / res).read_text()):
-            for lab in k.get("labels", []):
-                assert not lab.get("includeSelectors"), "selectors are immutable: keep them"
-                doc["metadata"].setdefault("labels", {}).update(lab["pairs"])
-            for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get(
-                "containers", []
-            ):
-                name = c["image"].split(":")[0]
-                if name in images:
-                    img = images[name]
-                    c["image"] = f'{img.get("newName", name)}:{img["newTag"]}'
-            docs.append(doc)
-    return docs
-
-
 def test_kustomization_lists_every_manifest_and_renders_valid_objects() -> None:
-    k = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "kustomization.yaml").read_text())
-    core = {p.name for p in MANIFESTS if p.name != "inferencepool.yaml"}  # needs its CRD
-    assert set(k["resources"]) == core
-    docs = _kustomize()
+    assert kustomize.kustomization(K8S_DIR)["resources"] == ["base"]
+    k = kustomize.kustomization(BASE)
+    assert set(k["resources"]) == {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    docs = kustomize.render(K8S_DIR)
     assert {d["kind"] for d in docs} == {"ConfigMap", "Deployment", "Service"}
+    assert kustomize.one(docs, "Deployment")["spec"]["replicas"] == 1
     for doc in docs:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)

@@ -1,10 +1,12 @@
 """Typed async clients for every Fulcrum service.
 
-``FulcrumClient`` opens one channel with a default deadline on every call (a client
-interceptor sets it when the caller gives none) and retries on UNAVAILABLE through gRPC's
-own retry policy (service config), then exposes one typed stub per service.
+``FulcrumClient`` opens a channel per target with a default deadline on every call (a
+client interceptor sets it when the caller gives none) and exposes one typed stub per
+service. With one target it retries on UNAVAILABLE through gRPC's own retry policy
+(service config), as before; with several (a pool under ``ha.backend: etcd``) it follows
+the standby's leader trailer or moves to the next target (:mod:`fulcrum.client.failover`).
 ``MemberSession`` registers a fleet member, heartbeats it and re-registers on its own when
-the daemon has forgotten it (after a restart or a lapse).
+the daemon has forgotten it (after a restart, a lapse or a failover).
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from fulcrum.client.failover import FailoverPolicy, FailoverStub, Targets
 from fulcrum.v1 import (
     decode_pb2_grpc,
     diagnostics_pb2_grpc,
@@ -59,56 +63,117 @@ class _DefaultDeadline(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[mi
 
 
 class FulcrumClient:
-    """One channel and a typed stub per service. Use as ``async with``."""
+    """A typed stub per service over one target or several. Use as ``async with``.
+
+    ``target`` is one ``host:port`` (or any gRPC target) or a sequence of them: the
+    daemons of one pool under ``ha.backend: etcd``. Calls go to the target believed to
+    lead; a standby's refusal (UNAVAILABLE with an ``x-fulcrum-leader`` trailer) sends
+    them to the leader it names, and a lost target to the next one, as
+    :mod:`fulcrum.client.failover` describes (which calls are repeated and which are not).
+    ``failover`` bounds the attempts of one call; ``timeout_s`` (seconds) is the default
+    deadline of a call, all its attempts included.
+    """
+
+    # One stub per service (FailoverStub, typed as the generated async stubs).
+    diagnostics: diagnostics_pb2_grpc.DiagnosticsServiceAsyncStub
+    fleet: fleet_pb2_grpc.FleetServiceAsyncStub
+    prefill: prefill_pb2_grpc.PrefillBalancerServiceAsyncStub
+    decode: decode_pb2_grpc.DecodeBalancerServiceAsyncStub
+    vision: vision_pb2_grpc.VisionBalancerServiceAsyncStub
+    expert: expert_pb2_grpc.ExpertBalancerServiceAsyncStub
+    health: Any
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout_s: float = 10.0,
         credentials: grpc.ChannelCredentials | None = None,
         metadata_token: str | None = None,
         options: list[tuple[str, Any]] | None = None,
+        failover: FailoverPolicy | None = None,
     ) -> None:
-        opts: list[tuple[str, Any]] = [
-            ("grpc.service_config", _RETRY_CONFIG),
-            ("grpc.enable_retries", 1),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            # Reconnect within ~2 s after a daemon restart (gRPC's default backs off to 2 min).
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-            *(options or []),
-        ]
+        targets = [target] if isinstance(target, str) else list(target)
+        if credentials is not None and metadata_token is not None:
+            call_creds = grpc.access_token_call_credentials(metadata_token)
+            credentials = grpc.composite_channel_credentials(credentials, call_creds)
+        opts = _channel_options(several=len(targets) > 1, extra=options or [])
         interceptors = [_DefaultDeadline(timeout_s)]
-        if credentials is not None:
-            if metadata_token is not None:
-                call_creds = grpc.access_token_call_credentials(metadata_token)
-                credentials = grpc.composite_channel_credentials(credentials, call_creds)
-            self.channel = grpc.aio.secure_channel(
-                target, credentials, options=opts, interceptors=interceptors
-            )
-        else:
-            self.channel = grpc.aio.insecure_channel(
-                target, options=opts, interceptors=interceptors
-            )
+
+        def open_channel(t: str) -> grpc.aio.Channel:
+            if credentials is not None:
+                return grpc.aio.secure_channel(
+                    t, credentials, options=opts, interceptors=interceptors
+                )
+            return grpc.aio.insecure_channel(t, options=opts, interceptors=interceptors)
+
+        self._targets = Targets(targets, open_channel)
+        self._targets.channel()  # open the first one now, as before
         self.timeout_s = timeout_s
-        self.diagnostics = diagnostics_pb2_grpc.DiagnosticsServiceStub(self.channel)
-        self.fleet = fleet_pb2_grpc.FleetServiceStub(self.channel)
-        self.prefill = prefill_pb2_grpc.PrefillBalancerServiceStub(self.channel)
-        self.decode = decode_pb2_grpc.DecodeBalancerServiceStub(self.channel)
-        self.vision = vision_pb2_grpc.VisionBalancerServiceStub(self.channel)
-        self.expert = expert_pb2_grpc.ExpertBalancerServiceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
+        policy = failover or FailoverPolicy()
+
+        def stub(cls: Callable[[Any], Any], package: str = "fulcrum.v1") -> Any:
+            name = f"{package}.{cls.__name__.removesuffix('Stub')}"  # e.g. fulcrum.v1.FleetService
+            service = descriptor_pool.Default().FindServiceByName(name)
+            return FailoverStub(cls, service, self._targets, policy, timeout_s)
+
+        for attr, cls in (
+            ("diagnostics", diagnostics_pb2_grpc.DiagnosticsServiceStub),
+            ("fleet", fleet_pb2_grpc.FleetServiceStub),
+            ("prefill", prefill_pb2_grpc.PrefillBalancerServiceStub),
+            ("decode", decode_pb2_grpc.DecodeBalancerServiceStub),
+            ("vision", vision_pb2_grpc.VisionBalancerServiceStub),
+            ("expert", expert_pb2_grpc.ExpertBalancerServiceStub),
+        ):
+            setattr(self, attr, stub(cls))
+        self.health = stub(health_pb2_grpc.HealthStub, "grpc.health.v1")
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel of the target believed to lead (for raw calls; they do not fail
+        over)."""
+        return self._targets.channel()
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The configured targets, then the leaders learned from trailers."""
+        return tuple(self._targets.targets)
+
+    @property
+    def leader(self) -> str:
+        """The target calls go to now."""
+        return self._targets.current
+
+    @property
+    def failovers(self) -> int:
+        """How many times calls moved to another target."""
+        return self._targets.switches
 
     async def close(self) -> None:
-        await self.channel.close()
+        await self._targets.close()
 
     async def __aenter__(self) -> FulcrumClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _channel_options(several: bool, extra: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Channel options. One target keeps gRPC's own retry on UNAVAILABLE (service
+    config); with several, :class:`FailoverStub` decides (a standby's refusal retried on
+    the same channel would only delay the move to the leader)."""
+    retry: list[tuple[str, Any]] = [] if several else [("grpc.service_config", _RETRY_CONFIG)]
+    return [
+        *retry,
+        ("grpc.enable_retries", 1),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        # Reconnect within ~2 s after a daemon restart (gRPC's default backs off to 2 min).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+        *extra,
+    ]
 
 
 async def check_health(
@@ -135,7 +200,12 @@ async def check_health(
 class MemberSession:
     """Keeps one fleet member registered: heartbeats at the advised interval, and
     re-registers (new incarnation) when the daemon answers NOT_FOUND or
-    FAILED_PRECONDITION. ``load_fn`` may fill the heartbeat's load.
+    FAILED_PRECONDITION. ``load_fn`` may fill the heartbeat's load. ``client`` is a
+    :class:`FulcrumClient` or the target(s) to make one from (closed by :meth:`stop`).
+
+    A failover (``ha.backend: etcd``) is handled as a restart: the client sends the
+    heartbeat to the new leader, which does not know the member and answers NOT_FOUND,
+    and the session registers there and resends its load.
 
     Re-registration is single-flight: heartbeats that find the member forgotten at the
     same time share one Register (a second one would replace the first incarnation and
@@ -147,11 +217,13 @@ class MemberSession:
 
     def __init__(
         self,
-        client: FulcrumClient,
+        client: FulcrumClient | str | Sequence[str],
         register_request: fleet_pb2.RegisterRequest,
         load_fn: Callable[[fleet_pb2.HeartbeatRequest], None] | None = None,
     ) -> None:
-        self._client = client
+        #: A client made here from targets is the session's own: :meth:`stop` closes it.
+        self._owns_client = not isinstance(client, FulcrumClient)
+        self._client = client if isinstance(client, FulcrumClient) else FulcrumClient(client)
         self._register = register_request
         self._load_fn = load_fn
         self.incarnation = 0
@@ -165,6 +237,11 @@ class MemberSession:
     @property
     def member_id(self) -> str:
         return self._register.member_id
+
+    @property
+    def client(self) -> FulcrumClient:
+        """The client the session calls through (given, or made from its targets)."""
+        return self._client
 
     async def register(self) -> int:
         """Register (or join the registration already under way); returns the incarnation.
@@ -252,3 +329,5 @@ class MemberSession:
                         member_id=self.member_id, incarnation=self.incarnation
                     )
                 )
+        if self._owns_client:
+            await self._client.close()

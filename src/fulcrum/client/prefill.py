@@ -76,6 +76,10 @@ async def submit_prefill(
     )
 
 
+#: The most held requests a registration may declare (the daemon's bound).
+MAX_HELD = 16_384
+
+
 @dataclass(frozen=True, slots=True)
 class PulledBatch:
     """A pulled and acknowledged batch: the tier it came from, its requests (FIFO; only
@@ -103,6 +107,19 @@ class PrefillEngine:
         self.planner = ChunkPlanner(dp_ranks)
         #: The tier, horizon and step budget of the last pull reply.
         self.last_assignment: fleet_pb2.PrefillAssignment | None = None
+        #: Accepted requests as pulled: id -> (DP rank, total tokens, cached tokens).
+        self.accepted: dict[str, tuple[int, int, int]] = {}
+
+    def held(self) -> list[fleet_pb2.HeldPrefillRequest]:
+        """The accepted requests still queued on a rank, as pulled: declared when the
+        engine registers again (a failover or a daemon restart), so that a retried Submit
+        of one gets this engine instead of running twice. Forgets the finished ones."""
+        queued = {t.request_id for r in range(self.planner.n_ranks)
+                  for t in self.planner.queue(r)}
+        self.accepted = {k: v for k, v in self.accepted.items() if k in queued}
+        return [fleet_pb2.HeldPrefillRequest(request_id=k, dp_rank=r, total_tokens=t,
+                                             cached_tokens=c)
+                for k, (r, t, c) in list(self.accepted.items())[:MAX_HELD]]
 
     async def refresh_model(self) -> CostModel:
         """Fetch the cost model in force and plan with it from now on."""
@@ -155,6 +172,8 @@ class PrefillEngine:
             self.planner.add(
                 r.dp_rank, PrefillTask(r.request_id, int(r.cached_tokens), int(r.total_tokens))
             )
+            self.accepted[r.request_id] = (
+                int(r.dp_rank), int(r.total_tokens), int(r.cached_tokens))
         if reply.cost_model_version != self.model_version:
             await self.refresh_model()
         return PulledBatch(
@@ -237,16 +256,18 @@ class PrefillEngineLoop:
 
     async def register(self) -> None:
         """Register (again): a new incarnation, the tier's horizon and step budget."""
+        old = self.engine
+        held = old.held() if old is not None else []
         reply = await self._client.fleet.Register(fleet_pb2.RegisterRequest(
             member_id=self.engine_id,
             prefill_engine=fleet_pb2.PrefillEngineShape(
-                dp_ranks=self.dp_ranks, step_quota_ns=self.step_quota_ns),
+                dp_ranks=self.dp_ranks, step_quota_ns=self.step_quota_ns, held=held),
         ))
-        old = self.engine
         self.engine = PrefillEngine(self._client, self.engine_id, int(reply.incarnation),
                                     self.dp_ranks)
-        if old is not None:  # what it had acknowledged is still its own to run
+        if old is not None:  # what it had acknowledged is still its own to run (declared)
             self.engine.planner = old.planner
+            self.engine.accepted = old.accepted
         self._adopt(reply.prefill)
         self.counts["registrations"] += 1
         self._on_event("registered" if old is None else "reregistered",

@@ -18,6 +18,7 @@ from fulcrum.config.base import Section
 from fulcrum.config.decode import DecodeSettings
 from fulcrum.config.eplb import EplbSettings
 from fulcrum.config.gateway import GatewaySettings
+from fulcrum.config.ha import HaSettings
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.config.security import SecuritySettings
 from fulcrum.config.server import FleetSettings, LoggingSettings, MetricsSettings, ServerSettings
@@ -49,6 +50,7 @@ class Settings(Section):
     eplb: EplbSettings = Field(default_factory=EplbSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     tenants: TenantsSettings = Field(default_factory=TenantsSettings)
+    ha: HaSettings = Field(default_factory=HaSettings)
     #: True when read from a file that names no setting (empty, only comments, ``{}``):
     #: fine to start with, refused as a reload (every key would revert to its default).
     _empty_document: bool = PrivateAttr(default=False)

@@ -197,9 +197,6 @@ class Picker:
             cache.default_kv_tokens = max(
                 (e.max_kv_tokens for e in settings.pool.decode), default=0
             )
-            cache.engine_of = {
-                f"{e.host}:{p}": e.id for e in settings.pool.decode for p in e.ports
-            }
             self.cache = cache
             self.release_hooks.append(lambda rid, why: cache.released(rid, why, clock()))
 
@@ -212,8 +209,6 @@ class Picker:
         """Reload: every key but the restart-only ones (enabled, host, ports, pool)."""
         self.settings = settings
         self._answers.clear()  # the metadata namespace may have changed
-        if self.cache is not None:
-            self.cache.apply_settings(settings.cache)
 
     def _count(self, outcome: str) -> None:
         if outcome == "picked" and self._policy == self.adapter.policy_name:
@@ -489,7 +484,8 @@ class _Stream:
 
     __slots__ = (
         "_chunks", "_deadline", "_duplex", "_first", "_pending", "_pending_headers",
-        "_picker", "_resp_duplex", "_settings", "cls", "path", "phase", "placement", "subset",
+        "_picker", "_resp_duplex", "_settings", "cls", "path", "phase", "placement",
+        "subset",
     )
 
     def __init__(self, picker: Picker, now: float) -> None:

@@ -28,6 +28,7 @@ from fulcrum.metrics import FLEET_EVENTS, FLEET_MEMBERS
 from fulcrum.service.app import App
 from fulcrum.service.paging import page_size_of, page_token_of
 from fulcrum.service.prefill import assignment_pb
+from fulcrum.state.prefill.adopt import Held, validate_held
 from fulcrum.units import NS_PER_MS
 from fulcrum.v1 import fleet_pb2 as pb
 from fulcrum.v1 import fleet_pb2_grpc as pb_grpc
@@ -165,8 +166,11 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
         # the gateway's serving addresses, validated before admission (shape_from_pb
         # has already bounded the GPU count)
         addresses = validate_addresses([g.serving_address for g in request.decode_instance.gpus])
+        held = self._held(request)  # validated before anything changes
         member, replaced = self._fleet.register(request.member_id, shape, self._app.clock())
         self._addresses.record(member, addresses)
+        if held:
+            self._app.components["prefill"].adopt(member.member_id, held)
         # No log line here: the member's balancer logs the join (and, for a new
         # incarnation, the old one's leave with what it lost), once.
         event = "rejoined" if replaced else "joined"
@@ -179,6 +183,18 @@ class FleetServicer(pb_grpc.FleetServiceServicer):
             heartbeat_timeout_ms=fs.heartbeat_timeout_ms,
             prefill=self._prefill_assignment(member),
         )
+
+    def _held(self, request: pb.RegisterRequest) -> list[Held]:
+        """The requests a registering prefill engine still holds (validated; empty for
+        other kinds or when this daemon runs no prefill balancer)."""
+        state = self._app.components.get("prefill")
+        if request.WhichOneof("shape") != "prefill_engine" or state is None:
+            return []
+        shape = request.prefill_engine
+        held = [Held(h.request_id, int(h.dp_rank), int(h.total_tokens), int(h.cached_tokens))
+                for h in shape.held]
+        validate_held(held, int(shape.dp_ranks))
+        return held
 
     def _prefill_assignment(self, member: Member) -> pb.PrefillAssignment | None:
         """A prefill engine's tier, horizon and step budget (issue 13); None otherwise."""

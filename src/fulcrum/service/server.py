@@ -13,11 +13,19 @@ settings, in registration order.
 Drain, in order: health turns NOT_SERVING for every service, new calls are refused with
 UNAVAILABLE (health checks still answer), streams are closed with UNAVAILABLE, calls in
 flight get up to ``server.grace_period_s`` to finish, then the server stops.
+
+Health names: every service and ``""``. With ``ha.backend`` other than ``none``
+(:mod:`fulcrum.ha.runtime`) also ``readiness`` and ``liveness``, and all but ``liveness``
+follow the leadership: a standby is NOT_SERVING there and SERVING on ``liveness``; a drain resigns
+the leadership first (a standby takes over at once), which closes the calls in flight
+with UNAVAILABLE at once instead of giving them ``grace_period_s``: past the resignation
+another daemon leads. Without HA nothing of it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import signal
 import threading
@@ -41,6 +49,7 @@ from fulcrum.metrics import (
     DRAINING,
     REGISTRY,
 )
+from fulcrum.metrics.ha import LEADER as HA_LEADER
 from fulcrum.service import (
     authz,
     decode,
@@ -75,7 +84,11 @@ class Daemon:
     metrics_port: int = 0
     _metrics_server: Any = None
     gateway: Any = None  # fulcrum.gateway.server.Gateway when gateway.enabled
+    ha: Any = None  # fulcrum.ha.runtime.Ha when ha.backend is not none
+    #: Exit status of ``fulcrum serve`` (1 after a lost leadership).
+    exit_code: int = 0
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    _drain_task: Any = None
 
     @property
     def address(self) -> str:
@@ -121,9 +134,16 @@ class Daemon:
 
     async def start(self) -> None:
         await self.server.start()
-        for name in self.services:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        if self.ha is None:
+            for name in [*self.services, ""]:
+                await self.health.set(name, serving)
+            HA_LEADER.set(1)  # alone: always the leader
+        else:  # standby until elected (fulcrum.ha.runtime)
+            for name in [*self.services, "", "readiness"]:
+                await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set("liveness", serving)
+            self.app.spawn(self.ha.elector.run(), "ha-elector")
         m = self.app.settings.metrics
         if m.enabled:
             from prometheus_client import start_http_server
@@ -149,6 +169,9 @@ class Daemon:
         grace = self.app.settings.server.grace_period_s
         log.info("daemon_draining", in_flight=self.app.in_flight, grace_period_s=grace)
         DRAINING.set(1)
+        if self.ha is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.ha.resign(), timeout=grace)
         await self.health.enter_graceful_shutdown()
         self.app.start_draining()
         loop = asyncio.get_running_loop()
@@ -175,6 +198,11 @@ class Daemon:
         self._stopped.set()
         log.info("daemon_stopped")
 
+    def stop_with(self, code: int) -> None:
+        """Drain and stop; ``fulcrum serve`` then exits with ``code``."""
+        self.exit_code = code
+        self._drain_task = asyncio.ensure_future(self.drain_and_stop())
+
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
@@ -196,12 +224,19 @@ def build(settings: Settings, app: App | None = None) -> Daemon:
     app.reload_hooks.append(lambda new: admission.apply_settings(new.server.admission))
     app.reload_hooks.append(_reload_logging(settings))
     interceptors = [*authz.interceptors(settings, app), ShellInterceptor(app, admission)]
+    ha = None
+    if settings.ha.enabled:
+        from fulcrum.ha.runtime import Ha
+
+        ha = Ha(settings)  # fulcrum.ha.tls.TlsError names the file and the reason
+        interceptors.insert(0, ha.interceptor())  # outermost: a standby refuses first
     server = grpc.aio.server(interceptors=interceptors, options=options)
     names: list[str] = []
     for module in SERVICE_MODULES:
         names.extend(module.register(server, app))
     looplag.start(app)  # fulcrum_event_loop_lag_seconds
     health = Health()
+    health.gate = None if ha is None else ha.gate
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection(
@@ -211,7 +246,13 @@ def build(settings: Settings, app: App | None = None) -> Daemon:
     from fulcrum.gateway import server as gateway_server
 
     gw = gateway_server.build(app)
-    return Daemon(app=app, server=server, health=health, services=names, port=port, gateway=gw)
+    daemon = Daemon(app=app, server=server, health=health, services=names, port=port,
+                    gateway=gw, ha=ha)
+    if ha is not None:
+        ha.bind(health, names, daemon.address, app.components.get("eplb"),
+                app.components.get("prefill"))
+        ha.stop = daemon.stop_with
+    return daemon
 
 
 def _reload_logging(settings: Settings) -> Callable[[Settings], None]:
@@ -229,7 +270,21 @@ def _reload_logging(settings: Settings) -> Callable[[Settings], None]:
 
 class Health(HealthServicer):  # type: ignore[misc]
     """grpc.health.v1.Health with ``List`` (grpcio-health-checking's asyncio servicer
-    leaves it unimplemented): every registered service and its status."""
+    leaves it unimplemented): every registered service and its status. With HA,
+    ``Check`` also reads the gate itself, so a daemon whose lease deadline passed answers
+    NOT_SERVING even before the timer that closes the gate has run (a thawed process)."""
+
+    gate: Any = None  # fulcrum.ha.gate.Gate with an HA backend
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        gate = self.gate
+        if (gate is not None and request.service != "liveness" and not gate.ok()
+                and request.service in self._server_status):
+            return health_pb2.HealthCheckResponse(
+                status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return await super().Check(request, context)
 
     async def List(
         self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
@@ -289,7 +344,15 @@ async def serve(settings: Settings, reload: Callable[[Daemon], None] | None = No
     # must not kill the process (issue 22). "daemon_started" still tells operators that
     # a SIGHUP reloads at once.
     early = EarlySignals()
-    daemon = build(settings)
+    try:
+        daemon = build(settings)
+    except ValueError as err:
+        from fulcrum.ha.tls import TlsError
+
+        if not isinstance(err, TlsError):
+            raise
+        log.error("ha_etcd_tls_invalid", problem=str(err))
+        return 2
     await daemon.start()
     early.hand_over(daemon, (lambda: reload(daemon)) if reload else None)
     # Everything allocated so far (modules, gRPC, prometheus_client, the servicers) lives
@@ -300,4 +363,4 @@ async def serve(settings: Settings, reload: Callable[[Daemon], None] | None = No
     admission = daemon.app.components["admission"]
     daemon.app.spawn(admission.watch_loop(), "loop-lateness")
     await daemon.wait_stopped()
-    return 0
+    return daemon.exit_code

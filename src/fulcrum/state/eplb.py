@@ -31,6 +31,11 @@ in force, and the rebalance period counter.
   are moved aside as ``.excess``). A restarted daemon serves the same versions. A
   single-file snapshot of the previous format at ``snapshot_path`` is converted at start
   (kept as ``.v1``; its windows restart empty).
+- Durable maps (``ha.backend: etcd``): ``durable`` (a :class:`Durable`, set by
+  ``fulcrum.ha``) gets every change of a map in force before the snapshot file and before
+  it applies, under the same lock; its write is guarded by the leadership, so a deposed
+  leader's write fails and nothing changes. A new leader :meth:`EplbState.adopt` s the
+  groups it reads back (same versions, same maps; windows restart empty).
 
 Every mutating call validates all its inputs first and raises a ``fulcrum.errors`` error
 before changing anything.
@@ -43,6 +48,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -477,6 +483,16 @@ def _first_version(placement: PlacementMap) -> MapVersion:
     )
 
 
+class Durable(Protocol):
+    """Where maps in force are written before they apply (``fulcrum.ha.maps``)."""
+
+    async def save(self, rec: store.MapRecord) -> None:
+        """Write a group's map in force (raises a ``fulcrum.errors`` error if not)."""
+
+    async def remove(self, group_id: str) -> None:
+        """Forget a group."""
+
+
 class EplbState:
     """All EP groups of the daemon (event loop only; file I/O in worker threads)."""
 
@@ -485,6 +501,8 @@ class EplbState:
         self.max_message_bytes = max_message_bytes
         self.groups: dict[str, Group] = {}
         self._store = store.Writer(lambda: self.directory)
+        #: Durable store of the maps in force (None without an HA backend).
+        self.durable: Durable | None = None
         if self.directory is not None:
             self._restore(self.directory)
 
@@ -566,6 +584,8 @@ class EplbState:
             existing = self._existing(spec.group_id, layout)  # re-check after the wait
             if existing is not None:
                 return existing, False
+            if self.durable is not None:
+                await self.durable.save(_map_record(group, first))
             await self._store.write(store.write_map, _map_record(group, first))
         self.groups[spec.group_id] = group
         m.GROUPS.set(len(self.groups))
@@ -599,6 +619,8 @@ class EplbState:
         self.get(group_id)
         async with self._store.lock():
             group = self.get(group_id)  # re-check after the wait
+            if self.durable is not None:
+                await self.durable.remove(group_id)
             await self._store.write(store.remove_group, group_id)
         del self.groups[group_id]
         group.deleted = True
@@ -728,6 +750,8 @@ class EplbState:
             if self._same(job) is not group:  # changed while waiting for the writer
                 now = self.groups.get(job.group_id)
                 return CommitOutcome("stale", job.previous if now is None else now.current)
+            if self.durable is not None:
+                await self.durable.save(_map_record(group, new))
             await self._store.write(store.write_map, _map_record(group, new))
         group.history.append(new)
         self._restart_period(group, job)
@@ -810,6 +834,22 @@ class EplbState:
         raises for what the files hold."""
         s = self.settings
         found = store.restore(directory, max_groups=s.max_groups, window_buckets=s.window_buckets)
+        self._add_restored(found)
+
+    def adopt(self, found: list[store.RestoredGroup]) -> None:
+        """Replace every group by ``found`` (a new leader's durable maps): groups not in
+        it end (their watches close), each found group serves its version and map."""
+        for g in self.groups.values():
+            g.deleted = True
+            g.notify()
+            m.forget_group(g.group_id)
+        self.groups = {}
+        self._add_restored(found[: self.settings.max_groups])
+        log.info("eplb_groups_adopted", groups=len(self.groups),
+                 versions={g.group_id: g.current.version for g in self.groups.values()}
+                 if len(self.groups) <= 16 else None)
+
+    def _add_restored(self, found: list[store.RestoredGroup]) -> None:
         for rg in found:
             first = MapVersion(
                 version=rg.version,

@@ -24,55 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66ulcrum/v1/fleet.proto\x12\nfulcrum.v1\"y\n\x12PrefillEngineShape\x12\x10\n\x08\x64p_ranks\x18\x01 \x01(\r\x12\x15\n\rstep_quota_ns\x18\x02 \x01(\x04\x12\x1b\n\x13prefix_cache_blocks\x18\x03 \x01(\x04\x12\x1d\n\x15prefix_cache_survived\x18\x04 \x01(\x08\"\\\n\x11\x44\x65\x63odeGpuCapacity\x12\x17\n\x0fmax_concurrency\x18\x01 \x01(\r\x12\x15\n\rmax_kv_tokens\x18\x02 \x01(\x04\x12\x17\n\x0fserving_address\x18\x03 \x01(\t\"B\n\x13\x44\x65\x63odeInstanceShape\x12+\n\x04gpus\x18\x01 \x03(\x0b\x32\x1d.fulcrum.v1.DecodeGpuCapacity\"A\n\x12VisionMachineShape\x12\x0c\n\x04gpus\x18\x01 \x01(\r\x12\x1d\n\x15max_patches_in_flight\x18\x02 \x01(\x04\"\xdd\x01\n\x0fRegisterRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x38\n\x0eprefill_engine\x18\x02 \x01(\x0b\x32\x1e.fulcrum.v1.PrefillEngineShapeH\x00\x12:\n\x0f\x64\x65\x63ode_instance\x18\x03 \x01(\x0b\x32\x1f.fulcrum.v1.DecodeInstanceShapeH\x00\x12\x38\n\x0evision_machine\x18\x04 \x01(\x0b\x32\x1e.fulcrum.v1.VisionMachineShapeH\x00\x42\x07\n\x05shape\"\x94\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x1c\n\x14heartbeat_timeout_ms\x18\x03 \x01(\r\x12.\n\x07prefill\x18\x04 \x01(\x0b\x32\x1d.fulcrum.v1.PrefillAssignment\"d\n\x11PrefillAssignment\x12\x0c\n\x04tier\x18\x01 \x01(\x05\x12\x11\n\ttier_name\x18\x02 \x01(\t\x12\x17\n\x0ftier_horizon_ns\x18\x03 \x01(\x04\x12\x15\n\rstep_quota_ns\x18\x04 \x01(\x04\"7\n\rDecodeGpuLoad\x12\x13\n\x0b\x63oncurrency\x18\x01 \x01(\r\x12\x11\n\tkv_tokens\x18\x02 \x01(\x04\"=\n\x12\x44\x65\x63odeInstanceLoad\x12\'\n\x04gpus\x18\x01 \x03(\x0b\x32\x19.fulcrum.v1.DecodeGpuLoad\".\n\x11VisionMachineLoad\x12\x19\n\x11patches_in_flight\x18\x01 \x03(\x04\"\xb6\x01\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x39\n\x0f\x64\x65\x63ode_instance\x18\x03 \x01(\x0b\x32\x1e.fulcrum.v1.DecodeInstanceLoadH\x00\x12\x37\n\x0evision_machine\x18\x04 \x01(\x0b\x32\x1d.fulcrum.v1.VisionMachineLoadH\x00\x42\x06\n\x04load\"a\n\x11HeartbeatResponse\x12\x1c\n\x14heartbeat_timeout_ms\x18\x01 \x01(\r\x12.\n\x07prefill\x18\x02 \x01(\x0b\x32\x1d.fulcrum.v1.PrefillAssignment\";\n\x11\x44\x65registerRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\x14\n\x12\x44\x65registerResponse\"a\n\x12ListMembersRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.fulcrum.v1.MemberKind\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"\x81\x01\n\x11PrefillEngineInfo\x12\x0c\n\x04tier\x18\x01 \x01(\r\x12\x10\n\x08has_tier\x18\x02 \x01(\x08\x12\x12\n\ntier_label\x18\x03 \x01(\t\x12\x10\n\x08\x64p_ranks\x18\x04 \x01(\r\x12\x15\n\rstep_quota_ns\x18\x05 \x01(\x04\x12\x0f\n\x07load_ns\x18\x06 \x01(\x04\"t\n\x12\x44\x65\x63odeInstanceInfo\x12\x13\n\x0b\x63oncurrency\x18\x01 \x01(\x04\x12\x11\n\tkv_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13max_gpu_concurrency\x18\x03 \x01(\r\x12\x19\n\x11max_gpu_kv_tokens\x18\x04 \x01(\x04\">\n\x11VisionMachineInfo\x12\x19\n\x11patches_in_flight\x18\x01 \x03(\x04\x12\x0e\n\x06images\x18\x02 \x01(\r\"\xb5\x02\n\x06Member\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12$\n\x04kind\x18\x02 \x01(\x0e\x32\x16.fulcrum.v1.MemberKind\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x1a\n\x12since_heartbeat_ms\x18\x04 \x01(\x04\x12\x0c\n\x04gpus\x18\x05 \x01(\r\x12\x37\n\x0eprefill_engine\x18\x06 \x01(\x0b\x32\x1d.fulcrum.v1.PrefillEngineInfoH\x00\x12\x39\n\x0f\x64\x65\x63ode_instance\x18\x07 \x01(\x0b\x32\x1e.fulcrum.v1.DecodeInstanceInfoH\x00\x12\x37\n\x0evision_machine\x18\x08 \x01(\x0b\x32\x1d.fulcrum.v1.VisionMachineInfoH\x00\x42\x06\n\x04info\"S\n\x13ListMembersResponse\x12#\n\x07members\x18\x01 \x03(\x0b\x32\x12.fulcrum.v1.Member\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\x8a\x01\n\nMemberKind\x12\x1b\n\x17MEMBER_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aMEMBER_KIND_PREFILL_ENGINE\x10\x01\x12\x1f\n\x1bMEMBER_KIND_DECODE_INSTANCE\x10\x02\x12\x1e\n\x1aMEMBER_KIND_VISION_MACHINE\x10\x03\x32\xbc\x02\n\x0c\x46leetService\x12\x45\n\x08Register\x12\x1b.fulcrum.v1.RegisterRequest\x1a\x1c.fulcrum.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.fulcrum.v1.HeartbeatRequest\x1a\x1d.fulcrum.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.fulcrum.v1.DeregisterRequest\x1a\x1e.fulcrum.v1.DeregisterResponse\x12N\n\x0bListMembers\x12\x1e.fulcrum.v1.ListMembersRequest\x1a\x1f.fulcrum.v1.ListMembersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66ulcrum/v1/fleet.proto\x12\nfulcrum.v1\"\xa7\x01\n\x12PrefillEngineShape\x12\x10\n\x08\x64p_ranks\x18\x01 \x01(\r\x12\x15\n\rstep_quota_ns\x18\x02 \x01(\x04\x12\x1b\n\x13prefix_cache_blocks\x18\x03 \x01(\x04\x12\x1d\n\x15prefix_cache_survived\x18\x04 \x01(\x08\x12,\n\x04held\x18\x05 \x03(\x0b\x32\x1e.fulcrum.v1.HeldPrefillRequest\"f\n\x12HeldPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x04\x12\x15\n\rcached_tokens\x18\x04 \x01(\x04\"\\\n\x11\x44\x65\x63odeGpuCapacity\x12\x17\n\x0fmax_concurrency\x18\x01 \x01(\r\x12\x15\n\rmax_kv_tokens\x18\x02 \x01(\x04\x12\x17\n\x0fserving_address\x18\x03 \x01(\t\"B\n\x13\x44\x65\x63odeInstanceShape\x12+\n\x04gpus\x18\x01 \x03(\x0b\x32\x1d.fulcrum.v1.DecodeGpuCapacity\"A\n\x12VisionMachineShape\x12\x0c\n\x04gpus\x18\x01 \x01(\r\x12\x1d\n\x15max_patches_in_flight\x18\x02 \x01(\x04\"\xdd\x01\n\x0fRegisterRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x38\n\x0eprefill_engine\x18\x02 \x01(\x0b\x32\x1e.fulcrum.v1.PrefillEngineShapeH\x00\x12:\n\x0f\x64\x65\x63ode_instance\x18\x03 \x01(\x0b\x32\x1f.fulcrum.v1.DecodeInstanceShapeH\x00\x12\x38\n\x0evision_machine\x18\x04 \x01(\x0b\x32\x1e.fulcrum.v1.VisionMachineShapeH\x00\x42\x07\n\x05shape\"\x94\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x1c\n\x14heartbeat_timeout_ms\x18\x03 \x01(\r\x12.\n\x07prefill\x18\x04 \x01(\x0b\x32\x1d.fulcrum.v1.PrefillAssignment\"d\n\x11PrefillAssignment\x12\x0c\n\x04tier\x18\x01 \x01(\x05\x12\x11\n\ttier_name\x18\x02 \x01(\t\x12\x17\n\x0ftier_horizon_ns\x18\x03 \x01(\x04\x12\x15\n\rstep_quota_ns\x18\x04 \x01(\x04\"7\n\rDecodeGpuLoad\x12\x13\n\x0b\x63oncurrency\x18\x01 \x01(\r\x12\x11\n\tkv_tokens\x18\x02 \x01(\x04\"=\n\x12\x44\x65\x63odeInstanceLoad\x12\'\n\x04gpus\x18\x01 \x03(\x0b\x32\x19.fulcrum.v1.DecodeGpuLoad\".\n\x11VisionMachineLoad\x12\x19\n\x11patches_in_flight\x18\x01 \x03(\x04\"\xb6\x01\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x39\n\x0f\x64\x65\x63ode_instance\x18\x03 \x01(\x0b\x32\x1e.fulcrum.v1.DecodeInstanceLoadH\x00\x12\x37\n\x0evision_machine\x18\x04 \x01(\x0b\x32\x1d.fulcrum.v1.VisionMachineLoadH\x00\x42\x06\n\x04load\"a\n\x11HeartbeatResponse\x12\x1c\n\x14heartbeat_timeout_ms\x18\x01 \x01(\r\x12.\n\x07prefill\x18\x02 \x01(\x0b\x32\x1d.fulcrum.v1.PrefillAssignment\";\n\x11\x44\x65registerRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\x14\n\x12\x44\x65registerResponse\"a\n\x12ListMembersRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.fulcrum.v1.MemberKind\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"\x81\x01\n\x11PrefillEngineInfo\x12\x0c\n\x04tier\x18\x01 \x01(\r\x12\x10\n\x08has_tier\x18\x02 \x01(\x08\x12\x12\n\ntier_label\x18\x03 \x01(\t\x12\x10\n\x08\x64p_ranks\x18\x04 \x01(\r\x12\x15\n\rstep_quota_ns\x18\x05 \x01(\x04\x12\x0f\n\x07load_ns\x18\x06 \x01(\x04\"t\n\x12\x44\x65\x63odeInstanceInfo\x12\x13\n\x0b\x63oncurrency\x18\x01 \x01(\x04\x12\x11\n\tkv_tokens\x18\x02 \x01(\x04\x12\x1b\n\x13max_gpu_concurrency\x18\x03 \x01(\r\x12\x19\n\x11max_gpu_kv_tokens\x18\x04 \x01(\x04\">\n\x11VisionMachineInfo\x12\x19\n\x11patches_in_flight\x18\x01 \x03(\x04\x12\x0e\n\x06images\x18\x02 \x01(\r\"\xb5\x02\n\x06Member\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12$\n\x04kind\x18\x02 \x01(\x0e\x32\x16.fulcrum.v1.MemberKind\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x1a\n\x12since_heartbeat_ms\x18\x04 \x01(\x04\x12\x0c\n\x04gpus\x18\x05 \x01(\r\x12\x37\n\x0eprefill_engine\x18\x06 \x01(\x0b\x32\x1d.fulcrum.v1.PrefillEngineInfoH\x00\x12\x39\n\x0f\x64\x65\x63ode_instance\x18\x07 \x01(\x0b\x32\x1e.fulcrum.v1.DecodeInstanceInfoH\x00\x12\x37\n\x0evision_machine\x18\x08 \x01(\x0b\x32\x1d.fulcrum.v1.VisionMachineInfoH\x00\x42\x06\n\x04info\"S\n\x13ListMembersResponse\x12#\n\x07members\x18\x01 \x03(\x0b\x32\x12.fulcrum.v1.Member\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*\x8a\x01\n\nMemberKind\x12\x1b\n\x17MEMBER_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aMEMBER_KIND_PREFILL_ENGINE\x10\x01\x12\x1f\n\x1bMEMBER_KIND_DECODE_INSTANCE\x10\x02\x12\x1e\n\x1aMEMBER_KIND_VISION_MACHINE\x10\x03\x32\xbc\x02\n\x0c\x46leetService\x12\x45\n\x08Register\x12\x1b.fulcrum.v1.RegisterRequest\x1a\x1c.fulcrum.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.fulcrum.v1.HeartbeatRequest\x1a\x1d.fulcrum.v1.HeartbeatResponse\x12K\n\nDeregister\x12\x1d.fulcrum.v1.DeregisterRequest\x1a\x1e.fulcrum.v1.DeregisterResponse\x12N\n\x0bListMembers\x12\x1e.fulcrum.v1.ListMembersRequest\x1a\x1f.fulcrum.v1.ListMembersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fulcrum.v1.fleet_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMBERKIND']._serialized_start=2213
-  _globals['_MEMBERKIND']._serialized_end=2351
-  _globals['_PREFILLENGINESHAPE']._serialized_start=38
-  _globals['_PREFILLENGINESHAPE']._serialized_end=159
-  _globals['_DECODEGPUCAPACITY']._serialized_start=161
-  _globals['_DECODEGPUCAPACITY']._serialized_end=253
-  _globals['_DECODEINSTANCESHAPE']._serialized_start=255
-  _globals['_DECODEINSTANCESHAPE']._serialized_end=321
-  _globals['_VISIONMACHINESHAPE']._serialized_start=323
-  _globals['_VISIONMACHINESHAPE']._serialized_end=388
-  _globals['_REGISTERREQUEST']._serialized_start=391
-  _globals['_REGISTERREQUEST']._serialized_end=612
-  _globals['_REGISTERRESPONSE']._serialized_start=615
-  _globals['_REGISTERRESPONSE']._serialized_end=763
-  _globals['_PREFILLASSIGNMENT']._serialized_start=765
-  _globals['_PREFILLASSIGNMENT']._serialized_end=865
-  _globals['_DECODEGPULOAD']._serialized_start=867
-  _globals['_DECODEGPULOAD']._serialized_end=922
-  _globals['_DECODEINSTANCELOAD']._serialized_start=924
-  _globals['_DECODEINSTANCELOAD']._serialized_end=985
-  _globals['_VISIONMACHINELOAD']._serialized_start=987
-  _globals['_VISIONMACHINELOAD']._serialized_end=1033
-  _globals['_HEARTBEATREQUEST']._serialized_start=1036
-  _globals['_HEARTBEATREQUEST']._serialized_end=1218
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1220
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1317
-  _globals['_DEREGISTERREQUEST']._serialized_start=1319
-  _globals['_DEREGISTERREQUEST']._serialized_end=1378
-  _globals['_DEREGISTERRESPONSE']._serialized_start=1380
-  _globals['_DEREGISTERRESPONSE']._serialized_end=1400
-  _globals['_LISTMEMBERSREQUEST']._serialized_start=1402
-  _globals['_LISTMEMBERSREQUEST']._serialized_end=1499
-  _globals['_PREFILLENGINEINFO']._serialized_start=1502
-  _globals['_PREFILLENGINEINFO']._serialized_end=1631
-  _globals['_DECODEINSTANCEINFO']._serialized_start=1633
-  _globals['_DECODEINSTANCEINFO']._serialized_end=1749
-  _globals['_VISIONMACHINEINFO']._serialized_start=1751
-  _globals['_VISIONMACHINEINFO']._serialized_end=1813
-  _globals['_MEMBER']._serialized_start=1816
-  _globals['_MEMBER']._serialized_end=2125
-  _globals['_LISTMEMBERSRESPONSE']._serialized_start=2127
-  _globals['_LISTMEMBERSRESPONSE']._serialized_end=2210
-  _globals['_FLEETSERVICE']._serialized_start=2354
-  _globals['_FLEETSERVICE']._serialized_end=2670
+  _globals['_MEMBERKIND']._serialized_start=2364
+  _globals['_MEMBERKIND']._serialized_end=2502
+  _globals['_PREFILLENGINESHAPE']._serialized_start=39
+  _globals['_PREFILLENGINESHAPE']._serialized_end=206
+  _globals['_HELDPREFILLREQUEST']._serialized_start=208
+  _globals['_HELDPREFILLREQUEST']._serialized_end=310
+  _globals['_DECODEGPUCAPACITY']._serialized_start=312
+  _globals['_DECODEGPUCAPACITY']._serialized_end=404
+  _globals['_DECODEINSTANCESHAPE']._serialized_start=406
+  _globals['_DECODEINSTANCESHAPE']._serialized_end=472
+  _globals['_VISIONMACHINESHAPE']._serialized_start=474
+  _globals['_VISIONMACHINESHAPE']._serialized_end=539
+  _globals['_REGISTERREQUEST']._serialized_start=542
+  _globals['_REGISTERREQUEST']._serialized_end=763
+  _globals['_REGISTERRESPONSE']._serialized_start=766
+  _globals['_REGISTERRESPONSE']._serialized_end=914
+  _globals['_PREFILLASSIGNMENT']._serialized_start=916
+  _globals['_PREFILLASSIGNMENT']._serialized_end=1016
+  _globals['_DECODEGPULOAD']._serialized_start=1018
+  _globals['_DECODEGPULOAD']._serialized_end=1073
+  _globals['_DECODEINSTANCELOAD']._serialized_start=1075
+  _globals['_DECODEINSTANCELOAD']._serialized_end=1136
+  _globals['_VISIONMACHINELOAD']._serialized_start=1138
+  _globals['_VISIONMACHINELOAD']._serialized_end=1184
+  _globals['_HEARTBEATREQUEST']._serialized_start=1187
+  _globals['_HEARTBEATREQUEST']._serialized_end=1369
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1371
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1468
+  _globals['_DEREGISTERREQUEST']._serialized_start=1470
+  _globals['_DEREGISTERREQUEST']._serialized_end=1529
+  _globals['_DEREGISTERRESPONSE']._serialized_start=1531
+  _globals['_DEREGISTERRESPONSE']._serialized_end=1551
+  _globals['_LISTMEMBERSREQUEST']._serialized_start=1553
+  _globals['_LISTMEMBERSREQUEST']._serialized_end=1650
+  _globals['_PREFILLENGINEINFO']._serialized_start=1653
+  _globals['_PREFILLENGINEINFO']._serialized_end=1782
+  _globals['_DECODEINSTANCEINFO']._serialized_start=1784
+  _globals['_DECODEINSTANCEINFO']._serialized_end=1900
+  _globals['_VISIONMACHINEINFO']._serialized_start=1902
+  _globals['_VISIONMACHINEINFO']._serialized_end=1964
+  _globals['_MEMBER']._serialized_start=1967
+  _globals['_MEMBER']._serialized_end=2276
+  _globals['_LISTMEMBERSRESPONSE']._serialized_start=2278
+  _globals['_LISTMEMBERSRESPONSE']._serialized_end=2361
+  _globals['_FLEETSERVICE']._serialized_start=2505
+  _globals['_FLEETSERVICE']._serialized_end=2821
 # @@protoc_insertion_point(module_scope)

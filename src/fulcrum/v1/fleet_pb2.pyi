@@ -57,6 +57,7 @@ class PrefillEngineShape(_message.Message):
     STEP_QUOTA_NS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_BLOCKS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_SURVIVED_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
     dp_ranks: _builtins.int
     """Number of DP ranks (GPUs) in the group; 1 to the configured maximum."""
     step_quota_ns: _builtins.int
@@ -72,6 +73,14 @@ class PrefillEngineShape(_message.Message):
     """True when the engine re-registers with its prefix cache intact: the daemon keeps
     what it believes the engine holds (otherwise that is dropped).
     """
+    @_builtins.property
+    def held(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldPrefillRequest]:
+        """Requests this engine accepted from a daemon that is gone (before a failover or a
+        restart) and still holds: a retried Submit of the same id is answered with this engine
+        and DP rank instead of being queued and run a second time. At most 16384 entries
+        (INVALID_ARGUMENT otherwise).
+        """
+
     def __init__(
         self,
         *,
@@ -79,14 +88,48 @@ class PrefillEngineShape(_message.Message):
         step_quota_ns: _builtins.int = ...,
         prefix_cache_blocks: _builtins.int = ...,
         prefix_cache_survived: _builtins.bool = ...,
+        held: _abc.Iterable[Global___HeldPrefillRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "prefix_cache_blocks", b"prefix_cache_blocks", "prefix_cache_survived", b"prefix_cache_survived", "step_quota_ns", b"step_quota_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_ranks", b"dp_ranks", "held", b"held", "prefix_cache_blocks", b"prefix_cache_blocks", "prefix_cache_survived", b"prefix_cache_survived", "step_quota_ns", b"step_quota_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefillEngineShape: _TypeAlias = PrefillEngineShape  # noqa: Y015
+
+@_typing.final
+class HeldPrefillRequest(_message.Message):
+    """HeldPrefillRequest is one request a re-registering prefill engine still holds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    DP_RANK_FIELD_NUMBER: _builtins.int
+    TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request's id, as pulled."""
+    dp_rank: _builtins.int
+    """The DP rank it runs on (< dp_ranks)."""
+    total_tokens: _builtins.int
+    """Its context length and cached prefix, in tokens, as pulled (total_tokens > cached_tokens)."""
+    cached_tokens: _builtins.int
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        dp_rank: _builtins.int = ...,
+        total_tokens: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "dp_rank", b"dp_rank", "request_id", b"request_id", "total_tokens", b"total_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldPrefillRequest: _TypeAlias = HeldPrefillRequest  # noqa: Y015
 
 @_typing.final
 class DecodeGpuCapacity(_message.Message):

@@ -2,6 +2,7 @@
 // Fulcrum), start the daemon as an operator would (`fulcrum serve --config <yaml>`), and
 // call the API with promises. See docs/protocol.md for the sequences played here.
 import { spawn } from "node:child_process";
+import net from "node:net";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -250,4 +251,107 @@ export function sample(text, series) {
     if (line.startsWith(series + " ")) return Number(line.slice(series.length + 1));
   }
   return undefined;
+}
+
+/** A loopback TCP port nothing listens on (bound, then closed). */
+export function freePort() {
+  return new Promise((resolve, reject) => {
+    const srv = net.createServer();
+    srv.once("error", reject);
+    srv.listen(0, "127.0.0.1", () => {
+      const { port } = srv.address();
+      srv.close(() => resolve(port));
+    });
+  });
+}
+
+const ETCD_BIN = process.env.ETCD_BIN ?? "etcd";
+
+/**
+ * A single-member etcd on loopback (Debian's etcd-server; `.ci/run` installs it) with
+ * its data in a temporary directory; resolves once /health answers.
+ */
+export async function startEtcd({ timeoutMs = 20_000 } = {}) {
+  const dir = mkdtempSync(path.join(tmpdir(), "fulcrum-etcd-"));
+  const [clientPort, peerPort] = [await freePort(), await freePort()];
+  const client = `http://127.0.0.1:${clientPort}`;
+  const peer = `http://127.0.0.1:${peerPort}`;
+  const proc = spawn(ETCD_BIN, [
+    "--name", "t", "--data-dir", dir, "--listen-client-urls", client,
+    "--advertise-client-urls", client, "--listen-peer-urls", peer,
+    "--initial-advertise-peer-urls", peer, "--initial-cluster", `t=${peer}`,
+    "--log-level", "error",
+  ], { stdio: "ignore" });
+  const exited = new Promise((resolve) => proc.on("exit", resolve));
+  const failed = new Promise((_, reject) => proc.on("error", reject));
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const healthy = await Promise.race([
+      fetch(`${client}/health`).then((r) => r.json()).then((b) => b.health === "true", () => false),
+      failed,
+    ]);
+    if (healthy) break;
+    if (Date.now() > deadline || proc.exitCode !== null) {
+      proc.kill("SIGKILL");
+      throw new Error(`etcd did not become healthy in ${timeoutMs} ms`);
+    }
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  return {
+    endpoint: `127.0.0.1:${clientPort}`,
+    async stop() {
+      if (proc.exitCode === null && proc.signalCode === null) proc.kill("SIGKILL");
+      await exited;
+      rmSync(dir, { recursive: true, force: true });
+    },
+  };
+}
+
+/** Trailer of a standby's refusal naming the leader (host:port). */
+export const LEADER_KEY = "x-fulcrum-leader";
+
+/**
+ * Stubs on several daemons of one pool (ha.backend: etcd), played from the protocol
+ * alone: a call goes to the daemon believed to lead; a standby's refusal (UNAVAILABLE
+ * with `x-fulcrum-leader`) sends it to the leader named, any other UNAVAILABLE to the
+ * next address. Every call is repeated here: use it for idempotent calls only (Submit
+ * by id, Register, Heartbeat, reads), or for any call refused by a standby.
+ */
+export function connectPool(addresses, { attempts = 40, firstMs = 50, maxMs = 500 } = {}) {
+  const apis = new Map();
+  const api = (address) => {
+    if (!apis.has(address)) apis.set(address, connect(address));
+    return apis.get(address);
+  };
+  const pool = {
+    addresses: [...addresses],
+    current: addresses[0],
+    moves: 0,
+    async call(service, method, request, options) {
+      let wait = firstMs;
+      for (let i = 1; ; i++) {
+        const at = pool.current;
+        try {
+          return await call(api(at)[service], method, request, options);
+        } catch (err) {
+          if (err.code !== grpc.status.UNAVAILABLE || i >= attempts) throw err;
+          const leader = err.metadata?.get(LEADER_KEY)?.[0]?.toString();
+          const next = leader && leader !== at
+            ? leader
+            : pool.addresses[(pool.addresses.indexOf(at) + 1) % pool.addresses.length];
+          if (pool.current === at && next !== at) {
+            if (!pool.addresses.includes(next)) pool.addresses.push(next);
+            pool.current = next;
+            pool.moves += 1;
+          }
+        }
+        await new Promise((r) => setTimeout(r, wait));
+        wait = Math.min(wait * 2, maxMs);
+      }
+    },
+    close() {
+      for (const a of apis.values()) a.close();
+    },
+  };
+  return pool;
 }

@@ -13,6 +13,7 @@ validation and taking, reload and drain, and the queries the service and tests r
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -30,6 +31,7 @@ from fulcrum.core.types import Member, MemberLoad, PrefillEngineShape
 from fulcrum.errors import InvalidArgument, ResourceExhausted, Unavailable
 from fulcrum.metrics.tenants import PrefillMeter
 from fulcrum.state.fleet import Fleet
+from fulcrum.state.prefill.adopt import Adopter, Held
 from fulcrum.state.prefill.context import Shell
 from fulcrum.state.prefill.dispatcher import Dispatcher
 from fulcrum.state.prefill.engines import EngineRoster
@@ -80,6 +82,10 @@ class PrefillState:
                                      lambda: self.draining)
         self.lease_book = LeaseBook(shell, self.submits, self.dispatcher.dispatch_all)
         self.roster = EngineRoster(fleet, self._now)
+        self.adopter = Adopter(shell, self.submits, self.lease_book)
+        #: Pulls take nothing before this time (ns): a new leader's grace for engines to
+        #: re-register and declare what they hold (:meth:`hold`).
+        self.hold_until_ns = 0
         self.draining = False
         #: Test/diagnostic hooks: called with (request_id, outcome, engine_id or "").
         self.outcome_hooks: list[OutcomeHook] = self.submits.hooks
@@ -313,9 +319,9 @@ class PrefillState:
     def _take(self, waiter: Waiter, lease: bool) -> Batch:
         """Let the balancer select and commit a batch for the pull's engine; lease it
         (``lease``) or deliver it (may be empty). An engine offering no quota takes
-        nothing."""
+        nothing; nor does any before :attr:`hold_until_ns`."""
         eng_id = waiter.engine.member_id
-        if waiter.remaining_ns <= 0:
+        if waiter.remaining_ns <= 0 or self._clock() < self.hold_until_ns:
             return Batch(tier=self.engine_tier(eng_id), items=(), quota_ns=0)
         taken = self.balancer.take(
             eng_id, waiter.remaining_ns, waiter.loads, limit=waiter.max_requests or None,
@@ -354,6 +360,26 @@ class PrefillState:
         self.prefix.join(member.member_id, shape.prefix_cache_blocks,
                          cache_survived=shape.prefix_cache_survived)
         self._redistributed(self.balancer.add_engine(member.member_id, shape.dp_ranks))
+
+    def adopt(self, engine_id: str, held: Sequence[Held]) -> int:
+        """``engine_id`` (just registered) still holds ``held`` from a daemon that is
+        gone: answer or retain them with it (:mod:`fulcrum.state.prefill.adopt`)."""
+        if not held:
+            return 0
+        n = self.adopter.adopt(engine_id, held)
+        log.info("prefill_held_adopted", engine_id=engine_id, declared=len(held), adopted=n)
+        return n
+
+    def hold(self, ms: int) -> None:
+        """Take nothing for ``ms`` from now (a new leader's grace, so that engines
+        declare what they hold before queued requests are handed out); then wake the
+        parked pulls."""
+        if ms <= 0:
+            return
+        self.hold_until_ns = self._clock() + ms * 1_000_000
+        log.info("prefill_pulls_held", ms=ms, reason="engines re-register and declare "
+                 "what they hold")
+        asyncio.get_running_loop().call_later(ms / 1000, self.dispatcher.dispatch_all)
 
     def on_load(self, member: Member, load: MemberLoad, now_ns: int) -> None:
         """Unused: prefill engines report load in their pulls."""
