@@ -1,7 +1,7 @@
 """Real engines: routers in front of the same real vLLM servers (CPU build, tiny MoE).
 
 Routers: **Fulcrum** (Envoy + Fulcrum's picker with ``gateway.cache`` on, scraping the
-engines; the daemon runs in this process), **smg cache_aware** and **smg round_robin**
+engines; ``fulcrum serve`` in its own process), **smg cache_aware** and **smg round_robin**
 (PyPI ``smg``, its own venv ``.venv-peers``), **Envoy round robin** (the example bootstrap
 without the ext_proc filter). All on loopback, one after the other on the same engines.
 
@@ -15,9 +15,11 @@ Fresh text every run: every text starts with a nonce of (router, workload, time)
 cache left warm by a previous router gives nothing. Figures: the engines' own hit ratio
 (deltas of ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``), TTFT p50
 and p99 (time to the first streamed chunk, client side), wall time, requests per engine
-(deltas of ``vllm:request_success_total``).
+(deltas of ``vllm:request_success_total``), and the router's CPU per request (Envoy and
+picker processes, ``/proc/<pid>/stat`` deltas over the workload).
 
-Run: ``nice .venv/bin/python benchmarks/bench_engines.py [--ports P1,P2] [--quick]``
+Run: ``nice .venv/bin/python benchmarks/bench_engines.py [--ports P1,P2] [--quick]
+[--routers Fulcrum,Envoy] [--workloads no-reuse]``
 (needs ``tests/engines/install_vllm.sh`` and ``.venv-peers/bin/pip install smg``).
 """
 
@@ -28,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +64,7 @@ class Run:
     wall_s: float = 0.0
     hit_ratio: float = float("nan")
     per_engine: list[int] = field(default_factory=list)
+    router_cpu_s: float = 0.0
 
 
 async def stream_ttft(port: int, body: dict[str, object]) -> tuple[float, str]:
@@ -146,27 +150,68 @@ def workloads(quick: bool) -> dict[str, Callable[[int, str, Run], Awaitable[None
     return {"multi-turn": multi_turn, "shared-system": shared_system, "no-reuse": no_reuse}
 
 
+#: Processes of the router under test whose CPU a run counts (Envoy, the picker).
+ROUTER_PIDS: list[int] = []
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (``/proc/<pid>/stat``)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.asynccontextmanager
 async def fulcrum_router(ports: list[int]) -> AsyncIterator[int]:
-    from fulcrum.config import with_overrides
-    from fulcrum.gateway.testing import render_envoy_config, start_envoy
-    from fulcrum.testing import running_server, test_settings
+    """``fulcrum serve`` in its own process (not the load generator's loop), gateway.cache
+    on, scraping the engines; a real Envoy in front."""
+    import yaml
 
-    gw = {
-        "enabled": True, "port": 0, "health_port": 0,
-        "pool": {"decode": [{"id": f"v{i}", "host": "127.0.0.1", "ports": [p],
-                             "max_kv_tokens": 20_000} for i, p in enumerate(ports)]},
-        "scrape": {"enabled": True, "interval_ms": 250},
-        "cache": {"enabled": True},
+    from fulcrum.gateway.testing import render_envoy_config, start_envoy, wait_for
+
+    port = free_port()
+    cfg = {
+        "server": {"host": "127.0.0.1", "port": free_port(), "seed": 7},
+        "metrics": {"enabled": False},
+        "logging": {"level": "error", "format": "json"},
+        "gateway": {
+            "enabled": True, "port": port, "health_port": free_port(),
+            "pool": {"decode": [{"id": f"v{i}", "host": "127.0.0.1", "ports": [p],
+                                 "max_kv_tokens": 20_000} for i, p in enumerate(ports)]},
+            "scrape": {"enabled": True, "interval_ms": 250},
+            "cache": {"enabled": True},
+        },
     }
-    async with running_server(settings=with_overrides(test_settings(), {"gateway": gw})) as d:
-        assert d.gateway is not None
-        env = await start_envoy(render_envoy_config(d.gateway.port, [*ports, *ports]),
+    tmp = Path(tempfile.mkdtemp(prefix="bench-engines-"))
+    (tmp / "fulcrum.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "fulcrum.cli", "serve", "--config",
+                             str(tmp / "fulcrum.yaml")], stdout=subprocess.DEVNULL,
+                            stderr=open(tmp / "fulcrum.log", "wb"))  # noqa: SIM115
+
+    def listening() -> bool:
+        assert proc.poll() is None, f"fulcrum exited: {tmp / 'fulcrum.log'}"
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return True
+        return False
+
+    try:
+        await wait_for(listening, tries=600, interval_s=0.1, what="fulcrum ext_proc port")
+        env = await start_envoy(render_envoy_config(port, [*ports, *ports]),
                                 concurrency=1, log_level="error")
+        ROUTER_PIDS[:] = [proc.pid, env.proc.pid]
         try:
             yield env.port
         finally:
             env.stop()
+    finally:
+        ROUTER_PIDS.clear()
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @contextlib.asynccontextmanager
@@ -177,9 +222,11 @@ async def envoy_rr(ports: list[int]) -> AsyncIterator[int]:
     start = text.index("                  # 2. Ask the picker.\n")
     end = text.index("                  - name: envoy.filters.http.router\n")
     env = await start_envoy(text[:start] + text[end:], concurrency=1, log_level="error")
+    ROUTER_PIDS[:] = [env.proc.pid]
     try:
         yield env.port
     finally:
+        ROUTER_PIDS.clear()
         env.stop()
 
 
@@ -193,6 +240,7 @@ def smg_router(policy: str) -> Callable[[list[int]], contextlib.AbstractAsyncCon
              policy, "--worker-urls", *[f"http://127.0.0.1:{p}" for p in ports]],
             stdout=log, stderr=subprocess.STDOUT,
         )
+        ROUTER_PIDS[:] = [proc.pid]
         try:
             for _ in range(240):  # bounded wait for a first answer through the router
                 try:
@@ -205,6 +253,7 @@ def smg_router(policy: str) -> Callable[[list[int]], contextlib.AbstractAsyncCon
                 raise RuntimeError(f"smg {policy} did not come up")
             yield port
         finally:
+            ROUTER_PIDS.clear()
             proc.terminate()
             proc.wait(timeout=30)
 
@@ -217,7 +266,8 @@ def engine_figures(ports: list[int]) -> tuple[float, float, list[float]]:
     return hits, queries, [metric_sum(p, "vllm:request_success_total") for p in ports]
 
 
-async def bench(ports: list[int], quick: bool) -> list[Run]:
+async def bench(ports: list[int], quick: bool, only_routers: str = "",
+                only_workloads: str = "") -> list[Run]:
     routers: dict[str, Callable[[list[int]], contextlib.AbstractAsyncContextManager[int]]] = {
         "Fulcrum (gateway.cache)": fulcrum_router,
         "smg cache_aware": smg_router("cache_aware"),
@@ -233,13 +283,19 @@ async def bench(ports: list[int], quick: bool) -> list[Run]:
             warm.ttft_s.append(0.0)
     runs = []
     for name, router in routers.items():
+        if only_routers and not any(w in name for w in only_routers.split(",")):
+            continue
         async with router(ports) as port:
             for wname, work in workloads(quick).items():
+                if only_workloads and wname not in only_workloads.split(","):
+                    continue
                 run = Run(name, wname)
                 h0, q0, r0 = engine_figures(ports)
+                c0 = sum(cpu_s(p) for p in ROUTER_PIDS)
                 t0 = time.perf_counter()
                 await work(port, f"{name}-{wname}-{time.time_ns()}", run)
                 run.wall_s = time.perf_counter() - t0
+                run.router_cpu_s = sum(cpu_s(p) for p in ROUTER_PIDS) - c0
                 h1, q1, r1 = engine_figures(ports)
                 run.hit_ratio = (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan")
                 run.per_engine = [round(b - a) for a, b in zip(r0, r1, strict=True)]
@@ -250,12 +306,14 @@ async def bench(ports: list[int], quick: bool) -> list[Run]:
 
 def table(runs: list[Run]) -> str:
     out = ["| workload | router | hit ratio | TTFT p50 (ms) | TTFT p99 (ms) | wall (s) | "
-           "requests per engine | errors |", "|---|---|---:|---:|---:|---:|---|---:|"]
+           "requests per engine | router CPU per request (ms) | errors |",
+           "|---|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in runs:
         t = np.array([x for x in r.ttft_s if x == x]) * 1e3
         p50, p99 = (np.percentile(t, [50, 99]) if t.size else (float("nan"),) * 2)
         out.append(f"| {r.workload} | {r.router} | {r.hit_ratio:.3f} | {p50:.0f} | {p99:.0f} | "
-                   f"{r.wall_s:.2f} | {' / '.join(map(str, r.per_engine))} | {r.errors} |")
+                   f"{r.wall_s:.2f} | {' / '.join(map(str, r.per_engine))} | "
+                   f"{1e3 * r.router_cpu_s / max(len(r.ttft_s), 1):.2f} | {r.errors} |")
     return "\n".join(out)
 
 
@@ -274,11 +332,24 @@ class _Candidates:
 
 def pick_micro(engines: int = 64, blocks: int = 20_000, picks: int = 2000) -> str:
     """Time of one cache-aware decision (CachePicker.choose + placed) with ``engines``
-    endpoints whose indexes hold ``blocks`` blocks each; a 3,000-token chat prompt."""
+    endpoints whose indexes hold ``blocks`` blocks each; a 3,000-token chat prompt.
+
+    Reports wall time and the thread's CPU time per pick (on a shared machine the wall
+    p99 is mostly preemption), and the pause of a full cycle collection with the index
+    built, next to the same collection before it (the index's share of a GC pause)."""
+    import gc
+
     from fulcrum.config.cache import CacheSettings
     from fulcrum.gateway.body import RequestShape
     from fulcrum.gateway.cache_pick import CachePicker
 
+    def full_gc_ms() -> float:
+        gc.collect()  # the first one untracks the index's plain dicts
+        t0 = time.perf_counter()
+        gc.collect()
+        return (time.perf_counter() - t0) * 1e3
+
+    gc_before = full_gc_ms()
     fake = _Candidates(engines)
     cp = CachePicker(CacheSettings(enabled=True, index_blocks=blocks), 4.0, fake)  # type: ignore[arg-type]
     rng = random.Random(5)
@@ -287,18 +358,22 @@ def pick_micro(engines: int = 64, blocks: int = 20_000, picks: int = 2000) -> st
         cp._slot(fake.addrs[e])
         for j in range(blocks // 100 + 1):
             cp.index.record(e, [hash((e, j, k)) for k in range(100)])
+    gc_after = full_gc_ms()
     shape_of = [RequestShape(3000, 8, True, text=t) for t in texts]
-    t = []
+    wall, cpu = [], []
     for i in range(picks):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         choice = cp.choose(fake, shape_of[i % len(texts)], None, i * 1000)  # type: ignore[arg-type]
         assert choice is not None
         cp.placed(f"r{i}", choice, 3000, i * 1000)
-        t.append(time.perf_counter() - t0)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
         cp.released(f"r{i}", "response_end", i * 1000)
-    a = np.array(t) * 1e6
+    w, c = np.array(wall) * 1e6, np.array(cpu) * 1e6
     return (f"pick at {engines} endpoints x {cp.index.held(0)} indexed blocks each: "
-            f"p50 {np.percentile(a, 50):.0f} us, p99 {np.percentile(a, 99):.0f} us")
+            f"CPU p50 {np.percentile(c, 50):.0f} us, p99 {np.percentile(c, 99):.0f} us; "
+            f"wall p50 {np.percentile(w, 50):.0f} us, p99 {np.percentile(w, 99):.0f} us; "
+            f"full GC {gc_after:.1f} ms with the index, {gc_before:.1f} ms without")
 
 
 def run(quick: bool) -> str:
@@ -326,6 +401,9 @@ def main() -> None:
     ap.add_argument("--ports", default="", help="use running engines (comma-separated)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--pick", action="store_true", help="only the pick micro-benchmark")
+    ap.add_argument("--routers", default="", help="only routers whose name contains one "
+                    "of these (comma-separated), e.g. Fulcrum,Envoy")
+    ap.add_argument("--workloads", default="", help="only these workloads (comma-separated)")
     args = ap.parse_args()
     if args.pick:
         print(pick_micro())
@@ -339,7 +417,7 @@ def main() -> None:
         fleet.wait_ready(600)
         ports = fleet.ports
     try:
-        runs = asyncio.run(bench(ports, args.quick))
+        runs = asyncio.run(bench(ports, args.quick, args.routers, args.workloads))
     finally:
         if fleet is not None:
             fleet.stop()

@@ -6,13 +6,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fulcrum.core.tenant_caps import BAND, CAP, Fill, TenantHeld, band_threshold, refusal
-from fulcrum.core.tenants import RequestClass, TenantPolicy, TenantSpec
+from fulcrum.core.tenants import RequestClass, TenantPolicy, TenantSpec, TenantTable
 
 POLICY = TenantPolicy(
     classes={"capped": TenantSpec(decode_max_concurrency=3, decode_max_kv_tokens=1000),
              "batch": TenantSpec(sheddable=True)},
     min_priority=-4, max_priority=4, sheddable_priorities=frozenset({-4, -3, -2, -1}),
 )
+TABLE = TenantTable(POLICY)
 TENANTS = st.sampled_from(["capped", "batch", "default", "x"])
 
 
@@ -27,7 +28,7 @@ def test_admitted_requests_never_pass_a_cap(ops: list[tuple[bool, str, int]]) ->
     live: list[tuple[str, int]] = []
     for place, tenant, kv in ops:
         if place:
-            if refusal(POLICY, RequestClass(tenant), held, caps(tenant), kv) is None:
+            if refusal(TABLE, RequestClass(tenant), held, caps(tenant), kv) is None:
                 held.add(tenant, kv)
                 live.append((tenant, kv))
         elif live:
@@ -46,11 +47,11 @@ def test_cap_refusal_names_the_tenant_and_the_cap() -> None:
     held = TenantHeld()
     for _ in range(3):
         held.add("capped", 10)
-    got = refusal(POLICY, RequestClass("capped"), held, caps("capped"), 10)
+    got = refusal(TABLE, RequestClass("capped"), held, caps("capped"), 10)
     assert got is not None and got.reason == CAP and "its cap: 3" in got.message
     held.remove("capped", 10)
-    assert refusal(POLICY, RequestClass("capped"), held, caps("capped"), 981) is not None
-    assert refusal(POLICY, RequestClass("capped"), held, caps("capped"), 980) is None
+    assert refusal(TABLE, RequestClass("capped"), held, caps("capped"), 981) is not None
+    assert refusal(TABLE, RequestClass("capped"), held, caps("capped"), 980) is None
 
 
 @given(st.integers(-4, 4), st.integers(-4, 4), st.integers(0, 1000), st.floats(0.01, 1.0))
@@ -61,7 +62,7 @@ def test_lower_bands_are_shed_first(p: int, q: int, used: int, reserve: float) -
     held = TenantHeld()
 
     def shed(prio: int) -> bool:
-        r = refusal(POLICY, RequestClass("x", prio), held, (None, None), 1, fill, reserve)
+        r = refusal(TABLE, RequestClass("x", prio), held, (None, None), 1, fill, reserve)
         return r is not None and r.reason == BAND
 
     if shed(hi):
@@ -74,8 +75,8 @@ def test_sheddable_tenant_is_shed_past_the_reserve_and_others_are_not() -> None:
     def fill() -> Fill:
         return Fill(requests=95, max_requests=100, amount=0, max_amount=0)
     held = TenantHeld()
-    got = refusal(POLICY, RequestClass("batch", 4), held, (None, None), 1, fill, 0.9)
+    got = refusal(TABLE, RequestClass("batch", 4), held, (None, None), 1, fill, 0.9)
     assert got is not None and got.reason == BAND
-    assert refusal(POLICY, RequestClass("x", 4), held, (None, None), 1, fill, 0.9) is None
+    assert refusal(TABLE, RequestClass("x", 4), held, (None, None), 1, fill, 0.9) is None
     # reserve 0: never shed on fill
-    assert refusal(POLICY, RequestClass("batch", -4), held, (None, None), 1, fill, 0.0) is None
+    assert refusal(TABLE, RequestClass("batch", -4), held, (None, None), 1, fill, 0.0) is None

@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.vllm_fleet import VllmFleet, make_model, vllm_python
+from tests.engines.vllm_fleet import VllmFleet, free_port, kv_events_args, make_model, vllm_python
+
+#: Where the session's engines send their KV events (the gateway binds it in
+#: test_vllm_kv_events; until then the engines' PUB sockets retry and drop).
+KV_PORT = free_port()
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +24,7 @@ def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
             pytest.fail(msg + " (a skip in CI is a failure)")
         pytest.skip(msg)
     model = make_model(Path(tmp_path_factory.mktemp("tiny-moe")))
-    fleet = VllmFleet(model, n=2)
+    fleet = VllmFleet(model, n=2, extra_args=kv_events_args(KV_PORT))
     fleet.start()
     try:
         fleet.wait_ready()

@@ -9,6 +9,7 @@ each one's ``/health`` with a deadline. Used by the engine tests and by
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -58,6 +59,18 @@ def metric_sum(port: int, name: str) -> float:
     return total
 
 
+def kv_events_args(kv_port: int) -> Callable[[int, int], list[str]]:
+    """``--kv-events-config`` sending an engine's KV events to ``tcp://127.0.0.1:kv_port``
+    (the gateway binds it), topic = the engine's ``127.0.0.1:port``."""
+
+    def args(_i: int, port: int) -> list[str]:
+        cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
+               "endpoint": f"tcp://127.0.0.1:{kv_port}", "topic": f"127.0.0.1:{port}"}
+        return ["--kv-events-config", json.dumps(cfg)]
+
+    return args
+
+
 @dataclass
 class VllmFleet:
     """N vLLM engines; :meth:`start` then :meth:`wait_ready`; :meth:`stop` ends them."""
@@ -65,8 +78,8 @@ class VllmFleet:
     model_dir: Path
     n: int = 2
     log_dir: Path | None = None
-    #: Extra command-line arguments per engine: called with the engine's number.
-    extra_args: Callable[[int], list[str]] | None = None
+    #: Extra command-line arguments per engine: called with its number and its port.
+    extra_args: Callable[[int, int], list[str]] | None = None
     #: Extra environment of every engine (over the fleet's own settings).
     env: dict[str, str] = field(default_factory=dict)
     ports: list[int] = field(default_factory=list)
@@ -92,7 +105,7 @@ class VllmFleet:
                 "--load-format", "dummy", "--block-size", str(BLOCK_SIZE),
                 "--max-model-len", "4096", "--enable-prefix-caching",
                 "--host", "127.0.0.1", "--port", str(port),
-                *(self.extra_args(i) if self.extra_args is not None else []),
+                *(self.extra_args(i, port) if self.extra_args is not None else []),
             ]
             self.procs.append(
                 subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

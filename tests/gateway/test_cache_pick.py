@@ -111,3 +111,23 @@ def test_predicted_ttft_prices_misses_and_adds_the_queue() -> None:
     assert ttft[2] == pytest.approx(model.cost(1, 999))  # cached clipped to prompt - 1
     r = rank(ttft, np.array([3, 2, 1], dtype=np.int64))
     assert r.chosen == 2 and r.other == 0
+
+
+def test_index_is_invisible_to_the_cycle_collector() -> None:
+    """A full collection does not walk the index's entries: after one, its maps are
+    untracked (plain dicts of ints), the rest numpy arrays."""
+    import gc
+
+    idx = PrefixIndex()
+    slots = [idx.add(1000) for _ in range(3)]
+    for s in slots:
+        for j in range(30):
+            idx.record(s, [hash((s, j, k)) for k in range(50)])
+    gc.collect()
+    assert not gc.is_tracked(idx._where)
+    for s in slots:
+        lru = idx._lru[s]
+        assert lru is not None and not gc.is_tracked(lru.pos)
+        assert 1000 - 1000 // 64 <= idx.held(s) <= 1000  # at its bound, with the margin
+    newest = [hash((slots[0], 29, k)) for k in range(50)]
+    assert idx.match(newest).tolist() == [50, 0, 0]

@@ -69,10 +69,10 @@ def test_a_slower_endpoint_gets_its_own_model_and_loses_picks() -> None:
     before = pm.COST_REFITS.labels("adopted")._value.get()
     _serve(cp, fake, {0: slow, 1: BASE}, 80)
     assert pm.COST_REFITS.labels("adopted")._value.get() > before
-    learnt = cp.learner.model(0)
+    learnt = cp.learner.model(fake.addrs[0])
     for q in (200, 1000, 2500):
         assert learnt.cost(q, 0) == pytest.approx(slow.cost(q, 0), rel=0.02)
-    assert cp.learner.model(1) == BASE  # its samples fit the configured model: kept
+    assert cp.learner.model(fake.addrs[1]) == BASE  # its samples fit the configured model: kept
     # Both idle, no hit anywhere: the fresh prompt now goes to the faster endpoint.
     for i in range(4):
         shape = RequestShape(2000, 8, True, text=f"fresh {i} " * 40)
@@ -80,15 +80,27 @@ def test_a_slower_endpoint_gets_its_own_model_and_loses_picks() -> None:
         assert choice is not None and choice.index_slot == 1
 
 
+def test_per_engine_the_dp_ranks_of_a_pool_entry_share_one_model() -> None:
+    cp, fake = _picker("engine")
+    cp.engine_of = {fake.addrs[0]: "e0", fake.addrs[1]: "e0"}
+    slow = CostModel(a=BASE.a * 2, b=BASE.b * 2, k=BASE.k * 2)
+    _serve(cp, fake, {0: slow, 1: slow}, 40)
+    assert cp.learn_key(0) == cp.learn_key(1) == "e0"
+    assert cp.learner.model("e0").cost(1500, 0) == pytest.approx(slow.cost(1500, 0), rel=0.02)
+    assert (cp._coef[0] == cp._coef[1]).all()
+
+
 def test_one_model_for_all_endpoints_and_bad_samples_are_dropped() -> None:
     cp, fake = _picker("all")
     fast = CostModel(a=1.0, b=20_000.0, k=1_000_000.0)
     _serve(cp, fake, {0: fast, 1: fast}, 40)
-    assert cp.learner.model(0) == cp.learner.model(1) != BASE
-    assert cp.learner.model(1).cost(1000, 0) == pytest.approx(fast.cost(1000, 0), rel=0.02)
+    assert cp.learn_key(0) == cp.learn_key(1) == ""
+    assert cp.learner.model("") != BASE
+    assert cp.learner.model("").cost(1000, 0) == pytest.approx(fast.cost(1000, 0), rel=0.02)
+    assert (cp._coef[0] == cp._coef[1]).all()
     dropped = pm.TTFT_SAMPLES.labels("dropped")._value.get()
     # An observed TTFT below the predicted queue ahead gives no sample.
-    assert cp.learner.observe(0, 100, 0, 1_000.0, 5_000.0, 0) is None
+    assert cp.learner.observe("", 100, 0, 1_000.0, 5_000.0, 0) is None
     assert pm.TTFT_SAMPLES.labels("dropped")._value.get() == dropped + 1
 
 
@@ -125,3 +137,38 @@ async def test_first_streamed_chunk_through_envoy_is_one_ttft_sample() -> None:
         assert r.status == 200
         assert pm.TTFT_SAMPLES.labels("kept")._value.get() - kept0 == kept
         assert not cache_picker._first
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[dict[str, object]] = []
+
+    def info(self, event: str, **kw: object) -> None:
+        self.lines.append({"event": event, **kw})
+
+
+def test_the_decision_is_exposed_and_its_log_line_switches_on_by_reload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Per pick: chosen and best-other predicted TTFT and hit tokens in metrics; the score
+    line (every candidate's [predicted TTFT ns, hit tokens]) only once emit_scores is on."""
+    import fulcrum.gateway.cache_pick as cache_pick
+
+    rec = _Log()
+    monkeypatch.setattr(cache_pick, "log", rec)
+    cp, fake = _picker("endpoint")
+    shape = RequestShape(1000, 8, True, text="exposed " * 100)
+    other0 = pm.OTHER_TTFT._sum.get()
+    choice = cp.choose(fake, shape, None, 0)  # type: ignore[arg-type]
+    assert choice is not None and not rec.lines
+    cp.placed("x0", choice, 1000, 0)
+    assert pm.OTHER_TTFT._sum.get() > other0 and choice.other_ns >= choice.chosen_ns
+    cp.released("x0", "response_end", 0)
+    cp.apply_settings(cp.settings.model_copy(update={"emit_scores": True}))
+    choice = cp.choose(fake, shape, None, 1)  # type: ignore[arg-type]
+    assert choice is not None
+    (line,) = rec.lines
+    assert line["event"] == "gateway_endpoint_scores" and line["chosen"] == choice.address
+    scores = line["scores"]
+    assert isinstance(scores, dict) and set(scores) == set(fake.addrs)
+    assert scores[choice.address][1] == choice.hit_tokens > 0  # its blocks held

@@ -11,7 +11,16 @@ from fulcrum.gateway.testing import wait_for
 from fulcrum.state.decode import DecodeState
 from fulcrum.state.tenant_filter import TenantFilter
 from fulcrum.testing import running_server
-from tests.gateway.test_extproc import ADDRS, Stream, dest, headers_msg, overrides, with_stub
+from tests.gateway.test_extproc import (
+    ADDRS,
+    Stream,
+    body_msg,
+    dest,
+    headers_msg,
+    overrides,
+    with_stub,
+)
+from tests.gateway.test_prefill import PREFILL, pd_overrides, prompt
 from tests.service.test_server import scrape
 
 TENANTS = {"tenants": {"classes": {"capped": {"decode_max_concurrency": 1}},
@@ -65,3 +74,23 @@ async def test_fairness_id_reaches_the_decode_cap_and_bad_headers_are_ignored() 
                 await s.close()
             await wait_for(lambda: state.held == 0, what="released")
             assert tenant_filter(state).counts.held("capped") == (0, 0)
+
+
+async def test_pd_sheddable_objective_past_its_deadline_is_shed_at_prefill() -> None:
+    over = pd_overrides(PREFILL)
+    over["gateway"]["tenancy"] = TENANTS["gateway"]["tenancy"]  # type: ignore[index]
+    async with running_server({**over, "tenants": TENANTS["tenants"]}) as pd:
+        ch, stub = await with_stub(pd)
+        labels = (("balancer", "prefill"), ("reason", "deadline"), ("tenant", "default"))
+        before = scrape(pd).get(("fulcrum_tenant_shed_total", labels), 0.0)
+        async with ch:
+            s = Stream(stub)
+            req = with_headers(x_gateway_inference_objective="batch", x_slo_ttft_ms="1")
+            req.request_headers.end_of_stream = False
+            await s.send(req)
+            await s.send(body_msg(prompt(1000), True))
+            r = await s.recv()
+            assert r.immediate_response.status.code == 429  # priority -1 is sheddable
+            await s.close()
+            await wait_for(lambda: pd.gateway.picker.in_flight == 0, what="released")
+        assert scrape(pd)[("fulcrum_tenant_shed_total", labels)] == before + 1

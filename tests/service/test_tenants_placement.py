@@ -12,6 +12,7 @@ import pytest
 from fulcrum.client import FulcrumClient
 from fulcrum.testing import running_server
 from fulcrum.v1 import decode_pb2, vision_pb2
+from tests.polling import until
 from tests.service.test_decode import add_instance
 from tests.service.test_decode_reload import reload
 from tests.service.test_server import scrape
@@ -30,6 +31,10 @@ TENANTS: dict[str, Any] = {
 
 def place(request_id: str, kv: int = 100, **fields: Any) -> decode_pb2.PlaceDecodeRequest:
     return decode_pb2.PlaceDecodeRequest(request_id=request_id, kv_tokens=kv, **fields)
+
+
+def gauge(d: Any, name: str, tenant: str) -> float | None:
+    return scrape(d).get((name, (("tenant", tenant),)))
 
 
 async def refused(call: Any) -> grpc.aio.AioRpcError:
@@ -55,11 +60,12 @@ async def test_decode_caps_per_tenant() -> None:
         await c.decode.PlaceDecode(place("s1", 600, tenant="small"))
         await refused(c.decode.PlaceDecode(place("s2", 600, tenant="small")))
         await c.decode.PlaceDecode(place("s2", 400, tenant="small"))
-        m = scrape(d)
-        assert m[("fulcrum_tenant_shed_total",
-                  (("balancer", "decode"), ("reason", "cap"), ("tenant", "few")))] >= 1
-        assert m[("fulcrum_tenant_decode_placements", (("tenant", "few"),))] == 2
-        assert m[("fulcrum_tenant_decode_kv_tokens", (("tenant", "small"),))] == 1000
+        assert scrape(d)[("fulcrum_tenant_shed_total", (("balancer", "decode"),
+                          ("reason", "cap"), ("tenant", "few")))] >= 1
+        # the per-tenant gauges are set every sweep period (decode.sweep_interval_ms)
+        await until(lambda: gauge(d, "fulcrum_tenant_decode_placements", "few") == 2
+                    and gauge(d, "fulcrum_tenant_decode_kv_tokens", "small") == 1000,
+                    "per-tenant decode gauges")
 
 
 async def test_decode_sheddable_band_is_refused_first_as_the_fleet_fills() -> None:
@@ -91,7 +97,8 @@ async def test_vision_cap_per_tenant() -> None:
         await c.vision.ReleaseImages(vision_pb2.ReleaseImagesRequest(request_id="v1"))
         await c.vision.PlaceImages(vision_pb2.PlaceImagesRequest(
             request_id="v2", images=img, tenant="few"))
-        assert scrape(d)[("fulcrum_tenant_vision_requests", (("tenant", "few"),))] == 1
+        await until(lambda: gauge(d, "fulcrum_tenant_vision_requests", "few") == 1,
+                    "per-tenant vision gauge")
 
 
 async def test_reloaded_tenant_cap_applies_to_the_next_placement() -> None:

@@ -17,6 +17,24 @@ from fulcrum.config.base import RESTART_ONLY, Section
 from fulcrum.config.prefill import CostModelSettings, RefitSettings
 
 
+class KvEventsSettings(Section):
+    """vLLM KV cache events (ZMQ) into the prefix index; see docs/cache-aware.md."""
+
+    enabled: bool = Field(
+        False,
+        description="bind a ZMQ SUB socket for vLLM's KV events (engines: --kv-events-config "
+        "with enable_kv_cache_events true, publisher zmq, endpoint tcp://GATEWAY:PORT, "
+        "topic = the engine's ip:port)",
+        json_schema_extra=RESTART_ONLY,
+    )
+    endpoint: str = Field(
+        "tcp://127.0.0.1:5557",
+        pattern=r"^(tcp|ipc)://.+",
+        description="ZMQ endpoint the gateway binds (tcp://HOST:PORT; port 0 picks one)",
+        json_schema_extra=RESTART_ONLY,
+    )
+
+
 class CacheSettings(Section):
     """Cache-aware endpoint picks by predicted time to first token."""
 
@@ -59,10 +77,15 @@ class CacheSettings(Section):
         "(pick to first response body chunk of streamed responses, minus the predicted "
         "queue); needs the default Envoy mode (the lean mode sends no response message)",
     )
-    learn_per: Literal["endpoint", "all"] = Field(
+    learn_per: Literal["endpoint", "engine", "all"] = Field(
         "endpoint",
-        description="refit one cost model per endpoint (address) or one for all endpoints",
+        description="refit one cost model per endpoint (ip:port), per engine (a pool entry: "
+        "its DP ranks together, one engine class) or one for all endpoints",
         json_schema_extra=RESTART_ONLY,
+    )
+    kv_events: KvEventsSettings = Field(
+        default_factory=lambda: KvEventsSettings(),
+        description="vLLM KV cache events: cache resets and evictions reach the index",
     )
     emit_scores: bool = Field(
         False,

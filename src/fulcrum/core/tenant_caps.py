@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from fulcrum.core.tenants import RequestClass, TenantPolicy
+from fulcrum.core.tenants import RequestClass, TenantPolicy, TenantTable
 
 #: Reasons of a refusal (metric label values).
 CAP: Final = "cap"
@@ -99,7 +99,7 @@ def band_threshold(policy: TenantPolicy, priority: int, reserve: float) -> float
 
 
 def refusal(
-    policy: TenantPolicy,
+    table: TenantTable,
     rc: RequestClass,
     held: TenantHeld,
     caps: tuple[int | None, int | None],
@@ -108,10 +108,11 @@ def refusal(
     reserve: float = 0.0,
 ) -> Refusal | None:
     """Whether a request of class ``rc`` and ``amount`` units may go on: None, or the
-    refusal. ``caps``: the tenant's (max requests, max units), None = no cap; ``fill``:
-    gives the fleet's load, called only for a sheddable request (None: no band
-    shedding); ``reserve``: the fraction of the fleet kept for higher bands (see the
-    module docstring)."""
+    refusal. ``table``: the tenant table (its policy, and whether ``rc`` is sheddable:
+    :meth:`~fulcrum.core.tenants.TenantTable.sheddable`); ``caps``: the tenant's (max
+    requests, max units), None = no cap; ``fill``: gives the fleet's load, called only
+    for a sheddable request (None: no band shedding); ``reserve``: the fraction of the
+    fleet kept for higher bands (see the module docstring)."""
     max_n, max_a = caps
     n, a = held.held(rc.tenant)
     if max_n is not None and n + 1 > max_n:
@@ -121,10 +122,9 @@ def refusal(
                        f"pass its cap ({max_a})")
     if fill is None or reserve <= 0:
         return None
-    spec = policy.classes.get(rc.tenant, policy.default)
-    if not (spec.sheddable or rc.priority in policy.sheddable_priorities):
+    if not table.sheddable(rc):
         return None
-    limit = band_threshold(policy, rc.priority, reserve)
+    limit = band_threshold(table.policy, rc.priority, reserve)
     used = fill().after(amount)
     if used > limit:
         return Refusal(BAND, f"fleet {used:.0%} full: sheddable priority {rc.priority} is "

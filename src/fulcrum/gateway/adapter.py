@@ -112,6 +112,10 @@ class DecodeAdapter:
     def policy_name(self) -> str:
         return self._state.policy_name
 
+    def has_address(self, address: str) -> bool:
+        """``address`` (``ip:port``) serves a decode slot now."""
+        return address in self._addr_slot
+
     # -- slot tables (incremental) ---------------------------------------------------------
 
     def _lookup(self, key: GpuKey) -> str | None:

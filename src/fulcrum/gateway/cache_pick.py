@@ -41,6 +41,7 @@ from fulcrum.gateway import pick_metrics as pm
 from fulcrum.gateway.adapter import DecodeAdapter
 from fulcrum.gateway.body import RequestShape
 from fulcrum.gateway.cost_learn import CostLearner
+from fulcrum.gateway.kv_events import KvEventSink
 from fulcrum.gateway.prefix_index import PrefixIndex, text_blocks
 
 log = structlog.get_logger(__name__)
@@ -89,10 +90,16 @@ class CachePicker:
         self._first: dict[str, tuple[int, int, int, int, float]] = {}
         self._kv_tokens: dict[str, int] = {}  # scraped KV capacity per address (tokens)
         self.default_kv_tokens = 0
+        #: The KV event receiver, once :meth:`kv_sink` made it (gateway.cache.kv_events).
+        self.kv: KvEventSink | None = None
         base = CostModel(settings.cost_model.a, settings.cost_model.b, settings.cost_model.k)
         self._base = base
         self._coef = np.zeros((0, 3), dtype=np.float64)  # (a, b, k) per index slot
-        self.learner = CostLearner(settings.refit, base, settings.learn_per == "endpoint")
+        self.learner = CostLearner(settings.refit, base)
+        self._addr_of: list[str] = []  # index slot -> address
+        #: address -> engine id (the pool entry), for ``learn_per: engine``.
+        self.engine_of: dict[str, str] = {}
+        self._adapter = adapter
         adapter.scrape_listeners.append(self.scraped)
 
     # -- endpoints ---------------------------------------------------------------------------
@@ -121,7 +128,20 @@ class CachePicker:
             self._picks = np.concatenate([self._picks, np.zeros(grow, dtype=np.int64)])
             b = self._base
             self._coef = np.concatenate([self._coef, np.tile([b.a, b.b, b.k], (grow, 1))])
+        while len(self._addr_of) <= slot:
+            self._addr_of.append("")
+        self._addr_of[slot] = address
+        m = self.learner.model(self.learn_key(slot))
+        self._coef[slot] = (m.a, m.b, m.k)
         return slot
+
+    def learn_key(self, slot: int) -> str:
+        """The online refit's key of an index slot (``gateway.cache.learn_per``)."""
+        per = self.settings.learn_per
+        if per == "all":
+            return ""
+        addr = self._addr_of[slot]
+        return self.engine_of.get(addr, addr) if per == "engine" else addr
 
     def scraped(self, address: str, waiting: int, kv_capacity_tokens: int) -> None:
         """The scraper's figures of one endpoint: requests waiting, KV cache (tokens)."""
@@ -130,6 +150,25 @@ class CachePicker:
         if kv_capacity_tokens > 0 and self._kv_tokens.get(address) != kv_capacity_tokens:
             self._kv_tokens[address] = kv_capacity_tokens
             self.index.set_capacity(slot, self._capacity(address))
+
+    def apply_settings(self, settings: CacheSettings) -> None:
+        """Reload: ``emit_scores``, ``refit.*``, ``max_index_blocks`` / ``index_blocks``
+        (the index of every known endpoint is resized); the rest is restart-only."""
+        self.settings = settings
+        self.learner.settings = settings.refit
+        for address, slot in self._slots.items():
+            self.index.set_capacity(slot, self._capacity(address))
+
+    def kv_sink(self) -> KvEventSink:
+        """The receiver of vLLM's KV events for this picker's index."""
+        def slot_of(address: str) -> int | None:
+            got = self._slots.get(address)
+            if got is None and self._adapter.has_address(address):
+                got = self._slot(address)  # an endpoint not picked nor scraped yet
+            return got
+
+        self.kv = KvEventSink(slot_of, self.index.evict_oldest, self.index.clear)
+        return self.kv
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -246,11 +285,10 @@ class CachePicker:
         if got is None:
             return
         i, q, c, t0, load = got
-        model = self.learner.observe(i, q, c, float(now_ns - t0), load, now_ns)
+        key = self.learn_key(i)
+        model = self.learner.observe(key, q, c, float(now_ns - t0), load, now_ns)
         if model is None:
             return
-        row = [model.a, model.b, model.k]
-        if self.learner.per_endpoint:
-            self._coef[i] = row
-        else:
-            self._coef[:] = row
+        for j in range(len(self._addr_of)):
+            if self.learn_key(j) == key:
+                self._coef[j] = (model.a, model.b, model.k)

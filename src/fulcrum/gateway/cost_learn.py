@@ -12,8 +12,9 @@ there (ns). Samples whose remainder is not positive are dropped (the queue was
 over-predicted). Non-streamed responses give no sample: their first body chunk is the
 whole answer. The lean Envoy mode sends no response message, so it learns nothing.
 
-Samples go to one window per endpoint (``learn_per: endpoint``) or one shared window
-(``all``), ``refit.window_samples`` newest kept, in numpy rings (no per-sample Python
+Samples go to one window per key: the endpoint's address (``learn_per: endpoint``), its
+engine (``engine``: a pool entry's id, its DP ranks' ports together: one engine class) or
+one for all (``all``); ``refit.window_samples`` newest kept, in numpy rings (no per-sample Python
 object). At most every ``refit.period_s`` per window, with ``refit.min_samples`` at least,
 the window is refitted with the daemon's one fitter (:func:`fulcrum.core.cost.fit`, the
 same as the prefill refit and ``fulcrum fit-cost``) and the new model is adopted when its
@@ -57,31 +58,24 @@ class _Window:
 
 class CostLearner:
     """Per-key windows and models; :meth:`observe` returns a new model to adopt, or None.
+    Keys (strings: an address, an engine id, or "" for all) are the caller's; at most
+    ``MAX_KEYS`` windows of ``window_samples`` x 24 bytes each (later keys keep the
+    configured model, unlearnt)."""
 
-    Keys are the picker's index slots (``learn_per: endpoint``) or 0 (``all``)."""
+    MAX_KEYS = 1024
 
-    def __init__(self, settings: RefitSettings, base: CostModel, per_endpoint: bool) -> None:
+    def __init__(self, settings: RefitSettings, base: CostModel) -> None:
         self.settings = settings
         self.base = base
-        self.per_endpoint = per_endpoint
-        self._windows: dict[int, _Window] = {}
-        self.models: dict[int, CostModel] = {}
+        self._windows: dict[str, _Window] = {}
+        self.models: dict[str, CostModel] = {}
 
-    def key(self, slot: int) -> int:
-        return slot if self.per_endpoint else 0
-
-    def model(self, slot: int) -> CostModel:
-        """The model in force for an index slot (the configured one until a refit)."""
-        return self.models.get(self.key(slot), self.base)
-
-    def forget(self, slot: int) -> None:
-        """An endpoint left: its window and model go (per-endpoint learning only)."""
-        if self.per_endpoint:
-            self._windows.pop(slot, None)
-            self.models.pop(slot, None)
+    def model(self, key: str) -> CostModel:
+        """The model in force for a key (the configured one until a refit)."""
+        return self.models.get(key, self.base)
 
     def observe(
-        self, slot: int, q: int, c: int, ttft_ns: float, load_ns: float, now_ns: int
+        self, key: str, q: int, c: int, ttft_ns: float, load_ns: float, now_ns: int
     ) -> CostModel | None:
         """One observed first token: ``q`` tokens computed after ``c`` cached (tokens),
         ``ttft_ns`` from pick to first chunk, ``load_ns`` the predicted queue then (ns).
@@ -93,9 +87,10 @@ class CostLearner:
             return None
         pm.TTFT_SAMPLES.labels("kept").inc()
         s = self.settings
-        key = self.key(slot)
         win = self._windows.get(key)
         if win is None:
+            if len(self._windows) >= self.MAX_KEYS:
+                return None
             win = self._windows[key] = _Window(s.window_samples)
         win.add(float(q), float(c), float(ns))
         if not s.enabled or win.n < s.min_samples:
@@ -105,7 +100,7 @@ class CostLearner:
         win.refit_ns = now_ns
         return self._refit(key, win)
 
-    def _refit(self, key: int, win: _Window) -> CostModel | None:
+    def _refit(self, key: str, win: _Window) -> CostModel | None:
         d = win.data[: win.n]
         q, c, ns = d[:, 0], d[:, 1], d[:, 2]
         old_model = self.models.get(key, self.base)
@@ -123,7 +118,7 @@ class CostLearner:
         pm.COST_REFITS.labels("adopted").inc()
         log.info(
             "gateway_cost_model_adopted",
-            key=key if self.per_endpoint else "all",
+            key=key or "all",
             a=new.model.a, b=new.model.b, k=new.model.k,
             old_p90=round(old.rel_err_p90, 4), new_p90=round(new.quality.rel_err_p90, 4),
             samples=new.quality.n,

@@ -69,8 +69,18 @@ COST_REFITS = Counter(
     registry=REGISTRY,
 )
 
+KV_EVENTS = Counter(
+    "fulcrum_gateway_kv_event_batches",
+    "vLLM KV event batches received, by result: ok, garbage (not vLLM's format), "
+    "unknown_engine (topic names no pool endpoint), gap (sequence number skipped).",
+    ["result"],
+    registry=REGISTRY,
+)
+
 for _r in RULES:
     CACHE_PICKS.labels(_r)
+for _r in ("ok", "garbage", "unknown_engine", "gap"):
+    KV_EVENTS.labels(_r)
 for _r in ("kept", "dropped"):
     TTFT_SAMPLES.labels(_r)
 for _r in ("adopted", "kept", "skipped"):

@@ -15,9 +15,10 @@ to Python's cycle collector, so that a full collection never walks millions of e
   ``dict`` block hash -> entry slot, and numpy arrays per entry slot of the hash and its
   last use (a tick of the index, bumped per block recorded). Recording a request touches
   its held blocks and inserts the others as most recent; when that goes past the
-  capacity, the least recently used are evicted (``np.argpartition`` over the engine's
-  ticks: O(capacity) numpy work per evicting record, ~30 us at 20,000 blocks) -- the
-  same eviction an engine's own LRU prefix cache does. The index never grows past the
+  capacity, the least recently used are evicted, with a margin of 1/64 of the capacity
+  (``np.argpartition`` over the engine's ticks: O(capacity) numpy work, ~30 us at 20,000
+  blocks, once per capacity/64 inserts) -- the eviction an engine's own LRU prefix
+  cache does. The index never grows past the
   sum of its engines' capacities, each at most :data:`MAX_ENGINE_BLOCKS`;
 * one inverted map ``hash -> bitset of the engines holding it`` (a Python int, bit
   ``e`` for engine slot ``e``), kept in step by every insert and eviction. A match walks
@@ -76,6 +77,11 @@ def token_blocks(
         out.append(h)
     return out
 
+
+_SPARE_SHIFT: Final = 6
+"""An evicting record frees ``capacity >> 6`` more of the oldest blocks than it needs (a
+1/64 margin), so the O(capacity) selection runs once per that many inserts; an engine
+holds between 63/64 of its capacity and its capacity (exactly LRU below 64 blocks)."""
 
 _FREE: Final = np.iinfo(np.int64).max
 """Tick of a free entry slot (larger than any use, so never chosen for eviction)."""
@@ -182,15 +188,9 @@ class PrefixIndex:
 
     def remove(self, slot: int) -> None:
         """Forget an engine slot and its blocks (the slot may be reused by :meth:`add`)."""
-        lru = self._lru[slot]
-        if lru is None:
-            return
-        bit = 1 << slot
-        for h in lru.pos:
-            self._clear(h, bit)
-        self._size -= len(lru.pos)
-        self._lru[slot] = None
-        self._free.append(slot)
+        if self._forget(slot):
+            self._lru[slot] = None
+            self._free.append(slot)
 
     def capacity(self, slot: int) -> int:
         lru = self._lru[slot]
@@ -269,7 +269,8 @@ class PrefixIndex:
             return
         over = len(pos) + len(new) - lru.cap
         if over > 0:  # the touched blocks are the newest: never among these
-            self._drop(slot, lru, lru.oldest(over))
+            spare = min(lru.cap >> _SPARE_SHIFT, len(pos) - (len(order) - len(new)) - over)
+            self._drop(slot, lru, lru.oldest(over + max(spare, 0)))
         at = lru.take(len(new))
         lru.keys[at] = new
         lru.tick[at] = ticks[~held]
@@ -296,6 +297,22 @@ class PrefixIndex:
             lru.give(np.array(gone, dtype=np.int64))
             self._size -= len(gone)
 
+    def evict_oldest(self, slot: int, n: int) -> None:
+        """Exact mode: the engine dropped ``n`` blocks (identities unknown): evict its
+        ``n`` least recently used."""
+        lru = self._lru[slot]
+        if lru is None:
+            return
+        n = min(n, len(lru.pos))
+        if n > 0:
+            self._drop(slot, lru, lru.oldest(n))
+
+    def clear(self, slot: int) -> None:
+        """Exact mode: the engine's cache was reset: forget its blocks, keep its slot."""
+        lru = self._lru[slot]
+        if self._forget(slot) and lru is not None:
+            self._lru[slot] = _Lru(lru.cap)
+
     # -- internals ---------------------------------------------------------------------------
 
     @staticmethod
@@ -311,6 +328,17 @@ class PrefixIndex:
             where[h] = left
         else:
             where.pop(h, None)
+
+    def _forget(self, slot: int) -> bool:
+        """Take an engine's blocks out of the inverted map (False: no such slot)."""
+        lru = self._lru[slot]
+        if lru is None:
+            return False
+        bit = 1 << slot
+        for h in lru.pos:
+            self._clear(h, bit)
+        self._size -= len(lru.pos)
+        return True
 
     def _drop(self, slot: int, lru: _Lru, victims: IntArray) -> None:
         """Evict these entry slots of one engine."""

@@ -23,6 +23,7 @@ from fulcrum.config.gateway import GatewaySettings
 from fulcrum.gateway.adapter import DecodeAdapter, PrefillAdapter
 from fulcrum.gateway.body import load_tokenizer
 from fulcrum.gateway.extproc import SERVICE, Picker, add_to_server
+from fulcrum.gateway.kv_events import subscribe
 from fulcrum.gateway.pool import StaticPool
 from fulcrum.gateway.prefill import PrefillProxy
 from fulcrum.gateway.scrape import Scraper
@@ -47,6 +48,8 @@ class Gateway:
     port: int
     health_port: int
     scraper: Scraper | None = None
+    #: The ZMQ endpoint bound for vLLM's KV events ("" when off or it failed).
+    kv_endpoint: str = ""
     _started: bool = field(default=False)
     _drain_task: asyncio.Future[None] | None = None
 
@@ -66,6 +69,7 @@ class Gateway:
             app.every(interval, prefill.keep_alive, "gateway-prefill-keepalive")
         if self.scraper is not None:
             app.spawn(self.scraper.run(), "gateway-scrape")
+        await self._start_kv_events()
         await self.health_server.start()
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
@@ -80,6 +84,21 @@ class Gateway:
             endpoints=len(self.pool.addresses),
             policy=self.picker.adapter.policy_name,
         )
+
+    async def _start_kv_events(self) -> None:
+        """gateway.cache.kv_events: the subscriber task (a failed bind is logged; the picks
+        stay approximate)."""
+        ks = self.app.settings.gateway.cache.kv_events
+        cache = self.picker.cache
+        if cache is None or not ks.enabled:
+            return
+        bound: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.app.spawn(subscribe(ks.endpoint, cache.kv_sink(), bound), "gateway-kv-events")
+        try:
+            self.kv_endpoint = await bound
+        except Exception:
+            return
+        log.info("gateway_kv_events_bound", endpoint=self.kv_endpoint)
 
     def _on_drain(self) -> None:
         """The daemon drains: the gateway should stop sending new requests here."""

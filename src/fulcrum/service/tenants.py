@@ -150,8 +150,13 @@ def install_filter(
         added.append(f)
         log.info("tenant_filter_added", balancer=balancer)
 
+    def flush(now_ns: int) -> None:
+        for f in added:
+            f.flush()
+
     ensure(app.settings)
     app.reload_hooks.append(ensure)  # after tenancy's own hook: the new policy is read
+    app.every(lambda: state.settings.sweep_interval_ms / 1000, flush, f"{balancer}-tenants")
 
 
 def decode_caps(spec: TenantSpec) -> tuple[int | None, int | None]:

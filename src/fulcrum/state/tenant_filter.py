@@ -5,9 +5,10 @@ The decision is :func:`fulcrum.core.tenant_caps.refusal` (pure); this shell keep
 per-tenant counts (:class:`fulcrum.core.tenant_caps.TenantHeld`) from the table's
 ``held``/``freed`` calls, answers a refusal with RESOURCE_EXHAUSTED and ``retry-after-ms``
 (before anything changes), counts it in ``fulcrum_tenant_shed`` and keeps the per-tenant
-gauges. It never narrows the GPUs (``allowed`` returns None: the fast path). Memory: one
-entry per held request (bounded by the table's ``max_held``) and one per tenant holding
-something. Event loop only.
+gauges (set by :meth:`TenantFilter.flush`, every sweep period). It never narrows the
+GPUs (``allowed`` returns None: the fast path). Memory: one entry per held request
+(bounded by the table's ``max_held``) and one per tenant holding something. Event loop
+only.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class TenantFilter(Generic[R]):
         self._by_id: dict[str, tuple[str, str, int]] = {}
         #: The same counts by metric label (several unconfigured tenants share 'other').
         self._labels = TenantHeld()
+        self._children: dict[str, tuple[Gauge, Gauge | None]] = {}
+        self._dirty: set[str] = set()  # labels whose gauges :meth:`flush` sets
 
     def allowed(self, request: R, slots: int, now_ns: int) -> None:
         """None (no narrowing), or ResourceExhausted when the request's class may not
@@ -74,7 +77,7 @@ class TenantFilter(Generic[R]):
         rc = request.cls
         table = self.table
         spec = table.spec(rc.tenant)
-        out = refusal(table.policy, rc, self.counts, self._caps(spec), self._amount(request),
+        out = refusal(table, rc, self.counts, self._caps(spec), self._amount(request),
                       self._fill, self._reserve())
         if out is None:
             return None
@@ -89,7 +92,7 @@ class TenantFilter(Generic[R]):
         self._by_id[request_id] = (tenant, label, amount)
         self.counts.add(tenant, amount)
         self._labels.add(label, amount)
-        self._gauge(label)
+        self._dirty.add(label)
 
     def freed(self, request_id: str) -> None:
         """``request_id`` holds nothing any more (released, expired or lost)."""
@@ -99,11 +102,20 @@ class TenantFilter(Generic[R]):
         tenant, label, amount = entry
         self.counts.remove(tenant, amount)
         self._labels.remove(label, amount)
-        self._gauge(label)
+        self._dirty.add(label)
 
-    def _gauge(self, label: str) -> None:
-        n, a = self._labels.held(label)
-        held, units = self._gauges
-        held.labels(label).set(n)
-        if units is not None:
-            units.labels(label).set(a)
+    def flush(self) -> None:
+        """Set the per-tenant gauges of the labels that changed since the last flush (the
+        shell calls it periodically: a gauge set costs a lock, not paid per placement)."""
+        for label in self._dirty:
+            children = self._children.get(label)
+            if children is None:  # labels() is slow: resolved once per (bounded) label
+                held, units = self._gauges
+                children = (held.labels(label),
+                            None if units is None else units.labels(label))
+                self._children[label] = children
+            n, a = self._labels.held(label)
+            children[0].set(n)
+            if children[1] is not None:
+                children[1].set(a)
+        self._dirty.clear()

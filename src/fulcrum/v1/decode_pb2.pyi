@@ -45,12 +45,13 @@ class PlaceDecodeRequest(_message.Message):
     """
     priority: _builtins.int
     """Priority band, higher first (default 0), within tenants.min_priority ..
-    tenants.max_priority (INVALID_ARGUMENT naming priority otherwise). When the fleet is
-    nearly full, lower bands are refused first.
+    tenants.max_priority (INVALID_ARGUMENT naming priority otherwise). A sheddable class
+    (tenants.*.sheddable, tenants.sheddable_priorities) is refused as the fleet fills,
+    lower bands first (decode.band_reserve).
     """
     ttft_slo_ms: _builtins.int
     """Time-to-first-token deadline, in milliseconds, as SubmitRequest.ttft_slo_ms
-    (validated and counted per tenant; decode does not order by it).
+    (validated; decode does not order by it).
     """
     def __init__(
         self,

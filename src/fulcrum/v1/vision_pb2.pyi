@@ -71,8 +71,9 @@ class PlaceImagesRequest(_message.Message):
     """
     priority: _builtins.int
     """Priority band, higher first (default 0), within tenants.min_priority ..
-    tenants.max_priority (INVALID_ARGUMENT naming priority otherwise). When the VEs are
-    nearly full, lower bands are refused first.
+    tenants.max_priority (INVALID_ARGUMENT naming priority otherwise). A sheddable class
+    (tenants.*.sheddable, tenants.sheddable_priorities) is refused as the fleet fills,
+    lower bands first (vision.band_reserve).
     """
     ttft_slo_ms: _builtins.int
     """Time-to-first-token deadline, in milliseconds, as SubmitRequest.ttft_slo_ms

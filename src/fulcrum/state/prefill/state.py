@@ -440,10 +440,6 @@ class PrefillState:
         self.dispatcher.dispatch_all()
         return True
 
-    def apply_tenants(self) -> None:
-        """The tenant table's policy was reloaded: the queue order uses it at once."""
-        self.apply_settings(self.settings)
-
     def drain(self) -> None:
         """Refuse new submits, fail queued ones with UNAVAILABLE, end every long poll."""
         self.draining = True
