@@ -55,8 +55,9 @@ from fulcrum.v1 import prefill_pb2 as ppb  # noqa: E402
 from fulcrum.v1 import prefill_pb2_grpc as p_grpc  # noqa: E402
 
 TTL_S = 3
-#: An engine of the bench is still running what it pulled this long ago (seconds).
-HOLD_S = 2.0
+#: An engine of the bench declares what it pulled this long ago, as PrefillEngineLoop
+#: declares what it runs or ran in the last ``remember_s`` (30 s) (seconds).
+HOLD_S = 30.0
 KEY = "/fulcrum-bench/failover/leader"
 STUBS: dict[str, Any] = {"fleet": f_grpc.FleetServiceStub,
                          "prefill": p_grpc.PrefillBalancerServiceStub,
@@ -144,7 +145,7 @@ class Load:
         f = Follower(self.addresses)
         inc = 0
         acks: list[str] = []
-        # what it pulled in the last HOLD_S seconds is still running on it: declared when it
+        # what it pulled in the last HOLD_S seconds it runs or ran: declared when it
         # registers again (a new leader), so a retried Submit of one is not handed out twice
         running: dict[str, tuple[float, fpb.HeldPrefillRequest]] = {}
         while not done.is_set() or acks:

@@ -117,8 +117,10 @@ async def test_the_engine_kit_declares_what_it_still_has_queued() -> None:
         batch = await eng.pull(100 * S, max_wait_ms=5_000)
         assert [r.request_id for r in batch.requests] == ["r1"]
         await sub
-        declared = eng.held()
+        declared = eng.held(now_s=100.0)
         assert [(h.request_id, h.total_tokens, h.cached_tokens) for h in declared] == [
             ("r1", 1000, 0)]
-        eng.step([1e15, 1e15])  # runs it to the end: nothing is held any more
-        assert eng.held() == []
+        eng.step([1e15, 1e15])  # runs it to the end: still declared while remembered
+        assert [h.request_id for h in eng.held(now_s=200.0)] == ["r1"]  # seen finished
+        assert [h.request_id for h in eng.held(now_s=200.0 + eng.remember_s - 1)] == ["r1"]
+        assert eng.held(now_s=200.0 + eng.remember_s) == []

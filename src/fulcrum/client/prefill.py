@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -109,17 +110,29 @@ class PrefillEngine:
         self.last_assignment: fleet_pb2.PrefillAssignment | None = None
         #: Accepted requests as pulled: id -> (DP rank, total tokens, cached tokens).
         self.accepted: dict[str, tuple[int, int, int]] = {}
+        #: Finished ones, remembered :attr:`remember_s` seconds: id -> (when, as pulled).
+        self.finished: dict[str, tuple[float, tuple[int, int, int]]] = {}
+        #: How long a finished request is still declared (seconds; longer than a failover).
+        self.remember_s = 30.0
 
-    def held(self) -> list[fleet_pb2.HeldPrefillRequest]:
-        """The accepted requests still queued on a rank, as pulled: declared when the
-        engine registers again (a failover or a daemon restart), so that a retried Submit
-        of one gets this engine instead of running twice. Forgets the finished ones."""
+    def held(self, now_s: float | None = None) -> list[fleet_pb2.HeldPrefillRequest]:
+        """The accepted requests this engine still runs or ran in the last
+        :attr:`remember_s` seconds, as pulled (newest last, at most :data:`MAX_HELD`):
+        declared when the engine registers again (a failover or a daemon restart), so that
+        a retried Submit of one gets this engine instead of running twice (its submitter
+        may never have heard the old daemon's answer). ``now_s``: monotonic seconds."""
+        now = time.monotonic() if now_s is None else now_s
         queued = {t.request_id for r in range(self.planner.n_ranks)
                   for t in self.planner.queue(r)}
-        self.accepted = {k: v for k, v in self.accepted.items() if k in queued}
+        for k in [k for k in self.accepted if k not in queued]:
+            self.finished[k] = (now, self.accepted.pop(k))
+        self.finished = {k: v for k, v in self.finished.items()
+                         if now - v[0] < self.remember_s}
+        rows = [*(v for _, v in self.finished.values()), *self.accepted.values()]
+        keys = [*self.finished, *self.accepted]
         return [fleet_pb2.HeldPrefillRequest(request_id=k, dp_rank=r, total_tokens=t,
                                              cached_tokens=c)
-                for k, (r, t, c) in list(self.accepted.items())[:MAX_HELD]]
+                for k, (r, t, c) in list(zip(keys, rows, strict=True))[-MAX_HELD:]]
 
     async def refresh_model(self) -> CostModel:
         """Fetch the cost model in force and plan with it from now on."""
@@ -268,6 +281,7 @@ class PrefillEngineLoop:
         if old is not None:  # what it had acknowledged is still its own to run (declared)
             self.engine.planner = old.planner
             self.engine.accepted = old.accepted
+            self.engine.finished = old.finished
         self._adopt(reply.prefill)
         self.counts["registrations"] += 1
         self._on_event("registered" if old is None else "reregistered",
