@@ -574,15 +574,11 @@ class PlacementTable(Generic[M, SettingsT, ReleasedT]):
     counters, the :class:`Publisher`, the fleet-listener protocol (join, load, leave,
     lapse), release, expiry and the filter list (:attr:`filters`). A balancer (subclass)
     keeps only its per-GPU fleet arrays and its ``place`` (the policy's ``select`` over
-    those arrays, after :meth:`_admit` and :meth:`_allowed`), through these hooks:
-
-    - ``_init_arrays(capacity)``, ``_resize(capacity, index)``: the per-GPU arrays;
-    - ``_open(member, start, gpus) -> M``, ``_close(slots)``, ``_move(slots, start)``,
-      ``_write_load(slots, load)``, ``_read(slots)``: one member's slots;
-    - ``_drop(slots) -> lost``: held placements on a member that leaves;
-    - ``_unhold(request_id, record) -> units`` and ``_released(request_id, lease,
-      now_ns)``: what a held record frees;
-    - ``_count_expired(n, units)``: its expiry metrics and log line.
+    those arrays, after :meth:`_admit` and :meth:`_allowed`), through the hooks below:
+    the per-GPU arrays (``_init_arrays``, ``_resize``), one member's slots (``_open``,
+    ``_close``, ``_move``, ``_write_load``, ``_read``), held placements on a member that
+    leaves (``_drop``), what a held record frees (``_unhold``, ``_released``) and the
+    expiry metrics and log line (``_count_expired``).
     """
 
     KIND: ClassVar[TableKind]

@@ -1,6 +1,6 @@
 """Who takes a tier's work among the engines waiting to pull: the step both shells share.
 
-The daemon (waiting long polls, ``state/prefill.py`` ``_dispatch``) and the simulator
+The daemon (waiting long polls, ``state/prefill/dispatcher.py``) and the simulator
 (engines at a step boundary, ``sim/engine.py`` ``_pull``) both offer every waiting engine
 and need the one that takes ``tier``'s work now: among the offers whose source tier (the
 rule set's source rule) is ``tier``, the balancer's puller choice. Pure.
