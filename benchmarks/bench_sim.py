@@ -15,8 +15,12 @@ prefill load of 1.0 and then kept fixed, so that prefill is what is measured.
   prefill and decode utilisation (useful compute without the fixed per-step cost over all
   GPU-seconds of the run, idle engines included).
 * **Diagnostics**: the old per-step balance ratio and the default's loss split.
+* **Per-engine prefix caches** (:data:`PER_ENGINE`, issue 21): the default against every
+  prefix-aware baseline (:data:`PREFIX_POLICIES`) with no global KV pool, and each one's
+  block hit ratio at the fixed load.
 
-Run alone: ``.venv/bin/python benchmarks/bench_sim.py [--quick]``.
+Run alone: ``.venv/bin/python benchmarks/bench_sim.py [--quick]``; one case:
+``... --case mooncake-per-engine --json FILE`` then ``--render-per-engine FILE``.
 """
 
 from __future__ import annotations
@@ -93,6 +97,10 @@ class Case:
     seed: int = SEED
     start_s: float = 0.0
     length_scale: float = 1.0
+    #: Prefix-cache model of the prefill fleet (``prefill.cache_model``) and the policies
+    #: run (empty: :data:`POLICIES`, or :data:`QUICK_POLICIES` in quick mode).
+    cache_model: str = "global"
+    policies: tuple[str, ...] = ()
 
 
 #: Whole traces (ServeGen: one ten-minute window of its 35 clients): a window of a few
@@ -120,6 +128,21 @@ HELDOUT = (
          source="synthetic", seed=4),
     Case("azure-conv-x4", "Azure LLM 2023 conversation, prompts x4 (up to 56K tokens)",
          None, None, 800, source="azure-conv", length_scale=4.0),
+)
+
+
+#: The prefix-aware baselines (issue 21): the same pull without the prefix index, and the
+#: prefix-aware push routers of :mod:`fulcrum.sim.baselines` (llm-d's ``3 x prefix + 2 x
+#: load`` and SGLang's cache-aware rule), beside the best prefix-blind push.
+PREFIX_POLICIES = ("default", "default_noaffinity", "prefix_load", "cache_aware", "least_work")
+
+#: Per-engine prefix caches (``prefill.cache_model: per_engine``, no global KV pool): the
+#: one shared trace with block hashes, its first 4,000 requests as in issue 21 (quick: 600).
+#: The generated conversation traces are in ``benchmarks/bench_affinity.py``.
+PER_ENGINE = (
+    Case("mooncake-per-engine", "Mooncake, per-engine prefix caches",
+         4000, None, 600, source="mooncake", cache_model="per_engine",
+         policies=PREFIX_POLICIES),
 )
 
 
@@ -203,6 +226,8 @@ def _load(case: Case, quick: bool) -> tuple[list[W.Request], Cluster]:
     if case.length_scale != 1.0:
         reqs = W.scale_length(reqs, case.length_scale)
     base = Cluster()
+    if case.cache_model != "global":
+        base = base.with_overrides(prefill={"cache_model": case.cache_model})
     at_one, _ = scenarios.scale_to_load(reqs, base, 1.0)
     cluster = scenarios.size_vision(at_one, scenarios.size_decode(at_one, base))
     return reqs, cluster
@@ -251,7 +276,7 @@ def _cell(v: float | None, digits: int = 3) -> str:
 
 def run_case(case: Case, quick: bool) -> dict[str, Any]:
     """Goodput and fixed-load summaries of every policy on one workload (JSON-ready)."""
-    names = list(QUICK_POLICIES if quick else POLICIES)
+    names = list(case.policies or (QUICK_POLICIES if quick else POLICIES))
     t0 = time.perf_counter()
     reqs, cluster = _load(case, quick)
     base_load = scenarios.offered_load(reqs, cluster)
@@ -388,13 +413,34 @@ def render_heldout(results: list[dict[str, Any]]) -> str:
     return "\n".join([md_table(["workload", "requests", *names], rows), "", *verdicts]) + "\n"
 
 
+def render_per_engine(results: list[dict[str, Any]]) -> str:
+    """The per-engine goodput table (issue 21: every prefix-aware baseline beside the
+    default), with the block hit ratio at the fixed load, from :func:`run_case` results."""
+    if not results:
+        return ""
+    names = results[0]["names"]
+    hits = [[r["case"]] + [_cell(r["fixed"][n].get("block_hit_ratio")) for n in names]
+            for r in results]
+    return "\n".join([
+        "", "#### Per-engine prefix caches", "",
+        "Each prefill engine caches its own prefixes (`prefill.cache_model: per_engine`, "
+        "no global KV pool); same search and SLOs. `default_noaffinity` is the default "
+        "pull without the prefix index; `prefix_load` and `cache_aware` are the "
+        "prefix-aware push routers of `fulcrum.sim.baselines` (llm-d-style, SGLang's rule).",
+        "", render_heldout(results), f"Block hit ratio at rho {FIXED_LOAD}:", "",
+        md_table(["trace", *names], hits),
+    ]) + "\n"
+
+
 def run(quick: bool) -> str:
     """The markdown section (see module docstring)."""
     t_start = time.perf_counter()
     cases = [c for c in CASES if not quick or c.name in ("mooncake", "synthetic")]
     results = [run_case(c, quick) for c in cases]
     heldout = [] if quick else [run_case(c, quick) for c in HELDOUT]
+    per_engine = [run_case(c, quick) for c in PER_ENGINE]
     text = render(results, quick, time.perf_counter() - t_start)
+    text += render_per_engine(per_engine)
     if heldout:
         text += ("\n#### Held-out workloads\n\nNot looked at while the defaults were "
                  "chosen; same search, SLOs and policies.\n\n" + render_heldout(heldout))
@@ -406,10 +452,13 @@ def _main(argv: list[str]) -> None:  # pragma: no cover - manual runs
     processes); ``--render FILE...``: the markdown from such files; else :func:`run`."""
     quick = "--quick" in argv
     if "--case" in argv:
-        case = next(c for c in (*CASES, *HELDOUT)
+        case = next(c for c in (*CASES, *HELDOUT, *PER_ENGINE)
                     if c.name == argv[argv.index("--case") + 1])
         out = Path(argv[argv.index("--json") + 1])
         out.write_text(json.dumps(run_case(case, quick)))
+    elif "--render-per-engine" in argv:
+        files = argv[argv.index("--render-per-engine") + 1:]
+        print(render_per_engine([json.loads(Path(f).read_text()) for f in files]))
     elif "--render-heldout" in argv:
         files = argv[argv.index("--render-heldout") + 1:]
         print(render_heldout([json.loads(Path(f).read_text()) for f in files]))

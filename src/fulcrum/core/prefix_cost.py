@@ -22,6 +22,7 @@ Pure: numpy in, numpy out; no clock, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +82,20 @@ def predicted_ttft_ns(
     load = np.maximum(np.asarray(load_ns, dtype=np.float64), 0.0)
     out: FloatArray = load + cost
     return out
+
+
+def predicted_ttft_one_ns(
+    load_ns: int, cached_tokens: int, prompt_tokens: int, cost_ns: Callable[[int, int], int],
+) -> int:
+    """:func:`predicted_ttft_ns` for one engine, in integers: ``max(load_ns, 0) +
+    cost_ns(q, c)`` with ``(q, c)`` split as :func:`miss_tokens` does (``c`` = cached
+    tokens clipped to ``[0, prompt_tokens - 1]``, ``q = prompt_tokens - c``; tokens).
+    ``cost_ns(q, c)``: the cost model in integer ns (e.g. :meth:`CostModel.cost_ns`). The
+    scalar form for decisions that price a few engines per request without numpy (the
+    prefill pull's affinity, :mod:`fulcrum.core.prefill.order`)."""
+    top = max(int(prompt_tokens) - 1, 0)
+    c = min(max(int(cached_tokens), 0), top)
+    return max(int(load_ns), 0) + cost_ns(max(int(prompt_tokens) - c, 0), c)
 
 
 @dataclass(frozen=True, slots=True)

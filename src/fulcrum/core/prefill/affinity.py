@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from fulcrum.core.prefix_cost import predicted_ttft_one_ns
+
 DEFAULT_BLOCK_TOKENS: Final = 512
 """Tokens per KV block of the prefix identity (Mooncake's traces use 512)."""
 
@@ -247,14 +249,13 @@ class Affinity:
 
     def cost_on(self, engine_id: str, total: int, blocks: Sequence[int]) -> int:
         """Predicted cost (ns) of a ``total``-token request with ``blocks`` on ``engine_id``."""
-        c = self.index.cached_tokens(self.index.match(engine_id, blocks), total)
-        return self.cost_ns(total - c, c)
+        held = self.index.match(engine_id, blocks) * self.index.block_tokens
+        return predicted_ttft_one_ns(0, held, total, self.cost_ns)
 
     def expected_cost(self, total: int, blocks: Sequence[int], cached: int = 0,
                       engines: Iterable[str] | None = None) -> int:
         """The cost (ns) a request is expected to have where affinity sends it: at the
         longest prefix any engine holds (at least ``cached`` tokens). The tier split
         counts demand at this cost."""
-        c = self.index.cached_tokens(self.index.best_match(blocks, engines), total)
-        c = max(c, min(cached, total - 1))
-        return self.cost_ns(total - c, c)
+        held = self.index.best_match(blocks, engines) * self.index.block_tokens
+        return predicted_ttft_one_ns(0, max(held, cached), total, self.cost_ns)

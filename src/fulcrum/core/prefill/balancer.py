@@ -503,8 +503,11 @@ class PrefillBalancer:
             able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
         else:
             assert now_ns is not None and self.affinity is not None
-            able = aff_order.able(self.affinity, offers, now_ns, w,
-                                  lambda o, it: self._can_take_item(tier, o, it))
+            aff = self.affinity
+            able = aff_order.able(aff, offers, now_ns, w,
+                                  lambda o, it: self._can_take_item(tier, o, it),
+                                  lambda e, it, m: aff_order.finish_ns(
+                                      aff, self.engine(e), it, m, now_ns))
         if not able:
             return -1
         return self.config.rules.puller.choose(able, offers)
@@ -544,9 +547,9 @@ class PrefillBalancer:
         if len(loads) != eng.dp_ranks:
             raise ValueError(f"rank_loads_ns: must have {eng.dp_ranks} entries")
         eng.load_ns = sum(loads)
+        aff_order.seen(eng, loads, (), (), now_ns)  # its own finish is priced from these
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
-            aff_order.seen(eng, loads, (), (), now_ns)
             return Taken(tier=tier)
         pull = self._start_pull(eng, tier, loads, remaining_ns, limit, alive, now_ns)
         pull.run(self.queued(tier, now_ns), alive, self.cost_for)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from fulcrum.core.prefill.affinity import Affinity
 from fulcrum.core.prefill.items import EngineEntry, Offer, Queued
+from fulcrum.core.prefix_cost import predicted_ttft_one_ns
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,6 @@ def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window,
     return [x[2] for x in ranked]
 
 
-
 def seen(eng: EngineEntry, loads: Sequence[int], ranks: Sequence[int],
          costs: Sequence[int], now_ns: int | None) -> None:
     """Remember ``eng``'s least-loaded rank load (ns) after a pull at ``now_ns``: its
@@ -101,32 +101,39 @@ def seen(eng: EngineEntry, loads: Sequence[int], ranks: Sequence[int],
 
 def matched_cost(aff: Affinity, item: Queued, matched: int) -> int:
     """Quota (ns) ``item`` costs an engine holding ``matched`` of its leading blocks: its
-    miss tokens priced by the cost model, never above what a global pool's ``cached``
+    miss tokens priced by the cost model (:func:`fulcrum.core.prefix_cost.predicted_ttft_one_ns`
+    at no load, the gateway's pricing), never above what a global pool's ``cached``
     would give."""
-    c = aff.index.cached_tokens(matched, item.total)
-    return min(item.cost_ns if item.cached else aff.cost_ns(item.total, 0),
-               aff.cost_ns(item.total - c, c))
+    return min(_pool_cost(aff, item), predicted_ttft_one_ns(
+        0, matched * aff.index.block_tokens, item.total, aff.cost_ns))
+
+
+def _pool_cost(aff: Affinity, item: Queued) -> int:
+    """``item``'s cost (ns) with a global pool's ``cached`` (its ``cost_ns``), or its
+    full prompt's when none is reported: the most any engine is charged."""
+    return item.cost_ns if item.cached else predicted_ttft_one_ns(
+        0, 0, item.total, aff.cost_ns)
 
 
 def finish_ns(aff: Affinity, eng: EngineEntry | None, item: Queued, matched: int,
               now_ns: int) -> int:
     """Predicted finish (ns from now) of ``item`` on engine ``eng`` holding ``matched`` of
-    its leading blocks: that engine's least-loaded rank's load after its latest pull,
-    drained by the time since (1 ns per ns), plus the request's cost there."""
-    cost = matched_cost(aff, item, matched)
-    if eng is None:
-        return cost
-    return max(0, eng.min_rank_ns - max(0, now_ns - eng.seen_ns)) + cost
+    its leading blocks (:func:`fulcrum.core.prefix_cost.predicted_ttft_one_ns`): that
+    engine's least-loaded rank's load after its latest pull, drained by the time since
+    (1 ns per ns), plus the request's cost there (:func:`matched_cost`)."""
+    load = 0 if eng is None else max(0, eng.min_rank_ns - max(0, now_ns - eng.seen_ns))
+    return load + matched_cost(aff, item, matched)
 
 
 def able(aff: Affinity, offers: Sequence[Offer], now_ns: int, w: Window,
-         can_take: Callable[[Offer, Queued], bool]) -> list[int]:
+         can_take: Callable[[Offer, Queued], bool],
+         finish: Finish | None = None) -> list[int]:
     """Indices of the ``offers`` able (``can_take``) to take the first request of their
-    take order over ``w``, narrowed to those holding the longest prefix of it (when any
-    holds one)."""
+    take order over ``w`` (:func:`order_for`, with ``finish`` as the pull's own order
+    uses it), narrowed to those holding the longest prefix of it (when any holds one)."""
     firsts: dict[int, Queued] = {}
     for i, o in enumerate(offers):
-        order = order_for(aff, o.engine_id, now_ns, w)
+        order = order_for(aff, o.engine_id, now_ns, w, finish)
         if order and can_take(o, order[0]):
             firsts[i] = order[0]
     found = list(firsts)

@@ -1,0 +1,125 @@
+"""The pull's affinity prices a request as the gateway's cache-aware pick does (issue 21:
+one function in core, two shells), and every decision of the pull uses the prediction."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fulcrum.core.cost import CostModel
+from fulcrum.core.prefill import order as aff_order
+from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
+from fulcrum.core.prefill.balancer import BalancerConfig, PrefillBalancer, Queued
+from fulcrum.core.prefill.items import EngineEntry, Offer
+from fulcrum.core.prefix_cost import Coefficients, predicted_ttft_ns, predicted_ttft_one_ns
+
+S = 1_000_000_000
+MS = 1_000_000
+
+
+def cost(q: int, c: int) -> int:
+    """1 ms per computed token plus 1 ms fixed (ns)."""
+    return MS * q + MS
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    load=st.integers(-10 * S, 10 * S), cached=st.integers(-5, 200_000),
+    prompt=st.integers(0, 200_000),
+)
+def test_scalar_prediction_is_the_vector_one(load: int, cached: int, prompt: int) -> None:
+    model = CostModel(2.0, 56_000.0, 5_000_000.0)
+    one = predicted_ttft_one_ns(load, cached, prompt, model.cost_ns)
+    vec = predicted_ttft_ns(np.array([load]), np.array([cached]), prompt, Coefficients.of(model))
+    assert math.isclose(one, float(vec[0]), rel_tol=1e-12, abs_tol=1.0)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    blocks=st.integers(1, 40), matched=st.integers(0, 40), extra=st.integers(0, 511),
+    min_rank_ms=st.integers(0, 5_000), since_ms=st.integers(0, 5_000),
+)
+def test_pull_finish_is_the_gateways_prediction(blocks: int, matched: int, extra: int,
+                                                min_rank_ms: int, since_ms: int) -> None:
+    """The pull's predicted finish equals the gateway's predicted TTFT for the same load,
+    cached prefix and prompt (a request reporting no global-pool hit)."""
+    model = CostModel(2.0, 56_000.0, 5_000_000.0)
+    aff = Affinity(PrefixIndex(block_tokens=512), model.cost_ns)
+    matched = min(matched, blocks)
+    total = 512 * (blocks - 1) + extra + 1
+    item = Queued("r", total, 0, 0, model.cost_ns(total, 0), 0, tuple(range(blocks)))
+    eng = EngineEntry("e", 1, tier=0, min_rank_ns=min_rank_ms * MS, seen_ns=0)
+    now = since_ms * MS
+    load = max(0, (min_rank_ms - since_ms) * MS)
+    got = aff_order.finish_ns(aff, eng, item, matched, now)
+    want = predicted_ttft_ns(np.array([load]), np.array([matched * 512]), total,
+                             Coefficients.of(model))
+    assert math.isclose(got, float(want[0]), rel_tol=1e-12, abs_tol=1.0)
+    assert aff_order.matched_cost(aff, item, matched) == predicted_ttft_one_ns(
+        0, matched * 512, total, model.cost_ns)
+
+
+def _bal() -> PrefillBalancer:
+    bal = PrefillBalancer(BalancerConfig(
+        bounds=(1_000_000,), batch_cap_ns=(1000 * S, 1000 * S), backlog_rounds=1.0,
+        hysteresis=0.0, max_batch_requests=1,
+    ))
+    aff = Affinity(PrefixIndex(block_tokens=100), cost, max_wait_ns=100 * S)
+    bal.affinity = aff
+    bal.enqueue(Queued("seed", 10, 0, 0, 1, 0))
+    for e in ("a", "b"):
+        aff.index.add_engine(e, 1000)
+        bal.add_engine(e, 1)
+    bal.remove("seed")
+    return bal
+
+
+def _held_request(bal: PrefillBalancer) -> Queued:
+    """``r`` (350 tokens) of which ``a`` holds 200: 151 ms on ``a``, 351 ms on ``b``.
+    ``a`` last pulled with 400 ms on its rank (free at 400 ms): 551 ms > 351 ms."""
+    aff = bal.affinity
+    assert aff is not None
+    aff.index.record("a", (7, 8))
+    assert not bal.take("a", 0, [400 * MS], now_ns=0).items
+    blocks = (7, 8, 9)
+    return Queued("r", 350, 0, 0, aff.expected_cost(350, blocks), 1, blocks)
+
+
+def test_able_uses_the_predicted_finish() -> None:
+    # Order level: with the prediction, b (idle) is able to take r, since a finishes it
+    # later; without it, r waits for its holder whenever one exists.
+    bal = _bal()
+    aff = bal.affinity
+    assert aff is not None
+    item = _held_request(bal)
+    w = aff_order.Window([item], [{"a": 2}])
+    offers = [Offer("b", 100 * S, [0])]
+
+    def finish(e: str, it: Queued, m: int) -> int:
+        return aff_order.finish_ns(aff, bal.engine(e), it, m, 1)
+
+    assert aff_order.able(aff, offers, 1, w, lambda o, it: True, finish) == [0]
+    assert aff_order.able(aff, offers, 1, w, lambda o, it: True) == []
+
+
+def test_choose_puller_and_take_agree_on_a_held_request() -> None:
+    # b's own pull takes r (a is predicted later), so choosing b as the puller must agree.
+    bal = _bal()
+    item = _held_request(bal)
+    bal.enqueue(item)
+    assert bal.choose_puller(0, [Offer("b", 100 * S, [0])], now_ns=1) == 0
+    assert [i.request_id for i in bal.take("b", 100 * S, [0], now_ns=1).items] == ["r"]
+
+
+def test_the_pullers_own_finish_uses_its_current_rank_loads() -> None:
+    # b last pulled with 1 s queued; it now reports an idle rank. Priced from its current
+    # loads (351 ms) it beats the holder a (551 ms) and takes r; priced from its stale
+    # drained prediction (1 s + 351 ms) it would leave r waiting.
+    bal = _bal()
+    item = _held_request(bal)
+    assert not bal.take("b", 0, [1000 * MS], now_ns=0).items
+    bal.enqueue(item)
+    assert [i.request_id for i in bal.take("b", 100 * S, [0], now_ns=1).items] == ["r"]
