@@ -42,15 +42,18 @@ async def test_engines_kv_events_reach_the_gateway(vllm_fleet: VllmFleet) -> Non
         assert sink is not None and g.kv_endpoint == f"tcp://127.0.0.1:{KV_PORT}"
         topics = [f"127.0.0.1:{p}" for p in ports]
 
-        async def stored_everywhere() -> bool:
-            # Each round a fresh prompt of > 3 blocks per engine; the engine's PUB socket
-            # reconnects to the bound subscriber on its own, batches before that are lost.
+        async def stored_everywhere(rnd: int) -> bool:
+            # Each round a prompt of > 3 blocks per engine that no earlier round sent (a
+            # repeated prompt hits the engine's cache and stores no block, so it sends no
+            # event); the engine's PUB socket reconnects to the bound subscriber on its own,
+            # batches before that are lost.
             for i, p in enumerate(ports):
-                await asyncio.to_thread(complete, p, f"kv {i} {len(sink.engines)} " + "w " * 200)
+                await asyncio.to_thread(complete, p, f"kv round {rnd} engine {i} " + "w " * 200)
             return all(t in sink.engines and sink.engines[t].stored > 0 for t in topics)
 
-        for _ in range(10):  # bounded: a few rounds of requests until both engines' events
-            if await stored_everywhere():
+        for rnd in range(20):  # bounded: a few rounds of requests until both engines' events
+            if await stored_everywhere(rnd):
                 break
+        assert all(t in sink.engines for t in topics), (topics, sink.engines)
         assert all(sink.engines[t].stored > 0 for t in topics), sink.engines
         assert not any(e.degraded for e in sink.engines.values())
