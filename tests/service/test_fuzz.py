@@ -289,9 +289,27 @@ async def still_alive(client: FulcrumClient) -> None:
     assert gpus.value >= 0 and float(gpus.value).is_integer(), gpus
 
 
+#: What grpc-python's aio client reports when one of its own stream writes fails after the
+#: call ended (here: its 0.3 s deadline passed mid-stream on a loaded machine): the client
+#: overwrites the call's real status (grpc/grpc#36066, fix proposed in grpc/grpc#43486).
+#: The daemon never sent it; :func:`server_bad_codes` counts what the daemon sent.
+CLIENT_WRITE_FAILED = "Internal error from Core"
+#: Deadline of the lone retry of such a call, seconds.
+RETRY_TIMEOUT_S = 3.0
+
+
 async def fire(channel: grpc.aio.Channel, batch: list[tuple[MethodDescriptor, list[bytes]]]
                ) -> list[Outcome]:
-    return list(await asyncio.gather(*(call_raw(channel, m, p) for m, p in batch)))
+    """Every call of ``batch`` at once. A client-streaming call the client itself turned
+    into INTERNAL (:data:`CLIENT_WRITE_FAILED`, no trailers) is sent again alone with a
+    long deadline, and that answer is the outcome: a daemon that really answers INTERNAL
+    does so again and still fails the test."""
+    out = list(await asyncio.gather(*(call_raw(channel, m, p) for m, p in batch)))
+    for i, ((m, p), o) in enumerate(zip(batch, out, strict=True)):
+        if (m.client_streaming and o.code == grpc.StatusCode.INTERNAL
+                and o.details == CLIENT_WRITE_FAILED and not o.trailers):
+            out[i] = await call_raw(channel, m, p, timeout=RETRY_TIMEOUT_S)
+    return out
 
 
 def assert_clean(outcomes: list[Outcome]) -> None:
