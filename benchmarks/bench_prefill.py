@@ -7,6 +7,11 @@
   from a 1,000-deep queue, then least-loaded ranks over 64 ranks), the choice of the
   waiting engine, a redistribution round (256 engines), and the chunk planner (closed-form
   chunk size; one step of 64 ranks);
+* tenants: one ``take`` (a batch of up to 64 requests, weighted fair queueing) from a
+  10,000-deep queue whose requests belong to 1, 100 or 10,000 tenants (the default
+  ``tenants.max_tenants``), p50 / p99 / max over every take until the queue is nearly
+  empty, and the ratio to one tenant in the same run (issue 23: a decision stays within
+  a few milliseconds at the configured bounds);
 * state: microseconds per request through the daemon's tables without gRPC (submit,
   queue, pull, rank assignment, delivery);
 * daemon: requests per second through Submit + Pull (entrypoint callers and engines
@@ -31,10 +36,13 @@ from fulcrum.client import FulcrumClient
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.config.server import FleetSettings
 from fulcrum.core.cost import DEFAULT_COST_MODEL, DEFAULT_STEP_BUDGET_NS
+from fulcrum.core.prefill.balancer import BalancerConfig, PrefillBalancer, Queued
 from fulcrum.core.prefill.batch import pick_engine, select_batch
 from fulcrum.core.prefill.chunks import PrefillTask, plan_step
 from fulcrum.core.prefill.ranks import assign_ranks
+from fulcrum.core.prefill.rules import RULE_SETS
 from fulcrum.core.prefill.tiers import allocate, assign_engines, tier_of
+from fulcrum.core.tenants import RequestClass, TenantPolicy
 from fulcrum.core.types import MemberKind, PrefillEngineShape
 from fulcrum.logs import configure as configure_logs
 from fulcrum.state.fleet import Fleet
@@ -48,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # pragma: no cover - direct execution
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import best_of, md_table, progress  # noqa: E402
+from benchmarks.common import best_of, md_table, percentiles, progress  # noqa: E402
 
 TIERS = 4
 ENGINES = 256
@@ -105,6 +113,39 @@ def core_table(quick: bool) -> str:
     ]
     rows.append(("pull decision per request delivered", pull_s / max(1, batch_n)))
     return md_table(["decision", "us"], [(name, f"{t * 1e6:,.2f}") for name, t in rows])
+
+
+def _tenant_takes(tenants: int, depth: int, batch: int) -> list[float]:
+    """Seconds per ``take`` of up to ``batch`` requests from a ``depth``-deep queue of 1 ms
+    requests spread round robin over ``tenants`` tenants (one engine of 8 idle ranks)."""
+    bal = PrefillBalancer(BalancerConfig(
+        (16_384, 65_536, 262_144), (8 * S, 32 * S, 128 * S, 512 * S), 8.0, 1.0, 256,
+        RULE_SETS["default"], tenants=TenantPolicy(max_tenants=10_000)))
+    bal.add_engine("e0", 8)
+    ms = 1_000_000
+    for i in range(depth):
+        bal.enqueue(Queued(f"r{i}", 1_000, 0, 0, ms, i,
+                           cls=RequestClass(f"t{i % tenants}", 0, None)))
+    out = []
+    for k in range(depth // batch - 1):
+        t0 = time.perf_counter()
+        taken = bal.take("e0", 10 * S, [0] * 8, limit=batch, now_ns=depth + k)
+        out.append(time.perf_counter() - t0)
+        assert len(taken.items) == batch
+    return out
+
+
+def tenant_table(quick: bool) -> str:
+    """Take cost against the tenant count (see the module docstring)."""
+    depth = 2_000 if quick else 10_000
+    rows, base = [], None
+    for n in (1, 100, 10_000):
+        ts = _tenant_takes(min(n, depth), depth, 64)
+        p50, p99 = percentiles(ts)
+        base = base or p50
+        rows.append((f"{min(n, depth):,}", f"{p50 * 1e6:,.0f}", f"{p99 * 1e6:,.0f}",
+                     f"{max(ts) * 1e6:,.0f}", f"{p50 / base:.2f}x"))
+    return md_table(["tenants", "take p50 us", "p99 us", "max us", "p50 vs one tenant"], rows)
 
 
 async def _state_cost(quick: bool) -> float:
@@ -230,6 +271,8 @@ def run(quick: bool) -> str:
     configure_logs("error")  # the plaintext-transport warning is expected here
     progress("prefill: core cost per decision")
     core = core_table(quick)
+    progress("prefill: take against the tenant count")
+    tenants = tenant_table(quick)
     progress("prefill: daemon tables without gRPC")
     per_req = asyncio.run(_state_cost(quick))
     progress("prefill: Submit + Pull through the daemon")
@@ -252,6 +295,13 @@ Core cost per decision at {TIERS} tiers, {ENGINES} engines, {RANKS} DP ranks per
 queue of 1K-16K-token requests with random cache hits):
 
 {core}
+
+One pull (`take`, a batch of 64 requests of 1 ms in weighted fair order, one engine of
+8 ranks) from a 10,000-deep queue whose requests belong to 1, 100 or 10,000 tenants
+(`tenants.max_tenants` default), over every take until the queue is nearly empty (the
+ledger sweep of idle tenants is in these figures):
+
+{tenants}
 
 Daemon tables (no gRPC): {per_req * 1e6:,.1f} us per request for submit, queue, pull,
 rank assignment over {RANKS} ranks and delivery ({ENGINES} engines registered). Against

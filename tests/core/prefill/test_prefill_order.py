@@ -154,6 +154,38 @@ def test_ledger_stays_bounded_by_max_tenants() -> None:
     assert len(bal.fair.v) <= 10
 
 
+def test_a_sweep_that_frees_nothing_is_not_repeated_on_every_charge() -> None:
+    # 3,000 tenants served once each stay in debt while idle (their virtual time is
+    # past vnow), so a sweep frees nothing; it used to run again on every charge past
+    # SWEEP_AT entries (O(tenants) per request: ~1.5 ms each at 10,000 tenants).
+    bal = make(policy=TenantPolicy(max_tenants=10_000))
+    sweeps = 0
+    sweep = bal.fair._sweep
+
+    def counted() -> None:
+        nonlocal sweeps
+        sweeps += 1
+        sweep()
+
+    bal.fair._sweep = counted  # type: ignore[method-assign]
+    for i in range(3_000):
+        bal.enqueue(q(f"r{i}", f"t{i}", cost=MS * (1 + i % 7)))
+    taken = [take_one(bal, 0) for _ in range(3_000)]
+    assert taken == [f"r{i}" for i in range(3_000)]  # one request per tenant: FIFO
+    assert 1 <= sweeps <= 3
+    assert len(bal.fair.v) <= 10_000
+
+
+def test_past_max_tenants_the_ledger_trims_the_least_debt_with_slack() -> None:
+    bal = make(policy=TenantPolicy(max_tenants=100))
+    for i in range(1_000):
+        bal.enqueue(q(f"r{i}", f"t{i}", cost=MS * (1 + i)))
+        take_one(bal, 0)
+        assert len(bal.fair.v) <= 100
+    # the tenants kept are the ones with the most debt (the latest, most costly ones)
+    assert min(int(t[1:]) for t in bal.fair.v) >= 1_000 - 100
+
+
 @pytest.mark.parametrize(("sheddable", "slo", "shed"), [
     (True, 10 * MS, True), (True, 10 * S, False), (False, 10 * MS, False), (True, None, False)])
 def test_shed_intent(sheddable: bool, slo: int | None, shed: bool) -> None:
