@@ -17,6 +17,7 @@ from fulcrum.sim.conversations import (
     PRESETS,
     SOURCES,
     ConversationSpec,
+    LogNormal,
     _turns,
     generate,
     main,
@@ -121,3 +122,22 @@ def test_any_spec_keeps_the_block_invariant(
 def test_bad_spec_names_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         ConversationSpec(**{field: value})
+
+
+@pytest.mark.parametrize(("median", "sigma", "field"), [
+    (100.0, -1.0, "sigma"), (100.0, float("nan"), "sigma"), (100.0, float("inf"), "sigma"),
+    (0.0, 1.0, "median"), (float("nan"), 1.0, "median")])
+def test_a_bad_length_distribution_names_its_parameter(median: float, sigma: float,
+                                                       field: str) -> None:
+    # before: a negative sigma passed the spec and failed inside numpy at generate time
+    with pytest.raises(ValueError, match=field):
+        LogNormal(median, sigma)
+
+
+def test_a_mean_given_lognormal_has_that_mean() -> None:
+    d = LogNormal.of_mean(295.6, 1.0)
+    assert d.mean == pytest.approx(295.6)
+    rng = np.random.default_rng(3)
+    assert float(np.mean([d.draw(rng) for _ in range(40_000)])) == pytest.approx(295.6, rel=0.03)
+    with pytest.raises(ValueError, match="mean"):
+        LogNormal.of_mean(-1.0, 1.0)

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from fulcrum.config.base import Section
+from fulcrum.config.base import Section, message_bytes
 from fulcrum.config.cache import CacheSettings
 from fulcrum.config.tenancy import GatewayTenancySettings
 
@@ -201,12 +201,7 @@ class GatewaySettings(Section):
         le=10_000_000,
         description="HTTP requests held by the picker at once; beyond it: 429",
     )
-    max_body_bytes: int = Field(
-        16 * 1024 * 1024,
-        ge=1024,
-        le=1 << 30,
-        description="largest request body read; bigger: 413, bytes",
-    )
+    max_body_bytes: int = message_bytes("largest request body read; bigger: 413, bytes")
     retry_after_s: int = Field(
         1, ge=0, le=3600, description="retry-after header of a 429 answer, seconds"
     )

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from fulcrum.config.base import RESTART_ONLY, Section
+from fulcrum.config.base import RESTART_ONLY, Section, message_bytes
 
 
 class AdmissionSettings(Section):
@@ -66,11 +66,8 @@ class ServerSettings(Section):
         description="drain: after the last call in flight ends, keep refusing new calls with "
         "UNAVAILABLE (so clients retry elsewhere) this long before closing, seconds",
     )
-    max_message_bytes: int = Field(
-        16 * 1024 * 1024,
-        ge=1024,
-        le=1 << 30,
-        description="largest message, bytes: a larger request is answered RESOURCE_EXHAUSTED "
+    max_message_bytes: int = message_bytes(
+        "largest message, bytes: a larger request is answered RESOURCE_EXHAUSTED "
         "with a retry-after-ms trailer, up to twice this size (beyond that gRPC itself "
         "refuses it, RESOURCE_EXHAUSTED without the trailer)",
         json_schema_extra=RESTART_ONLY,

@@ -10,18 +10,18 @@ The model (lengths in tokens, times in s):
 
 * **Sessions** arrive as a Poisson process at ``session_rate``. Each picks one of
   ``system_prompts`` shared system prompts by Zipf popularity (exponent ``zipf_s``); a
-  system prompt's length is log-normal (median ``system_median``).
+  system prompt's length is log-normal (``system``, by its median).
 * **Turns per session** follow a two-component geometric mixture: with probability
   ``long_share`` a session is "long" (mean ``long_turns``), else "short" (mean
   ``short_turns``). One geometric cannot give both a published mean and a published
   tail share (e.g. WildChat: 2.54 turns on average and 3.7% of conversations past 10
   turns); the mixture matches both.
 * **Turn k** sends the whole context so far: the system prompt, every earlier user
-  message and answer, and the new user message (log-normal, mean ``user_mean``). With
+  message and answer, and the new user message (log-normal ``user``, by its mean). With
   probability ``doc_prob`` the first user message also carries a document (log-normal,
-  mean ``doc_mean``): long-context chat, as in Kimi's traffic behind Mooncake.
-* **Answers** are log-normal (mean ``output_mean``). The next turn arrives after the
-  answer is read and a reply typed: ``think_median`` (log-normal, *our assumption*: no
+  ``doc``): long-context chat, as in Kimi's traffic behind Mooncake.
+* **Answers** are log-normal (``output``, by its mean). The next turn arrives after the
+  answer is read and a reply typed: ``think`` (log-normal by its median, *our assumption*: no
   data set we found publishes inter-turn gaps) plus ``output_tokens * decode_s_per_token``.
 * **Block ids** (Mooncake ``hash_ids``, one per 512-token block): a full block keeps its
   id for the rest of the session (the system prompt's full blocks are shared by every
@@ -48,6 +48,47 @@ from fulcrum.sim.workload import BLOCK_TOKENS, NS_PER_S, Request, renumber
 
 
 @dataclass(frozen=True, slots=True)
+class LogNormal:
+    """A log-normal length (tokens) or time (s): its ``median`` (> 0) and shape ``sigma``
+    (>= 0). :meth:`of_mean` builds one from a published mean."""
+
+    median: float
+    sigma: float
+
+    def __post_init__(self) -> None:
+        if not (self.median > 0 and math.isfinite(self.median)):
+            raise ValueError(f"median: must be finite and > 0, got {self.median}")
+        if not (self.sigma >= 0 and math.isfinite(self.sigma)):
+            raise ValueError(f"sigma: must be finite and >= 0, got {self.sigma}")
+
+    @classmethod
+    def of_mean(cls, mean: float, sigma: float) -> LogNormal:
+        """The log-normal of shape ``sigma`` whose mean (not median) is ``mean``."""
+        if not mean > 0:
+            raise ValueError(f"mean: must be > 0, got {mean}")
+        return cls(mean * math.exp(-sigma * sigma / 2.0), sigma)
+
+    @property
+    def mean(self) -> float:
+        """The distribution's mean."""
+        return self.median * math.exp(self.sigma * self.sigma / 2.0)
+
+    def draw(self, rng: np.random.Generator) -> float:
+        """One draw."""
+        return float(rng.lognormal(math.log(self.median), self.sigma))
+
+
+#: Shapes of the user-message and answer lengths (*our assumption*: the sources publish
+#: means only), shared by every preset.
+USER_SIGMA: Final = 1.0
+OUTPUT_SIGMA: Final = 0.7
+#: The defaults (the ``wildchat`` preset's lengths; a document's length is ours).
+_USER: Final = LogNormal.of_mean(295.6, USER_SIGMA)
+_OUTPUT: Final = LogNormal.of_mean(441.3, OUTPUT_SIGMA)
+_DOC: Final = LogNormal.of_mean(10_000.0, 0.8)
+
+
+@dataclass(frozen=True, slots=True)
 class ConversationSpec:
     """Parameters of :func:`generate` (meanings in the module docstring; tokens, s)."""
 
@@ -55,28 +96,25 @@ class ConversationSpec:
     session_rate: float = 1.0
     system_prompts: int = 8
     zipf_s: float = 1.0
-    system_median: float = 1_200.0
-    system_sigma: float = 0.6
+    system: LogNormal = LogNormal(1_200.0, 0.6)
     short_turns: float = 1.6
     long_turns: float = 6.3
     long_share: float = 0.2
-    user_mean: float = 295.6
-    user_sigma: float = 1.0
-    output_mean: float = 441.3
-    output_sigma: float = 0.7
+    user: LogNormal = _USER
+    output: LogNormal = _OUTPUT
     doc_prob: float = 0.0
-    doc_mean: float = 10_000.0
-    doc_sigma: float = 0.8
-    think_median: float = 20.0
-    think_sigma: float = 1.0
+    doc: LogNormal = _DOC
+    think: LogNormal = LogNormal(20.0, 1.0)
     decode_s_per_token: float = 0.02
     max_context: int = 131_072
 
     def __post_init__(self) -> None:
-        for name in ("duration_s", "session_rate", "system_median", "user_mean",
-                     "output_mean", "doc_mean", "think_median"):
+        for name in ("duration_s", "session_rate"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0")
+        for name in ("system", "user", "output", "doc", "think"):
+            if not isinstance(getattr(self, name), LogNormal):
+                raise ValueError(f"{name}: must be a LogNormal")
         if self.system_prompts < 1:
             raise ValueError("system_prompts: must be >= 1")
         if not (self.short_turns >= 1.0 and self.long_turns >= 1.0):
@@ -92,15 +130,17 @@ class ConversationSpec:
 PRESETS: Final[dict[str, ConversationSpec]] = {
     # LMSYS-Chat-1M: 2.0 turns per conversation, 69.5 tokens per prompt, 214.5 per answer.
     "lmsys": ConversationSpec(short_turns=1.45, long_turns=4.6, long_share=0.2,
-                              user_mean=69.5, output_mean=214.5),
+                              user=LogNormal.of_mean(69.5, USER_SIGMA),
+                              output=LogNormal.of_mean(214.5, OUTPUT_SIGMA)),
     # WildChat-1M: 2.54 turns per conversation (3.7% past 10 turns), 295.6 tokens per
     # user turn, 441.3 per answer.
     "wildchat": ConversationSpec(),
     # Mooncake (Kimi) conversation trace: mean input 12,035 tokens, mean output 343, a
     # 40% prefix-cache ratio; long documents in the first turn, few turns.
     "kimi": ConversationSpec(short_turns=1.15, long_turns=3.0, long_share=0.15,
-                             user_mean=300.0, output_mean=343.0, doc_prob=0.85,
-                             doc_mean=11_500.0, doc_sigma=0.9),
+                             user=LogNormal.of_mean(300.0, USER_SIGMA),
+                             output=LogNormal.of_mean(343.0, OUTPUT_SIGMA), doc_prob=0.85,
+                             doc=LogNormal.of_mean(11_500.0, 0.9)),
 }
 
 #: Where each preset's published figures come from.
@@ -114,11 +154,6 @@ SOURCES: Final[dict[str, str]] = {
             "trace statistics of the conversation workload "
             "(https://www.usenix.org/system/files/fast25-qin.pdf)",
 }
-
-
-def _lognormal(rng: np.random.Generator, mean: float, sigma: float) -> float:
-    """One log-normal draw with the given mean (not median) and shape ``sigma``."""
-    return float(rng.lognormal(math.log(mean) - sigma * sigma / 2.0, sigma))
 
 
 class _Ids:
@@ -170,19 +205,19 @@ def _session(
     session = _Session(tokens=system[0], full=list(system[1]))
     t, pending = start_s, 0
     for k in range(_turns(spec, rng)):
-        user = max(1, round(_lognormal(rng, spec.user_mean, spec.user_sigma)))
+        user = max(1, round(spec.user.draw(rng)))
         if k == 0 and rng.random() < spec.doc_prob:
-            user += round(_lognormal(rng, spec.doc_mean, spec.doc_sigma))
+            user += round(spec.doc.draw(rng))
         if session.tokens + pending + user > spec.max_context:
             break
         hash_ids = _block_ids(session, pending + user, ids)
-        answer = max(1, round(_lognormal(rng, spec.output_mean, spec.output_sigma)))
+        answer = max(1, round(spec.output.draw(rng)))
         if t >= spec.duration_s:
             break
         out.append(Request(rid=0, arrival_ns=round(t * NS_PER_S), input_tokens=session.tokens,
                            output_tokens=answer, hash_ids=hash_ids, source="conversation"))
         pending = answer
-        think = float(rng.lognormal(math.log(spec.think_median), spec.think_sigma))
+        think = spec.think.draw(rng)
         t += think + answer * spec.decode_s_per_token
     return out
 
@@ -191,8 +226,7 @@ def _system_prompts(spec: ConversationSpec, rng: np.random.Generator,
                     ids: _Ids) -> list[tuple[int, list[int]]]:
     out = []
     for _ in range(spec.system_prompts):
-        tokens = max(1, round(_lognormal(rng, spec.system_median * math.exp(
-            spec.system_sigma ** 2 / 2.0), spec.system_sigma)))
+        tokens = max(1, round(spec.system.draw(rng)))
         out.append((tokens, ids.take(tokens // BLOCK_TOKENS)))
     return out
 
