@@ -37,6 +37,8 @@ class TenantStage:
             except FulcrumError as err:
                 raise ValueError(f"request {i} (arrival {r.arrival_ns} ns): "
                                  f"{err.message}") from None
+        #: True when the requests come in more than one priority band.
+        self.banded = len({c.priority for c in self.classes}) > 1
         n = len(reqs)
         self.shed = np.zeros(n, dtype=np.bool_)
         self.taken_ns: npt.NDArray[np.int64] = np.full(n, -1, dtype=np.int64)

@@ -46,7 +46,7 @@ request id.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +54,7 @@ import numpy.typing as npt
 
 from fulcrum.core.prefill import order as aff_order
 from fulcrum.core.prefill.affinity import Affinity
+from fulcrum.core.prefill.bands import loads_for
 from fulcrum.core.prefill.batch import BatchFill, select_batch
 from fulcrum.core.prefill.fair import FairLedger, TierQueue
 from fulcrum.core.prefill.items import EngineEntry, Offer, Queued, Taken
@@ -480,13 +481,19 @@ class PrefillBalancer:
         return self._can_take_item(tier, offer, head)
 
     def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
-        loads = offer.rank_loads_ns
+        whole = offer.rank_loads_ns
+        loads = loads_for(head.cls.priority, whole, offer.band_loads)
+        remaining = offer.remaining_ns
+        if loads is not whole and len(loads) == len(whole):  # the work ahead of its band
+            remaining += sum(max(0, int(a) - int(b)) for a, b in zip(whole, loads, strict=True))
+        else:
+            loads = whole
         full = self.config.rules.binding.full(loads, self.config.step_quota_ns)
         if full:
             return False
         cap = self.config.batch_cap_ns[tier]
         cost = self.cost_for(head, offer.engine_id)
-        return select_batch((cost,), offer.remaining_ns, cap, idle=not any(loads)) >= 1
+        return select_batch((cost,), remaining, cap, idle=not any(loads)) >= 1
 
     def choose_puller(self, tier: int, offers: Sequence[Offer],
                       now_ns: int | None = None) -> int:
@@ -521,6 +528,7 @@ class PrefillBalancer:
         limit: int | None = None,
         alive: Callable[[Queued], bool] | None = None,
         now_ns: int | None = None,
+        band_loads: Mapping[int, Sequence[int]] | None = None,
     ) -> Taken:
         """A pull by ``engine_id``: select, assign ranks and remove a batch (may be empty).
 
@@ -528,6 +536,10 @@ class PrefillBalancer:
         all zero = idle). ``limit``: the engine's own request cap (the configured
         ``max_batch_requests`` applies too). ``alive``: the shell's check that a queued
         request's caller still waits; dead ones are removed and returned in ``dead``.
+        ``band_loads``: per priority band the engine holds, its work of that band or
+        higher per rank (ns): a head of a higher band than work the engine holds is
+        bound and placed by the work that runs before it on a rank
+        (:mod:`fulcrum.core.prefill.bands`), in a band pass before the usual one.
         The engine's known load becomes the rank loads after the batch.
 
         The batch is a loop over named steps (:class:`fulcrum.core.prefill.pull.Pull`):
@@ -551,14 +563,48 @@ class PrefillBalancer:
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
             return Taken(tier=tier)
-        pull = self._start_pull(eng, tier, loads, remaining_ns, limit, alive, now_ns)
+        first = self._band_pass(eng, tier, remaining_ns, loads, band_loads, limit, alive,
+                                now_ns)
+        after, left = list(loads), remaining_ns
+        if first is not None:
+            for r, c in zip(first.ranks, first.costs_ns, strict=True):
+                after[r] += c
+            left -= first.quota_ns
+            if limit is not None and limit > 0:
+                limit = max(1, limit - len(first.items))
+        pull = self._start_pull(eng, tier, after, left, limit, alive, now_ns)
         pull.run(self.queued(tier, now_ns), alive, self.cost_for)
-        taken = pull.commit(tier, loads, self.remove, now_ns)
+        taken = pull.commit(tier, after, self.remove, now_ns)
         self._charge(taken, pull.costs, now_ns)
+        if first is not None:
+            taken = first.join(taken)
         if taken.items:
             eng.load_ns = sum(loads) + taken.quota_ns
-        aff_order.seen(eng, loads, taken.ranks, pull.costs, now_ns)
+        aff_order.seen(eng, loads, taken.ranks, taken.costs_ns, now_ns)
         return taken
+
+    def _band_pass(self, eng: EngineEntry, tier: int, remaining_ns: int, loads: list[int],
+                   band_loads: Mapping[int, Sequence[int]] | None, limit: int | None,
+                   alive: Callable[[Queued], bool] | None, now_ns: int | None) -> Taken | None:
+        """When the tier's first request in take order is of a band whose work ahead on
+        the engine (``band_loads``) is less than the whole rank loads: take the requests
+        of that band or higher by those loads; None when there is nothing to do so."""
+        if not band_loads:
+            return None
+        head = next(iter(self.queued(tier, now_ns)), None)
+        if head is None:
+            return None
+        band = head.cls.priority
+        ahead = [max(0, int(x)) for x in loads_for(band, loads, band_loads)]
+        if len(ahead) != len(loads) or sum(ahead) >= sum(loads):
+            return None
+        freed = sum(a - b for a, b in zip(loads, ahead, strict=True) if a > b)
+        pull = self._start_pull(eng, tier, ahead, remaining_ns + freed, limit, alive, now_ns)
+        pull.band = band
+        pull.run(self.queued(tier, now_ns), alive, self.cost_for)
+        taken = pull.commit(tier, ahead, self.remove, now_ns)
+        self._charge(taken, pull.costs, now_ns)
+        return taken if taken.items or taken.dead else None
 
     def _charge(self, taken: Taken, costs: Sequence[int], now_ns: int | None) -> None:
         """Charge each taken request's tenant its cost there (ns; its order rule's units)

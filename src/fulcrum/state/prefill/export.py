@@ -63,6 +63,7 @@ class PrefillMetrics:
         self.tiers = [TierMetrics(label) for label in labels]
         # [request tier][engine tier] children
         self._helped = [[m.HELPED.labels(t, e) for e in labels] for t in labels]
+        self._banded = [m.BANDED.labels(t) for t in labels]
         self.leases = {o: m.LEASES.labels(o) for o in LEASE_OUTCOMES}
         #: Per-tenant figures (issue 23); the state gives it its tenant table's labels.
         self.tenants = PrefillMeter(lambda _tenant: DEFAULT_TENANT)
@@ -114,6 +115,11 @@ class PrefillMetrics:
         """An engine of tier ``own`` took ``n`` requests of another ``tier``."""
         if 0 <= own != tier:
             self._helped[tier][own].inc(n)
+
+    def banded(self, tier: int, n: int) -> None:
+        """``n`` requests of ``tier`` were taken by the work ahead of their band."""
+        if n > 0 and 0 <= tier < len(self._banded):
+            self._banded[tier].inc(n)
 
     def redistributed(self, red: Redistribution) -> None:
         """Rounds, moves, engines per tier and (closing a round) each tier's demand (s)."""
