@@ -69,7 +69,7 @@ from fulcrum.core.prefill.balancer import (
     Queued,
     rules_by_name,
 )
-from fulcrum.core.prefill.bands import band_loads, enqueue_task
+from fulcrum.core.prefill.bands import enqueue_task
 from fulcrum.core.prefill.batch import quota_ns
 from fulcrum.core.prefill.dispatch import pick_puller
 from fulcrum.core.prefill.rules import DEFAULT as DEFAULT_RULES
@@ -504,13 +504,6 @@ class Simulator:
         tier = self.balancer.engine_tier(self.engine_ids[e])
         return quota_ns(self.horizon[max(0, tier)], self._loads(e))
 
-    def _band_loads(self, e: int) -> dict[int, list[int]] | None:
-        """Engine ``e``'s work per band held and rank (ns), as an engine running the kit
-        reports it with its pull; None when the workload has one band (nothing to say)."""
-        if not self.tenants.banded:
-            return None
-        return band_loads(self.queues[e], self.model)
-
     def _loads(self, e: int) -> list[int]:
         return [max(0, int(x)) for x in self.rank_load[e]]
 
@@ -519,7 +512,7 @@ class Simulator:
         eid = self.engine_ids[e]
         remaining = self._remaining(e)
         loads = self._loads(e)
-        bands = self._band_loads(e)
+        bands = self.tenants.band_loads(self.queues[e], self.model)
         taken = self.balancer.take(eid, remaining, loads, now_ns=self.now, band_loads=bands)
         self._trace(("pull", self.now, eid, remaining, tuple(loads),
                      tuple(it.request_id for it in taken.items), taken.ranks, bands))
@@ -544,7 +537,7 @@ class Simulator:
             # mid-step engines do not offer: they pull at their step boundary
             waiting = [e for e in range(self.n_engines) if not self.engine_busy[e]]
             offers = [Offer(self.engine_ids[e], self._remaining(e), self._loads(e),
-                            self._band_loads(e)) for e in waiting]
+                            self.tenants.band_loads(self.queues[e], self.model)) for e in waiting]
             i = pick_puller(bal, tier, offers, self.now)
             if i < 0 or not self._take(waiting[i]):
                 return

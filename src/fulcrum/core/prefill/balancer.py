@@ -54,7 +54,7 @@ import numpy.typing as npt
 
 from fulcrum.core.prefill import order as aff_order
 from fulcrum.core.prefill.affinity import Affinity
-from fulcrum.core.prefill.bands import loads_for
+from fulcrum.core.prefill.bands import after_pass, band_pass, offer_for
 from fulcrum.core.prefill.batch import BatchFill, select_batch
 from fulcrum.core.prefill.fair import FairLedger, TierQueue
 from fulcrum.core.prefill.items import EngineEntry, Offer, Queued, Taken
@@ -481,13 +481,7 @@ class PrefillBalancer:
         return self._can_take_item(tier, offer, head)
 
     def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
-        whole = offer.rank_loads_ns
-        loads = loads_for(head.cls.priority, whole, offer.band_loads)
-        remaining = offer.remaining_ns
-        if loads is not whole and len(loads) == len(whole):  # the work ahead of its band
-            remaining += sum(max(0, int(a) - int(b)) for a, b in zip(whole, loads, strict=True))
-        else:
-            loads = whole
+        loads, remaining = offer_for(offer, head.cls.priority)  # the work ahead of its band
         full = self.config.rules.binding.full(loads, self.config.step_quota_ns)
         if full:
             return False
@@ -536,21 +530,14 @@ class PrefillBalancer:
         all zero = idle). ``limit``: the engine's own request cap (the configured
         ``max_batch_requests`` applies too). ``alive``: the shell's check that a queued
         request's caller still waits; dead ones are removed and returned in ``dead``.
-        ``band_loads``: per priority band the engine holds, its work of that band or
-        higher per rank (ns): a head of a higher band than work the engine holds is
-        bound and placed by the work that runs before it on a rank
-        (:mod:`fulcrum.core.prefill.bands`), in a band pass before the usual one.
-        The engine's known load becomes the rank loads after the batch.
+        ``band_loads``: :func:`fulcrum.core.prefill.bands.band_pass` runs first (ns).
 
         The batch is a loop over named steps (:class:`fulcrum.core.prefill.pull.Pull`):
-        candidates head first, each within the helping bound (a longer tier's work), the
-        binding rule's rank horizon and the batch quota, up to the first refusal.
-
-        With prefix affinity and ``now_ns`` given, the candidates are the tier's first
-        ``affinity.scan`` live requests ordered by the blocks this engine holds of each
-        (longest first, FIFO among equals), then the rest FIFO -- unless the tier's head
-        has waited ``affinity.max_wait_ns`` or longer, then FIFO (a fairness override).
-        Taken requests' blocks are recorded as held by the engine (approximate index).
+        candidates head first, each within the helping bound, the binding rule's rank
+        horizon and the batch quota, up to the first refusal. With prefix affinity and
+        ``now_ns``, the candidates are the tier's first ``affinity.scan`` live requests
+        by the blocks this engine holds (longest first), then FIFO -- unless the head
+        waited ``affinity.max_wait_ns`` (FIFO then); taken blocks are recorded as held.
         """
         eng = self._engines.get(engine_id)
         if eng is None:
@@ -563,15 +550,9 @@ class PrefillBalancer:
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
             return Taken(tier=tier)
-        first = self._band_pass(eng, tier, remaining_ns, loads, band_loads, limit, alive,
-                                now_ns)
-        after, left = list(loads), remaining_ns
-        if first is not None:
-            for r, c in zip(first.ranks, first.costs_ns, strict=True):
-                after[r] += c
-            left -= first.quota_ns
-            if limit is not None and limit > 0:
-                limit = max(1, limit - len(first.items))
+        first = band_pass(self, eng, tier, remaining_ns, loads, band_loads, limit, alive,
+                          now_ns)
+        after, left, limit = after_pass(first, loads, remaining_ns, limit)
         pull = self._start_pull(eng, tier, after, left, limit, alive, now_ns)
         pull.run(self.queued(tier, now_ns), alive, self.cost_for)
         taken = pull.commit(tier, after, self.remove, now_ns)
@@ -582,29 +563,6 @@ class PrefillBalancer:
             eng.load_ns = sum(loads) + taken.quota_ns
         aff_order.seen(eng, loads, taken.ranks, taken.costs_ns, now_ns)
         return taken
-
-    def _band_pass(self, eng: EngineEntry, tier: int, remaining_ns: int, loads: list[int],
-                   band_loads: Mapping[int, Sequence[int]] | None, limit: int | None,
-                   alive: Callable[[Queued], bool] | None, now_ns: int | None) -> Taken | None:
-        """When the tier's first request in take order is of a band whose work ahead on
-        the engine (``band_loads``) is less than the whole rank loads: take the requests
-        of that band or higher by those loads; None when there is nothing to do so."""
-        if not band_loads:
-            return None
-        head = next(iter(self.queued(tier, now_ns)), None)
-        if head is None:
-            return None
-        band = head.cls.priority
-        ahead = [max(0, int(x)) for x in loads_for(band, loads, band_loads)]
-        if len(ahead) != len(loads) or sum(ahead) >= sum(loads):
-            return None
-        freed = sum(a - b for a, b in zip(loads, ahead, strict=True) if a > b)
-        pull = self._start_pull(eng, tier, ahead, remaining_ns + freed, limit, alive, now_ns)
-        pull.band = band
-        pull.run(self.queued(tier, now_ns), alive, self.cost_for)
-        taken = pull.commit(tier, ahead, self.remove, now_ns)
-        self._charge(taken, pull.costs, now_ns)
-        return taken if taken.items or taken.dead else None
 
     def _charge(self, taken: Taken, costs: Sequence[int], now_ns: int | None) -> None:
         """Charge each taken request's tenant its cost there (ns; its order rule's units)

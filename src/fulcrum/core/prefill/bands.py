@@ -32,9 +32,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 from fulcrum.core.cost import CostModel
+from fulcrum.core.prefill.items import Offer, Queued, Taken
 
-if TYPE_CHECKING:  # chunks imports this module
+if TYPE_CHECKING:  # chunks and the balancer import this module
+    from collections.abc import Callable
+
+    from fulcrum.core.prefill.balancer import PrefillBalancer
     from fulcrum.core.prefill.chunks import PrefillTask
+    from fulcrum.core.prefill.items import EngineEntry
 
 DEFAULT_MAX_OVERTAKEN_TOKENS: Final = 65_536
 """Most tokens of later, higher-band work that may pass a task on its rank (our
@@ -101,3 +106,57 @@ def loads_for(priority: int, rank_loads_ns: Sequence[int],
     if not above:
         return [0] * len(rank_loads_ns)
     return bands[min(above)]
+
+
+def _freed(whole: Sequence[int], ahead: Sequence[int]) -> int:
+    return sum(max(0, int(a) - int(b)) for a, b in zip(whole, ahead, strict=True))
+
+
+def offer_for(offer: Offer, priority: int) -> tuple[Sequence[int], int]:
+    """An offer's rank loads and remaining quota (ns) as a request of ``priority`` sees
+    them: the work ahead of its band, and the quota that work leaves free."""
+    whole = offer.rank_loads_ns
+    ahead = loads_for(priority, whole, offer.band_loads)
+    if ahead is whole or len(ahead) != len(whole):
+        return whole, offer.remaining_ns
+    return ahead, offer.remaining_ns + _freed(whole, ahead)
+
+
+def band_pass(bal: PrefillBalancer, eng: EngineEntry, tier: int, remaining_ns: int,
+              loads: list[int], bands: Mapping[int, Sequence[int]] | None,
+              limit: int | None, alive: Callable[[Queued], bool] | None,
+              now_ns: int | None) -> Taken | None:
+    """The band pass of :meth:`PrefillBalancer.take`: when ``tier``'s first request in
+    take order is of a band with less work ahead on the engine (``bands``) than the whole
+    rank ``loads``, take the requests of that band or higher by that work (the quota it
+    leaves free added to ``remaining_ns``); None when there is nothing to do so."""
+    if not bands:
+        return None
+    head = next(iter(bal.queued(tier, now_ns)), None)
+    if head is None:
+        return None
+    band = head.cls.priority
+    ahead = [max(0, int(x)) for x in loads_for(band, loads, bands)]
+    if len(ahead) != len(loads) or sum(ahead) >= sum(loads):
+        return None
+    pull = bal._start_pull(eng, tier, ahead, remaining_ns + _freed(loads, ahead), limit,
+                           alive, now_ns)
+    pull.band = band
+    pull.run(bal.queued(tier, now_ns), alive, bal.cost_for)
+    taken = pull.commit(tier, ahead, bal.remove, now_ns)
+    bal._charge(taken, pull.costs, now_ns)
+    return taken if taken.items or taken.dead else None
+
+
+def after_pass(first: Taken | None, loads: Sequence[int], remaining_ns: int,
+               limit: int | None) -> tuple[list[int], int, int | None]:
+    """Rank loads, remaining quota (ns) and request limit left for the usual pass after
+    the band pass ``first`` (unchanged when there was none)."""
+    after = list(loads)
+    if first is None:
+        return after, remaining_ns, limit
+    for r, c in zip(first.ranks, first.costs_ns, strict=True):
+        after[r] += c
+    if limit is not None and limit > 0:
+        limit = max(1, limit - len(first.items))
+    return after, remaining_ns - first.quota_ns, limit

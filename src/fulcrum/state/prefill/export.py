@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fulcrum.core.cost import CostModel
-from fulcrum.core.prefill.balancer import PrefillBalancer, Redistribution
+from fulcrum.core.prefill.balancer import PrefillBalancer, Redistribution, Taken
 from fulcrum.core.prefill.leases import LeaseTable
 from fulcrum.core.tenants import DEFAULT_TENANT
 from fulcrum.metrics import prefill as m
@@ -111,15 +111,14 @@ class PrefillMetrics:
             tm.pulls_empty.inc()
         return batch
 
-    def helped(self, tier: int, own: int, n: int) -> None:
-        """An engine of tier ``own`` took ``n`` requests of another ``tier``."""
+    def helped(self, taken: Taken, own: int) -> None:
+        """An engine of tier ``own`` took ``taken``: counted when of another tier, and the
+        requests a band pass took (by the work ahead of their band)."""
+        tier = taken.tier
         if 0 <= own != tier:
-            self._helped[tier][own].inc(n)
-
-    def banded(self, tier: int, n: int) -> None:
-        """``n`` requests of ``tier`` were taken by the work ahead of their band."""
-        if n > 0 and 0 <= tier < len(self._banded):
-            self._banded[tier].inc(n)
+            self._helped[tier][own].inc(len(taken.items))
+        if taken.banded > 0:
+            self._banded[tier].inc(taken.banded)
 
     def redistributed(self, red: Redistribution) -> None:
         """Rounds, moves, engines per tier and (closing a round) each tier's demand (s)."""

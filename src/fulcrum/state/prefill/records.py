@@ -165,3 +165,8 @@ class Waiter:
     @property
     def idle(self) -> bool:
         return not any(self.loads)
+
+    @property
+    def offers_nothing(self) -> bool:
+        """No quota left and no band loads (a higher band may still have room then)."""
+        return self.remaining_ns <= 0 and not self.band_loads

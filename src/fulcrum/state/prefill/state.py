@@ -34,7 +34,7 @@ from fulcrum.state.fleet import Fleet
 from fulcrum.state.prefill.adopt import Adopter, Held
 from fulcrum.state.prefill.context import Shell
 from fulcrum.state.prefill.dispatcher import Dispatcher
-from fulcrum.state.prefill.engines import EngineRoster
+from fulcrum.state.prefill.engines import EngineRoster, check_band_loads
 from fulcrum.state.prefill.export import PrefillMetrics
 from fulcrum.state.prefill.leasebook import LeaseBook
 from fulcrum.state.prefill.records import (
@@ -254,29 +254,6 @@ class PrefillState:
         """The live engine of a pull, or NotFound / InvalidArgument."""
         return self.roster.puller(engine_id, incarnation, rank_loads_ns)
 
-    def _check_bands(self, eng: Engine, rank_loads_ns: Sequence[int],
-                     band_loads: Mapping[int, Sequence[int]] | None) -> dict[int, list[int]] | None:
-        """``band_loads`` checked against the engine and the priority range: one entry per
-        rank each, none above the rank's whole load (InvalidArgument naming
-        ``band_rank_loads`` otherwise); None when empty."""
-        if not band_loads:
-            return None
-        pol = self.balancer.config.tenants
-        out: dict[int, list[int]] = {}
-        for prio, row in band_loads.items():
-            if not pol.min_priority <= prio <= pol.max_priority:
-                raise InvalidArgument("band_rank_loads", f"priority {prio} is outside "
-                                      f"{pol.min_priority}..{pol.max_priority}")
-            if len(row) != eng.dp_ranks:
-                raise InvalidArgument("band_rank_loads", f"priority {prio}: must have "
-                                      f"{eng.dp_ranks} entries (one per DP rank)")
-            if rank_loads_ns and any(int(b) > int(w) for b, w in zip(row, rank_loads_ns,
-                                                                     strict=True)):
-                raise InvalidArgument("band_rank_loads", f"priority {prio}: an entry is "
-                                      "above its rank's rank_loads_ns")
-            out[prio] = [int(x) for x in row]
-        return out
-
     def _check_acks(self, request_ids: Sequence[str]) -> None:
         limit = self.settings.max_batch_requests
         if len(request_ids) > limit:
@@ -308,12 +285,10 @@ class PrefillState:
         """An engine's pull: a batch now, or after a long poll of up to ``wait_ns``.
 
         ``ack_ids`` are acknowledged first (refusals come back in ``Batch.rejected``).
-        ``lease``: the batch is leased (acknowledged delivery); otherwise handing it over
-        acknowledges it. ``band_loads``: per priority band the engine holds, the work that
-        runs before a new request of that band per rank (ns; see
-        :mod:`fulcrum.core.prefill.bands`)."""
+        ``lease``: a leased batch (else handing it over acknowledges it); ``band_loads``:
+        :mod:`fulcrum.core.prefill.bands` (ns)."""
         eng = self.validate_pull(engine_id, incarnation, rank_loads_ns)
-        bands = self._check_bands(eng, rank_loads_ns, band_loads)
+        bands = check_band_loads(eng, rank_loads_ns, band_loads, self.balancer.config.tenants)
         if lease and not rank_loads_ns:
             raise InvalidArgument(
                 "rank_loads_ns",
@@ -346,11 +321,9 @@ class PrefillState:
     def _take(self, waiter: Waiter, lease: bool) -> Batch:
         """Let the balancer select and commit a batch for the pull's engine; lease it
         (``lease``) or deliver it (may be empty). An engine offering no quota takes
-        nothing (unless it reports band loads: a higher band may still have room); nor
-        does any before :attr:`hold_until_ns`."""
+        nothing (unless it reports band loads); nor does any before :attr:`hold_until_ns`."""
         eng_id = waiter.engine.member_id
-        no_quota = waiter.remaining_ns <= 0 and not waiter.band_loads
-        if no_quota or self._clock() < self.hold_until_ns:
+        if waiter.offers_nothing or self._clock() < self.hold_until_ns:
             return Batch(tier=self.engine_tier(eng_id), items=(), quota_ns=0)
         taken = self.balancer.take(
             eng_id, waiter.remaining_ns, waiter.loads, limit=waiter.max_requests or None,
@@ -362,8 +335,7 @@ class PrefillState:
         self.submits.cancelled(taken.dead)
         if not taken.items:
             return Batch(tier=taken.tier, items=(), quota_ns=0)
-        self.metrics.helped(taken.tier, self.engine_tier(eng_id), len(taken.items))
-        self.metrics.banded(taken.tier, taken.banded)
+        self.metrics.helped(taken, self.engine_tier(eng_id))
         batch = self.lease_book.hand_over(eng_id, taken, lease)
         self.metrics.gauge_tier(taken.tier)
         self._log.debug("prefill_batch", engine_id=eng_id, tier=taken.tier,
