@@ -85,8 +85,9 @@ async def replay(events: list[tuple[Any, ...]], rules: str | list[str],
                 assert state.is_queued(rid)
                 assert tuple(state.engines_per_tier()) == counts, ev
             elif kind == "pull":
-                _, _, eid, remaining, loads, ids, ranks = ev
-                batch = await state.pull(eid, 0, remaining, list(loads), 0, 0)
+                _, _, eid, remaining, loads, ids, ranks, bands = ev
+                batch = await state.pull(eid, 0, remaining, list(loads), 0, 0,
+                                         band_loads=bands)
                 assert tuple(it.request_id for it in batch.items) == ids, ev
                 assert tuple(it.dp_rank for it in batch.items) == ranks, ev
                 seen["pull"] += 1

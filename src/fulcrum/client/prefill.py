@@ -5,7 +5,8 @@
   waited (ns). Idempotent: retrying the same id and lengths returns the same outcome.
 * :class:`PrefillEngine` -- the engine side: pull batches by remaining quota, acknowledge
   them (a pulled batch is leased; only acknowledged requests are the engine's to run),
-  keep one FIFO queue per DP rank in a :class:`~fulcrum.client.planner.ChunkPlanner` that
+  keep one queue per DP rank (FIFO per priority band, higher bands first) in a
+  :class:`~fulcrum.client.planner.ChunkPlanner` that
   sizes chunks with the daemon's cost model (refreshed when its version changes), and
   report measured step times for the online refit.
 """
@@ -162,7 +163,8 @@ class PrefillEngine:
         max_requests: int = 0,
     ) -> PulledBatch:
         """Pull a batch (long poll) and acknowledge it at once (:meth:`ack`): the
-        requests the daemon confirms join their ranks' FIFO queues."""
+        requests the daemon confirms join their ranks' queues (FIFO within a band,
+        higher bands first); the pull reports each band's work ahead per rank."""
         if self.model_version == 0:
             await self.refresh_model()
         reply = await self._client.prefill.Pull(
@@ -173,6 +175,10 @@ class PrefillEngine:
                 rank_loads_ns=self.rank_loads_ns(),
                 max_wait_ms=max_wait_ms,
                 max_requests=max_requests,
+                band_rank_loads=[
+                    pb.BandRankLoads(priority=prio, rank_loads_ns=row)
+                    for prio, row in self.planner.band_loads().items()
+                ],
             )
         )
         if reply.HasField("assignment"):
@@ -183,7 +189,8 @@ class PrefillEngine:
         accepted = tuple(r for r in reply.requests if r.request_id not in rejected)
         for r in accepted:
             self.planner.add(
-                r.dp_rank, PrefillTask(r.request_id, int(r.cached_tokens), int(r.total_tokens))
+                r.dp_rank, PrefillTask(r.request_id, int(r.cached_tokens), int(r.total_tokens),
+                                       int(r.priority))
             )
             self.accepted[r.request_id] = (
                 int(r.dp_rank), int(r.total_tokens), int(r.cached_tokens))

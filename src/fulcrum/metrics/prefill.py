@@ -147,6 +147,14 @@ HELPED = Counter(
     ["tier", "engine_tier"],
     registry=REGISTRY,
 )
+BANDED = Counter(
+    "fulcrum_prefill_overtaking_requests",
+    "Requests taken by an engine whose ranks held lower-band work past the late-binding "
+    "horizon, bound by the work ahead of their band (band_rank_loads); they run ahead of "
+    "that work on their rank. By the request's tier.",
+    ["tier"],
+    registry=REGISTRY,
+)
 COST_REL_ERROR = Histogram(
     "fulcrum_prefill_cost_model_relative_error",
     "|predicted - measured| / measured of reported step times under the model in force.",

@@ -103,6 +103,7 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
                 "ack_request_ids",
                 f"must have at most {s.max_batch_requests} entries (max_batch_requests)",
             )
+        bands = self._bands(request, bound)
         wait = wait_ns(request.max_wait_ms, s.pull_wait_ms, s.max_pull_wait_ms)
         batch = await self._state.pull(
             request.engine_id,
@@ -113,8 +114,27 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
             int(request.max_requests),
             lease=not request.ack_on_reply,
             ack_ids=[require_id(x, "ack_request_ids") for x in request.ack_request_ids],
+            band_loads=bands,
         )
         return self._reply(batch, request.engine_id)
+
+    def _bands(self, request: pb.PullRequest, ranks_bound: int) -> dict[int, list[int]]:
+        """``band_rank_loads`` as a map, bounded before anything is converted (entries:
+        the priority range's size; each: the per-member GPU bound); duplicates refused."""
+        pol = self._state.balancer.config.tenants
+        most = pol.max_priority - pol.min_priority + 1
+        if len(request.band_rank_loads) > most:
+            raise InvalidArgument("band_rank_loads", f"must have at most {most} entries "
+                                  "(one per priority band)")
+        out: dict[int, list[int]] = {}
+        for b in request.band_rank_loads:
+            if len(b.rank_loads_ns) > ranks_bound:
+                raise InvalidArgument("band_rank_loads", f"must have at most {ranks_bound} "
+                                      "rank entries each (one per DP rank)")
+            if b.priority in out:
+                raise InvalidArgument("band_rank_loads", f"priority {b.priority} appears twice")
+            out[int(b.priority)] = [int(x) for x in b.rank_loads_ns]
+        return out
 
     async def Ack(
         self, request: pb.AckRequest, context: grpc.aio.ServicerContext
@@ -144,6 +164,7 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
                     cached_tokens=it.cached_tokens,
                     dp_rank=it.dp_rank,
                     predicted_cost_ns=it.predicted_cost_ns,
+                    priority=it.priority,
                 )
                 for it in batch.items
             ],

@@ -53,7 +53,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +69,7 @@ from fulcrum.core.prefill.balancer import (
     Queued,
     rules_by_name,
 )
+from fulcrum.core.prefill.bands import enqueue_task
 from fulcrum.core.prefill.batch import quota_ns
 from fulcrum.core.prefill.dispatch import pick_puller
 from fulcrum.core.prefill.rules import DEFAULT as DEFAULT_RULES
@@ -492,9 +493,8 @@ class Simulator:
             c0 = self.engine_caches[e].lookup_and_insert(self.reqs[rid].hash_ids, total)
             self.cached[rid] = c0
             self.quota[rid] = self.model.cost_ns(total - c0, c0)
-        self.queues[e][r].append(
-            core_chunks.PrefillTask(str(rid), int(self.cached[rid]), total)
-        )
+        enqueue_task(self.queues[e][r], core_chunks.PrefillTask(
+            str(rid), int(self.cached[rid]), total, self.tenants.classes[rid].priority))
         self.rank_load[e][r] += self.quota[rid]
         self.rank_reqs[e * self.n_ranks + r] += 1
 
@@ -512,9 +512,10 @@ class Simulator:
         eid = self.engine_ids[e]
         remaining = self._remaining(e)
         loads = self._loads(e)
-        taken = self.balancer.take(eid, remaining, loads, now_ns=self.now)
+        bands = self.tenants.band_loads(self.queues[e], self.model)
+        taken = self.balancer.take(eid, remaining, loads, now_ns=self.now, band_loads=bands)
         self._trace(("pull", self.now, eid, remaining, tuple(loads),
-                     tuple(it.request_id for it in taken.items), taken.ranks))
+                     tuple(it.request_id for it in taken.items), taken.ranks, bands))
         self.tenants.taken(taken.items, self.now)
         for it, r in zip(taken.items, taken.ranks, strict=True):
             self._enqueue(e, r, int(it.request_id))
@@ -535,8 +536,8 @@ class Simulator:
         while bal.head(tier) is not None:
             # mid-step engines do not offer: they pull at their step boundary
             waiting = [e for e in range(self.n_engines) if not self.engine_busy[e]]
-            offers = [Offer(self.engine_ids[e], self._remaining(e), self._loads(e))
-                      for e in waiting]
+            offers = [Offer(self.engine_ids[e], self._remaining(e), self._loads(e),
+                            self.tenants.band_loads(self.queues[e], self.model)) for e in waiting]
             i = pick_puller(bal, tier, offers, self.now)
             if i < 0 or not self._take(waiting[i]):
                 return
@@ -599,7 +600,7 @@ class Simulator:
                     self.rank_reqs[e * self.n_ranks + r] -= 1
                 else:
                     q.appendleft(
-                        core_chunks.PrefillTask(task.request_id, ch.start + ch.tokens, task.total)
+                        replace(task, computed=ch.start + ch.tokens)
                     )
             if not q:
                 self.rank_load[e][r] = 0.0  # clear float drift

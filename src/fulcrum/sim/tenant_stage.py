@@ -8,14 +8,16 @@ order rule. This stage only keeps the per-request arrays the report reads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
+from fulcrum.core.cost import CostModel
 from fulcrum.core.prefill.balancer import PrefillBalancer, Queued
-from fulcrum.core.prefill.chunks import StepPlan
+from fulcrum.core.prefill.bands import band_loads
+from fulcrum.core.prefill.chunks import PrefillTask, StepPlan
 from fulcrum.core.prefill.shed import shed_check
 from fulcrum.core.tenants import RequestClass, TenantPolicy, TenantTable
 from fulcrum.errors import FulcrumError
@@ -37,10 +39,19 @@ class TenantStage:
             except FulcrumError as err:
                 raise ValueError(f"request {i} (arrival {r.arrival_ns} ns): "
                                  f"{err.message}") from None
+        #: True when the requests come in more than one priority band.
+        self.banded = len({c.priority for c in self.classes}) > 1
         n = len(reqs)
         self.shed = np.zeros(n, dtype=np.bool_)
         self.taken_ns: npt.NDArray[np.int64] = np.full(n, -1, dtype=np.int64)
         self.useful_ns: npt.NDArray[np.float64] = np.zeros(n, dtype=np.float64)
+
+    def band_loads(self, queues: Sequence[Iterable[PrefillTask]],
+                   model: CostModel) -> dict[int, list[int]] | None:
+        """An engine's work per band held and rank (ns; ``queues``: its ranks' queues), as
+        an engine running the kit reports it with its pull; None when the workload has one
+        band (nothing to say)."""
+        return band_loads(queues, model) if self.banded else None
 
     def refuse(self, bal: PrefillBalancer, item: Queued, elapsed_ns: int) -> bool:
         """True when the core sheds ``item`` (then it is marked and never queued)."""

@@ -156,6 +156,7 @@ class PullRequest(_message.Message):
     MAX_REQUESTS_FIELD_NUMBER: _builtins.int
     ACK_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     ACK_ON_REPLY_FIELD_NUMBER: _builtins.int
+    BAND_RANK_LOADS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """The engine's member id (registered through FleetService)."""
     incarnation: _builtins.int
@@ -188,6 +189,17 @@ class PullRequest(_message.Message):
         PullResponse.rejected_request_ids.
         """
 
+    @_builtins.property
+    def band_rank_loads(self) -> _containers.RepeatedCompositeFieldContainer[Global___BandRankLoads]:
+        """Optional, for engines that run higher priority bands first on a rank (the kit's
+        chunk planner does): per band the engine holds, what runs before a new request of
+        that band on each rank. A request of a higher band than work the engine holds is
+        bound and placed by these loads instead of rank_loads_ns. At most one entry per
+        priority, each with one entry per DP rank, none above the rank's rank_loads_ns, at
+        most tenants.max_priority - tenants.min_priority + 1 entries (INVALID_ARGUMENT naming
+        band_rank_loads otherwise). Empty: every band waits behind the whole rank load.
+        """
+
     def __init__(
         self,
         *,
@@ -199,14 +211,45 @@ class PullRequest(_message.Message):
         max_requests: _builtins.int = ...,
         ack_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         ack_on_reply: _builtins.bool = ...,
+        band_rank_loads: _abc.Iterable[Global___BandRankLoads] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_on_reply", b"ack_on_reply", "ack_request_ids", b"ack_request_ids", "engine_id", b"engine_id", "incarnation", b"incarnation", "max_requests", b"max_requests", "max_wait_ms", b"max_wait_ms", "rank_loads_ns", b"rank_loads_ns", "remaining_quota_ns", b"remaining_quota_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_on_reply", b"ack_on_reply", "ack_request_ids", b"ack_request_ids", "band_rank_loads", b"band_rank_loads", "engine_id", b"engine_id", "incarnation", b"incarnation", "max_requests", b"max_requests", "max_wait_ms", b"max_wait_ms", "rank_loads_ns", b"rank_loads_ns", "remaining_quota_ns", b"remaining_quota_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullRequest: _TypeAlias = PullRequest  # noqa: Y015
+
+@_typing.final
+class BandRankLoads(_message.Message):
+    """BandRankLoads is one priority band's work ahead on each DP rank of a pulling engine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    RANK_LOADS_NS_FIELD_NUMBER: _builtins.int
+    priority: _builtins.int
+    """The band (a Submit's priority)."""
+    @_builtins.property
+    def rank_loads_ns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per DP rank, in nanoseconds: the predicted cost of the rank's work of this band or
+        higher, plus any lower-band work that a new request may no longer pass.
+        """
+
+    def __init__(
+        self,
+        *,
+        priority: _builtins.int = ...,
+        rank_loads_ns: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["priority", b"priority", "rank_loads_ns", b"rank_loads_ns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BandRankLoads: _TypeAlias = BandRankLoads  # noqa: Y015
 
 @_typing.final
 class AckRequest(_message.Message):
@@ -283,6 +326,7 @@ class PulledRequest(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     DP_RANK_FIELD_NUMBER: _builtins.int
     PREDICTED_COST_NS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id."""
     total_tokens: _builtins.int
@@ -293,6 +337,8 @@ class PulledRequest(_message.Message):
     """DP rank the request is assigned to."""
     predicted_cost_ns: _builtins.int
     """Predicted compute cost, in nanoseconds."""
+    priority: _builtins.int
+    """The request's priority band (its Submit's priority; higher first on its rank)."""
     def __init__(
         self,
         *,
@@ -301,10 +347,11 @@ class PulledRequest(_message.Message):
         cached_tokens: _builtins.int = ...,
         dp_rank: _builtins.int = ...,
         predicted_cost_ns: _builtins.int = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "dp_rank", b"dp_rank", "predicted_cost_ns", b"predicted_cost_ns", "request_id", b"request_id", "total_tokens", b"total_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "dp_rank", b"dp_rank", "predicted_cost_ns", b"predicted_cost_ns", "priority", b"priority", "request_id", b"request_id", "total_tokens", b"total_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -46,7 +46,7 @@ request id.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +54,7 @@ import numpy.typing as npt
 
 from fulcrum.core.prefill import order as aff_order
 from fulcrum.core.prefill.affinity import Affinity
+from fulcrum.core.prefill.bands import after_pass, band_pass, offer_for
 from fulcrum.core.prefill.batch import BatchFill, select_batch
 from fulcrum.core.prefill.fair import FairLedger, TierQueue
 from fulcrum.core.prefill.items import EngineEntry, Offer, Queued, Taken
@@ -480,13 +481,13 @@ class PrefillBalancer:
         return self._can_take_item(tier, offer, head)
 
     def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
-        loads = offer.rank_loads_ns
+        loads, remaining = offer_for(offer, head.cls.priority)  # the work ahead of its band
         full = self.config.rules.binding.full(loads, self.config.step_quota_ns)
         if full:
             return False
         cap = self.config.batch_cap_ns[tier]
         cost = self.cost_for(head, offer.engine_id)
-        return select_batch((cost,), offer.remaining_ns, cap, idle=not any(loads)) >= 1
+        return select_batch((cost,), remaining, cap, idle=not any(loads)) >= 1
 
     def choose_puller(self, tier: int, offers: Sequence[Offer],
                       now_ns: int | None = None) -> int:
@@ -521,6 +522,7 @@ class PrefillBalancer:
         limit: int | None = None,
         alive: Callable[[Queued], bool] | None = None,
         now_ns: int | None = None,
+        band_loads: Mapping[int, Sequence[int]] | None = None,
     ) -> Taken:
         """A pull by ``engine_id``: select, assign ranks and remove a batch (may be empty).
 
@@ -528,17 +530,14 @@ class PrefillBalancer:
         all zero = idle). ``limit``: the engine's own request cap (the configured
         ``max_batch_requests`` applies too). ``alive``: the shell's check that a queued
         request's caller still waits; dead ones are removed and returned in ``dead``.
-        The engine's known load becomes the rank loads after the batch.
+        ``band_loads``: :func:`fulcrum.core.prefill.bands.band_pass` runs first (ns).
 
         The batch is a loop over named steps (:class:`fulcrum.core.prefill.pull.Pull`):
-        candidates head first, each within the helping bound (a longer tier's work), the
-        binding rule's rank horizon and the batch quota, up to the first refusal.
-
-        With prefix affinity and ``now_ns`` given, the candidates are the tier's first
-        ``affinity.scan`` live requests ordered by the blocks this engine holds of each
-        (longest first, FIFO among equals), then the rest FIFO -- unless the tier's head
-        has waited ``affinity.max_wait_ns`` or longer, then FIFO (a fairness override).
-        Taken requests' blocks are recorded as held by the engine (approximate index).
+        candidates head first, each within the helping bound, the binding rule's rank
+        horizon and the batch quota, up to the first refusal. With prefix affinity and
+        ``now_ns``, the candidates are the tier's first ``affinity.scan`` live requests
+        by the blocks this engine holds (longest first), then FIFO -- unless the head
+        waited ``affinity.max_wait_ns`` (FIFO then); taken blocks are recorded as held.
         """
         eng = self._engines.get(engine_id)
         if eng is None:
@@ -551,13 +550,18 @@ class PrefillBalancer:
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
             return Taken(tier=tier)
-        pull = self._start_pull(eng, tier, loads, remaining_ns, limit, alive, now_ns)
+        first = band_pass(self, eng, tier, remaining_ns, loads, band_loads, limit, alive,
+                          now_ns)
+        after, left, limit = after_pass(first, loads, remaining_ns, limit)
+        pull = self._start_pull(eng, tier, after, left, limit, alive, now_ns)
         pull.run(self.queued(tier, now_ns), alive, self.cost_for)
-        taken = pull.commit(tier, loads, self.remove, now_ns)
+        taken = pull.commit(tier, after, self.remove, now_ns)
         self._charge(taken, pull.costs, now_ns)
+        if first is not None:
+            taken = first.join(taken)
         if taken.items:
             eng.load_ns = sum(loads) + taken.quota_ns
-        aff_order.seen(eng, loads, taken.ranks, pull.costs, now_ns)
+        aff_order.seen(eng, loads, taken.ranks, taken.costs_ns, now_ns)
         return taken
 
     def _charge(self, taken: Taken, costs: Sequence[int], now_ns: int | None) -> None:

@@ -2,7 +2,8 @@
 
 Rule (SPEC section 3, level 4):
 
-* each DP rank has a FIFO queue of prefill tasks;
+* each DP rank has a FIFO queue of prefill tasks (per priority band, higher bands first:
+  :mod:`fulcrum.core.prefill.bands`; with one band, plain FIFO);
 * every step has one time budget for the whole EP group: the MIN over the ranks'
   budgets (ns) -- the engine all-reduces it, the planner takes the per-rank values and
   applies the MIN, so every rank of the group takes the same time per step;
@@ -33,10 +34,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from fulcrum.core.cost import DEFAULT_COST_MODEL, MAX_CHUNK_TOKENS, CostModel
+from fulcrum.core.prefill import bands
 
 NAME: Final = "fifo_min_budget"
 
@@ -50,12 +52,16 @@ class PrefillTask:
     """A request waiting on one DP rank.
 
     ``computed``: prefix already computed or cached (tokens, the ``c`` of the next chunk);
-    ``total``: total context length (tokens); ``total > computed >= 0``.
+    ``total``: total context length (tokens); ``total > computed >= 0``; ``priority``: the
+    request's band (higher first on its rank, :mod:`fulcrum.core.prefill.bands`);
+    ``overtaken``: tokens of later higher-band work that passed it on its rank.
     """
 
     request_id: str
     computed: int
     total: int
+    priority: int = 0
+    overtaken: int = 0
 
     def __post_init__(self) -> None:
         if self.computed < 0:
@@ -238,12 +244,15 @@ class ChunkPlanner:
         *,
         cap: int = MAX_CHUNK_TOKENS,
         force_progress: bool = True,
+        max_overtaken_tokens: int | None = None,
     ) -> None:
         if n_ranks < 1:
             raise ValueError(f"n_ranks: must be >= 1, got {n_ranks}")
         self.model = model
         self.cap = cap
         self.force_progress = force_progress
+        self.max_overtaken_tokens = (bands.DEFAULT_MAX_OVERTAKEN_TOKENS
+                                     if max_overtaken_tokens is None else max_overtaken_tokens)
         self._queues: list[deque[PrefillTask]] = [deque() for _ in range(n_ranks)]
 
     @property
@@ -252,10 +261,17 @@ class ChunkPlanner:
         return len(self._queues)
 
     def add(self, rank: int, task: PrefillTask) -> None:
-        """Append ``task`` to rank ``rank``'s FIFO queue."""
+        """Queue ``task`` on rank ``rank``: FIFO within its band, ahead of lower bands
+        (:func:`fulcrum.core.prefill.bands.enqueue_task`)."""
         if not 0 <= rank < len(self._queues):
             raise ValueError(f"rank: must be in [0, {len(self._queues)}), got {rank}")
-        self._queues[rank].append(task)
+        bands.enqueue_task(self._queues[rank], task, self.max_overtaken_tokens)
+
+    def band_loads(self) -> dict[int, list[int]]:
+        """Per band held, per rank: the predicted cost (ns) of its tasks of that band or
+        higher (:func:`fulcrum.core.prefill.bands.band_loads`; the pull's
+        ``band_rank_loads``)."""
+        return bands.band_loads(self._queues, self.model, self.max_overtaken_tokens)
 
     def queue(self, rank: int) -> tuple[PrefillTask, ...]:
         """Snapshot of rank ``rank``'s queue, head first."""
@@ -290,9 +306,7 @@ class ChunkPlanner:
             for chunk in chunks:
                 task = q.popleft()
                 if not chunk.last:
-                    q.appendleft(
-                        PrefillTask(task.request_id, chunk.start + chunk.tokens, task.total)
-                    )
+                    q.appendleft(replace(task, computed=chunk.start + chunk.tokens))
 
     def step(self, budgets_ns: Sequence[float]) -> StepPlan:
         """Plan and commit one step."""

@@ -7,7 +7,7 @@ Shared by :mod:`fulcrum.core.prefill.balancer`, the pull steps
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass
@@ -51,21 +51,34 @@ class EngineEntry:
 @dataclass(frozen=True, slots=True)
 class Offer:
     """An engine offering to pull now: its id, remaining quota (ns) and outstanding work
-    per DP rank (ns; all zero = idle)."""
+    per DP rank (ns; all zero = idle); ``band_loads``: per priority band it holds, the
+    work per rank of that band or higher (ns; :mod:`fulcrum.core.prefill.bands`; None:
+    not reported)."""
 
     engine_id: str
     remaining_ns: int
     rank_loads_ns: Sequence[int]
+    band_loads: Mapping[int, Sequence[int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Taken:
     """Result of :meth:`PrefillBalancer.take`: ``items[i]`` went to DP rank ``ranks[i]``
     (FIFO order), from ``tier``; ``quota_ns`` their summed cost; ``dead`` the requests
-    found dead (caller gone) on the way, removed from the queue, not delivered."""
+    found dead (caller gone) on the way, removed from the queue, not delivered;
+    ``costs_ns[i]``: ``items[i]``'s cost on the engine (ns); ``banded``: how many of the
+    first items a band pass took (bound by the work ahead of their band)."""
 
     tier: int
     items: tuple[Queued, ...] = ()
     ranks: tuple[int, ...] = ()
     quota_ns: int = 0
     dead: tuple[Queued, ...] = ()
+    costs_ns: tuple[int, ...] = ()
+    banded: int = 0
+
+    def join(self, then: Taken) -> Taken:
+        """This band pass's batch followed by ``then`` (the usual pass of the same pull)."""
+        return Taken(self.tier, self.items + then.items, self.ranks + then.ranks,
+                     self.quota_ns + then.quota_ns, self.dead + then.dead,
+                     self.costs_ns + then.costs_ns, banded=len(self.items))

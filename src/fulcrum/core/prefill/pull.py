@@ -32,7 +32,9 @@ class Pull:
 
     ``order``: the affinity take order (None: FIFO); ``bound_ns``: the helping bound when
     the tier is longer than the engine's (None: none); ``ranks``: the binding rule's rank
-    state; ``batch``: the quota fill; ``aff``: prefix affinity (None: off).
+    state; ``batch``: the quota fill; ``aff``: prefix affinity (None: off); ``band``: a
+    band pass (the ranks hold the work of this band or higher only): the batch ends at
+    the first request of a lower band (None: every band).
     """
 
     engine_id: str
@@ -41,6 +43,7 @@ class Pull:
     ranks: RankFill
     batch: BatchFill
     aff: Affinity | None = None
+    band: int | None = None
     taken: list[Queued] = field(default_factory=list)
     costs: list[int] = field(default_factory=list)
     dead: list[Queued] = field(default_factory=list)
@@ -74,6 +77,8 @@ class Pull:
         """Walk the candidates through the steps until the first refusal (``cost_for``:
         the balancer's per-engine cost, ns)."""
         for item in self.candidates(queue, alive):
+            if self.band is not None and item.cls.priority < self.band:
+                return
             c = cost_for(item, self.engine_id)
             if not (self.within_bound(c) and self.binds(item) and self.fits(c)):
                 return
@@ -103,4 +108,5 @@ class Pull:
                 hit = aff.taken(self.engine_id, it.tier, it.blocks)
                 aff.hits += int(bool(hit) and self.order is not None)
         return Taken(tier=tier, items=tuple(chosen), ranks=plan.ranks,
-                     quota_ns=sum(self.costs), dead=tuple(self.dead))
+                     quota_ns=sum(self.costs), dead=tuple(self.dead),
+                     costs_ns=tuple(self.costs))

@@ -52,7 +52,7 @@ class Dispatcher:
                         key=lambda w: w.engine.member_id)
         i = pick_puller(
             self._bal, tier,
-            [Offer(w.engine.member_id, w.remaining_ns, w.loads) for w in offers],
+            [Offer(w.engine.member_id, w.remaining_ns, w.loads, w.band_loads) for w in offers],
             self._clock(),
         )
         if i >= 0:

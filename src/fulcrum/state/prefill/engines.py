@@ -4,8 +4,9 @@ a call that quotes its incarnation also counts as its heartbeat."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from fulcrum.core.tenants import TenantPolicy
 from fulcrum.core.types import Member, MemberKind, PrefillEngineShape
 from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.state.fleet import Fleet
@@ -82,3 +83,27 @@ class EngineRoster:
         if eng is not None:
             eng.live = False
         return eng
+
+
+def check_band_loads(eng: Engine, rank_loads_ns: Sequence[int],
+                     band_loads: Mapping[int, Sequence[int]] | None,
+                     policy: TenantPolicy) -> dict[int, list[int]] | None:
+    """A pull's ``band_rank_loads`` checked against its engine and the priority range:
+    one entry per rank each, none above the rank's whole load (InvalidArgument naming
+    ``band_rank_loads`` otherwise); None when empty."""
+    if not band_loads:
+        return None
+    out: dict[int, list[int]] = {}
+    for prio, row in band_loads.items():
+        if not policy.min_priority <= prio <= policy.max_priority:
+            raise InvalidArgument("band_rank_loads", f"priority {prio} is outside "
+                                  f"{policy.min_priority}..{policy.max_priority}")
+        if len(row) != eng.dp_ranks:
+            raise InvalidArgument("band_rank_loads", f"priority {prio}: must have "
+                                  f"{eng.dp_ranks} entries (one per DP rank)")
+        if rank_loads_ns and any(int(b) > int(w) for b, w in zip(row, rank_loads_ns,
+                                                                 strict=True)):
+            raise InvalidArgument("band_rank_loads", f"priority {prio}: an entry is above "
+                                  "its rank's rank_loads_ns")
+        out[prio] = [int(x) for x in row]
+    return out

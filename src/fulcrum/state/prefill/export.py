@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fulcrum.core.cost import CostModel
-from fulcrum.core.prefill.balancer import PrefillBalancer, Redistribution
+from fulcrum.core.prefill.balancer import PrefillBalancer, Redistribution, Taken
 from fulcrum.core.prefill.leases import LeaseTable
 from fulcrum.core.tenants import DEFAULT_TENANT
 from fulcrum.metrics import prefill as m
@@ -63,6 +63,7 @@ class PrefillMetrics:
         self.tiers = [TierMetrics(label) for label in labels]
         # [request tier][engine tier] children
         self._helped = [[m.HELPED.labels(t, e) for e in labels] for t in labels]
+        self._banded = [m.BANDED.labels(t) for t in labels]
         self.leases = {o: m.LEASES.labels(o) for o in LEASE_OUTCOMES}
         #: Per-tenant figures (issue 23); the state gives it its tenant table's labels.
         self.tenants = PrefillMeter(lambda _tenant: DEFAULT_TENANT)
@@ -110,10 +111,14 @@ class PrefillMetrics:
             tm.pulls_empty.inc()
         return batch
 
-    def helped(self, tier: int, own: int, n: int) -> None:
-        """An engine of tier ``own`` took ``n`` requests of another ``tier``."""
+    def helped(self, taken: Taken, own: int) -> None:
+        """An engine of tier ``own`` took ``taken``: counted when of another tier, and the
+        requests a band pass took (by the work ahead of their band)."""
+        tier = taken.tier
         if 0 <= own != tier:
-            self._helped[tier][own].inc(n)
+            self._helped[tier][own].inc(len(taken.items))
+        if taken.banded > 0:
+            self._banded[tier].inc(taken.banded)
 
     def redistributed(self, red: Redistribution) -> None:
         """Rounds, moves, engines per tier and (closing a round) each tier's demand (s)."""

@@ -48,7 +48,8 @@ class LeaseBook(Part):
             rec = index[item.request_id]
             rec.pulled_ns = now
             items.append(
-                PulledItem(item.request_id, item.total, item.cached, rank, item.cost_ns))
+                PulledItem(item.request_id, item.total, item.cached, rank, item.cost_ns,
+                           item.cls.priority))
             if not lease:
                 self._submits.forget(rec)
                 self._submits.resolve(rec, Delivery(

@@ -65,13 +65,14 @@ class Delivery:
 
 @dataclass(frozen=True, slots=True)
 class PulledItem:
-    """One request of a pulled batch (tokens; cost in ns)."""
+    """One request of a pulled batch (tokens; cost in ns; its priority band)."""
 
     request_id: str
     total_tokens: int
     cached_tokens: int
     dp_rank: int
     predicted_cost_ns: int
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,13 +149,15 @@ class Engine:
 
 @dataclass(slots=True, eq=False)
 class Waiter:
-    """A parked pull: its engine's offer (remaining quota, ns; rank loads, ns) and the
-    wake it may hold (``woken_tier``: the tier whose wake count it holds while woken)."""
+    """A parked pull: its engine's offer (remaining quota, ns; rank loads, ns; per band
+    held, the work ahead per rank, ns) and the wake it may hold (``woken_tier``: the tier
+    whose wake count it holds while woken)."""
 
     engine: Engine
     remaining_ns: int
     loads: list[int]
     max_requests: int
+    band_loads: dict[int, list[int]] | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
     woken: bool = False
     woken_tier: int = -1
@@ -162,3 +165,8 @@ class Waiter:
     @property
     def idle(self) -> bool:
         return not any(self.loads)
+
+    @property
+    def offers_nothing(self) -> bool:
+        """No quota left and no band loads (a higher band may still have room then)."""
+        return self.remaining_ns <= 0 and not self.band_loads

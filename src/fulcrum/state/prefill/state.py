@@ -14,7 +14,7 @@ validation and taking, reload and drain, and the queries the service and tests r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 import structlog
@@ -34,7 +34,7 @@ from fulcrum.state.fleet import Fleet
 from fulcrum.state.prefill.adopt import Adopter, Held
 from fulcrum.state.prefill.context import Shell
 from fulcrum.state.prefill.dispatcher import Dispatcher
-from fulcrum.state.prefill.engines import EngineRoster
+from fulcrum.state.prefill.engines import EngineRoster, check_band_loads
 from fulcrum.state.prefill.export import PrefillMetrics
 from fulcrum.state.prefill.leasebook import LeaseBook
 from fulcrum.state.prefill.records import (
@@ -280,13 +280,15 @@ class PrefillState:
         *,
         lease: bool = False,
         ack_ids: Sequence[str] = (),
+        band_loads: Mapping[int, Sequence[int]] | None = None,
     ) -> Batch:
         """An engine's pull: a batch now, or after a long poll of up to ``wait_ns``.
 
         ``ack_ids`` are acknowledged first (refusals come back in ``Batch.rejected``).
-        ``lease``: the batch is leased (acknowledged delivery); otherwise handing it over
-        acknowledges it."""
+        ``lease``: a leased batch (else handing it over acknowledges it); ``band_loads``:
+        :mod:`fulcrum.core.prefill.bands` (ns)."""
         eng = self.validate_pull(engine_id, incarnation, rank_loads_ns)
+        bands = check_band_loads(eng, rank_loads_ns, band_loads, self.balancer.config.tenants)
         if lease and not rank_loads_ns:
             raise InvalidArgument(
                 "rank_loads_ns",
@@ -297,7 +299,7 @@ class PrefillState:
         rejected = self.lease_book.ack(eng.member_id, ack_ids).rejected
         loads = [int(x) for x in rank_loads_ns] if rank_loads_ns else [0] * eng.dp_ranks
         self.metrics.imbalance(self.engine_tier(engine_id), loads)
-        waiter = Waiter(eng, remaining_ns, loads, max(max_requests, 0))
+        waiter = Waiter(eng, remaining_ns, loads, max(max_requests, 0), bands)
         batch = self.metrics.pulled(await self._pull(waiter, incarnation, wait_ns, lease))
         if rejected:
             batch = Batch(batch.tier, batch.items, batch.quota_ns, rejected, batch.lease_ms)
@@ -319,13 +321,13 @@ class PrefillState:
     def _take(self, waiter: Waiter, lease: bool) -> Batch:
         """Let the balancer select and commit a batch for the pull's engine; lease it
         (``lease``) or deliver it (may be empty). An engine offering no quota takes
-        nothing; nor does any before :attr:`hold_until_ns`."""
+        nothing (unless it reports band loads); nor does any before :attr:`hold_until_ns`."""
         eng_id = waiter.engine.member_id
-        if waiter.remaining_ns <= 0 or self._clock() < self.hold_until_ns:
+        if waiter.offers_nothing or self._clock() < self.hold_until_ns:
             return Batch(tier=self.engine_tier(eng_id), items=(), quota_ns=0)
         taken = self.balancer.take(
             eng_id, waiter.remaining_ns, waiter.loads, limit=waiter.max_requests or None,
-            alive=self.submits.alive, now_ns=self._clock(),
+            alive=self.submits.alive, now_ns=self._clock(), band_loads=waiter.band_loads,
         )
         if taken.items:
             self.prefix.after_take(eng_id)
@@ -333,7 +335,7 @@ class PrefillState:
         self.submits.cancelled(taken.dead)
         if not taken.items:
             return Batch(tier=taken.tier, items=(), quota_ns=0)
-        self.metrics.helped(taken.tier, self.engine_tier(eng_id), len(taken.items))
+        self.metrics.helped(taken, self.engine_tier(eng_id))
         batch = self.lease_book.hand_over(eng_id, taken, lease)
         self.metrics.gauge_tier(taken.tier)
         self._log.debug("prefill_batch", engine_id=eng_id, tier=taken.tier,
