@@ -15,7 +15,7 @@ Plain values set on the event loop as things happen (no callback reads state at 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -156,6 +156,20 @@ class PrefillMeter:
         self._ids: dict[str, tuple[str, int]] = {}
         #: label -> (requests queued, predicted ns queued).
         self._queued: dict[str, tuple[int, int]] = {}
+        #: label -> its children (queued, queued s, compute, wait), resolved once: labels
+        #: are bounded, and a labels() lookup per request was a quarter of the state's
+        #: cost per request (bench_prefill, daemon tables).
+        self._kids: dict[str, tuple[Any, Any, Any, Any]] = {}
+        #: priority -> its compute counter child.
+        self._prio: dict[int, Any] = {}
+
+    def _children(self, label: str) -> tuple[Any, Any, Any, Any]:
+        kids = self._kids.get(label)
+        if kids is None:
+            kids = self._kids[label] = (
+                PREFILL_QUEUED.labels(label), PREFILL_QUEUED_SECONDS.labels(label),
+                PREFILL_COMPUTE.labels(label), PREFILL_WAIT.labels(label))
+        return kids
 
     def queued(self, item: Queued) -> None:
         """``item`` joined a tier queue (submitted, or put back after a lease)."""
@@ -187,17 +201,23 @@ class PrefillMeter:
         else:
             self._queued.pop(label, None)
             ns = 0
-        PREFILL_QUEUED.labels(label).set(n)
-        PREFILL_QUEUED_SECONDS.labels(label).set(ns / 1e9)
+        queued, seconds, _, _ = self._children(label)
+        queued.set(n)
+        seconds.set(ns / 1e9)
 
     def delivered(self, item: Queued, waited_ns: int) -> None:
         """``item`` was delivered after ``waited_ns`` (ns) queued: its predicted compute
         is served to its tenant; a predicted TTFT (wait + cost) past its deadline is a
         miss."""
         label = self._label(item.cls.tenant)
-        PREFILL_COMPUTE.labels(label).inc(item.cost_ns / 1e9)
-        PRIORITY_COMPUTE.labels(str(item.cls.priority)).inc(item.cost_ns / 1e9)
-        PREFILL_WAIT.labels(label).observe(waited_ns / 1e9)
+        _, _, compute, wait = self._children(label)
+        compute.inc(item.cost_ns / 1e9)
+        prio = self._prio.get(item.cls.priority)
+        if prio is None:
+            prio = self._prio[item.cls.priority] = PRIORITY_COMPUTE.labels(
+                str(item.cls.priority))
+        prio.inc(item.cost_ns / 1e9)
+        wait.observe(waited_ns / 1e9)
         slo = item.cls.ttft_slo_ns
         if slo is not None and waited_ns + item.cost_ns > slo:
             DEADLINE_MISSES.labels("prefill", label).inc()
