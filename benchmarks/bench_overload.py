@@ -506,9 +506,16 @@ async def soak(quick: bool) -> dict[str, Any]:
                 async def puller(name: str) -> None:
                     while not stop.is_set():
                         try:
+                            # A leased pull, acknowledged at once as the kit's engine
+                            # does (a submit resolves on the acknowledgement).
                             reply = await c.prefill.Pull(prefill_pb2.PullRequest(
                                 engine_id=name, incarnation=incarnations[name],
-                                remaining_quota_ns=10**12, max_wait_ms=100))
+                                remaining_quota_ns=10**12, rank_loads_ns=[0, 0],
+                                max_wait_ms=100))
+                            if reply.requests:
+                                await c.prefill.Ack(prefill_pb2.AckRequest(
+                                    engine_id=name, incarnation=incarnations[name],
+                                    request_ids=[r.request_id for r in reply.requests]))
                             counts["pulled"] += len(reply.requests)
                         except grpc.aio.AioRpcError:
                             await asyncio.sleep(0.01)
