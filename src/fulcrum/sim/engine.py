@@ -69,8 +69,8 @@ from fulcrum.core.prefill.balancer import (
     Queued,
     rules_by_name,
 )
-from fulcrum.core.prefill.bands import enqueue_task
 from fulcrum.core.prefill.batch import quota_ns
+from fulcrum.core.prefill.chunks import enqueue_task
 from fulcrum.core.prefill.dispatch import pick_puller
 from fulcrum.core.prefill.rules import DEFAULT as DEFAULT_RULES
 from fulcrum.core.tenants import RequestClass

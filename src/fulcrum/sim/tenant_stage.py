@@ -16,8 +16,7 @@ import numpy.typing as npt
 
 from fulcrum.core.cost import CostModel
 from fulcrum.core.prefill.balancer import PrefillBalancer, Queued
-from fulcrum.core.prefill.bands import band_loads
-from fulcrum.core.prefill.chunks import PrefillTask, StepPlan
+from fulcrum.core.prefill.chunks import PrefillTask, StepPlan, band_loads
 from fulcrum.core.prefill.shed import shed_check
 from fulcrum.core.tenants import RequestClass, TenantPolicy, TenantTable
 from fulcrum.errors import FulcrumError

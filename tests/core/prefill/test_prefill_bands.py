@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from fulcrum.core.cost import DEFAULT_COST_MODEL as MODEL
 from fulcrum.core.prefill.balancer import BalancerConfig, PrefillBalancer, Queued
-from fulcrum.core.prefill.bands import band_loads, enqueue_task, loads_for
-from fulcrum.core.prefill.chunks import ChunkPlanner, PrefillTask
+from fulcrum.core.prefill.bands import loads_for
+from fulcrum.core.prefill.chunks import ChunkPlanner, PrefillTask, band_loads, enqueue_task
 from fulcrum.core.prefill.rules import RULE_SETS
 from fulcrum.core.tenants import RequestClass, TenantPolicy
 

@@ -9,14 +9,25 @@ packed key then costs O(n / BLOCK + BLOCK) instead of O(n).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 import numpy as np
 
 from fulcrum.core.decode.keys import I64, INT64_MAX
 
-if TYPE_CHECKING:
-    from fulcrum.core.decode.view import FleetView
+
+class KeyedView(Protocol):
+    """What :meth:`BlockMins.refresh` reads of a view (a
+    :class:`fulcrum.core.decode.view.FleetView`): its slot count and packed keys."""
+
+    @property
+    def n_gpus(self) -> int: ...
+
+    @property
+    def order_conc(self) -> I64: ...
+
+    @property
+    def order_kv(self) -> I64: ...
 
 BLOCK: Final = 256
 """Slots per block of :class:`BlockMins`."""
@@ -46,7 +57,7 @@ class BlockMins:
 
         return BlockMins(conc=mins(order_conc), kv=mins(order_kv))
 
-    def refresh(self, view: FleetView, start: int, end: int) -> None:
+    def refresh(self, view: KeyedView, start: int, end: int) -> None:
         """Recompute the blocks covering slots ``[start, end)``."""
         if end <= start:
             return

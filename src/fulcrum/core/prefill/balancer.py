@@ -550,18 +550,28 @@ class PrefillBalancer:
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
             return Taken(tier=tier)
-        first = band_pass(self, eng, tier, remaining_ns, loads, band_loads, limit, alive,
-                          now_ns)
+        head = next(iter(self.queued(tier, now_ns)), None) if band_loads else None
+        first = band_pass(head, loads, band_loads, remaining_ns, lambda ahead, left, band:
+                          self._pass(eng, tier, ahead, left, limit, alive, now_ns, band))
         after, left, limit = after_pass(first, loads, remaining_ns, limit)
-        pull = self._start_pull(eng, tier, after, left, limit, alive, now_ns)
-        pull.run(self.queued(tier, now_ns), alive, self.cost_for)
-        taken = pull.commit(tier, after, self.remove, now_ns)
-        self._charge(taken, pull.costs, now_ns)
+        taken = self._pass(eng, tier, after, left, limit, alive, now_ns)
         if first is not None:
             taken = first.join(taken)
         if taken.items:
             eng.load_ns = sum(loads) + taken.quota_ns
         aff_order.seen(eng, loads, taken.ranks, taken.costs_ns, now_ns)
+        return taken
+
+    def _pass(self, eng: EngineEntry, tier: int, loads: list[int], remaining_ns: int,
+              limit: int | None, alive: Callable[[Queued], bool] | None, now_ns: int | None,
+              band: int | None = None) -> Taken:
+        """One pass of a pull by these rank loads (ns): select, commit and charge a batch
+        (``band``: only requests of that band or higher)."""
+        pull = _start_pull(self, eng, tier, loads, remaining_ns, limit, alive, now_ns)
+        pull.band = band
+        pull.run(self.queued(tier, now_ns), alive, self.cost_for)
+        taken = pull.commit(tier, loads, self.remove, now_ns)
+        self._charge(taken, pull.costs, now_ns)
         return taken
 
     def _charge(self, taken: Taken, costs: Sequence[int], now_ns: int | None) -> None:
@@ -572,26 +582,27 @@ class PrefillBalancer:
             self.fair.charge(it.cls.tenant, order.units(it, cost), cost, now_ns)
             q.served(it, now_ns)
 
-    def _start_pull(self, eng: EngineEntry, tier: int, loads: list[int], remaining_ns: int,
-                    limit: int | None, alive: Callable[[Queued], bool] | None,
-                    now_ns: int | None) -> Pull:
-        """The pull's state: affinity order (dead requests met go to its list), helping
-        bound, rank state and batch quota."""
-        cfg = self.config
-        cap = cfg.max_batch_requests
-        if limit is not None and limit > 0:
-            cap = min(cap, limit)
-        dead: list[Queued] = []
-        order = None if now_ns is None else _affinity_order(
-            self, tier, eng.engine_id, now_ns, alive, dead)
-        bound = self.helping_bound_ns(eng.tier) if tier > eng.tier >= 0 else None
-        return Pull(
-            eng.engine_id, order, bound,
-            cfg.rules.binding.fill(loads, cfg.step_quota_ns),
-            BatchFill(remaining_ns, cfg.batch_cap_ns[tier], idle=not any(loads),
-                      max_requests=cap),
-            self.affinity, dead=dead,
-        )
+
+def _start_pull(bal: PrefillBalancer, eng: EngineEntry, tier: int, loads: list[int],
+                remaining_ns: int, limit: int | None, alive: Callable[[Queued], bool] | None,
+                now_ns: int | None) -> Pull:
+    """A pull's state: affinity order (dead requests met go to its list), helping bound,
+    rank state and batch quota."""
+    cfg = bal.config
+    cap = cfg.max_batch_requests
+    if limit is not None and limit > 0:
+        cap = min(cap, limit)
+    dead: list[Queued] = []
+    order = None if now_ns is None else _affinity_order(
+        bal, tier, eng.engine_id, now_ns, alive, dead)
+    bound = bal.helping_bound_ns(eng.tier) if tier > eng.tier >= 0 else None
+    return Pull(
+        eng.engine_id, order, bound,
+        cfg.rules.binding.fill(loads, cfg.step_quota_ns),
+        BatchFill(remaining_ns, cfg.batch_cap_ns[tier], idle=not any(loads),
+                  max_requests=cap),
+        bal.affinity, dead=dead,
+    )
 
 
 def _affinity_window(

@@ -32,13 +32,13 @@ Rule (SPEC section 3, level 4):
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
 from fulcrum.core.cost import DEFAULT_COST_MODEL, MAX_CHUNK_TOKENS, CostModel
-from fulcrum.core.prefill import bands
 
 NAME: Final = "fifo_min_budget"
 
@@ -231,6 +231,62 @@ def commit(
     return tuple(out)
 
 
+# -- priority bands on a rank (fulcrum.core.prefill.bands has the rule) --------------
+
+DEFAULT_MAX_OVERTAKEN_TOKENS: Final = 65_536
+"""Most tokens of later, higher-band work that may pass a task on its rank (our
+decision: two of the largest chunks, about 4 s of compute at the default cost model)."""
+
+
+def enqueue_task(queue: deque[PrefillTask], task: PrefillTask,
+                 max_overtaken_tokens: int = DEFAULT_MAX_OVERTAKEN_TOKENS) -> int:
+    """Put ``task`` on a rank's queue (head first): behind every task of its band or a
+    higher one, ahead of the lower-band tasks at the tail that may still be passed (each
+    passed task's ``overtaken`` grows by ``task.need`` tokens and may not pass
+    ``max_overtaken_tokens``). Returns how many tasks it passed. O(tasks passed)."""
+    if not queue or queue[-1].priority >= task.priority:
+        queue.append(task)
+        return 0
+    passed = 0
+    n = len(queue)
+    while passed < n:
+        prev = queue[n - 1 - passed]
+        if prev.priority >= task.priority or prev.overtaken + task.need > max_overtaken_tokens:
+            break
+        passed += 1
+    if passed == 0:
+        queue.append(task)
+        return 0
+    tail = [queue.pop() for _ in range(passed)]
+    queue.append(task)
+    for t in reversed(tail):
+        queue.append(dataclasses.replace(t, overtaken=t.overtaken + task.need))
+    return passed
+
+
+def band_loads(queues: Sequence[Iterable[PrefillTask]], model: CostModel,
+               max_overtaken_tokens: int = DEFAULT_MAX_OVERTAKEN_TOKENS) -> dict[int, list[int]]:
+    """Per band ``p`` present on the engine, per rank: the predicted cost (ns) of what runs
+    before a new request of band ``p`` there -- its tasks of priority ``p`` or higher, and
+    every task up to the last lower-band one that may no longer be passed (``overtaken``
+    at ``max_overtaken_tokens``). ``queues[r]``: rank r's queue, head first; the lowest
+    band's loads are the whole loads. Empty when the engine holds nothing. O(tasks x
+    bands)."""
+    ranks = [[(t.priority, t.overtaken >= max_overtaken_tokens,
+               int(model.cost_ns(t.need, t.computed))) for t in q] for q in queues]
+    bands = sorted({prio for rank in ranks for prio, _, _ in rank})
+    out: dict[int, list[int]] = {}
+    for p in bands:
+        row = []
+        for rank in ranks:
+            stuck = max((i for i, (prio, full, _) in enumerate(rank) if prio < p and full),
+                        default=-1)
+            row.append(sum(ns for i, (prio, _, ns) in enumerate(rank)
+                           if i <= stuck or prio >= p))
+        out[p] = row
+    return out
+
+
 class ChunkPlanner:
     """Stateful wrapper for an engine: ``add`` tasks per rank, then ``step`` each prefill step.
 
@@ -251,7 +307,7 @@ class ChunkPlanner:
         self.model = model
         self.cap = cap
         self.force_progress = force_progress
-        self.max_overtaken_tokens = (bands.DEFAULT_MAX_OVERTAKEN_TOKENS
+        self.max_overtaken_tokens = (DEFAULT_MAX_OVERTAKEN_TOKENS
                                      if max_overtaken_tokens is None else max_overtaken_tokens)
         self._queues: list[deque[PrefillTask]] = [deque() for _ in range(n_ranks)]
 
@@ -262,16 +318,16 @@ class ChunkPlanner:
 
     def add(self, rank: int, task: PrefillTask) -> None:
         """Queue ``task`` on rank ``rank``: FIFO within its band, ahead of lower bands
-        (:func:`fulcrum.core.prefill.bands.enqueue_task`)."""
+        (:func:`enqueue_task`)."""
         if not 0 <= rank < len(self._queues):
             raise ValueError(f"rank: must be in [0, {len(self._queues)}), got {rank}")
-        bands.enqueue_task(self._queues[rank], task, self.max_overtaken_tokens)
+        enqueue_task(self._queues[rank], task, self.max_overtaken_tokens)
 
     def band_loads(self) -> dict[int, list[int]]:
         """Per band held, per rank: the predicted cost (ns) of its tasks of that band or
-        higher (:func:`fulcrum.core.prefill.bands.band_loads`; the pull's
+        higher (:func:`band_loads`; the pull's
         ``band_rank_loads``)."""
-        return bands.band_loads(self._queues, self.model, self.max_overtaken_tokens)
+        return band_loads(self._queues, self.model, self.max_overtaken_tokens)
 
     def queue(self, rank: int) -> tuple[PrefillTask, ...]:
         """Snapshot of rank ``rank``'s queue, head first."""
