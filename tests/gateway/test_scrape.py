@@ -6,6 +6,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fulcrum.gateway import scrape
 from fulcrum.gateway.scrape import RankLoad, parse_metrics
 from fulcrum.state.decode import DecodeState
 from fulcrum.testing import running_server
@@ -85,3 +90,38 @@ async def test_scrape_replaces_the_ranks_figures_and_skips_a_failed_engine() -> 
             assert state.gpu_load("a", 0) == (5, 250)
             assert state.gpu_load("a", 1) == (8, 500)
             assert state.gpu_load("b", 0) == (0, 0)  # port 1 refuses: no report applied
+
+
+# Families a page may hold: the wanted gauges, look-alikes whose names start with a
+# wanted name, an info gauge, histograms and counters (the bulk of a vLLM page).
+_FAMILIES = [
+    "# TYPE vllm:num_requests_running gauge\n"
+    'vllm:num_requests_running{engine="0"} 3.0\nvllm:num_requests_running{engine="1"} 1.0\n',
+    "# TYPE vllm:num_requests_running_max gauge\nvllm:num_requests_running_max 9.0\n",
+    "# HELP vllm:num_requests_waiting waiting\n# TYPE vllm:num_requests_waiting gauge\n"
+    "vllm:num_requests_waiting 2.0\n",
+    "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.5\n",
+    "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.75\n",
+    "# TYPE vllm:cache_config_info gauge\n"
+    'vllm:cache_config_info{block_size="32",num_gpu_blocks="100"} 1.0\n',
+    "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+    'vllm:e2e_request_latency_seconds_bucket{le="0.1"} 1.0\n'
+    'vllm:e2e_request_latency_seconds_bucket{le="+Inf"} 2.0\n'
+    "vllm:e2e_request_latency_seconds_count 2.0\nvllm:e2e_request_latency_seconds_sum 0.3\n",
+    "# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total 12.0\n",
+    "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 7\n",
+]
+
+
+@given(st.lists(st.sampled_from(range(len(_FAMILIES))), unique=True),
+       st.sampled_from(["auto", "vllm", "sglang"]))
+def test_parsing_only_the_wanted_lines_reads_what_the_whole_page_says(
+    order: list[int], kind: str
+) -> None:
+    page = "".join(_FAMILIES[i] for i in order)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scrape, "wanted_lines", lambda text: text)
+        whole = parse_metrics(page, kind)
+    assert parse_metrics(page, kind) == whole
+    kept = scrape.wanted_lines(page)
+    assert "latency" not in kept and "prompt_tokens" not in kept and "_max" not in kept

@@ -62,12 +62,42 @@ def _capacity(labels: dict[str, str]) -> int:
         return 0
 
 
+#: The families read from a page (every other line is dropped before parsing).
+WANTED: tuple[str, ...] = (*RUNNING, *WAITING, *KV_USAGE, CACHE_INFO)
+
+
+def wanted_lines(text: str) -> str:
+    """The lines of ``text`` (an exposition page) that belong to the :data:`WANTED`
+    families: their samples and their ``# HELP`` / ``# TYPE`` lines. A vLLM page is
+    mostly histograms nobody here reads; parsing only these lines costs a few percent of
+    parsing the page (a 130 KiB page: 25 ms -> about 1 ms)."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            if len(parts) >= 3 and parts[2] in WANTED:
+                keep.append(line)
+        elif line.startswith(WANTED) and _name(line) in WANTED:
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def _name(line: str) -> str:
+    """The metric name a sample line starts with (up to ``{`` or a space)."""
+    end = len(line)
+    for sep in ("{", " "):
+        i = line.find(sep)
+        if 0 <= i < end:
+            end = i
+    return line[:end]
+
+
 def parse_metrics(text: str, kind: str = "auto") -> RankLoad | None:
     """Figures of one engine metrics page; None when it has none of the known gauges."""
     prefix = _KIND_PREFIX[kind]
     sums: dict[str, float] = {}
     capacity = 0
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(wanted_lines(text)):
         name = family.name
         if name == CACHE_INFO:
             capacity = max((_capacity(x.labels) for x in family.samples), default=0)
