@@ -77,7 +77,9 @@ def table(quick: bool = False) -> str:
 
 SECTION = """### Prefix affinity: per-engine prefix caches (issue 15)
 
-Mooncake trace (`/work/shared/traces/mooncake_synthetic_trace.jsonl`, 3,993 requests,
+Re-run after issue 11's last changes (engines take work at step boundaries, as the kit's loop does; late binding at 0.1 step budgets, which now spares the requests an engine holds a prefix of; urgent tiers, which are off under prefix affinity; the goodput search capped at rho 1.0). The figures from before those changes, under the simulator's old engine model (engines mid-step took work on arrival), are kept in brackets where they differ.
+
+Mooncake trace (`--trace mooncake`, `mooncake_synthetic_trace.jsonl` in `$FULCRUM_TRACES`, 3,993 requests,
 43,924 distinct 512-token blocks), simulator defaults (8 prefill engines x 4 DP ranks),
 seed 0. `global`: one pool of `--cache-blocks` blocks; `per_engine`: each engine caches
 `--cache-blocks / 8` (the same total). Policies: `default` (tiered pull with prefix
@@ -101,13 +103,13 @@ Command: `fulcrum simulate --trace FILE --load 0.7 --cache-blocks 16000 [--cache
 
 | cache model | policy | block hit ratio | TTFT p99 <16K (s) | 16K-64K (s) | 64K-256K (s) | prefill utilisation |
 |---|---|---:|---:|---:|---:|---:|
-| global | default | 0.530 | 2.03 | 7.44 | 39.27 | 0.691 |
-| global | least_work | 0.530 | 2.25 | 7.00 | 39.07 | 0.691 |
-| per_engine | **default** | **0.524** | **2.28** | 7.33 | 39.45 | 0.699 |
-| per_engine | default_noaffinity | 0.173 | 8.15 | 50.77 | 52.83 | 0.909 |
-| per_engine | least_work | 0.096 | 52.46 | 56.16 | 93.97 | 0.809 |
-| per_engine | prefix_load | 0.530 | 3.92 | 7.93 | 38.67 | 0.690 |
-| per_engine | cache_aware | 0.400 | 10.42 | 13.98 | 53.72 | 0.662 |
+| global | default | 0.530 | 1.48 (2.03) | 6.76 | 39.73 | 0.692 |
+| global | least_work | 0.530 | 2.47 | 6.84 | 38.68 | 0.691 |
+| per_engine | **default** | **0.498** (0.524) | **3.08** (2.28) | 7.26 | 38.74 | 0.735 |
+| per_engine | default_noaffinity | 0.141 | 6.27 | 34.71 | 128.77 | 0.791 |
+| per_engine | least_work | 0.101 | 52.14 | 55.42 | 92.22 | 0.806 |
+| per_engine | prefix_load | 0.522 | 4.15 | 8.18 | 38.46 | 0.705 |
+| per_engine | cache_aware | 0.444 | 10.22 | 13.31 | 52.55 | 0.798 |
 
 (Utilisation counts useful compute: the policies that miss the cache recompute prefixes
 and look busier while serving the same requests later.)
@@ -117,40 +119,40 @@ Command: `fulcrum simulate --trace FILE --limit 1500 [--cache-blocks 16000] [--c
 
 | cache | cache model | policy | goodput req/s (load) | block hit ratio at goodput | TTFT p99 <16K at load 0.5 (s) |
 |---|---|---|---:|---:|---:|
-| 100,000 | global | default | 41.00 (0.98) | 0.239 | 2.03 |
-| 100,000 | global | least_work | 34.66 (0.83) | 0.239 | 2.07 |
-| 100,000 | per_engine | **default** | **37.70 (0.90)** | 0.233 | **2.04** |
-| 100,000 | per_engine | default_noaffinity | 30.55 (0.73) | 0.030 | 2.06 |
-| 100,000 | per_engine | least_work | 30.55 (0.73) | 0.047 | 2.04 |
-| 100,000 | per_engine | prefix_load | 29.29 (0.70) | 0.239 | 2.00 |
-| 100,000 | per_engine | cache_aware | 26.93 (0.64) | 0.202 | 2.14 |
-| 16,000 | global | default | 37.86 (0.94) | 0.210 | 2.10 |
-| 16,000 | per_engine | **default** | **37.86 (0.94)** | 0.206 | **2.04** |
-| 16,000 | per_engine | default_noaffinity | 32.00 (0.79) | 0.034 | 2.04 |
-| 16,000 | per_engine | least_work | 32.00 (0.79) | 0.023 | 2.04 |
-| 16,000 | per_engine | prefix_load | 28.20 (0.70) | 0.202 | 2.11 |
-| 16,000 | per_engine | cache_aware | 25.93 (0.64) | 0.168 | 2.19 |
+| 100,000 | global | default | >= 41.84 (1.00) | 0.239 | 1.33 |
+| 100,000 | global | least_work | 34.66 (0.83) | 0.239 | 2.06 |
+| 100,000 | per_engine | **default** | **34.66 (0.83)** | 0.226 | **1.63** |
+| 100,000 | per_engine | default_noaffinity | 37.70 (0.90) | 0.071 | 1.34 |
+| 100,000 | per_engine | least_work | 30.55 (0.73) | 0.034 | 2.13 |
+| 100,000 | per_engine | prefix_load | 28.08 (0.67) | 0.239 | 2.10 |
+| 100,000 | per_engine | cache_aware | 28.08 (0.67) | 0.196 | 2.10 |
+| 16,000 | global | default | >= 40.29 (1.00) | 0.210 | 1.30 |
+| 16,000 | per_engine | **default** | **34.81 (0.86)** | 0.197 | **2.00** |
+| 16,000 | per_engine | default_noaffinity | 37.86 (0.94) | 0.022 | 1.41 |
+| 16,000 | per_engine | least_work | 30.68 (0.76) | 0.021 | 1.99 |
+| 16,000 | per_engine | prefix_load | 28.20 (0.70) | 0.207 | 2.11 |
+| 16,000 | per_engine | cache_aware | 28.20 (0.70) | 0.155 | 2.30 |
 
 Aims (issue 15), on these runs:
 
-- Block hit ratio within 5% of a global pool of the same total size: met, 0.524 vs 0.530
-  (98.9%) under cache pressure, 0.233-0.239 vs 0.239 with the default cache. Without
-  the tier step below it was missed: 0.357 vs 0.493 (3,000 requests, trace rate): turns
-  of a conversation grow past a tier bound and their holder serves the shorter tier.
-  A turn now joins its holder's tier when its cost on the holder is no more than a fresh
-  prompt at that tier's bound.
-- Goodput at least that of the best prefix-aware push baseline: met: 37.70 vs 29.29 req/s
-  (`prefix_load`, 1.29x) with the default cache, 37.86 vs 28.20 (1.34x) with 16,000
-  blocks; also above `least_work` (30.55 / 32.00), and equal to a global pool of the same
-  size under pressure (37.86 both); 8% below it with the default cache (37.70 vs 41.00).
-  The prefix-aware push routers hit their prefixes but pile conversations onto the
-  engines that hold them: their goodput is below plain `least_work`.
-- TTFT p99 of the shortest tier no worse than without affinity: 2.04 s vs 2.06 s at load
-  0.5; 2.28 s vs 8.15 s at load 0.7 under cache pressure (the fairness bound holds; a
-  request waits for its holder at most 2 s). Against the push baselines it is 2.28 s vs
-  3.92 s (`prefix_load`) at load 0.7, but 2.04 s vs 2.00 s at load 0.5 (default cache):
-  a miss of 2% against `prefix_load` there. Under a global pool the default's shortest
-  tier is a little better at load 0.7 (2.03 s vs 2.28 s).
+- Block hit ratio within 5% of a global pool of the same total size: **missed by a point
+  under cache pressure**, 0.498 vs 0.530 (94.0%; 98.9% under the old engine model);
+  0.226 vs 0.239 (94.6%) with the default cache. With urgent tiers on under affinity
+  it fell to 0.22-0.30 (engines pulled across tiers mix their caches' working sets, and
+  held requests wait for a holder busy elsewhere until the fairness bound): hence urgent
+  tiers are off under affinity, and late binding spares held requests (without that,
+  0.27).
+- Goodput at least that of the best prefix-aware push baseline: met, 34.66 vs 28.08 req/s
+  (`prefix_load`, 1.23x) with the default cache, 34.81 vs 28.20 (1.23x) with 16,000
+  blocks; also above `least_work` (30.55 / 30.68). **But the same pull without affinity
+  now passes a higher rate** (37.70 / 37.86, 1.09x): at the goodput rate the affinity
+  rules (no urgent tiers, early binding of held work) cost more than the cache hits
+  save on this window. Under cache pressure at load 0.7 the order is reversed (TTFT p99
+  <16K 3.08 s with affinity vs 6.27 s without). Not resolved here.
+- TTFT p99 of the shortest tier: 3.08 s vs 6.27 s without affinity at load 0.7 under
+  cache pressure (2.28 s before); 1.63 s vs 1.34 s without affinity at load 0.5 with the
+  default cache (a miss, 22%). Against the push baselines: 3.08 s vs 4.15 s
+  (`prefix_load`) at load 0.7, and 1.63 s vs 2.10 s at load 0.5.
 
 Defaults chosen here, and on what: the fairness bound (2 s, `prefill.affinity_max_wait_ms`)
 is below the shortest tier's TTFT SLO (5 s) so a waiting request keeps SLO headroom; not
