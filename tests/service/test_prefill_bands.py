@@ -138,3 +138,18 @@ async def test_a_parked_full_engine_is_woken_for_a_higher_band_only() -> None:
         assert (await hi).engine_id == "e1"
         assert st.queue_depths()[0] == 1
         lo.cancel()
+
+
+async def test_an_engine_offering_no_quota_takes_only_what_its_band_loads_leave_room_for(
+) -> None:
+    # remaining_quota_ns = 0 still means "nothing" for work of the band it holds: the
+    # band loads only open room for a higher band than the work ahead.
+    async with prefill_daemon(CONFIG) as (_, c, st):
+        inc = await register(c, "e1", dp_ranks=1)
+        lo = asyncio.ensure_future(c.prefill.Submit(submit("lo")))
+        await until(lambda: st.queue_depths()[0] == 1)
+        for loads, bands in (([0], {0: [0]}), ([2 * S], {0: [2 * S]})):
+            got = await c.prefill.Pull(banded("e1", inc, loads, bands))
+            assert list(got.requests) == []
+        assert st.queue_depths()[0] == 1
+        lo.cancel()

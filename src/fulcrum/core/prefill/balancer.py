@@ -554,7 +554,9 @@ class PrefillBalancer:
         first = band_pass(head, loads, band_loads, remaining_ns, lambda ahead, left, band:
                           self._pass(eng, tier, ahead, left, limit, alive, now_ns, band))
         after, left, limit = after_pass(first, loads, remaining_ns, limit)
-        taken = self._pass(eng, tier, after, left, limit, alive, now_ns)
+        spent = band_loads and left <= 0  # no quota left for the usual pass
+        taken = Taken(tier=tier) if spent else self._pass(eng, tier, after, left, limit,
+                                                          alive, now_ns)
         if first is not None:
             taken = first.join(taken)
         if taken.items:
