@@ -136,3 +136,30 @@ def test_the_band_pass_is_followed_by_the_usual_pass() -> None:
     taken = bal.take("e0", 10 * S, [S, 0], now_ns=10, band_loads={0: [S, 0]})
     assert [it.request_id for it in taken.items] == ["hi", "lo"]
     assert taken.costs_ns == (10 * MS, 10 * MS) and taken.quota_ns == 20 * MS
+
+
+@pytest.mark.parametrize(("limit", "expect"), [(1, ["hi"]), (2, ["hi", "hi2"]),
+                                               (3, ["hi", "hi2", "lo"])])
+def test_the_two_passes_together_keep_the_pull_s_request_limit(
+    limit: int, expect: list[str]
+) -> None:
+    bal = _balancer()
+    bal.enqueue(q("hi", 1))
+    bal.enqueue(q("hi2", 1, 1))
+    bal.enqueue(q("lo", 0, 2))
+    bal.enqueue(q("lo2", 0, 3))
+    # rank 1 is below the horizon for band 0 too; band 1 has nothing ahead
+    taken = bal.take("e0", 10 * S, [S, 0], limit=limit, now_ns=10, band_loads={0: [S, 0]})
+    assert [it.request_id for it in taken.items] == expect
+
+
+def test_the_two_passes_together_keep_the_tier_batch_cap() -> None:
+    bal = PrefillBalancer(BalancerConfig(
+        (16_384, 65_536, 262_144), (25 * MS, 32 * S, 128 * S, 512 * S), 8.0, 1.0, 256,
+        RULE_SETS["default"], tenants=TenantPolicy()))
+    bal.add_engine("e0", 2)
+    for rid, prio, t0 in (("hi", 1, 0), ("hi2", 1, 1), ("lo", 0, 2), ("lo2", 0, 3)):
+        bal.enqueue(q(rid, prio, t0))
+    taken = bal.take("e0", 10 * S, [S, 0], now_ns=10, band_loads={0: [S, 0]})
+    assert taken.quota_ns <= 25 * MS
+    assert [it.request_id for it in taken.items] == ["hi", "hi2"]

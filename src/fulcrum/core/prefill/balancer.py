@@ -553,8 +553,10 @@ class PrefillBalancer:
         head = next(iter(self.queued(tier, now_ns)), None) if band_loads else None
         first = band_pass(head, loads, band_loads, remaining_ns, lambda ahead, left, band:
                           self._pass(eng, tier, ahead, left, limit, alive, now_ns, band))
-        after, left, limit = after_pass(first, loads, remaining_ns, limit)
-        spent = band_loads and left <= 0  # no quota left for the usual pass
+        after, left, limit = after_pass(first, loads, remaining_ns, limit,
+                                        self.config.max_batch_requests,
+                                        self.config.batch_cap_ns[tier])
+        spent = band_loads and (left <= 0 or limit == 0)  # nothing left for the usual pass
         taken = Taken(tier=tier) if spent else self._pass(eng, tier, after, left, limit,
                                                           alive, now_ns)
         if first is not None:

@@ -79,14 +79,17 @@ def band_pass(head: Queued | None, loads: Sequence[int],
 
 
 def after_pass(first: Taken | None, loads: Sequence[int], remaining_ns: int,
-               limit: int | None) -> tuple[list[int], int, int | None]:
-    """Rank loads, remaining quota (ns) and request limit left for the usual pass after
-    the band pass ``first`` (unchanged when there was none)."""
+               limit: int | None, most_requests: int,
+               cap_ns: int) -> tuple[list[int], int, int | None]:
+    """Rank loads (ns), remaining quota (ns) and request limit left for the usual pass
+    after the band pass ``first`` (unchanged when there was none): the two passes
+    together stay within the pull's request limit (``limit``, else ``most_requests``)
+    and the tier's batch cap (``cap_ns``). A limit of 0: nothing more to take."""
     after = list(loads)
     if first is None:
         return after, remaining_ns, limit
     for r, c in zip(first.ranks, first.costs_ns, strict=True):
         after[r] += c
-    if limit is not None and limit > 0:
-        limit = max(1, limit - len(first.items))
-    return after, remaining_ns - first.quota_ns, limit
+    most = limit if limit is not None and limit > 0 else most_requests
+    left = min(remaining_ns, cap_ns) - first.quota_ns
+    return after, left, max(0, most - len(first.items))
