@@ -163,3 +163,42 @@ def test_the_two_passes_together_keep_the_tier_batch_cap() -> None:
     taken = bal.take("e0", 10 * S, [S, 0], now_ns=10, band_loads={0: [S, 0]})
     assert taken.quota_ns <= 25 * MS
     assert [it.request_id for it in taken.items] == ["hi", "hi2"]
+
+
+@given(
+    items=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 400)), min_size=1,
+                   max_size=30),
+    loads=st.lists(st.integers(0, 3 * S), min_size=2, max_size=2),
+    fractions=st.lists(st.floats(0.0, 1.0), min_size=6, max_size=6),
+    limit=st.one_of(st.none(), st.integers(1, 6)),
+    remaining=st.integers(0, 5 * S),
+)
+def test_a_pull_with_band_loads_keeps_its_bounds(
+    items: list[tuple[int, int]], loads: list[int], fractions: list[float],
+    limit: int | None, remaining: int,
+) -> None:
+    cap = 2 * S
+    bal = PrefillBalancer(BalancerConfig(
+        (16_384, 65_536, 262_144), (cap, 32 * S, 128 * S, 512 * S), 8.0, 1.0, 8,
+        RULE_SETS["default"], tenants=TenantPolicy()))
+    bal.add_engine("e0", 2)
+    for i, (prio, ms) in enumerate(items):
+        bal.enqueue(Queued(f"r{i}", 1_000, 0, 0, ms * MS, i, cls=RequestClass("t", prio, None)))
+    # band loads as an engine reports them: the work of that band or higher, so each
+    # band's row is at most the one below it, and band 0's is the whole load
+    b1 = [int(x * f) for x, f in zip(loads, fractions[:2], strict=True)]
+    b2 = [int(x * f) for x, f in zip(b1, fractions[2:4], strict=True)]
+    bands = {0: loads, 1: b1, 2: b2}
+    before = {f"r{i}" for i in range(len(items))}
+    taken = bal.take("e0", remaining, loads, limit=limit, now_ns=len(items), band_loads=bands)
+    ids = [it.request_id for it in taken.items]
+    assert len(ids) == len(set(ids)) and set(ids) <= before
+    assert all(bal.get(r) is None for r in ids)  # taken once, out of the queue
+    assert len(ids) <= min(limit or 8, 8)
+    assert len(taken.ranks) == len(ids) == len(taken.costs_ns)
+    assert taken.quota_ns == sum(taken.costs_ns)
+    if len(ids) > 1:
+        assert taken.quota_ns <= cap  # one oversize request alone is the only exception
+    first = taken.items[:taken.banded]
+    if first:
+        assert all(it.cls.priority >= first[0].cls.priority for it in first)
