@@ -167,17 +167,18 @@ class PrefillEngine:
         higher bands first); the pull reports each band's work ahead per rank."""
         if self.model_version == 0:
             await self.refresh_model()
+        bands = self.planner.band_loads()  # the lowest band's row is the whole load
         reply = await self._client.prefill.Pull(
             pb.PullRequest(
                 engine_id=self.engine_id,
                 incarnation=self.incarnation,
                 remaining_quota_ns=remaining_quota_ns,
-                rank_loads_ns=self.rank_loads_ns(),
+                rank_loads_ns=bands[min(bands)] if bands else [0] * self.planner.n_ranks,
                 max_wait_ms=max_wait_ms,
                 max_requests=max_requests,
                 band_rank_loads=[
                     pb.BandRankLoads(priority=prio, rank_loads_ns=row)
-                    for prio, row in self.planner.band_loads().items()
+                    for prio, row in bands.items()
                 ],
             )
         )

@@ -550,8 +550,8 @@ class PrefillBalancer:
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
             return Taken(tier=tier)
-        head = next(iter(self.queued(tier, now_ns)), None) if band_loads else None
-        first = band_pass(head, loads, band_loads, remaining_ns, lambda ahead, left, band:
+        top = max(self.tier_queue(tier).bands, default=None) if band_loads else None
+        first = band_pass(top, loads, band_loads, remaining_ns, lambda ahead, left, band:
                           self._pass(eng, tier, ahead, left, limit, alive, now_ns, band))
         after, left, limit = after_pass(first, loads, remaining_ns, limit,
                                         self.config.max_batch_requests,

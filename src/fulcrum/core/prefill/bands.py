@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from fulcrum.core.prefill.items import Offer, Queued, Taken
+from fulcrum.core.prefill.items import Offer, Taken
 
 
 def loads_for(priority: int, rank_loads_ns: Sequence[int],
@@ -60,17 +60,18 @@ def offer_for(offer: Offer, priority: int) -> tuple[Sequence[int], int]:
     return ahead, offer.remaining_ns + _freed(whole, ahead)
 
 
-def band_pass(head: Queued | None, loads: Sequence[int],
+def band_pass(band: int | None, loads: Sequence[int],
               bands: Mapping[int, Sequence[int]] | None, remaining_ns: int,
               run: Callable[[list[int], int, int], Taken]) -> Taken | None:
-    """The band pass of :meth:`PrefillBalancer.take`: when ``head`` (the tier's first
-    request in take order) is of a band with less work ahead on the engine (``bands``)
-    than the whole rank ``loads`` (ns), ``run(ahead, remaining, band)`` takes the
-    requests of that band or higher by that work, the quota it leaves free added to
-    ``remaining_ns``; None when there is nothing to do so (or nothing was taken)."""
-    if not bands or head is None:
+    """The band pass of :meth:`PrefillBalancer.take`: when ``band`` (the highest band
+    queued in the tier) has less work ahead on the engine (``bands``) than the whole rank
+    ``loads`` (ns), ``run(ahead, remaining, band)`` takes the requests of that band or
+    higher by that work, in take order up to the first of a lower band (a lower band
+    owed service past the starvation bound comes first and so ends the pass at once),
+    the quota it leaves free added to ``remaining_ns``; None when there is nothing to do
+    so (or nothing was taken)."""
+    if not bands or band is None:
         return None
-    band = head.cls.priority
     ahead = [max(0, int(x)) for x in loads_for(band, loads, bands)]
     if len(ahead) != len(loads) or sum(ahead) >= sum(loads):
         return None

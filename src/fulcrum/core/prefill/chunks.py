@@ -32,7 +32,6 @@ Rule (SPEC section 3, level 4):
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -260,7 +259,7 @@ def enqueue_task(queue: deque[PrefillTask], task: PrefillTask,
     tail = [queue.pop() for _ in range(passed)]
     queue.append(task)
     for t in reversed(tail):
-        queue.append(dataclasses.replace(t, overtaken=t.overtaken + task.need))
+        queue.append(replace(t, overtaken=t.overtaken + task.need))
     return passed
 
 
