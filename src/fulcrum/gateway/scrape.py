@@ -84,12 +84,7 @@ def wanted_lines(text: str) -> str:
 
 def _name(line: str) -> str:
     """The metric name a sample line starts with (up to ``{`` or a space)."""
-    end = len(line)
-    for sep in ("{", " "):
-        i = line.find(sep)
-        if 0 <= i < end:
-            end = i
-    return line[:end]
+    return line.split("{", 1)[0].split(" ", 1)[0]
 
 
 def parse_metrics(text: str, kind: str = "auto") -> RankLoad | None:
