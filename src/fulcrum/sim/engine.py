@@ -505,7 +505,8 @@ class Simulator:
         return quota_ns(self.horizon[max(0, tier)], self._loads(e))
 
     def _loads(self, e: int) -> list[int]:
-        return [max(0, int(x)) for x in self.rank_load[e]]
+        kit = self.tenants.whole_loads(self.queues[e], self.model)  # as the kit reports
+        return kit if kit is not None else [max(0, int(x)) for x in self.rank_load[e]]
 
     def _take(self, e: int) -> bool:
         """Engine ``e`` pulls (as a real engine does between steps): True when it got work."""

@@ -52,6 +52,13 @@ class TenantStage:
         band (nothing to say)."""
         return band_loads(queues, model) if self.banded else None
 
+    def whole_loads(self, queues: Sequence[Iterable[PrefillTask]],
+                    model: CostModel) -> list[int] | None:
+        """An engine's rank loads (ns) as the kit reports them beside its band loads (the
+        lowest band's row, the same sums); None when the workload has one band."""
+        bands = self.band_loads(queues, model)
+        return bands[min(bands)] if bands else None
+
     def refuse(self, bal: PrefillBalancer, item: Queued, elapsed_ns: int) -> bool:
         """True when the core sheds ``item`` (then it is marked and never queued)."""
         intent = shed_check(bal, item, self.table.sheddable(item.cls), elapsed_ns)
