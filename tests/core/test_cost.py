@@ -263,3 +263,13 @@ def test_fit_cost_tool_errors(
     assert fit_cost.main([str(path)]) == 2
     assert match in capsys.readouterr().err
     assert fit_cost.main([str(tmp_path / "missing.csv")]) == 2
+
+
+def test_max_tokens_when_the_root_underflows() -> None:
+    # Found by the CI profile's random draws: a = 0.25, b = k = 0, c = 0 and a budget of
+    # one subnormal ns made the denominator of the closed form underflow to zero.
+    model = CostModel(a=0.25, b=0.0, k=0.0)
+    for budget in (5e-324, 1e-310, 0.0):
+        assert model.max_tokens(0, budget) == 0
+        assert model.max_tokens(0, budget) == int(model.max_tokens_array(0, budget))
+    assert model.max_tokens(0, 0.0) <= model.max_tokens(0, 5e-324) <= model.max_tokens(0, 1.0)

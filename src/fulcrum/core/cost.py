@@ -119,7 +119,11 @@ class CostModel:
         rest = budget_ns - self.k
         if not rest > 0:  # also catches NaN
             return 0
-        root = 2.0 * rest / (lin + math.sqrt(lin * lin + 2.0 * self.a * rest))
+        denom = lin + math.sqrt(lin * lin + 2.0 * self.a * rest)
+        # a budget just past k (a subnormal rest) can underflow the denominator to 0;
+        # the root is then below one token, and the correction below decides (as in
+        # max_tokens_array)
+        root = 2.0 * rest / denom if denom > 0 else 0.0
         q = min(limit, int(root))
         # One-token corrections for floating-point rounding of the root (not a search).
         if q < limit and self.cost(q + 1, c) <= budget_ns:
