@@ -353,3 +353,22 @@ async def test_reload_retry_after(gw: Daemon) -> None:
             for h in r.headers.set_headers
         )
         await first.close()
+
+
+async def test_in_flight_and_stream_gauges_follow_the_streams(gw: Daemon) -> None:
+    """The two gauges are read when scraped: one held stream shows as 1 and 1, then 0."""
+    picker = gw.gateway.picker
+
+    def gauges() -> tuple[float, float]:
+        got = scrape(gw)
+        return got[("fulcrum_gateway_requests_in_flight", ())], got[("fulcrum_gateway_streams", ())]
+
+    ch, stub = await with_stub(gw)
+    async with ch:
+        s = Stream(stub)
+        await s.send(headers_msg(eos=True))
+        assert (await s.recv()).WhichOneof("response") == "request_headers"
+        assert gauges() == (1.0, 1.0)
+        await s.close()
+        await wait_for(lambda: picker.in_flight == 0 and picker.streams == 0, what="closed")
+        assert gauges() == (0.0, 0.0)

@@ -82,8 +82,8 @@ async def test_reload_applies_every_decode_and_vision_key() -> None:
         assert isinstance(decode, DecodeState) and isinstance(vision, VisionState)
         assert decode.settings.sweep_interval_ms == 50
         assert vision.settings.sweep_interval_ms == 60
-        assert decode.publisher.snapshot.gpu_series == 1
-        assert vision.publisher.snapshot.gpu_series == 1
+        assert decode.publisher.current().gpu_series == 1
+        assert vision.publisher.current().gpu_series == 1
 
 
 async def test_images_are_bounded_before_conversion() -> None:

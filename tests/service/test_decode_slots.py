@@ -90,7 +90,7 @@ def test_slots_follow_the_model(
         got = {(i, g): (c, k) for i, g, c, k in state.gpu_loads()}
         assert got == model
         assert state.held == len(held)
-        snap = state.publisher.snapshot
+        snap = state.publisher.current()
         published = {
             (m.member_id, g): (int(m.values[0][g]), int(m.values[1][g]))
             for m in snap.members

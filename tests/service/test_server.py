@@ -27,7 +27,13 @@ FULCRUM_SERVICES = {
 
 
 def scrape(daemon: Daemon) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Parse /metrics with prometheus_client's parser into {(sample, labels): value}."""
+    """Parse /metrics with prometheus_client's parser into {(sample, labels): value}.
+    The scrape blocks the daemon's loop (urlopen on it), so the loop could not build the
+    tables' stale snapshots when the scrape thread asks: build them first."""
+    for name in ("decode", "vision"):
+        table = daemon.app.components.get(name)
+        if table is not None:
+            table.publisher.current()
     url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as resp:
         text = resp.read().decode()

@@ -106,7 +106,7 @@ def test_slots_follow_the_model(
         got = {(i, g): p for i, g, p in state.gpu_loads()}
         assert got == model
         assert state.held == len(held)
-        snap = state.publisher.snapshot
+        snap = state.publisher.current()
         published = {
             (m.member_id, g): int(m.values[0][g])
             for m in snap.members

@@ -37,7 +37,8 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -192,6 +193,11 @@ class Picker:
         #: Cache-aware picks (gateway.cache.enabled, engines without a prefill pool).
         self.cache: CachePicker | None = None
         self.tenancy: Tenancy | None = None  # the daemon's tenant table (gateway/server)
+        self.tenancy_headers = _tenancy_headers(settings)
+        # The gauges read two ints when scraped (not set on every request).
+        me = weakref.ref(self)
+        gm.IN_FLIGHT.set_function(lambda: _read(me, lambda p: p.in_flight))
+        gm.STREAMS.set_function(lambda: _read(me, lambda p: p.streams))
         if settings.cache.enabled and prefill is None:
             cache = CachePicker(settings.cache, settings.chars_per_token, adapter)
             cache.default_kv_tokens = max(
@@ -208,6 +214,7 @@ class Picker:
     def apply_settings(self, settings: GatewaySettings) -> None:
         """Reload: every key but the restart-only ones (enabled, host, ports, pool)."""
         self.settings = settings
+        self.tenancy_headers = _tenancy_headers(settings)
         self._answers.clear()  # the metadata namespace may have changed
 
     def _count(self, outcome: str) -> None:
@@ -294,7 +301,6 @@ class Picker:
         if choice is not None and self.cache is not None:
             self.cache.placed(request_id, choice, shape.prompt_tokens, now, shape.stream)
         self._held[request_id] = placement
-        gm.IN_FLIGHT.set(len(self._held))
         self._count("picked")
         gm.PICK_SECONDS.observe(time.perf_counter() - t0)
         for hook in self.pick_hooks:
@@ -358,7 +364,6 @@ class Picker:
         if self.prefill is not None:
             self.prefill.finished(placement.request_id)
         self._held.pop(placement.request_id, None)
-        gm.IN_FLIGHT.set(len(self._held))
         held = self.adapter.release(placement.request_id, self._clock())
         self._releases[reason if held else "not_held"].inc()
         for hook in self.release_hooks:
@@ -424,6 +429,17 @@ class Picker:
         )
 
 
+def _tenancy_headers(settings: GatewaySettings) -> frozenset[str]:
+    t = settings.tenancy
+    return frozenset((t.fairness_header, t.objective_header, t.ttft_header))
+
+
+def _read(ref: weakref.ReferenceType[Picker], figure: Callable[[Picker], int]) -> float:
+    """A gauge's value from a picker held weakly (0 once it is gone)."""
+    picker = ref()
+    return 0.0 if picker is None else float(figure(picker))
+
+
 def _json_str(s: str) -> str:
     return json.dumps(s)
 
@@ -471,11 +487,20 @@ def _refuse(reason: str, code: int, message: str, retry_after_s: int = 0) -> _Re
     return _Refused(Refusal(code, reason, message, retry_after_s))
 
 
-def _path(req: ep.ProcessingRequest) -> str:
-    for h in req.request_headers.headers.headers:
-        if h.key == ":path":
-            return _header_value(h)
-    return ""
+def _scan(
+    headers: Iterable[base_pb2.HeaderValue], names: frozenset[str]
+) -> tuple[str, list[base_pb2.HeaderValue]]:
+    """One pass over the request headers: the ``:path`` and the headers named in
+    ``names`` (the tenancy headers, lower case)."""
+    path = ""
+    wanted: list[base_pb2.HeaderValue] = []
+    for h in headers:
+        key = h.key
+        if key == ":path":
+            path = _header_value(h)
+        elif key.lower() in names:
+            wanted.append(h)
+    return path, wanted
 
 
 class _Stream:
@@ -483,15 +508,19 @@ class _Stream:
     A method per phase returns the answers to send; :class:`_Refused` ends the stream."""
 
     __slots__ = (
-        "_chunks", "_deadline", "_duplex", "_first", "_pending", "_pending_headers",
-        "_picker", "_resp_duplex", "_settings", "cls", "path", "phase", "placement",
-        "subset",
+        "_cancelling", "_chunks", "_deadline", "_duplex", "_expired", "_first", "_pending",
+        "_pending_headers", "_picker", "_reading", "_resp_duplex", "_settings", "_task",
+        "_timer", "cls", "path", "phase", "placement", "subset",
     )
 
     def __init__(self, picker: Picker, now: float) -> None:
         self._picker = picker
         self._settings = s = picker.settings
         self._deadline = now + s.max_body_ms / 1000
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelling = 0
+        self._expired = self._reading = False
         self._duplex = self._resp_duplex = self._pending_headers = False
         self._first = True  # no response body chunk seen yet
         self._chunks: list[bytes] = []
@@ -504,17 +533,46 @@ class _Stream:
 
     async def next(self, it: AsyncIterator[ep.ProcessingRequest]) -> ep.ProcessingRequest:
         """The next message; while the request is incomplete, within ``max_body_ms`` of
-        the stream's opening (else 503). StopAsyncIteration at the end of the stream."""
+        the stream's opening (else 503). StopAsyncIteration at the end of the stream.
+        One timer per stream (armed at the first read, not at every read): when it fires
+        during a read, it cancels that read; between reads, the next read refuses."""
         if self.phase > _BODY:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             return await anext(it)
+        if self._expired:
+            raise self._late()
+        if self._timer is None:
+            self._arm()
+        self._reading = True
         try:
-            async with asyncio.timeout_at(self._deadline):
-                return await anext(it)
-        except TimeoutError:
-            ms = self._settings.max_body_ms
-            raise _refuse(
-                "body_timeout", 503, f"request not complete within {ms} ms (gateway.max_body_ms)"
-            ) from None
+            return await anext(it)
+        except asyncio.CancelledError:
+            task = self._task
+            if self._expired and task is not None and task.uncancel() <= self._cancelling:
+                raise self._late() from None
+            raise
+        finally:
+            self._reading = False
+
+    def _arm(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._task = task = asyncio.current_task()
+        self._cancelling = task.cancelling() if task is not None else 0
+        self._timer = loop.call_at(self._deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._expired = True
+        if self._reading and self._task is not None:
+            self._task.cancel()
+
+    def _late(self) -> _Refused:
+        ms = self._settings.max_body_ms
+        return _refuse(
+            "body_timeout", 503, f"request not complete within {ms} ms (gateway.max_body_ms)"
+        )
 
     async def handle(self, req: ep.ProcessingRequest) -> Out:
         kind = req.WhichOneof("request")
@@ -551,9 +609,14 @@ class _Stream:
         if self.phase != _START:
             raise self._out_of_order("request_headers")
         body_none = self._begin(req)
-        self.path = _path(req)
         p = self._picker
-        self.cls = classify(p.tenancy, p.settings.tenancy, req.request_headers.headers)
+        self.path, wanted = _scan(req.request_headers.headers.headers, p.tenancy_headers)
+        if p.tenancy is None:
+            self.cls = DEFAULT_CLASS
+        elif wanted:
+            self.cls = classify(p.tenancy, p.settings.tenancy, wanted)
+        else:
+            self.cls = p.tenancy.default
         if req.request_headers.end_of_stream or body_none:
             return (self._picker.destination(await self._pick(b""), "request_headers"),)
         self.phase = _BODY
@@ -600,6 +663,9 @@ class _Stream:
 
     def close(self) -> None:
         """The stream ended: give back its pending bytes and its placement."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._picker.pending_bytes -= self._pending
         self._pending = 0
         self._chunks = []
@@ -717,7 +783,6 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         admitted = picker.streams < picker.settings.max_streams
         if admitted:
             picker.streams += 1
-            gm.STREAMS.set(picker.streams)
         it = aiter(request_iterator)
         try:
             while True:
@@ -741,7 +806,6 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             stream.close()
             if admitted:
                 picker.streams -= 1
-                gm.STREAMS.set(picker.streams)
 
 
 def add_to_server(server: grpc.aio.Server, picker: Picker) -> str:

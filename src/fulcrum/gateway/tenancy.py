@@ -172,14 +172,16 @@ def _text(h: base_pb2.HeaderValue) -> str:
 
 
 def classify(
-    tenancy: ServiceTenancy | None, settings: GatewayTenancySettings, headers: base_pb2.HeaderMap
+    tenancy: ServiceTenancy | None,
+    settings: GatewayTenancySettings,
+    headers: Iterable[base_pb2.HeaderValue],
 ) -> RequestClass:
-    """The class of a request from its ext_proc request headers, through the daemon's
-    tenant table (``tenancy``; None: the default class). Ignored headers are counted;
-    never raises on a header."""
+    """The class of a request from its ext_proc request headers (all of them, or only
+    the tenancy ones), through the daemon's tenant table (``tenancy``; None: the default
+    class). Ignored headers are counted; never raises on a header."""
     if tenancy is None:
         return DEFAULT_CLASS
-    t = parse(((h.key, _text(h)) for h in headers.headers), settings, tenancy.table.policy)
+    t = parse(((h.key, _text(h)) for h in headers), settings, tenancy.table.policy)
     count_ignored(t)
     if t.tenant == "" and t.priority == 0 and t.ttft_slo_ms is None:
         return tenancy.default

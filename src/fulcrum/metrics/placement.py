@@ -5,8 +5,8 @@ module names its families (:class:`TableMetrics`) and registers one
 :func:`table_collector`.
 
 One owner: the scrape thread never reads a table's live state, only the immutable
-snapshot the event loop publishes after changes
-(:class:`fulcrum.state.placement.Publisher`); everything derived (imbalance, sums,
+snapshot the event loop builds for the scrape
+(:meth:`fulcrum.state.placement.Publisher.fresh`); everything derived (imbalance, sums,
 top-k) is computed here, in the scrape thread, from that snapshot.
 """
 
@@ -144,8 +144,7 @@ class TableMetrics:
 
 
 class SnapshotSource(Protocol):
-    @property
-    def snapshot(self) -> TableSnapshot: ...
+    def fresh(self) -> TableSnapshot: ...
 
 
 def _add_per_member(members: Sequence[MemberFigures], fams: Sequence[Family]) -> None:
@@ -193,7 +192,7 @@ class TableCollector(Collector):
         fams = {s.name: s.build() for s in spec.specs()}
         source = self._source() if self._source is not None else None
         if source is not None:
-            self._fill(source.snapshot, fams)
+            self._fill(source.fresh(), fams)
         yield from fams.values()
 
     def _fill(self, snap: TableSnapshot, fams: dict[str, Family]) -> None:

@@ -84,7 +84,7 @@ def wire_table(app: App, section: str, kind: MemberKind, state: Table) -> None:
     every ``<section>.sweep_interval_ms`` (read at every round, so a reload applies it)."""
     app.components[section] = state
     app.fleet.add_listener(kind, state)  # type: ignore[arg-type]
-    state.set_schedule(asyncio.get_running_loop().call_soon)
+    state.set_schedule(asyncio.get_running_loop().call_soon_threadsafe)
 
     def reload(settings: Settings) -> None:
         state.apply_settings(getattr(settings, section))

@@ -32,15 +32,16 @@ their per-GPU fleet arrays and their ``place`` (the policy's ``select`` over the
   reloadable key (policy, lease, limits, metrics bounds) to the next call; placements
   already held keep their deadline.
 - **One owner.** Only the event loop touches the table. The Prometheus scrape thread reads
-  :attr:`Publisher.snapshot`, an immutable object swapped in by reference after changes
-  (at most once per loop iteration: :meth:`Publisher.changed` schedules the publication
-  with the loop's ``call_soon``). A publication copies the changed members' GPU figures
-  only (O(changed GPUs) plus one tuple of the members), never the fleet's arrays.
+  an immutable snapshot (:meth:`Publisher.fresh`): changes only mark it stale, and the
+  scrape has the loop build a new one (through ``call_soon_threadsafe``), so a table
+  under load builds one per scrape. A publication copies the changed members' GPU
+  figures only (O(changed GPUs) plus one tuple of the members), never the fleet's arrays.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -59,7 +60,8 @@ S = TypeVar("S")
 
 I64 = npt.NDArray[np.int64]
 
-#: ``schedule(callback)``: run ``callback`` soon on the event loop (``loop.call_soon``).
+#: ``schedule(callback)``: run ``callback`` soon on the event loop, from any thread
+#: (``loop.call_soon_threadsafe``).
 Schedule = Callable[[Callable[[], None]], Any]
 
 
@@ -276,41 +278,76 @@ class LeaseTable(Generic[R]):
 # -- publication for the scrape thread --------------------------------------------------
 
 
+#: How long a scrape waits for the loop to build a stale snapshot, s.
+FRESH_TIMEOUT_S: Final = 0.5
+
+
 class Publisher(Generic[S]):
     """Holds the latest immutable snapshot of a table for other threads.
 
-    ``build()`` makes a snapshot on the loop; :meth:`changed` asks for a new one: at once
-    without a scheduler (tests of the table alone), else once per loop iteration however
-    many changes it saw. Other threads only read :attr:`snapshot` (one reference read).
+    ``build()`` makes a snapshot on the loop. Without a scheduler (tests of the table
+    alone) :meth:`changed` builds one at once. With one (:meth:`set_schedule`, the loop's
+    ``call_soon_threadsafe``), :meth:`changed` only marks the snapshot stale, and nothing
+    is built until somebody reads: :meth:`fresh` (the scrape thread) has the loop build
+    it, :meth:`current` (on the loop) builds it. A busy table so builds one snapshot per
+    scrape, not one per loop iteration, and a scrape always sees the table as it is.
+    Other threads never touch the table: they read :attr:`snapshot` (one reference).
     """
 
-    __slots__ = ("__weakref__", "_build", "_pending", "_schedule", "snapshot")
+    __slots__ = ("__weakref__", "_build", "_schedule", "_stale", "_thread", "snapshot")
 
     def __init__(self, build: Callable[[], S]) -> None:
         self._build = build
         self._schedule: Schedule | None = None
-        self._pending = False
+        self._thread = 0  # the loop's thread (threading.get_ident) once scheduled
+        self._stale = False
         self.snapshot: S = build()
 
     def set_schedule(self, schedule: Schedule | None) -> None:
-        """Publish through ``schedule`` (the loop's ``call_soon``) from now on."""
+        """Build snapshots on demand through ``schedule`` (the loop's
+        ``call_soon_threadsafe``; call this on the loop's thread) from now on."""
         self._schedule = schedule
+        self._thread = threading.get_ident()
 
     def changed(self) -> None:
-        if self._pending:
-            return
         if self._schedule is None:
             self.snapshot = self._build()
             return
-        self._pending = True
-        self._schedule(self._publish)
+        self._stale = True
 
     def publish(self) -> None:
         """Publish now (on the loop)."""
-        self._pending = False
+        self._stale = False
         self.snapshot = self._build()
 
-    _publish = publish
+    def current(self) -> S:
+        """The snapshot of the table as it is (on the loop: built if stale)."""
+        if self._stale:
+            self.publish()
+        return self.snapshot
+
+    def fresh(self, timeout_s: float = FRESH_TIMEOUT_S) -> S:
+        """The snapshot of the table as it is, from any thread: the loop builds it when
+        stale. When the loop does not answer within ``timeout_s`` (busy, stopping), the
+        last published one."""
+        if not self._stale or self._schedule is None:
+            return self.snapshot
+        if threading.get_ident() == self._thread:
+            return self.current()
+        done = threading.Event()
+
+        def build() -> None:
+            try:
+                self.current()
+            finally:
+                done.set()
+
+        try:
+            self._schedule(build)
+        except RuntimeError:  # the loop is closed
+            return self.snapshot
+        done.wait(timeout_s)
+        return self.snapshot
 
 
 class MemberFigures(NamedTuple):
@@ -666,7 +703,8 @@ class PlacementTable(Generic[M, SettingsT, ReleasedT]):
     # -- read-only views -----------------------------------------------------------------
 
     def set_schedule(self, schedule: Schedule | None) -> None:
-        """Publish metrics snapshots through the event loop's ``call_soon``."""
+        """Build metrics snapshots on demand through the event loop's
+        ``call_soon_threadsafe`` (call on the loop's thread)."""
         self.publisher.set_schedule(schedule)
 
     @property
