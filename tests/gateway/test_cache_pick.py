@@ -131,3 +131,81 @@ def test_index_is_invisible_to_the_cycle_collector() -> None:
         assert 1000 - 1000 // 64 <= idx.held(s) <= 1000  # at its bound, with the margin
     newest = [hash((slots[0], 29, k)) for k in range(50)]
     assert idx.match(newest).tolist() == [50, 0, 0]
+
+
+def test_behind_queued_work_a_request_shares_the_step_overhead() -> None:
+    """shared_steps: an idle engine costs the whole cost(q, c); behind outstanding work the
+    request rides a step already paid for and adds cost - k (per-engine k arrays too)."""
+    model = CostModel(a=1.0, b=100.0, k=1000.0)
+    load, cached = np.array([0.0, 5e5, -3.0]), np.array([0, 900, 0])
+    off = predicted_ttft_ns(load, cached, 1000, Coefficients.of(model))
+    on = predicted_ttft_ns(load, cached, 1000, Coefficients.of(model), shared_steps=True)
+    assert on[0] == off[0] == pytest.approx(model.cost(1000, 0))
+    assert on[1] == pytest.approx(5e5 + model.cost(100, 900) - 1000.0)
+    assert on[2] == off[2]  # negative load is an idle engine
+    per = Coefficients(np.array([1.0, 1.0]), np.array([100.0, 100.0]), np.array([10.0, 20.0]))
+    got = predicted_ttft_ns(np.array([7.0, 7.0]), np.array([0, 0]), 10, per, shared_steps=True)
+    # cost(10, 0) = 50 + 1000 + k: each engine's own k comes off, so both are 7 + 1050.
+    assert got.tolist() == pytest.approx([1057.0, 1057.0])
+
+
+class _Fleet:
+    """Stand-in for the decode adapter's filter: two endpoints, both candidates."""
+
+    def __init__(self) -> None:
+        self.slots = np.arange(2, dtype=np.int64)
+        self.addrs = ["10.0.0.1:8000", "10.0.0.2:8000"]
+        self.keys = np.zeros(2, dtype=np.int64)
+        self.scrape_listeners: list[object] = []
+
+    def candidates(self, _kv: int, _subset: object) -> tuple[object, list[str], object]:
+        return self.slots, self.addrs, self.keys
+
+
+@pytest.mark.parametrize(("shared", "stays"), [(True, True), (False, False)])
+def test_a_conversation_stays_with_its_busy_holder_when_steps_are_shared(
+    shared: bool, stays: bool
+) -> None:
+    """Four conversations' next turns queue on the engine holding them: counted a step
+    overhead each, the fourth would leave for the idle engine and lose its prefix; on
+    engines that batch, the queue is one step and the turn stays."""
+    from fulcrum.config.cache import CacheSettings
+    from fulcrum.gateway.body import RequestShape
+    from fulcrum.gateway.cache_pick import CachePicker
+
+    fleet = _Fleet()
+    cp = CachePicker(CacheSettings(enabled=True, shared_steps=shared), 4.0, fleet)  # type: ignore[arg-type]
+    texts = [f"conversation {i} " + "lorem ipsum dolor sit amet " * 60 for i in range(4)]
+    for i, t in enumerate(texts):  # each history already on engine 0
+        cp._slot(fleet.addrs[i % 2])
+        cp.index.record(0, text_blocks(t, cp.block_chars))
+    prompt = len(texts[0]) // 4 + 40
+    chosen = []
+    for i, t in enumerate(texts):  # the next turns arrive together
+        shape = RequestShape(prompt, 8, True, text=t + " next question " * 10, stream=True)
+        choice = cp.choose(fleet, shape, None, 0)  # type: ignore[arg-type]
+        assert choice is not None
+        cp.placed(f"r{i}", choice, prompt, 0, stream=True)
+        chosen.append(choice.address)
+    assert (chosen == [fleet.addrs[0]] * 4) is stays
+
+
+def test_the_refit_sample_of_a_request_behind_work_is_its_whole_cost() -> None:
+    """The TTFT sample is observed - (load - k): the model's whole cost(q, c), k included."""
+    from fulcrum.config.cache import CacheSettings
+    from fulcrum.gateway.body import RequestShape
+    from fulcrum.gateway.cache_pick import CachePicker
+
+    fleet = _Fleet()
+    cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
+    seen: list[tuple[float, float]] = []
+    cp.learner.observe = lambda key, q, c, ttft, load, now: seen.append((ttft, load))  # type: ignore[method-assign]
+    shape = RequestShape(400, 8, True, text="x " * 800, stream=True)
+    for i in range(3):  # the third waits behind the first on engine 0
+        choice = cp.choose(fleet, shape, None, 0)  # type: ignore[arg-type]
+        assert choice is not None
+        cp.placed(f"r{i}", choice, 400, 0, stream=True)
+    k = cp.settings.cost_model.k
+    assert choice.load_ns > 0 and choice.shared_ns == k
+    cp.first_token("r2", 10**9)
+    assert seen[-1] == (1e9, pytest.approx(choice.load_ns - k))

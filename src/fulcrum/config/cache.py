@@ -87,6 +87,12 @@ class CacheSettings(Section):
         default_factory=lambda: KvEventsSettings(),
         description="vLLM KV cache events: cache resets and evictions reach the index",
     )
+    shared_steps: bool = Field(
+        True,
+        description="the engines batch waiting prompts into one step (continuous "
+        "batching: vLLM, SGLang): a request queued behind predicted work shares that "
+        "step's fixed overhead (the cost model's k), so it adds cost - k, not cost",
+    )
     emit_scores: bool = Field(
         False,
         description="log one line per pick with every candidate's predicted TTFT and hit "

@@ -4,6 +4,7 @@ One function for every cache-aware decision (the gateway's pick for engines that
 prefill and decode, and the prefill pull's affinity)::
 
     ttft_ns[e] = load_ns[e] + cost_e(q = prompt - cached[e], c = cached[e])
+               [- k_e when load_ns[e] > 0 and the engines share steps]
 
 * ``load_ns`` -- outstanding prefill work queued ahead of the request on engine ``e`` (ns);
 * ``cached[e]`` -- the request's leading prompt tokens engine ``e`` holds in its prefix
@@ -65,6 +66,7 @@ def predicted_ttft_ns(
     cached_tokens: npt.ArrayLike,
     prompt_tokens: int,
     coefficients: Coefficients,
+    shared_steps: bool = False,
 ) -> FloatArray:
     """Predicted time to first token of one request on each engine (ns, float64, shape
     ``(n,)``).
@@ -73,6 +75,9 @@ def predicted_ttft_ns(
     values count as 0). ``cached_tokens``: the request's cached leading tokens per engine,
     shape ``(n,)`` (tokens). ``prompt_tokens``: the request's prompt length (tokens).
     ``coefficients``: the cost model, scalars or per-engine arrays of shape ``(n,)``.
+    ``shared_steps``: the engines batch waiting prompts into one step (continuous
+    batching), so behind outstanding work (``load_ns > 0``) the request shares a step's
+    fixed overhead and adds ``cost - k``; on an idle engine it pays the whole ``cost``.
     """
     q, c = miss_tokens(prompt_tokens, cached_tokens)
     qf = q.astype(np.float64)
@@ -80,6 +85,8 @@ def predicted_ttft_ns(
     co = coefficients
     cost = np.asarray(co.a) * qf * (cf + qf / 2.0) + np.asarray(co.b) * qf + np.asarray(co.k)
     load = np.maximum(np.asarray(load_ns, dtype=np.float64), 0.0)
+    if shared_steps:
+        cost = cost - np.where(load > 0.0, np.asarray(co.k, dtype=np.float64), 0.0)
     out: FloatArray = load + cost
     return out
 

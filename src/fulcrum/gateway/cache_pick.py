@@ -6,6 +6,7 @@ slot, the subset hint), the picker takes the one with the least predicted time t
 token (:func:`fulcrum.core.prefix_cost.predicted_ttft_ns`)::
 
     ttft[e] = outstanding[e] + cost(q = prompt - hit[e], c = hit[e])      [ns]
+              - k, when outstanding[e] > 0 (gateway.cache.shared_steps)
 
 * ``hit[e]``: prompt tokens endpoint ``e`` is believed to hold, from the gateway's prefix
   index (:mod:`fulcrum.gateway.prefix_index`) of the prompts it routed there;
@@ -13,6 +14,9 @@ token (:func:`fulcrum.core.prefix_cost.predicted_ttft_ns`)::
   pick moves the endpoint's predicted "prefill busy until" to ``max(it, now) + cost``;
   when its last request in flight ends, what is left of it is dropped. The scraped queue
   depth corrects it from below: ``waiting x`` the endpoint's mean predicted cost.
+* ``k``: the cost model's fixed per-step overhead. Engines with continuous batching run
+  the prompts waiting together in one step, so a request queued behind outstanding work
+  adds ``cost - k`` to it (``gateway.cache.shared_steps``, on by default).
 * ``cost``: the configured model (``gateway.cache.cost_model``), refitted online per
   endpoint (or for all) from the TTFT the gateway observes
   (:mod:`fulcrum.gateway.cost_learn`, :meth:`CachePicker.first_token`).
@@ -55,8 +59,9 @@ _PICKS_MAX: Final = (1 << KV_BITS) - 1
 @dataclass(frozen=True, slots=True)
 class Choice:
     """A cache-aware decision: decode slot to pin, its address and index slot, the
-    request's blocks, its predicted cost there and the load ahead of it (ns) and the
-    reported figures."""
+    request's blocks, its predicted cost there and the load ahead of it (ns), the fixed
+    step overhead it shares with that load (ns; 0 on an idle engine or without
+    ``shared_steps``) and the reported figures."""
 
     slot: int
     address: str
@@ -64,6 +69,7 @@ class Choice:
     blocks: list[int]
     cost_ns: float
     load_ns: float
+    shared_ns: float
     chosen_ns: float
     other_ns: float
     hit_tokens: int
@@ -205,7 +211,10 @@ class CachePicker:
             hits = np.zeros(len(addrs), dtype=np.int64)
         load = self.outstanding_ns(isl, now_ns)
         co = self._coef[isl]
-        ttft = predicted_ttft_ns(load, hits, prompt, Coefficients(co[:, 0], co[:, 1], co[:, 2]))
+        ttft = predicted_ttft_ns(
+            load, hits, prompt, Coefficients(co[:, 0], co[:, 1], co[:, 2]),
+            shared_steps=self.settings.shared_steps,
+        )
         # Ties: fewer requests, then fewer picks so far (round robin among equals).
         tie = ((keys >> KV_BITS) << KV_BITS) | np.minimum(self._picks[isl], _PICKS_MAX)
         r = rank(ttft, tie)
@@ -218,6 +227,7 @@ class CachePicker:
             blocks=blocks,
             cost_ns=float(ttft[c] - load[c]),
             load_ns=float(load[c]),
+            shared_ns=float(co[c, 2]) if self.settings.shared_steps and load[c] > 0 else 0.0,
             chosen_ns=r.chosen_ns,
             other_ns=r.other_ns,
             hit_tokens=hit,
@@ -249,7 +259,9 @@ class CachePicker:
         i = choice.index_slot
         if stream and prompt_tokens > 0:
             c = choice.hit_tokens
-            self._first[request_id] = (i, prompt_tokens - c, c, now_ns, choice.load_ns)
+            # The refit's sample is observed - ahead = the whole cost(q, c), k included.
+            ahead = choice.load_ns - choice.shared_ns
+            self._first[request_id] = (i, prompt_tokens - c, c, now_ns, ahead)
         if choice.blocks:
             self.index.record(i, choice.blocks)
         self._busy[i] = max(self._busy[i], float(now_ns)) + choice.cost_ns
