@@ -18,7 +18,10 @@ added over the 20 ms p50/p99 (client side), and CPU per request of Envoy + picke
 (``/proc/<pid>/stat``; the load generator and upstreams are not counted). Runs are
 interleaved (RR, no-op, Fulcrum, repeated) and summed per setup.
 
-Run alone: ``.venv/bin/python benchmarks/bench_gateway.py [--quick]``.
+Run alone: ``.venv/bin/python benchmarks/bench_gateway.py [--quick] [--baseline-src DIR]``.
+``--baseline-src``: the ``src`` directory of another tree (e.g. a ``git worktree`` of an
+older commit); its daemon runs as two more setups in the same run ("baseline tree", full
+and lean), and the CPU aim is then judged against the baseline's full mode ("today's").
 """
 
 from __future__ import annotations
@@ -85,8 +88,9 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
 
 
 @contextlib.contextmanager
-def _process(args: list[str], port: int, what: str) -> Iterator[int]:
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _process(args: list[str], port: int, what: str, src: str | None = None) -> Iterator[int]:
+    env = {**os.environ, "PYTHONPATH": src} if src else None
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
         _wait_port(port, proc, what)
         yield proc.pid
@@ -100,8 +104,11 @@ def _process(args: list[str], port: int, what: str) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def fulcrum_picker(upstream_ports: list[int]) -> Iterator[tuple[int, int]]:
-    """The daemon with the gateway on; yields (ext_proc port, pid)."""
+def fulcrum_picker(
+    upstream_ports: list[int], src: str | None = None
+) -> Iterator[tuple[int, int]]:
+    """The daemon with the gateway on (``src``: run the package of that source tree);
+    yields (ext_proc port, pid)."""
     port = _free_port()
     cfg = {
         "server": {"host": "127.0.0.1", "port": _free_port(), "seed": 7},
@@ -118,7 +125,7 @@ def fulcrum_picker(upstream_ports: list[int]) -> Iterator[tuple[int, int]]:
         path = Path(tmp) / "fulcrum.yaml"
         path.write_text(yaml.safe_dump(cfg))
         args = [sys.executable, "-m", "fulcrum.cli", "serve", "--config", str(path)]
-        with _process(args, port, "fulcrum") as pid:
+        with _process(args, port, "fulcrum", src) as pid:
             yield port, pid
 
 
@@ -299,13 +306,18 @@ async def _envoy(config: str) -> AsyncIterator[tuple[int, int]]:
         env.stop()
 
 
-async def _bench(quick: bool) -> tuple[list[Figures], dict[str, object]]:
+BASELINE = ("Fulcrum EPP, baseline tree", "Fulcrum EPP, lean, baseline tree")
+
+
+async def _bench(
+    quick: bool, baseline_src: str | None = None
+) -> tuple[list[Figures], dict[str, object]]:
     from fulcrum.gateway.testing import render_envoy_config, upstreams
 
     duration = 2.0 if quick else 5.0
     rounds = 1 if quick else 2
     workers = 32
-    figs = {n: Figures(n) for n in SETUPS}
+    figs = {n: Figures(n) for n in (*SETUPS, *(BASELINE if baseline_src else ()))}
     async with upstreams(4) as ups:
         for u in ups:
             u.record = False
@@ -313,13 +325,9 @@ async def _bench(quick: bool) -> tuple[list[Figures], dict[str, object]]:
         ports = [u.port for u in ups]
         template = render_envoy_config(9002, ports, listener_port=0, admin_port=0)
         lean = render_envoy_config(9002, ports, listener_port=0, admin_port=0, lean=True)
-        with (
-            noop_picker(ports) as (noop_port, noop_pid),
-            fulcrum_picker(ports) as (
-                epp_port,
-                epp_pid,
-            ),
-        ):
+        with contextlib.ExitStack() as stack:
+            noop_port, noop_pid = stack.enter_context(noop_picker(ports))
+            epp_port, epp_pid = stack.enter_context(fulcrum_picker(ports))
             configs = {
                 "Envoy round robin": (_round_robin_config(template), []),
                 "no-op picker": (
@@ -339,6 +347,13 @@ async def _bench(quick: bool) -> tuple[list[Figures], dict[str, object]]:
                     [epp_pid],
                 ),
             }
+            if baseline_src:
+                old_port, old_pid = stack.enter_context(fulcrum_picker(ports, baseline_src))
+                for name, text in zip(BASELINE, (template, lean), strict=True):
+                    configs[name] = (
+                        text.replace("port_value: 9002", f"port_value: {old_port}"),
+                        [old_pid],
+                    )
             for r in range(rounds):
                 for name, (cfg, pids) in configs.items():
                     progress(f"gateway: {name}, round {r + 1}/{rounds}")
@@ -352,10 +367,11 @@ def _cpu_us(f: Figures) -> str:
     return f"{f.cpu_per_request_s * 1e6:,.0f}"
 
 
-def run(quick: bool) -> str:
-    figs, meta = asyncio.run(_bench(quick))
+def run(quick: bool, baseline_src: str | None = None) -> str:
+    figs, meta = asyncio.run(_bench(quick, baseline_src))
     by = {f.name: f for f in figs}
     noop, epp, lean = by["no-op picker"], by["Fulcrum EPP"], by["Fulcrum EPP, lean"]
+    today = by.get(BASELINE[0], epp)  # "today's" full mode: the baseline tree's if run
     rows = []
     for f in figs:
         p50, p99 = percentiles(f.latencies_s)
@@ -369,7 +385,7 @@ def run(quick: bool) -> str:
                 f"{(p99 - UPSTREAM_DELAY_S) * 1e3:.2f}",
                 _cpu_us(f),
                 ratio(f.cpu_per_request_s, same_mode_noop.cpu_per_request_s),
-                ratio(f.cpu_per_request_s, epp.cpu_per_request_s),
+                ratio(f.cpu_per_request_s, today.cpu_per_request_s),
                 f.errors,
             ]
         )
@@ -382,14 +398,15 @@ def run(quick: bool) -> str:
             "added latency p99 (ms)",
             "CPU/request, Envoy + picker (us)",
             "CPU vs no-op, same mode",
-            "CPU vs Fulcrum EPP (full mode)",
+            "CPU vs Fulcrum EPP full mode (the baseline tree's when run)",
             "errors",
         ],
         rows,
     )
     verdict = "met" if epp.rate >= 0.8 * noop.rate else "MISSED"
-    cpu_ratio = lean.cpu_per_request_s / epp.cpu_per_request_s
+    cpu_ratio = lean.cpu_per_request_s / today.cpu_per_request_s
     cpu_verdict = "met" if cpu_ratio <= 0.6 else "MISSED"
+    against = "the baseline tree's full mode" if today is not epp else "full mode"
     return (
         "### Gateway CPU per request\n\n"
         "HTTP through a real Envoy 1.40 on loopback (deploy/envoy/envoy.yaml with free ports;"
@@ -403,7 +420,7 @@ def run(quick: bool) -> str:
         "nothing from the response; release on stream close).\n\n"
         f"{table}\n\n"
         f"Aim: Fulcrum EPP >= 0.8x the no-op picker's throughput: **{verdict}** "
-        f"({ratio(epp.rate, noop.rate)}). Aim: CPU per request, lean <= 0.6x full mode: "
+        f"({ratio(epp.rate, noop.rate)}). Aim: CPU per request, lean <= 0.6x {against}: "
         f"**{cpu_verdict}** ({cpu_ratio:.2f}x).\n\n"
         "Command: `.venv/bin/python benchmarks/bench_gateway.py` "
         "(or `make bench`; `--quick` for 2 s runs).\n"
@@ -414,4 +431,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--noop-picker":
         serve_noop(int(sys.argv[2]), [int(p) for p in sys.argv[3:]])
     else:
-        print(run("--quick" in sys.argv))
+        flag = "--baseline-src"
+        base = sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None
+        print(run("--quick" in sys.argv, base))
