@@ -22,6 +22,7 @@ Run alone: ``.venv/bin/python benchmarks/bench_gateway.py [--quick] [--baseline-
 ``--baseline-src``: the ``src`` directory of another tree (e.g. a ``git worktree`` of an
 older commit); its daemon runs as two more setups in the same run ("baseline tree", full
 and lean), and the CPU aim is then judged against the baseline's full mode ("today's").
+Under ``make bench``, the environment variable ``FULCRUM_BENCH_BASELINE_SRC`` does the same.
 """
 
 from __future__ import annotations
@@ -367,7 +368,12 @@ def _cpu_us(f: Figures) -> str:
     return f"{f.cpu_per_request_s * 1e6:,.0f}"
 
 
-def run(quick: bool, baseline_src: str | None = None) -> str:
+def run(quick: bool) -> str:
+    """``make bench`` entry; ``FULCRUM_BENCH_BASELINE_SRC`` = ``--baseline-src``."""
+    return report(quick, os.environ.get("FULCRUM_BENCH_BASELINE_SRC") or None)
+
+
+def report(quick: bool, baseline_src: str | None = None) -> str:
     figs, meta = asyncio.run(_bench(quick, baseline_src))
     by = {f.name: f for f in figs}
     noop, epp, lean = by["no-op picker"], by["Fulcrum EPP"], by["Fulcrum EPP, lean"]
@@ -433,4 +439,4 @@ if __name__ == "__main__":
     else:
         flag = "--baseline-src"
         base = sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None
-        print(run("--quick" in sys.argv, base))
+        print(report("--quick" in sys.argv, base))
