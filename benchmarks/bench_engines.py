@@ -270,7 +270,7 @@ def engine_figures(ports: list[int]) -> tuple[float, float, list[float]]:
 
 
 async def bench(ports: list[int], quick: bool, only_routers: str = "",
-                only_workloads: str = "") -> list[Run]:
+                only_workloads: str = "", rounds: int = 1) -> list[Run]:
     routers: dict[str, Callable[[list[int]], contextlib.AbstractAsyncContextManager[int]]] = {
         "Fulcrum (gateway.cache)": fulcrum_router,
         "Fulcrum (gateway.cache, lean Envoy mode)": functools.partial(fulcrum_router, lean=True),
@@ -286,9 +286,9 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
             await stream_ttft(p, {"model": MODEL_NAME, "messages": msgs, "max_tokens": 8})
             warm.ttft_s.append(0.0)
     runs = []
-    for name, router in routers.items():
-        if only_routers and not any(w in name for w in only_routers.split(",")):
-            continue
+    chosen = [(n, r) for n, r in routers.items()
+              if not only_routers or any(w in n for w in only_routers.split(","))]
+    for name, router in [pair for _ in range(rounds) for pair in chosen]:
         async with router(ports) as port:
             for wname, work in workloads(quick).items():
                 if only_workloads and wname not in only_workloads.split(","):
@@ -306,6 +306,29 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
                 runs.append(run)
                 print(table([run]).splitlines()[-1], flush=True)
     return runs
+
+
+def pooled(runs: list[Run]) -> str:
+    """One row per workload and router over every round: TTFT percentiles of all the
+    requests together (one run's p99 of 32 requests is its maximum), hit ratio range,
+    median wall time and router CPU per request."""
+    out = ["| workload | router | runs | requests | hit ratio (min-max) | TTFT p50 (ms) | "
+           "TTFT p90 (ms) | TTFT p99 (ms) | wall, median (s) | router CPU per request, "
+           "median (ms) | errors |",
+           "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    groups: dict[tuple[str, str], list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r.workload, r.router), []).append(r)
+    for (workload, router), rs in sorted(groups.items()):
+        t = np.array([x for r in rs for x in r.ttft_s if x == x]) * 1e3
+        p50, p90, p99 = np.percentile(t, [50, 90, 99]) if t.size else (float("nan"),) * 3
+        hits = [r.hit_ratio for r in rs]
+        cpu = [1e3 * r.router_cpu_s / max(len(r.ttft_s), 1) for r in rs]
+        out.append(f"| {workload} | {router} | {len(rs)} | {t.size} | {min(hits):.3f}-"
+                   f"{max(hits):.3f} | {p50:.0f} | {p90:.0f} | {p99:.0f} | "
+                   f"{float(np.median([r.wall_s for r in rs])):.2f} | "
+                   f"{float(np.median(cpu)):.2f} | {sum(r.errors for r in rs)} |")
+    return "\n".join(out)
 
 
 def table(runs: list[Run]) -> str:
@@ -408,6 +431,8 @@ def main() -> None:
     ap.add_argument("--routers", default="", help="only routers whose name contains one "
                     "of these (comma-separated), e.g. Fulcrum,Envoy")
     ap.add_argument("--workloads", default="", help="only these workloads (comma-separated)")
+    ap.add_argument("--rounds", type=int, default=1, help="run every router this many "
+                    "times (interleaved) and add a table pooling the rounds")
     args = ap.parse_args()
     if args.pick:
         print(pick_micro())
@@ -421,11 +446,15 @@ def main() -> None:
         fleet.wait_ready(600)
         ports = fleet.ports
     try:
-        runs = asyncio.run(bench(ports, args.quick, args.routers, args.workloads))
+        runs = asyncio.run(bench(ports, args.quick, args.routers, args.workloads,
+                                 args.rounds))
     finally:
         if fleet is not None:
             fleet.stop()
     print(table(sorted(runs, key=lambda r: r.workload)))
+    if args.rounds > 1:
+        print()
+        print(pooled(runs))
 
 
 if __name__ == "__main__":
