@@ -76,6 +76,24 @@ class Choice:
     rule: str
 
 
+def _emit_scores(
+    choice: Choice,
+    prompt: int,
+    addrs: list[str],
+    ttft: npt.NDArray[np.float64],
+    hits: npt.NDArray[np.int64],
+) -> None:
+    """The debug line of one pick (``emit_scores``): every candidate's predicted TTFT
+    (ns) and hit tokens."""
+    log.info(
+        "gateway_endpoint_scores",
+        chosen=choice.address,
+        rule=choice.rule,
+        prompt_tokens=prompt,
+        scores={a: [round(float(t)), int(h)] for a, t, h in zip(addrs, ttft, hits, strict=True)},
+    )
+
+
 class CachePicker:
     """See module docstring. ``capacity_blocks(address)`` sizes a new endpoint's index."""
 
@@ -234,16 +252,7 @@ class CachePicker:
             rule="ttft" if blocks or (shape.parsed and prompt > 0) else "load_only",
         )
         if self.settings.emit_scores:
-            log.info(
-                "gateway_endpoint_scores",
-                chosen=choice.address,
-                rule=choice.rule,
-                prompt_tokens=prompt,
-                scores={
-                    a: [round(float(t)), int(h)]
-                    for a, t, h in zip(addrs, ttft, hits, strict=True)
-                },
-            )
+            _emit_scores(choice, prompt, addrs, ttft, hits)
         return choice
 
     def placed(
