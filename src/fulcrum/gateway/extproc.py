@@ -611,12 +611,7 @@ class _Stream:
         body_none = self._begin(req)
         p = self._picker
         self.path, wanted = _scan(req.request_headers.headers.headers, p.tenancy_headers)
-        if p.tenancy is None:
-            self.cls = DEFAULT_CLASS
-        elif wanted:
-            self.cls = classify(p.tenancy, p.settings.tenancy, wanted)
-        else:
-            self.cls = p.tenancy.default
+        self.cls = classify(p.tenancy, p.settings.tenancy, wanted)
         if req.request_headers.end_of_stream or body_none:
             return (self._picker.destination(await self._pick(b""), "request_headers"),)
         self.phase = _BODY
