@@ -159,6 +159,8 @@ def test_rank_budget_table() -> None:
 
     small = PrefillTask("s", 0, 1_000)  # variable cost 57 ms
     big = PrefillTask("b", 0, 30_000)  # far above the limit
+    hi = PrefillTask("h", 0, 1_000, priority=1)
+    hi2 = PrefillTask("h2", 0, 1_000, priority=2)
     k = M.k
     cases = [
         ([], 0.0, B),  # an empty rank does not constrain the MIN
@@ -168,6 +170,13 @@ def test_rank_budget_table() -> None:
         ([small], 2 * B, B),  # floor above the limit: the limit
         ([big], 0.0, B),
         ([small, big], 0.0, B),
+        # Priority bands: only the head's band counts; lower-band work behind it does not
+        # lengthen the step (a higher-band request ends its step when done, issue 23).
+        ([hi, big], 0.0, k + 57e6),
+        ([hi, hi, small, big], 0.0, k + 2 * 57e6),
+        ([hi, big], 0.1 * B, 0.1 * B),  # the floor still holds
+        ([small, hi], 0.0, k + 2 * 57e6),  # a lower-band head: everything behind counts
+        ([hi2, hi, big], 0.0, k + 57e6),  # band 2 head: band 1 and 0 work behind do not
     ]
     for queue, floor, want in cases:
         assert rank_budget(queue, B, M, floor_ns=floor) == pytest.approx(want)
@@ -223,3 +232,37 @@ def test_rank_budgets_level_the_step(
         need = sum(t.need for t in queues[i])
         if budgets[i] < B and budgets[i] > floor and need <= 32_768:
             assert len(plan.chunks[i]) == len(queues[i]) and plan.chunks[i][-1].last
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(0, 1), st.integers(1, 20_000)), max_size=4),
+        min_size=1, max_size=4,
+    ),
+)
+def test_a_higher_band_head_ends_its_step(raw: list[list[tuple[int, int]]]) -> None:
+    """Two bands on the ranks (higher first, as :func:`enqueue_task` keeps them): the
+    step's budget is at most the time of any busy rank's head band (``k`` plus its
+    remaining costs, within the limit), whatever lower-band work waits behind it, and the
+    rank whose head band needs least finishes that band within the step (unless the
+    chunk cap stops it)."""
+    from fulcrum.core.prefill.chunks import rank_budgets
+
+    queues = [
+        [PrefillTask(f"r{r}-{i}", 0, q, priority=p)
+         for i, (p, q) in enumerate(sorted(rq, key=lambda x: -x[0]))]
+        for r, rq in enumerate(raw)
+    ]
+    plan = plan_step(queues, rank_budgets(queues, B, M), M)
+    heads = {
+        i: [t for t in q if t.priority == q[0].priority] for i, q in enumerate(queues) if q
+    }
+    if not heads:
+        return
+    time = {i: min(B, M.k + sum(M.cost(t.need, 0) - M.k for t in h)) for i, h in heads.items()}
+    assert all(plan.budget_ns <= t + 1e-6 for t in time.values())
+    i = min(time, key=lambda j: time[j])
+    if time[i] < B and sum(t.need for t in heads[i]) <= 32_768:
+        done = [c.request_id for c in plan.chunks[i] if c.last]
+        assert [t.request_id for t in heads[i]] == done[: len(heads[i])]

@@ -8,9 +8,10 @@ Rule (SPEC section 3, level 4):
   budgets (ns) -- the engine all-reduces it, the planner takes the per-rank values and
   applies the MIN, so every rank of the group takes the same time per step;
 * a rank's budget (:func:`rank_budget`) is ``compute_quota_limit`` capped by the time of
-  the work it holds: ``k`` plus the remaining cost of its queued requests, and never
-  below ``floor_ns`` (an empty rank proposes the limit: it does not constrain the MIN).
-  So a step lasts until the lightest busy rank has done all its work (or the limit):
+  the work it holds: ``k`` plus the remaining cost of its queued requests (those of the
+  head's priority band), and never below ``floor_ns`` (an empty rank proposes the
+  limit: it does not constrain the MIN). So a step lasts until the lightest busy rank
+  has done all its work of its head's band (or the limit):
   no rank sits drained for the rest of a step while another fills a full budget, and
   new work reaches a rank that has finished at the next step rather than a full
   budget later. ``floor_ns`` bounds the steps per second (the fixed cost ``k`` is paid
@@ -155,16 +156,24 @@ def rank_budget(
     ``queue``: the rank's FIFO queue (may be lazy; read until the limit is reached);
     ``limit_ns``: ``compute_quota_limit`` (> 0); ``floor_ns``: lowest budget of a busy
     rank (clipped to ``limit_ns``). Returns ``min(limit, max(floor, k + sum of the queued
-    requests' remaining variable costs))``, or ``limit_ns`` for an empty queue.
+    requests' remaining variable costs))``, or ``limit_ns`` for an empty queue. Only the
+    head's priority band counts (:mod:`fulcrum.core.prefill.bands`): lower-band work
+    queued behind it does not lengthen the step, so a higher-band request ends its step
+    when it is done instead of waiting for lower-band chunks on its rank and on the
+    sibling ranks (with one band every task counts).
     """
     if limit_ns <= 0:
         raise ValueError(f"limit_ns: must be > 0, got {limit_ns}")
     need = 0.0
     busy = False
+    band = 0
     for task in queue:
         if not busy:
             busy = True
             need = model.k
+            band = task.priority
+        elif task.priority < band:
+            break
         need += model.cost(task.need, task.computed) - model.k
         if need >= limit_ns:
             return float(limit_ns)
