@@ -261,6 +261,7 @@ async def test_late_loop_sheds_placements_but_not_control_calls() -> None:
     and health keep being served. A reload can turn shedding off."""
     from fulcrum.config import with_overrides
     from fulcrum.service.admission import class_of
+    from fulcrum.service.looplag import LagMonitor
 
     async with running_server({"metrics": {"enabled": False}}) as d, FulcrumClient(
         d.address
@@ -268,8 +269,15 @@ async def test_late_loop_sheds_placements_but_not_control_calls() -> None:
         await _setup_vision(c)
         reply = await c.fleet.Register(_decode_member(0))
         admission = d.app.components["admission"]
-        admission.load_shedding = True  # as when the ticker runs (fulcrum serve)
-        admission.observe_lag(1.0)  # as the ticker would after a 1 s stall
+        # A probe of the daemon's kind, not running: its samples are the test's own (the
+        # daemon's running probe would decay the lateness while the calls below run).
+        assert isinstance(d.app.components["loop_lag"], LagMonitor)
+        probe = LagMonitor()
+        assert not admission.load_shedding
+        admission.watch(probe)  # as fulcrum serve does with the daemon's probe
+        assert admission.load_shedding
+        probe.observe(1.0)  # the probe's sample after a 1 s stall reaches the admission
+        assert admission.lag_s == 1.0
         before = _shed("placement", "loop_lag")
         for call in (_place_images, _place_decode):
             with pytest.raises(grpc.aio.AioRpcError) as err:

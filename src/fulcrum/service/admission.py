@@ -27,15 +27,16 @@ Four signals:
    left the queue in the last 100 ms window (and at least 8) were abandoned by their
    callers before their handler ran, new placement calls are refused on arrival for the
    next window;
-3. *loop lateness*: a ticker measures how late the event loop runs (smoothed, decays by
-   half per 10 ms tick once the loop catches up); above the same bound placement calls are
+3. *loop lateness*: the daemon's loop-lag probe (:mod:`fulcrum.service.looplag`, one
+   wake-up every 10 ms) measures how late the event loop runs (smoothed, decays by half
+   per sample once the loop catches up); above the same bound placement calls are
    refused on arrival too;
 4. a bound on concurrent calls per class (``server.admission.max_<class>``), checked when
    the handler starts.
 
-Signals 1 to 3 act while the lateness ticker runs (``fulcrum serve`` starts it with the
-daemon; in-process daemons built by tests shed by concurrency only unless the test sets
-``load_shedding``).
+Signals 1 to 3 act once :meth:`Admission.watch` has joined the probe (``fulcrum serve``
+does with the daemon; in-process daemons built by tests shed by concurrency only unless
+the test sets ``load_shedding``).
 
 Control and admin calls are refused only by their concurrency bound: health checks,
 heartbeats, pulls and releases keep their latency because refused placements cost almost
@@ -49,16 +50,18 @@ concurrency). Every setting is reloadable.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from fulcrum.config.server import AdmissionSettings
 from fulcrum.metrics import RPC_SHED
+
+if TYPE_CHECKING:
+    from fulcrum.service.looplag import LagMonitor
 
 CONTROL: Final = "control"
 PLACEMENT: Final = "placement"
@@ -79,8 +82,6 @@ _ADMIN_METHODS: Final = frozenset({
     "/fulcrum.v1.ExpertBalancerService/GetGroupStatus",
 })
 
-#: Period of the lateness ticker, seconds.
-TICK_S: Final = 0.01
 #: Window of the share of abandoned calls, seconds.
 WINDOW_S: Final = 0.1
 #: Above this share of calls abandoned before their handler (last window), placements are
@@ -115,7 +116,7 @@ class Admission:
         self.in_flight: dict[str, int] = dict.fromkeys(CLASSES, 0)
         #: Smoothed lateness of the event loop, seconds.
         self.lag_s = 0.0
-        #: Shed by load (queue wait, loop lateness): on while :meth:`watch_loop` runs
+        #: Shed by load (queue wait, loop lateness): on once :meth:`watch` is called
         #: (``fulcrum serve`` starts it; in-process test daemons shed by concurrency only
         #: unless a test turns it on).
         self.load_shedding = False
@@ -213,17 +214,14 @@ class Admission:
         self.in_flight[cls] = max(0, self.in_flight[cls] - 1)
 
     def observe_lag(self, late_s: float) -> None:
-        """One lateness sample of the ticker, seconds."""
+        """One lateness sample of the loop-lag probe, seconds."""
         self.lag_s = max(late_s, self.lag_s * 0.5)
 
-    async def watch_loop(self) -> None:
-        """Measure the loop's lateness forever (spawned by the server)."""
-        loop = asyncio.get_running_loop()
+    def watch(self, monitor: LagMonitor) -> None:
+        """Shed by load from now on, the loop's lateness taken from ``monitor``'s samples
+        (the daemon's one 10 ms probe, :mod:`fulcrum.service.looplag`)."""
         self.load_shedding = True
-        while True:
-            t0 = loop.time()
-            await asyncio.sleep(TICK_S)
-            self.observe_lag(max(0.0, loop.time() - t0 - TICK_S))
+        monitor.listeners.append(self.observe_lag)
 
 
 #: The admission token of the call the current task serves (set on arrival; the first
