@@ -18,9 +18,11 @@ fleet compute). Three aims:
    hand-made bad policy -- the default with the heavy tenant capped at half the fleet
    (``compute_cap: 0.5``), which idles GPUs -- checks that the yardstick cannot reward
    idling.
-2. **Priority**: priority-1 code completions (Azure 2023 code, or generated ``lmsys``
-   chats) at 0.2x while priority 0 (long prompts) floods at 2x; p1's TTFT p99 against
-   p1 alone, and p0's longest wait for service against the 30 s starvation bound.
+2. **Priority**: priority 1 at 0.2x while priority 0 (long prompts) floods at 2x, on
+   every pair (Azure 2023 code completions behind Mooncake when the traces are there,
+   and always generated ``lmsys`` chats behind ``kimi``); p1's TTFT p99 against p1
+   alone, and p0's longest wait for service against the 30 s starvation bound (with the
+   bands swapped too, on the first pair).
 3. **Weights**: two tenants of weights 3 and 1 sending the same long-prompt traffic at 1x
    each (both saturating): their shares of the compute the two received.
 
