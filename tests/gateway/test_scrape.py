@@ -125,3 +125,70 @@ def test_parsing_only_the_wanted_lines_reads_what_the_whole_page_says(
     assert parse_metrics(page, kind) == whole
     kept = scrape.wanted_lines(page)
     assert "latency" not in kept and "prompt_tokens" not in kept and "_max" not in kept
+
+
+@contextlib.asynccontextmanager
+async def keepalive_server(text: str, drop_idle: list[bool]) -> AsyncIterator[list[int]]:
+    """A metrics page over HTTP/1.1 keep-alive; yields the list of connections accepted
+    (one int per connection). While ``drop_idle[0]`` is true, it closes a connection
+    after each answer without saying so (as an engine restarting or timing out idle
+    connections does)."""
+    accepted: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        body = text.encode()
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+                             + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+                await writer.drain()
+                if drop_idle[0]:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    accepted.insert(0, server.sockets[0].getsockname()[1])  # [port, 1, 1, ...]
+    try:
+        yield accepted
+    finally:
+        server.close()
+
+
+async def test_scrape_keeps_one_connection_per_rank_and_replaces_a_dropped_one() -> None:
+    drop = [False]
+    async with keepalive_server(VLLM, drop) as seen:
+        port = seen[0]
+        ov = {
+            "gateway": {
+                "enabled": True, "port": 0, "health_port": 0,
+                "scrape": {"enabled": True, "interval_ms": 600_000, "timeout_ms": 2000},
+                "pool": {"decode": [{"id": "a", "host": "127.0.0.1", "ports": [port],
+                                     "max_kv_tokens": 1000}]},
+            }
+        }
+        async with running_server(ov) as d:
+            state: DecodeState = d.app.components["decode"]
+            scraper = d.gateway.scraper
+            assert scraper is not None
+            for _ in range(3):
+                await scraper.scrape_once()
+            assert len(seen) - 1 == 1  # three rounds, one TCP connection
+            assert state.gpu_load("a", 0) == (5, 250)
+            drop[0] = True  # the engine now closes after each answer, unannounced
+            await scraper.scrape_once()  # the kept one still works this time
+            errors = scrape_errors()
+            for _ in range(2):
+                await scraper.scrape_once()  # the kept one is gone: a new one, no error
+            assert scrape_errors() == errors
+            assert len(seen) - 1 == 3
+            assert scraper.rounds == 6
+
+
+def scrape_errors() -> float:
+    from fulcrum.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value("fulcrum_gateway_scrapes_total", {"outcome": "error"}) or 0.0

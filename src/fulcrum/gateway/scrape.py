@@ -1,8 +1,9 @@
 """Correct the decode view from the engines' own Prometheus metrics (vLLM, SGLang).
 
 Every ``gateway.scrape.interval_ms`` the scraper fetches ``http://host:port/metrics`` of
-every DP rank of every pool engine and parses it with prometheus_client's parser, both
-in worker threads (never on the event loop). The figures come back to the loop, where an
+every DP rank of every pool engine (over one kept-alive HTTP/1.1 connection per rank)
+and parses it with prometheus_client's parser, both in worker threads (never on the
+event loop). The figures come back to the loop, where an
 engine whose ranks all answered gets a heartbeat on its behalf with, per rank:
 
 - requests = running + waiting (``vllm:num_requests_running`` +
@@ -19,7 +20,7 @@ The report replaces the rank's figures in the decode view like an engine's own h
 from __future__ import annotations
 
 import asyncio
-import urllib.request
+import http.client
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -119,27 +120,76 @@ def parse_metrics(text: str, kind: str = "auto") -> RankLoad | None:
     return RankLoad(running, waiting, usage, capacity)
 
 
-def fetch(url: str, timeout_s: float) -> str:
-    """GET a metrics page (worker thread)."""
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        data: bytes = resp.read(MAX_PAGE_BYTES)
-    return data.decode("utf-8", "replace")
+class Connections:
+    """Keep-alive HTTP/1.1 connections to the engines' metrics ports, one per
+    ``(host, port)``: a scrape every 250 ms of every rank would otherwise open (and leave
+    in TIME_WAIT) a TCP connection per page. Used from the scrape's worker threads; an
+    address is fetched by one thread at a time (one round at a time, an engine's ranks in
+    turn), and a connection is taken out of the table while in use."""
 
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], http.client.HTTPConnection] = {}
 
-def scrape_engine(engine: PoolEngine, timeout_s: float, kind: str) -> list[RankLoad] | None:
-    """All ranks of one engine (worker thread); None when any rank fails."""
-    out = []
-    host = f"[{engine.host}]" if ":" in engine.host else engine.host
-    for port in engine.ports:
+    def fetch(self, host: str, port: int, path: str, timeout_s: float) -> str:
+        """GET ``path``: the page's text (at most :data:`MAX_PAGE_BYTES`). A kept
+        connection the engine has closed is replaced once (not one that timed out); any
+        other failure raises (OSError, http.client.HTTPException, or ValueError for a
+        status other than 200)."""
+        key = (host, port)
+        conn = self._idle.pop(key, None)
+        if conn is not None:
+            try:
+                return self._get(key, conn, path, timeout_s)
+            except (ConnectionError, http.client.BadStatusLine):
+                pass  # closed by the engine since the last round: once more, anew
+        return self._get(key, http.client.HTTPConnection(host, port, timeout=timeout_s),
+                         path, timeout_s)
+
+    def _get(self, key: tuple[str, int], conn: http.client.HTTPConnection, path: str,
+             timeout_s: float) -> str:
         try:
-            load = parse_metrics(
-                fetch(f"http://{host}:{port}{engine.metrics_path}", timeout_s), kind
-            )
-        except Exception:
-            return None
-        if load is None:
-            return None
-        out.append(load)
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
+            conn.request("GET", path, headers={"Accept": "text/plain"})
+            resp = conn.getresponse()
+            data: bytes = resp.read(MAX_PAGE_BYTES)
+        except BaseException:
+            conn.close()
+            raise
+        if resp.status != 200:
+            conn.close()
+            raise ValueError(f"metrics page answered {resp.status}")
+        if resp.isclosed() and not resp.will_close:
+            self._idle[key] = conn  # read to its end: reusable
+        else:
+            conn.close()  # the engine closes it, or a page over the bound was cut short
+        return data.decode("utf-8", "replace")
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.popitem()[1].close()
+
+
+def scrape_engine(engine: PoolEngine, timeout_s: float, kind: str,
+                  conns: Connections | None = None) -> list[RankLoad] | None:
+    """All ranks of one engine (worker thread); None when any rank fails. ``conns``: the
+    scraper's kept connections (None: one connection per page)."""
+    out = []
+    pages = conns if conns is not None else Connections()
+    try:
+        for port in engine.ports:
+            try:
+                load = parse_metrics(
+                    pages.fetch(engine.host, port, engine.metrics_path, timeout_s), kind
+                )
+            except Exception:
+                return None
+            if load is None:
+                return None
+            out.append(load)
+    finally:
+        if conns is None:
+            pages.close()
     return out
 
 
@@ -161,6 +211,7 @@ class Scraper:
         self._pool = pool
         self._clock = clock
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gw-scrape")
+        self._conns = Connections()
         self.rounds = 0
 
     def apply_settings(self, settings: GatewaySettings) -> None:
@@ -174,7 +225,9 @@ class Scraper:
         timeout = s.scrape.timeout_ms / 1000
         results = await asyncio.gather(
             *(
-                loop.run_in_executor(self._executor, scrape_engine, e, timeout, s.engine_kind)
+                loop.run_in_executor(
+                    self._executor, scrape_engine, e, timeout, s.engine_kind, self._conns
+                )
                 for e in engines
             )
         )
@@ -207,3 +260,4 @@ class Scraper:
                     log.exception("gateway_scrape_failed")
         finally:
             self._executor.shutdown(wait=False, cancel_futures=True)
+            self._conns.close()
