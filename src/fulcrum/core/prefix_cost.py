@@ -99,7 +99,9 @@ def predicted_ttft_one_ns(
     tokens clipped to ``[0, prompt_tokens - 1]``, ``q = prompt_tokens - c``; tokens).
     ``cost_ns(q, c)``: the cost model in integer ns (e.g. :meth:`CostModel.cost_ns`). The
     scalar form for decisions that price a few engines per request without numpy (the
-    prefill pull's affinity, :mod:`fulcrum.core.prefill.order`)."""
+    prefill pull's affinity, :mod:`fulcrum.core.prefill.order`), with ``shared_steps``
+    off: the pull prices whole costs (sharing ``k`` there was measured worse, BENCHMARKS.md
+    issue 21)."""
     top = max(int(prompt_tokens) - 1, 0)
     c = min(max(int(cached_tokens), 0), top)
     return max(int(load_ns), 0) + cost_ns(max(int(prompt_tokens) - c, 0), c)

@@ -66,7 +66,7 @@ from fulcrum.gateway.adapter import DecodeAdapter, NoEligibleEndpoint, Placement
 from fulcrum.gateway.body import BodyTooDeep, RequestShape, TokenCounter, parse_body
 from fulcrum.gateway.cache_pick import CachePicker
 from fulcrum.gateway.prefill import PrefillProxy
-from fulcrum.gateway.tenancy import classify
+from fulcrum.gateway.tenancy import classify, header_roles
 from fulcrum.service.streams import drain
 from fulcrum.service.tenants import Tenancy
 
@@ -430,8 +430,7 @@ class Picker:
 
 
 def _tenancy_headers(settings: GatewaySettings) -> frozenset[str]:
-    t = settings.tenancy
-    return frozenset((t.fairness_header, t.objective_header, t.ttft_header))
+    return frozenset(header_roles(settings.tenancy))
 
 
 def _read(ref: weakref.ReferenceType[Picker], figure: Callable[[Picker], int]) -> float:

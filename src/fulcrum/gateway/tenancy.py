@@ -114,17 +114,22 @@ def _ttft(value: str) -> int | Ignored:
     return ms
 
 
+def header_roles(settings: GatewayTenancySettings) -> dict[str, str]:
+    """The tenancy headers (lower-case names, as the settings require) and their roles
+    (:data:`FAIRNESS`, :data:`OBJECTIVE`, :data:`TTFT`)."""
+    return {
+        settings.fairness_header: FAIRNESS,
+        settings.objective_header: OBJECTIVE,
+        settings.ttft_header: TTFT,
+    }
+
+
 def parse(
     headers: Iterable[tuple[str, str]], settings: GatewayTenancySettings, policy: TenantPolicy
 ) -> Tenancy:
     """The class the request's ``headers`` (name, value) ask for, under the tenancy
     ``settings`` and the daemon's tenants ``policy`` (priority range, tenant length)."""
-    names = {
-        settings.fairness_header: FAIRNESS,
-        settings.objective_header: OBJECTIVE,
-        settings.ttft_header: TTFT,
-    }
-    found = _values(headers, names)
+    found = _values(headers, header_roles(settings))
     ignored: list[Ignored] = []
     tenant, priority, ttft = "", 0, None
     for role, values in found.items():
