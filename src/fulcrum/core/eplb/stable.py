@@ -712,7 +712,10 @@ def accept_prefixes(
         if blocked[seg.layer]:
             continue
         slope = -seg.neg_slope
-        if slope <= 0 or slope < per_copy or (budget is not None and seg.copies > budget):
+        # A gain within float rounding of zero is no gain (a tie between two hottest
+        # GPUs leaves the max where it was, up to an ulp): under min_gain_per_gib = 0 it
+        # would move experts for nothing, and a rerun on unchanged loads would move again.
+        if slope <= _EPS or slope < per_copy or (budget is not None and seg.copies > budget):
             blocked[seg.layer] = True
             continue
         if budget is not None:
