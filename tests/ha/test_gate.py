@@ -37,3 +37,24 @@ async def test_late_renewal_keeps_the_gate_closed() -> None:
     gate.close("resigned")
     assert not gate.ok()
     assert changes == [True, False]
+
+
+async def test_a_timer_firing_just_before_the_deadline_still_fences() -> None:
+    """A loop timer may fire a little early; if the deadline passes while the gate looks
+    at the clock, the gate closes as fenced (counted as such), not as a late renewal.
+    Seen in a full test run: the fencing test read 'renewal came too late'."""
+    reads: list[float] = []
+    changes: list[tuple[bool, str]] = []
+    gate = Gate(lambda serving, reason: changes.append((serving, reason)),
+                lambda: reads.pop(0) if reads else 200.0)
+    reads[:] = [100.0, 100.0]
+    gate.extend(160.0)
+    assert gate.serving
+    # The timer fires 1 us early, and the deadline passes between two reads of the clock.
+    reads[:] = [160.0 - 1e-6, 160.0 + 1e-6, 160.0 + 2e-6]
+    gate._expire()
+    if gate.serving:  # it waited for the rest: the next firing, past the deadline
+        gate._expire()
+    assert not gate.serving and not gate.ok()
+    assert [s for s, _ in changes] == [True, False]
+    assert changes[1][1].endswith("(fenced)")

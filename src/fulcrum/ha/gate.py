@@ -20,9 +20,14 @@ LEADER_KEY = "x-fulcrum-leader"
 
 class Gate:
     """See the module docstring. ``on_change(serving, reason)`` is called once per
-    transition (health, metrics, the log line)."""
+    transition (health, metrics, the log line). ``clock``: monotonic seconds, the clock
+    of the deadlines (``time.monotonic``; tests pass their own)."""
 
-    def __init__(self, on_change: Callable[[bool, str], None]) -> None:
+    def __init__(
+        self, on_change: Callable[[bool, str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
         self._until = 0.0
         self._serving = False
         self._on_change = on_change
@@ -34,7 +39,7 @@ class Gate:
 
     def ok(self) -> bool:
         """Whether a call may be served now (one clock read)."""
-        return time.monotonic() < self._until
+        return self._clock() < self._until
 
     @property
     def serving(self) -> bool:
@@ -47,14 +52,14 @@ class Gate:
 
     def extend(self, until: float, reason: str = "elected") -> None:
         """Serve until ``until`` (monotonic seconds); opens the gate if it was closed."""
-        if until <= time.monotonic():
+        if until <= self._clock():
             self.close("renewal came too late")
             return
         self._until = until
         if self._timer is not None:
             self._timer.cancel()
         loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(until - time.monotonic(), self._expire)
+        self._timer = loop.call_later(until - self._clock(), self._expire)
         if not self._serving:
             self._serving = True
             self._on_change(True, reason)
@@ -73,7 +78,11 @@ class Gate:
 
     def _expire(self) -> None:
         self._timer = None
-        if not self.ok():
+        left = self._until - self._clock()
+        if left <= 0:
             self.close("lease not renewed within ha.renew_deadline_s (fenced)")
-        else:  # moved on meanwhile: re-arm for the new deadline
-            self.extend(self._until)
+            return
+        # Early (a loop timer may fire up to a millisecond before its time) or moved on
+        # meanwhile: wait for the rest. Not through extend(): by the time it reads the
+        # clock the deadline may have passed, and that is a fencing, not a late renewal.
+        self._timer = asyncio.get_running_loop().call_later(left, self._expire)
