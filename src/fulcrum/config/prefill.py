@@ -237,9 +237,11 @@ class PrefillSettings(Section):
         2_000,
         ge=0,
         le=3_600_000,
-        description="fairness bound of prefix affinity, ms: a request waits for the engine "
-        "holding its prefix at most this long, and once a tier's head waited this long "
-        "pulls are FIFO again",
+        description="fairness bound of prefix affinity in the shortest tier, ms (a longer "
+        "tier's scales with its batch cap: tier_batch_cap_ns[t] / tier_batch_cap_ns[0] "
+        "times this, 2/8/32/128 s by default): a request waits for the engine holding its "
+        "prefix at most this long, and once a tier's head waited this long pulls are FIFO "
+        "again",
     )
     max_block_hashes_in_flight: int = Field(
         2_000_000,

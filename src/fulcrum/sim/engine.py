@@ -328,6 +328,7 @@ class Simulator:
             max_batch_requests=p.max_batch_requests,
             rules=rules.with_order(policy.order) if policy.order else rules,
             step_quota_ns=p.step_quota_ns,
+            step_floor_ns=int(p.step_quota_ns * p.step_floor_fraction),
             min_dwell_ns=p.min_tier_dwell_ms * 1_000_000,
             tenants=self.tenants.table.policy,
         ))

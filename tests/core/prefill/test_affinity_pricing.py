@@ -95,7 +95,7 @@ def test_able_uses_the_predicted_finish() -> None:
     aff = bal.affinity
     assert aff is not None
     item = _held_request(bal)
-    w = aff_order.Window([item], [{"a": 2}])
+    w = aff_order.Window([item], [{"a": 2}], aff.max_wait_ns)
     offers = [Offer("b", 100 * S, [0])]
 
     def finish(e: str, it: Queued, m: int) -> int:

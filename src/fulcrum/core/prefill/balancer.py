@@ -56,6 +56,7 @@ from fulcrum.core.prefill import order as aff_order
 from fulcrum.core.prefill.affinity import Affinity
 from fulcrum.core.prefill.bands import after_pass, band_pass, offer_for
 from fulcrum.core.prefill.batch import BatchFill, select_batch
+from fulcrum.core.prefill.chunks import DEFAULT_FLOOR_FRACTION
 from fulcrum.core.prefill.fair import FairLedger, TierQueue
 from fulcrum.core.prefill.items import EngineEntry, Offer, Queued, Taken
 from fulcrum.core.prefill.pull import Pull
@@ -106,6 +107,9 @@ class BalancerConfig:
     max_batch_requests: int
     rules: Rules = RULE_SETS[DEFAULT]
     step_quota_ns: int = 1_000_000_000
+    #: Lowest budget of a busy rank's step (ns; :func:`fulcrum.core.prefill.chunks.rank_budget`),
+    #: by which the prefix affinity predicts when an engine mid-step pulls next.
+    step_floor_ns: int = int(1_000_000_000 * DEFAULT_FLOOR_FRACTION)
     #: Minimum time (ns) an engine stays on the tier a round moved it to before another
     #: round may move it again (0 = no minimum). Joins, leaves and orphaned tiers
     #: redistribute regardless: they are not flapping, they are the fleet changing.
@@ -505,10 +509,11 @@ class PrefillBalancer:
         else:
             assert now_ns is not None and self.affinity is not None
             aff = self.affinity
+            offering = {o.engine_id for o in offers}
             able = aff_order.able(aff, offers, now_ns, w,
                                   lambda o, it: self._can_take_item(tier, o, it),
                                   lambda e, it, m: aff_order.finish_ns(
-                                      aff, self.engine(e), it, m, now_ns))
+                                      aff, self.engine(e), it, m, now_ns, e in offering))
         if not able:
             return -1
         return self.config.rules.puller.choose(able, offers)
@@ -537,7 +542,8 @@ class PrefillBalancer:
         horizon and the batch quota, up to the first refusal. With prefix affinity and
         ``now_ns``, the candidates are the tier's first ``affinity.scan`` live requests
         by the blocks this engine holds (longest first), then FIFO -- unless the head
-        waited ``affinity.max_wait_ns`` (FIFO then); taken blocks are recorded as held.
+        waited the tier's fairness bound (FIFO then: ``affinity.max_wait_ns`` times the
+        tier's batch cap over the shortest tier's); taken blocks are recorded as held.
         """
         eng = self._engines.get(engine_id)
         if eng is None:
@@ -563,7 +569,10 @@ class PrefillBalancer:
             taken = first.join(taken)
         if taken.items:
             eng.load_ns = sum(loads) + taken.quota_ns
-        aff_order.seen(eng, loads, taken.ranks, taken.costs_ns, now_ns)
+        cfg = self.config
+        aff_order.seen(eng, loads, taken.ranks, taken.costs_ns, now_ns,
+                       lambda after: aff_order.step_ns(after, cfg.step_quota_ns,
+                                                       cfg.step_floor_ns))
         return taken
 
     def _pass(self, eng: EngineEntry, tier: int, loads: list[int], remaining_ns: int,
@@ -615,13 +624,18 @@ def _affinity_window(
 ) -> aff_order.Window | None:
     """The tier's affinity window (:func:`fulcrum.core.prefill.order.window`) over the
     take order and the engines the source rule lets serve it; None when affinity does
-    not apply (off, nothing queued, or the head waited past the fairness bound: FIFO)."""
+    not apply (off, nothing queued, or the head waited past the fairness bound: FIFO).
+    The bound is ``affinity.max_wait_ns`` in the shortest tier and scales with the tier's
+    time scale, its batch cap: a long tier's requests wait (and are served) on that
+    scale, so its head passes a short tier's bound long before any SLO of its own."""
     aff = bal.affinity
     if aff is None:
         return None
     src = bal.config.rules.source
     serving = [e for e in bal.engine_ids() if src.serves(bal.engine_tier(e), tier)]
-    return aff_order.window(aff, bal.queued(tier, now_ns), serving, now_ns, alive, dead)
+    caps = bal.config.batch_cap_ns
+    bound = aff.max_wait_ns * caps[tier] // caps[0]
+    return aff_order.window(aff, bal.queued(tier, now_ns), serving, now_ns, alive, dead, bound)
 
 
 def _affinity_order(
@@ -637,4 +651,4 @@ def _affinity_order(
     aff = bal.affinity
     assert aff is not None
     return aff_order.order_for(aff, engine_id, now_ns, w, lambda e, it, m: aff_order.finish_ns(
-        aff, bal.engine(e), it, m, now_ns))
+        aff, bal.engine(e), it, m, now_ns, e == engine_id))

@@ -46,6 +46,9 @@ class EngineEntry:
     #: Load of its least-loaded rank after its latest pull (ns), and when that was (ns).
     min_rank_ns: int = 0
     seen_ns: int = 0
+    #: Predicted length of the step it started after its latest pull (ns; 0: none):
+    #: until then it pulls nothing (engines pull between steps).
+    step_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,15 @@
 """Prefix-affinity take order over a tier queue (with :mod:`fulcrum.core.prefill.affinity`).
 
-Within the fairness bound (the tier's head waited less than ``affinity.max_wait_ns``), a
-pull looks at the tier's first ``affinity.scan`` live requests (the *window*) and, for
+Within the fairness bound (the tier's head waited less than the tier's bound: the
+shell's ``affinity.max_wait_ns`` for the shortest tier, scaled by each tier's batch cap),
+a pull looks at the tier's first ``affinity.scan`` live requests (the *window*) and, for
 each, the leading blocks every engine that may serve the tier holds. An engine's take
 order: a request another engine holds a longer prefix of waits for it only while that
-holder is predicted to finish it sooner (its least-loaded rank's remaining work plus its
-cost there, against this engine's; issue 21), and never past ``max_wait_ns``; the rest go
-longest held prefix first, FIFO among equals. Past the bound, pulls are FIFO (a fairness
-override). Pure functions over queued records.
+holder is predicted to finish it sooner (its least-loaded rank's remaining work, and no
+sooner than the end of the step it is running, plus its cost there, against this
+engine's; issue 21), and never past the bound; the rest go longest held prefix first,
+FIFO among equals. Past the bound, pulls are FIFO (a fairness override). Pure functions
+over queued records.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ class Window:
 
     items: list[Queued]
     held: list[dict[str, int]]
+    #: The tier's fairness bound (ns): a request waits for a holder at most this long.
+    bound_ns: int
 
 
 def window(
     aff: Affinity, queue: Iterable[Queued], serving: list[str], now_ns: int,
     alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
+    bound_ns: int | None = None,
 ) -> Window | None:
     """The affinity window of a tier (``queue`` head first; ``serving``: engines that may
     serve it); None when affinity does not apply (nothing queued, or the head waited past
@@ -44,7 +49,8 @@ def window(
         items.append(item)
         if len(items) >= aff.scan:
             break
-    if not items or now_ns - items[0].enqueued_ns >= aff.max_wait_ns:
+    bound = aff.max_wait_ns if bound_ns is None else bound_ns
+    if not items or now_ns - items[0].enqueued_ns >= bound:
         return None
     idx = aff.index
     held = [
@@ -52,7 +58,7 @@ def window(
         if it.blocks else {}
         for it in items
     ]
-    return Window(items, held)
+    return Window(items, held, bound)
 
 
 #: Predicted finish (ns from now) of a request on an engine holding ``matched`` of its
@@ -78,7 +84,7 @@ def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window,
     ranked: list[tuple[int, int, Queued]] = []
     for i, (item, h) in enumerate(zip(w.items, w.held, strict=True)):
         mine = h.get(engine_id, 0)
-        if (h and now_ns - item.enqueued_ns < aff.max_wait_ns
+        if (h and now_ns - item.enqueued_ns < w.bound_ns
                 and max(h.values()) > mine
                 and (finish is None or holder_sooner(finish, engine_id, item, h, mine))):
             continue  # its holder is predicted to finish it sooner (or: it waits for it)
@@ -88,15 +94,32 @@ def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window,
 
 
 def seen(eng: EngineEntry, loads: Sequence[int], ranks: Sequence[int],
-         costs: Sequence[int], now_ns: int | None) -> None:
+         costs: Sequence[int], now_ns: int | None,
+         step: Callable[[Sequence[int]], int] | None = None) -> None:
     """Remember ``eng``'s least-loaded rank load (ns) after a pull at ``now_ns``: its
-    rank loads plus each taken request's cost on the rank it went to."""
+    rank loads plus each taken request's cost on the rank it went to; with ``step`` (the
+    predicted length of the step those loads start, ns), when it pulls next. Without it
+    the engine is at a step boundary (pulling now)."""
     if now_ns is None:
         return
     after = list(loads)
     for r, cost in zip(ranks, costs, strict=True):
         after[r] += cost
     eng.min_rank_ns, eng.seen_ns = min(after, default=0), now_ns
+    eng.step_ns = 0 if step is None else step(after)
+
+
+def step_ns(loads: Sequence[int], limit_ns: int, floor_ns: int) -> int:
+    """Predicted length (ns) of the step an engine starts with these rank loads (ns):
+    its budget is the lightest busy rank's work within ``[floor_ns, limit_ns]`` (the MIN
+    of :func:`fulcrum.core.prefill.chunks.rank_budget` over its ranks), and it lasts
+    that long or until its busiest rank is done, whichever comes first; 0 when every
+    rank is idle (the engine waits for work, it pulls at once)."""
+    busy = [x for x in loads if x > 0]
+    if not busy:
+        return 0
+    budget = min(limit_ns, max(min(floor_ns, limit_ns), min(busy)))
+    return min(budget, max(busy))
 
 
 def matched_cost(aff: Affinity, item: Queued, matched: int) -> int:
@@ -116,12 +139,19 @@ def _pool_cost(aff: Affinity, item: Queued) -> int:
 
 
 def finish_ns(aff: Affinity, eng: EngineEntry | None, item: Queued, matched: int,
-              now_ns: int) -> int:
+              now_ns: int, pulling: bool = False) -> int:
     """Predicted finish (ns from now) of ``item`` on engine ``eng`` holding ``matched`` of
     its leading blocks (:func:`fulcrum.core.prefix_cost.predicted_ttft_one_ns`): that
     engine's least-loaded rank's load after its latest pull, drained by the time since
-    (1 ns per ns), plus the request's cost there (:func:`matched_cost`)."""
-    load = 0 if eng is None else max(0, eng.min_rank_ns - max(0, now_ns - eng.seen_ns))
+    (1 ns per ns), but no sooner than the end of the step that pull started (an engine
+    mid-step pulls at its step boundary; ``pulling``: the engine is at one now), plus
+    the request's cost there (:func:`matched_cost`)."""
+    if eng is None:
+        return matched_cost(aff, item, matched)
+    since = max(0, now_ns - eng.seen_ns)
+    load = max(0, eng.min_rank_ns - since)
+    if not pulling:
+        load = max(load, eng.step_ns - since)
     return load + matched_cost(aff, item, matched)
 
 

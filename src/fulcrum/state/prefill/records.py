@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.core.prefill.balancer import BalancerConfig, Queued, rules_by_name
+from fulcrum.core.prefill.chunks import DEFAULT_FLOOR_FRACTION
 from fulcrum.core.tenants import TenantPolicy
 from fulcrum.units import NS_PER_MS
 
@@ -40,6 +41,7 @@ def balancer_config(settings: PrefillSettings,
         max_batch_requests=settings.max_batch_requests,
         rules=rules_by_name(settings.rules),
         step_quota_ns=settings.step_quota_ns,
+        step_floor_ns=int(settings.step_quota_ns * DEFAULT_FLOOR_FRACTION),
         min_dwell_ns=settings.min_tier_dwell_ms * NS_PER_MS,
         tenants=tenants or TenantPolicy(),
     )
