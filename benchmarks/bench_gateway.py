@@ -18,7 +18,8 @@ added over the 20 ms p50/p99 (client side), and CPU per request of Envoy + picke
 (``/proc/<pid>/stat``; the load generator and upstreams are not counted). Runs are
 interleaved (RR, no-op, Fulcrum, repeated) and summed per setup.
 
-Run alone: ``.venv/bin/python benchmarks/bench_gateway.py [--quick] [--baseline-src DIR]``.
+Run alone: ``.venv/bin/python benchmarks/bench_gateway.py [--quick] [--baseline-src DIR]
+[--rounds N]`` (``--rounds``: interleaved rounds per setup, default 2).
 ``--baseline-src``: the ``src`` directory of another tree (e.g. a ``git worktree`` of an
 older commit); its daemon runs as two more setups in the same run ("baseline tree", full
 and lean), and the CPU aim is then judged against the baseline's full mode ("today's").
@@ -311,12 +312,12 @@ BASELINE = ("Fulcrum EPP, baseline tree", "Fulcrum EPP, lean, baseline tree")
 
 
 async def _bench(
-    quick: bool, baseline_src: str | None = None
+    quick: bool, baseline_src: str | None = None, rounds: int | None = None
 ) -> tuple[list[Figures], dict[str, object]]:
     from fulcrum.gateway.testing import render_envoy_config, upstreams
 
     duration = 2.0 if quick else 5.0
-    rounds = 1 if quick else 2
+    rounds = rounds or (1 if quick else 2)
     workers = 32
     figs = {n: Figures(n) for n in (*SETUPS, *(BASELINE if baseline_src else ()))}
     async with upstreams(4) as ups:
@@ -373,8 +374,8 @@ def run(quick: bool) -> str:
     return report(quick, os.environ.get("FULCRUM_BENCH_BASELINE_SRC") or None)
 
 
-def report(quick: bool, baseline_src: str | None = None) -> str:
-    figs, meta = asyncio.run(_bench(quick, baseline_src))
+def report(quick: bool, baseline_src: str | None = None, rounds: int | None = None) -> str:
+    figs, meta = asyncio.run(_bench(quick, baseline_src, rounds))
     by = {f.name: f for f in figs}
     noop, epp, lean = by["no-op picker"], by["Fulcrum EPP"], by["Fulcrum EPP, lean"]
     today = by.get(BASELINE[0], epp)  # "today's" full mode: the baseline tree's if run
@@ -439,4 +440,5 @@ if __name__ == "__main__":
     else:
         flag = "--baseline-src"
         base = sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None
-        print(report("--quick" in sys.argv, base))
+        n = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else None
+        print(report("--quick" in sys.argv, base, n))

@@ -1,6 +1,7 @@
-"""The body deadline of one ext_proc stream (``gateway.max_body_ms``): one timer per
-stream; it cancels a read in progress, refuses the next read when it fired between
-reads, and never turns somebody else's cancellation into a refusal."""
+"""The body deadline of one ext_proc stream (``gateway.max_body_ms``): the picker's
+:class:`BodyWatch` (one timer for every stream waiting for a message) cancels a read in
+progress at the deadline, a read past the deadline refuses at once, and somebody else's
+cancellation is never turned into a refusal."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from typing import Any
 import pytest
 
 from fulcrum.config.gateway import GatewaySettings
-from fulcrum.gateway.extproc import _Refused, _Stream
+from fulcrum.gateway.extproc import BodyWatch, _Refused, _Stream
 
 
-def stream(max_body_ms: int) -> _Stream:
+def stream(max_body_ms: int, watch: BodyWatch | None = None) -> _Stream:
     settings = GatewaySettings(max_body_ms=max_body_ms)
-    picker: Any = SimpleNamespace(settings=settings, pending_bytes=0)
+    picker: Any = SimpleNamespace(settings=settings, pending_bytes=0,
+                                  body_watch=watch if watch is not None else BodyWatch())
     return _Stream(picker, asyncio.get_running_loop().time())
 
 
@@ -41,8 +43,8 @@ async def test_a_read_past_the_deadline_is_refused_503() -> None:
 
 async def test_a_deadline_between_reads_refuses_the_next_read_at_once() -> None:
     s = stream(60_000)
-    assert await s.next(aiter(one_message())) == "headers"  # arms the timer
-    s._expire()  # the timer fires while the stream is not reading (e.g. writing)
+    assert await s.next(aiter(one_message())) == "headers"
+    s.deadline = asyncio.get_running_loop().time()  # it passed while the stream wrote
     with pytest.raises(_Refused) as err:
         await s.next(aiter(never()))
     assert err.value.refusal.code == 503
@@ -57,9 +59,30 @@ async def test_another_cancellation_stays_a_cancellation() -> None:
         await reader
 
 
-async def test_the_timer_ends_with_the_stream() -> None:
-    s = stream(60_000)
-    await s.next(aiter(one_message()))
-    assert s._timer is not None
-    s.close()
-    assert s._timer is None
+async def test_a_stream_is_watched_only_while_its_read_waits() -> None:
+    watch = BodyWatch()
+    s = stream(60_000, watch)
+    await s.next(aiter(one_message()))  # the message was there: watched, then not
+    assert len(watch) == 0
+    reader = asyncio.ensure_future(s.next(aiter(never())))
+    await asyncio.sleep(0)  # the read is waiting
+    assert len(watch) == 1
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    assert len(watch) == 0
+
+
+async def test_one_timer_expires_only_the_streams_past_their_deadline() -> None:
+    # Two streams wait; the first one's deadline comes first: it is refused, the other
+    # keeps waiting (the watch re-arms for it) until its own deadline refuses it too.
+    watch = BodyWatch()
+    early, late = stream(20, watch), stream(60, watch)
+    first = asyncio.ensure_future(early.next(aiter(never())))
+    second = asyncio.ensure_future(late.next(aiter(never())))
+    with pytest.raises(_Refused):
+        await first
+    assert not second.done() and len(watch) == 1
+    with pytest.raises(_Refused):
+        await second
+    assert len(watch) == 0

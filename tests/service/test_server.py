@@ -34,6 +34,9 @@ def scrape(daemon: Daemon) -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
         table = daemon.app.components.get(name)
         if table is not None:
             table.publisher.current()
+    picker = daemon.app.components.get("gateway")
+    if picker is not None:
+        picker.counts.publisher.current()
     url = f"http://127.0.0.1:{daemon.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as resp:
         text = resp.read().decode()

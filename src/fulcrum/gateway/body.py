@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+import orjson
 
 #: ``count(text) -> tokens``: a tokenizer's token count of a text.
 TokenCounter = Callable[[str], int]
@@ -55,10 +55,9 @@ def json_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> int:
     return deepest
 
 
-@dataclass(frozen=True, slots=True)
-class RequestShape:
+class RequestShape(NamedTuple):
     """What the picker reads from a body: prompt tokens (estimated), output tokens, and
-    whether the body was a parsed OpenAI request."""
+    whether the body was a parsed OpenAI request (a NamedTuple: one per request)."""
 
     prompt_tokens: int
     max_tokens: int
@@ -152,6 +151,22 @@ def _prompt_str(prompt: Any) -> str:
     return ""
 
 
+def _loads(body: bytes) -> Any:
+    """The body's JSON value (None when it is not JSON). orjson first; what it refuses
+    (integers past 64 bits, lone surrogates, NaN, ...) goes to the standard library, so
+    that every body parses as :func:`json.loads` parses it."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    except RecursionError:  # pragma: no cover - the depth scan comes first
+        raise BodyTooDeep(f"request body: JSON nested deeper than {MAX_JSON_DEPTH}") from None
+
+
 def parse_body(
     body: bytes,
     path: str,
@@ -170,12 +185,7 @@ def parse_body(
         return RequestShape(0, default_max_tokens, parsed=False)
     if json_depth(body) > MAX_JSON_DEPTH:
         raise BodyTooDeep(f"request body: JSON nested deeper than {MAX_JSON_DEPTH}")
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        obj = None
-    except RecursionError:  # pragma: no cover - the depth scan comes first
-        raise BodyTooDeep(f"request body: JSON nested deeper than {MAX_JSON_DEPTH}") from None
+    obj = _loads(body)
     if not isinstance(obj, dict):
         return RequestShape(
             math.ceil(len(body) / chars_per_token), default_max_tokens, parsed=False

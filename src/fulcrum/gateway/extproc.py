@@ -36,10 +36,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -182,10 +183,10 @@ class Picker:
         self.streams = 0
         #: Request body bytes held by streams still assembling one, bytes.
         self.pending_bytes = 0
-        self._picked = gm.PICKS.labels(adapter.policy_name, "picked")
-        self._policy = adapter.policy_name
+        #: Picks, releases and pick times (plain counts; the scrape reads a snapshot).
+        self.counts = counts = gm.PickCounts()
+        gm.PICK_FIGURES.set_source(counts)
         self._answers: dict[tuple[str, str, str], ep.ProcessingResponse] = {}
-        self._releases = {r: gm.RELEASES.labels(r) for r in gm.RELEASE_REASONS}
         #: Test hook: called with (request_id, Placement) after each pick.
         self.pick_hooks: list[Callable[[str, Placement], None]] = []
         #: Test hook: called with (request_id, reason) after each release.
@@ -194,6 +195,8 @@ class Picker:
         self.cache: CachePicker | None = None
         self.tenancy: Tenancy | None = None  # the daemon's tenant table (gateway/server)
         self.tenancy_headers = _tenancy_headers(settings)
+        #: The body deadlines of the streams waiting for a message of their request.
+        self.body_watch = BodyWatch()
         # The gauges read two ints when scraped (not set on every request).
         me = weakref.ref(self)
         gm.IN_FLIGHT.set_function(lambda: _read(me, lambda p: p.in_flight))
@@ -218,12 +221,7 @@ class Picker:
         self._answers.clear()  # the metadata namespace may have changed
 
     def _count(self, outcome: str) -> None:
-        if outcome == "picked" and self._policy == self.adapter.policy_name:
-            self._picked.inc()
-            return
-        self._policy = self.adapter.policy_name
-        self._picked = gm.PICKS.labels(self._policy, "picked")
-        gm.PICKS.labels(self._policy, outcome).inc()
+        self.counts.pick(self.adapter.policy_name, outcome)
 
     def parse(self, body: bytes, path: str) -> RequestShape:
         """The body's prompt and output estimate (pure; may run in a worker thread)."""
@@ -297,12 +295,12 @@ class Picker:
             self._count("bad_request")
             return Refusal(400, "bad_request", err.message)
         if self.prefill is not None:
-            placement = replace(placement, prompt_tokens=shape.prompt_tokens)
+            placement = placement._replace(prompt_tokens=shape.prompt_tokens)
         if choice is not None and self.cache is not None:
             self.cache.placed(request_id, choice, shape.prompt_tokens, now, shape.stream)
         self._held[request_id] = placement
         self._count("picked")
-        gm.PICK_SECONDS.observe(time.perf_counter() - t0)
+        self.counts.timed(time.perf_counter() - t0)
         for hook in self.pick_hooks:
             hook(request_id, placement)
         return placement
@@ -347,7 +345,7 @@ class Picker:
             self.release(placement, "stream_closed")
             self._count("bad_request")
             return Refusal(400, "bad_request", f"prefill {err.message}")
-        return replace(placement, prefiller=prefiller)
+        return placement._replace(prefiller=prefiller)
 
     def response_started(self, placement: Placement) -> None:
         """Response headers came back: the request's prefill is done."""
@@ -365,7 +363,7 @@ class Picker:
             self.prefill.finished(placement.request_id)
         self._held.pop(placement.request_id, None)
         held = self.adapter.release(placement.request_id, self._clock())
-        self._releases[reason if held else "not_held"].inc()
+        self.counts.released(reason if held else "not_held")
         for hook in self.release_hooks:
             hook(placement.request_id, reason if held else "not_held")
 
@@ -502,24 +500,68 @@ def _scan(
     return path, wanted
 
 
+class BodyWatch:
+    """The body deadlines of the streams blocked in a read of their request (event loop
+    only): one timer for all of them, armed for the earliest deadline, instead of one
+    timer per stream. A stream registers while it waits for a message and leaves when
+    the message comes; when the timer fires, every registered stream past its deadline
+    is expired (its read cancelled), and the timer is armed again for the earliest
+    deadline left. A read that does not block costs two set operations."""
+
+    __slots__ = ("_at", "_reading", "_timer")
+
+    def __init__(self) -> None:
+        self._reading: set[_Stream] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._at = math.inf  # when the timer fires (loop time, s)
+
+    def __len__(self) -> int:
+        return len(self._reading)
+
+    def enter(self, stream: _Stream) -> None:
+        """``stream`` waits for a message (until :meth:`leave`)."""
+        self._reading.add(stream)
+        if stream.deadline < self._at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._at = stream.deadline
+            self._timer = asyncio.get_running_loop().call_at(stream.deadline, self._fire)
+
+    def leave(self, stream: _Stream) -> None:
+        self._reading.discard(stream)
+
+    def _fire(self) -> None:
+        self._timer, self._at = None, math.inf
+        now = asyncio.get_running_loop().time()
+        due = [s for s in self._reading if s.deadline <= now]
+        for s in due:
+            self._reading.discard(s)
+            s.expire()
+        if self._reading:
+            first = min(s.deadline for s in self._reading)
+            self._at = first
+            self._timer = asyncio.get_running_loop().call_at(first, self._fire)
+
+
 class _Stream:
     """One ext_proc stream (one HTTP request): its phase, its body so far and its one pick.
     A method per phase returns the answers to send; :class:`_Refused` ends the stream."""
 
     __slots__ = (
-        "_cancelling", "_chunks", "_deadline", "_duplex", "_expired", "_first", "_pending",
-        "_pending_headers", "_picker", "_reading", "_resp_duplex", "_settings", "_task",
-        "_timer", "cls", "path", "phase", "placement", "subset",
+        "_cancelling", "_chunks", "_duplex", "_expired", "_first", "_pending",
+        "_pending_headers", "_picker", "_resp_duplex", "_settings", "_task", "_watch",
+        "cls", "deadline", "path", "phase", "placement", "subset",
     )
 
     def __init__(self, picker: Picker, now: float) -> None:
         self._picker = picker
         self._settings = s = picker.settings
-        self._deadline = now + s.max_body_ms / 1000
-        self._timer: asyncio.TimerHandle | None = None
+        self._watch: BodyWatch = picker.body_watch
+        #: Loop time (s) by which the request must be complete (``max_body_ms``).
+        self.deadline = now + s.max_body_ms / 1000
         self._task: asyncio.Task[Any] | None = None
         self._cancelling = 0
-        self._expired = self._reading = False
+        self._expired = False
         self._duplex = self._resp_duplex = self._pending_headers = False
         self._first = True  # no response body chunk seen yet
         self._chunks: list[bytes] = []
@@ -533,18 +575,17 @@ class _Stream:
     async def next(self, it: AsyncIterator[ep.ProcessingRequest]) -> ep.ProcessingRequest:
         """The next message; while the request is incomplete, within ``max_body_ms`` of
         the stream's opening (else 503). StopAsyncIteration at the end of the stream.
-        One timer per stream (armed at the first read, not at every read): when it fires
-        during a read, it cancels that read; between reads, the next read refuses."""
+        A read past the deadline refuses at once; a read that blocks is watched by the
+        picker's :class:`BodyWatch`, which cancels it at the deadline."""
         if self.phase > _BODY:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
             return await anext(it)
-        if self._expired:
+        if self._expired or asyncio.get_running_loop().time() >= self.deadline:
             raise self._late()
-        if self._timer is None:
-            self._arm()
-        self._reading = True
+        if self._task is None:
+            self._task = task = asyncio.current_task()
+            self._cancelling = task.cancelling() if task is not None else 0
+        watch = self._watch
+        watch.enter(self)
         try:
             return await anext(it)
         except asyncio.CancelledError:
@@ -553,18 +594,13 @@ class _Stream:
                 raise self._late() from None
             raise
         finally:
-            self._reading = False
+            watch.leave(self)
 
-    def _arm(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._task = task = asyncio.current_task()
-        self._cancelling = task.cancelling() if task is not None else 0
-        self._timer = loop.call_at(self._deadline, self._expire)
-
-    def _expire(self) -> None:
-        self._timer = None
+    def expire(self) -> None:
+        """The deadline passed while the stream waited for a message: cancel that read
+        (:meth:`next` turns the cancellation into the 503)."""
         self._expired = True
-        if self._reading and self._task is not None:
+        if self._task is not None:
             self._task.cancel()
 
     def _late(self) -> _Refused:
@@ -641,7 +677,7 @@ class _Stream:
     def _add(self, chunk: bytes) -> None:
         s, picker = self._settings, self._picker
         if self._pending + len(chunk) > s.max_body_bytes:
-            gm.PICKS.labels(picker.adapter.policy_name, "too_large").inc()
+            picker.counts.pick(picker.adapter.policy_name, "too_large")
             raise _Refused(Refusal(
                 413, "too_large",
                 f"request body over {s.max_body_bytes} bytes (gateway.max_body_bytes)",
@@ -657,9 +693,6 @@ class _Stream:
 
     def close(self) -> None:
         """The stream ended: give back its pending bytes and its placement."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         self._picker.pending_bytes -= self._pending
         self._pending = 0
         self._chunks = []

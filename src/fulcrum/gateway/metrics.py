@@ -1,13 +1,26 @@
-"""Collectors of the gateway endpoint picker (updated on the event loop as things happen).
+"""Collectors of the gateway endpoint picker.
 
-Labels are bounded: outcome, HTTP status code, release reason, scrape outcome.
+Labels are bounded: policy (a registered decode policy), outcome, HTTP status code,
+release reason, scrape outcome. The per-request figures (picks, releases, pick time) are
+plain counts on the event loop (:class:`PickCounts`, a few attribute writes per request);
+the scrape reads them from a snapshot the loop publishes when a scrape asks
+(:class:`fulcrum.state.placement.Publisher`), as the decode table's families are. The
+rest are prometheus_client objects updated as things happen.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import bisect
+import weakref
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from prometheus_client import Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from fulcrum.metrics import REGISTRY
+from fulcrum.state.placement import Publisher
 
 #: Outcomes of a pick (label values of ``fulcrum_gateway_picks``).
 PICK_OUTCOMES = ("picked", "no_endpoint", "shed", "bad_request", "too_large")
@@ -18,20 +31,6 @@ REFUSE_REASONS = ("out_of_order", "streams", "pending_bytes", "body_timeout", "t
 #: HTTP codes the picker answers with an immediate response.
 IMMEDIATE_CODES = ("400", "413", "429", "503")
 
-PICKS = Counter(
-    "fulcrum_gateway_picks",
-    "Endpoint picks by outcome (picked, no_endpoint -> 503, shed -> 429, bad_request -> "
-    "400, too_large -> 413).",
-    ["policy", "outcome"],
-    registry=REGISTRY,
-)
-RELEASES = Counter(
-    "fulcrum_gateway_releases",
-    "Placements released by the picker: at the response's end, when the ext_proc stream "
-    "closed first (client gone, upstream reset), or not held any more (lease expired).",
-    ["reason"],
-    registry=REGISTRY,
-)
 REFUSED = Counter(
     "fulcrum_gateway_refused",
     "ext_proc streams ended with an immediate response by a stream bound or rule: "
@@ -52,12 +51,111 @@ SERVED_ELSEWHERE = Counter(
     "Responses served by another endpoint than the primary pick (a fallback or retry).",
     registry=REGISTRY,
 )
-PICK_SECONDS = Histogram(
-    "fulcrum_gateway_pick_seconds",
-    "Time to pick an endpoint once the request body is complete (parse + place), seconds.",
-    buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1),
-    registry=REGISTRY,
+#: Upper bounds of ``fulcrum_gateway_pick_seconds``' buckets, seconds.
+PICK_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
+
+_PICKS_HELP = (
+    "Endpoint picks by outcome (picked, no_endpoint -> 503, shed -> 429, bad_request -> "
+    "400, too_large -> 413)."
 )
+_RELEASES_HELP = (
+    "Placements released by the picker: at the response's end, when the ext_proc stream "
+    "closed first (client gone, upstream reset), or not held any more (lease expired)."
+)
+_SECONDS_HELP = (
+    "Time to pick an endpoint once the request body is complete (parse + place), seconds."
+)
+
+
+class PickFigures(NamedTuple):
+    """The counts of :class:`PickCounts` at publication (never written)."""
+
+    picks: tuple[tuple[tuple[str, str], int], ...]
+    releases: tuple[tuple[str, int], ...]
+    #: Picks timed in each bucket of :data:`PICK_BUCKETS` (not cumulative), then above.
+    buckets: tuple[int, ...]
+    seconds: float
+
+
+class PickCounts:
+    """The picker's per-request counts (event loop only): picks by (policy, outcome),
+    releases by reason, and the pick-time histogram. Each call is a few attribute
+    writes; :attr:`publisher` hands the scrape an immutable :class:`PickFigures`."""
+
+    __slots__ = ("__weakref__", "buckets", "picks", "publisher", "releases", "seconds")
+
+    def __init__(self) -> None:
+        self.picks: dict[tuple[str, str], int] = {}
+        self.releases = dict.fromkeys(RELEASE_REASONS, 0)
+        self.buckets = [0] * (len(PICK_BUCKETS) + 1)
+        self.seconds = 0.0
+        self.publisher: Publisher[PickFigures] = Publisher(self._figures)
+
+    def pick(self, policy: str, outcome: str) -> None:
+        """One pick of ``outcome`` (one of :data:`PICK_OUTCOMES`) under ``policy``."""
+        key = (policy, outcome)
+        self.picks[key] = self.picks.get(key, 0) + 1
+        self.publisher.changed()
+
+    def released(self, reason: str) -> None:
+        """One release for ``reason`` (one of :data:`RELEASE_REASONS`)."""
+        self.releases[reason] += 1
+        self.publisher.changed()
+
+    def timed(self, seconds: float) -> None:
+        """A pick took ``seconds``."""
+        self.buckets[bisect.bisect_left(PICK_BUCKETS, seconds)] += 1
+        self.seconds += seconds
+
+    def _figures(self) -> PickFigures:
+        return PickFigures(tuple(self.picks.items()), tuple(self.releases.items()),
+                           tuple(self.buckets), self.seconds)
+
+
+class _PickCollector(Collector):
+    """``fulcrum_gateway_picks``, ``_releases`` and ``_pick_seconds`` from the current
+    picker's published figures (in the scrape thread; the picker is held weakly)."""
+
+    def __init__(self) -> None:
+        self._source: weakref.ReferenceType[PickCounts] | None = None
+
+    def set_source(self, counts: PickCounts) -> None:
+        self._source = weakref.ref(counts)
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._source() if self._source is not None else None
+        return self._families(None if counts is None else counts.publisher.fresh())
+
+    @staticmethod
+    def _families(f: PickFigures | None) -> Iterator[Metric]:
+        picks = CounterMetricFamily("fulcrum_gateway_picks", _PICKS_HELP,
+                                    labels=("policy", "outcome"))
+        releases = CounterMetricFamily("fulcrum_gateway_releases", _RELEASES_HELP,
+                                       labels=("reason",))
+        buckets = f.buckets if f is not None else (0,) * (len(PICK_BUCKETS) + 1)
+        for (policy, outcome), n in sorted(f.picks if f is not None else ()):
+            picks.add_metric([policy, outcome], float(n))
+        for reason in RELEASE_REASONS:
+            n = dict(f.releases).get(reason, 0) if f is not None else 0
+            releases.add_metric([reason], float(n))
+        upper = [*map(str, PICK_BUCKETS), "+Inf"]
+        cumulative, total = [], 0
+        for le, n in zip(upper, buckets, strict=True):
+            total += n
+            cumulative.append((le, float(total)))
+        seconds = HistogramMetricFamily(
+            "fulcrum_gateway_pick_seconds", _SECONDS_HELP, buckets=cumulative,
+            sum_value=f.seconds if f is not None else 0.0,
+        )
+        yield from (picks, releases, seconds)
+
+
+PICK_FIGURES = _PickCollector()
+REGISTRY.register(PICK_FIGURES)
+
 IN_FLIGHT = Gauge(
     "fulcrum_gateway_requests_in_flight",
     "HTTP requests the picker holds a placement for (the picker's table of held "
@@ -81,8 +179,6 @@ SCRAPES = Counter(
     registry=REGISTRY,
 )
 
-for _o in RELEASE_REASONS:
-    RELEASES.labels(_o)
 for _r in REFUSE_REASONS:
     REFUSED.labels(_r)
 for _c in IMMEDIATE_CODES:

@@ -186,6 +186,8 @@ def classify(
     class). Ignored headers are counted; never raises on a header."""
     if tenancy is None:
         return DEFAULT_CLASS
+    if isinstance(headers, list | tuple) and not headers:
+        return tenancy.default  # no tenancy header: what parse gives, without parsing
     t = parse(((h.key, _text(h)) for h in headers), settings, tenancy.table.policy)
     count_ignored(t)
     if t.tenant == "" and t.priority == 0 and t.ttft_slo_ms is None:

@@ -125,13 +125,31 @@ LEAN_MODE = {
 }
 
 
-def _lean(cfg: str) -> str:
+#: Request headers the lean mode forwards to the picker: ``:path`` and the tenancy
+#: headers under their default names (``gateway.tenancy``; renamed headers must be
+#: listed in the bootstrap too). Every other header stays in Envoy.
+LEAN_HEADERS = (
+    ":path",
+    "x-gateway-inference-fairness-id",
+    "x-gateway-inference-objective",
+    "x-slo-ttft-ms",
+)
+
+
+def _lean(cfg: str, headers: tuple[str, ...] = LEAN_HEADERS) -> str:
     for key, value in LEAN_MODE.items():
         found = re.findall(rf"\b{key}: \w+", cfg)
         if len(found) != 1:
             raise ValueError(f"envoy template: {key} found {len(found)} times, expected 1")
         cfg = re.sub(rf"\b{key}: \w+", f"{key}: {value}", cfg)
-    return cfg
+    anchor = "                      processing_mode:\n"
+    if cfg.count(anchor) != 1:
+        raise ValueError("envoy template: processing_mode not found once")
+    rules = "".join(f"                            - exact: \"{h}\"\n" for h in headers)
+    forward = ("                      forward_rules:\n"
+               "                        allowed_headers:\n"
+               "                          patterns:\n" + rules)
+    return cfg.replace(anchor, forward + anchor, 1)
 
 
 # -- HTTP/1.1, just enough -----------------------------------------------------------------
