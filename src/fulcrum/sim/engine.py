@@ -323,8 +323,7 @@ class Simulator:
         self.balancer = PrefillBalancer(BalancerConfig(
             bounds=self.bounds,
             batch_cap_ns=tuple(p.tier_batch_cap_ns),
-            backlog_rounds=p.backlog_rounds,
-            hysteresis=p.hysteresis,
+            backlog_rounds=p.backlog_rounds, hysteresis=p.hysteresis,
             max_batch_requests=p.max_batch_requests,
             rules=rules.with_order(policy.order) if policy.order else rules,
             step_quota_ns=p.step_quota_ns,
