@@ -106,6 +106,7 @@ class PickCounts:
         """A pick took ``seconds``."""
         self.buckets[bisect.bisect_left(PICK_BUCKETS, seconds)] += 1
         self.seconds += seconds
+        self.publisher.changed()
 
     def _figures(self) -> PickFigures:
         return PickFigures(tuple(self.picks.items()), tuple(self.releases.items()),
