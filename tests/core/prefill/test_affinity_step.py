@@ -6,6 +6,8 @@ their prefix after the short tier's 2 s."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fulcrum.core.prefill import order as aff_order
 from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
@@ -111,3 +113,41 @@ def test_the_shortest_tier_keeps_the_configured_bound() -> None:
     bal.enqueue(Queued("r", 2_000, 0, 0, aff.expected_cost(2_000, blocks), 0, blocks))
     assert not bal.take("b", 100 * S, [0], now_ns=1 * S).items
     assert [i.request_id for i in bal.take("b", 100 * S, [0], now_ns=2 * S).items] == ["r"]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    loads=st.lists(st.integers(0, 5 * S), min_size=1, max_size=8),
+    floor_ms=st.integers(0, 2_000), limit_ms=st.integers(1, 2_000),
+)
+def test_a_step_is_never_longer_than_its_work_nor_its_limit(
+    loads: list[int], floor_ms: int, limit_ms: int
+) -> None:
+    got = aff_order.step_ns(loads, limit_ms * MS, floor_ms * MS)
+    busy = [x for x in loads if x > 0]
+    if not busy:
+        assert got == 0
+        return
+    assert 0 < got <= min(limit_ms * MS, max(busy))
+    # it lasts at least until the lightest busy rank is done (or the limit comes first)
+    assert got >= min(min(busy), limit_ms * MS)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    min_rank_ms=st.integers(0, 3_000), step_ms=st.integers(0, 3_000),
+    since_ms=st.integers(0, 5_000), matched=st.integers(0, 3),
+)
+def test_an_engine_mid_step_is_never_predicted_sooner_than_at_its_boundary(
+    min_rank_ms: int, step_ms: int, since_ms: int, matched: int
+) -> None:
+    aff = Affinity(PrefixIndex(block_tokens=100), cost)
+    item = Queued("r", 350, 0, 0, cost(350, 0), 0, (7, 8, 9))
+    eng = EngineEntry("a", 2, tier=0, min_rank_ns=min_rank_ms * MS, seen_ns=0,
+                      step_ns=step_ms * MS)
+    now = since_ms * MS
+    mid = aff_order.finish_ns(aff, eng, item, matched, now)
+    at_boundary = aff_order.finish_ns(aff, eng, item, matched, now, pulling=True)
+    here = aff_order.matched_cost(aff, item, matched)
+    assert mid >= at_boundary >= here
+    assert mid - here == max(0, (min_rank_ms - since_ms) * MS, (step_ms - since_ms) * MS)
