@@ -532,7 +532,9 @@ class BodyWatch:
 
     def _fire(self) -> None:
         self._timer, self._at = None, math.inf
-        now = asyncio.get_running_loop().time()
+        # A loop may run a timer up to its clock resolution early: a stream due within
+        # 1 ms counts as due (else the timer would be armed again for the same instant).
+        now = asyncio.get_running_loop().time() + 0.001
         due = [s for s in self._reading if s.deadline <= now]
         for s in due:
             self._reading.discard(s)
