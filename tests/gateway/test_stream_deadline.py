@@ -86,3 +86,17 @@ async def test_one_timer_expires_only_the_streams_past_their_deadline() -> None:
     with pytest.raises(_Refused):
         await second
     assert len(watch) == 0
+
+
+async def test_a_timer_run_just_before_the_deadline_still_expires_the_stream() -> None:
+    # A loop may run a timer up to its clock resolution early: the watch must expire the
+    # stream then, not arm itself again for the same instant.
+    watch = BodyWatch()
+    s = stream(60_000, watch)
+    reader = asyncio.ensure_future(s.next(aiter(never())))
+    await asyncio.sleep(0)  # the read is waiting
+    s.deadline = asyncio.get_running_loop().time() + 0.0005
+    watch._fire()  # as the timer would, half a millisecond early
+    with pytest.raises(_Refused):
+        await reader
+    assert len(watch) == 0
