@@ -97,6 +97,7 @@ async def test_a_timer_run_just_before_the_deadline_still_expires_the_stream() -
     await asyncio.sleep(0)  # the read is waiting
     s.deadline = asyncio.get_running_loop().time() + 0.0005
     watch._fire()  # as the timer would, half a millisecond early
+    assert s._expired  # at once, not at a timer armed again
     with pytest.raises(_Refused):
         await reader
     assert len(watch) == 0
