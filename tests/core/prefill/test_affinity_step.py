@@ -53,8 +53,9 @@ def test_a_holder_mid_step_finishes_no_sooner_than_its_step_ends() -> None:
 
 
 def _two_engines(bounds: tuple[int, ...], caps: tuple[int, ...], tier: int,
-                 max_wait_ns: int, ranks: int = 1) -> PrefillBalancer:
-    """Engines ``a`` and ``b`` (``ranks`` each), both on ``tier``."""
+                 max_wait_ns: int, ranks: int = 1, a_step_ns: int = 0) -> PrefillBalancer:
+    """Engines ``a`` (its own step budget ``a_step_ns``; 0: the configured 1 s) and
+    ``b`` (``ranks`` each), both on ``tier``."""
     bal = PrefillBalancer(BalancerConfig(
         bounds=bounds, batch_cap_ns=caps, backlog_rounds=1.0, hysteresis=0.0,
         max_batch_requests=1,
@@ -64,7 +65,7 @@ def _two_engines(bounds: tuple[int, ...], caps: tuple[int, ...], tier: int,
     bal.enqueue(Queued("seed", 10, 0, tier, 1, 0))  # both engines join its tier
     for e in ("a", "b"):
         aff.index.add_engine(e, 1000)
-        bal.add_engine(e, ranks)
+        bal.add_engine(e, ranks, a_step_ns if e == "a" else 0)
     bal.remove("seed")
     return bal
 
@@ -83,6 +84,22 @@ def test_an_idle_rank_of_a_holder_mid_step_does_not_make_it_sooner() -> None:
     bal.enqueue(Queued("r", 350, 0, 0, aff.expected_cost(350, blocks), 1, blocks))
     assert bal.choose_puller(0, [Offer("b", 100 * S, [0, 0])], now_ns=1) == 0
     assert [i.request_id for i in bal.take("b", 100 * S, [0, 0], now_ns=1).items] == ["r"]
+
+
+def test_an_engines_own_step_budget_sets_its_predicted_step() -> None:
+    # As above, but a registered with a 100 ms step budget: its step after the pull
+    # lasts 100 ms, so it finishes r at 250 ms, sooner than b (351 ms): r waits for a.
+    bal = _two_engines((1_000_000,), (1000 * S, 1000 * S), 0, 100 * S, ranks=2,
+                       a_step_ns=100 * MS)
+    aff = bal.affinity
+    assert aff is not None
+    aff.index.record("a", (7, 8))
+    assert not bal.take("a", 0, [400 * MS, 0], now_ns=0).items
+    a = bal.engine("a")
+    assert a is not None and a.step_ns == 100 * MS
+    blocks = (7, 8, 9)
+    bal.enqueue(Queued("r", 350, 0, 0, aff.expected_cost(350, blocks), 1, blocks))
+    assert not bal.take("b", 100 * S, [0, 0], now_ns=1).items
 
 
 def test_the_fairness_bound_scales_with_the_tiers_batch_cap() -> None:

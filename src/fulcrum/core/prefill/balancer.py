@@ -108,7 +108,8 @@ class BalancerConfig:
     rules: Rules = RULE_SETS[DEFAULT]
     step_quota_ns: int = 1_000_000_000
     #: Lowest budget of a busy rank's step (ns; :func:`fulcrum.core.prefill.chunks.rank_budget`),
-    #: by which the prefix affinity predicts when an engine mid-step pulls next.
+    #: by which the prefix affinity predicts when an engine mid-step pulls next (an
+    #: engine with its own step budget: the same fraction of that budget).
     step_floor_ns: int = int(1_000_000_000 * DEFAULT_FLOOR_FRACTION)
     #: Minimum time (ns) an engine stays on the tier a round moved it to before another
     #: round may move it again (0 = no minimum). Joins, leaves and orphaned tiers
@@ -348,14 +349,20 @@ class PrefillBalancer:
 
     # -- engines and rounds ---------------------------------------------------------------
 
-    def add_engine(self, engine_id: str, dp_ranks: int) -> Redistribution:
-        """A prefill engine joined (or re-joined): give it a tier at once."""
+    def add_engine(self, engine_id: str, dp_ranks: int,
+                   step_quota_ns: int = 0) -> Redistribution:
+        """A prefill engine joined (or re-joined): give it a tier at once.
+        ``step_quota_ns``: its own step budget (ns; 0: the configured one), by which its
+        steps are predicted under prefix affinity."""
         if dp_ranks < 1:
             raise ValueError("dp_ranks: must be >= 1")
+        if step_quota_ns < 0:
+            raise ValueError("step_quota_ns: must be >= 0")
         old = self._engines.pop(engine_id, None)
         if old is not None and old.tier >= 0:
             self._counts[old.tier] -= 1
-        self._engines[engine_id] = EngineEntry(engine_id, dp_ranks)
+        self._engines[engine_id] = EngineEntry(engine_id, dp_ranks,
+                                               step_quota_ns=step_quota_ns)
         return self.redistribute("join")
 
     def remove_engine(self, engine_id: str) -> Redistribution | None:
@@ -570,9 +577,11 @@ class PrefillBalancer:
         if taken.items:
             eng.load_ns = sum(loads) + taken.quota_ns
         cfg = self.config
+        limit = eng.step_quota_ns or cfg.step_quota_ns
+        # the configured floor's fraction of the engine's own budget
+        floor = cfg.step_floor_ns * limit // cfg.step_quota_ns if cfg.step_quota_ns > 0 else 0
         aff_order.seen(eng, loads, taken.ranks, taken.costs_ns, now_ns,
-                       lambda after: aff_order.step_ns(after, cfg.step_quota_ns,
-                                                       cfg.step_floor_ns))
+                       lambda after: aff_order.step_ns(after, limit, floor))
         return taken
 
     def _pass(self, eng: EngineEntry, tier: int, loads: list[int], remaining_ns: int,

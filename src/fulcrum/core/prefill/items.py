@@ -49,6 +49,8 @@ class EngineEntry:
     #: Predicted length of the step it started after its latest pull (ns; 0: none):
     #: until then it pulls nothing (engines pull between steps).
     step_ns: int = 0
+    #: Its own step budget (ns; 0: the balancer's ``step_quota_ns``).
+    step_quota_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)

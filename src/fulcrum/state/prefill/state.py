@@ -361,7 +361,8 @@ class PrefillState:
         log.info("prefill_engine_joined", engine_id=member.member_id, dp_ranks=shape.dp_ranks)
         self.prefix.join(member.member_id, shape.prefix_cache_blocks,
                          cache_survived=shape.prefix_cache_survived)
-        self._redistributed(self.balancer.add_engine(member.member_id, shape.dp_ranks))
+        self._redistributed(self.balancer.add_engine(member.member_id, shape.dp_ranks,
+                                                     shape.step_quota_ns or 0))
 
     def adopt(self, engine_id: str, held: Sequence[Held]) -> int:
         """``engine_id`` (just registered) still holds ``held`` from a daemon that is
