@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+from unittest import mock
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -78,3 +80,45 @@ def test_any_body_gets_a_positive_estimate(body: bytes, cpt: float) -> None:
 def test_any_json_gets_a_positive_estimate(obj: object) -> None:
     for wrap in (obj, {"prompt": obj}, {"messages": obj, "max_tokens": obj}):
         assert shape(wrap).kv_tokens >= 1
+
+
+def test_bodies_parse_as_the_standard_library_parses_them() -> None:
+    # orjson first, json for what orjson reads otherwise: an output length past 64
+    # bits stays an int (the KV bound refuses it), NaN and lone surrogates parse.
+    huge = 123456789012345678901234567890
+    shape = parse_body(b'{"prompt":"hi","max_tokens":%d}' % huge, "/v1/completions", 4.0, 256)
+    assert shape.max_tokens == huge and isinstance(shape.max_tokens, int)
+    odd = parse_body(b'{"prompt":"\\ud800 hi","max_tokens":7,"x":NaN}', "/v1/completions",
+                     4.0, 256)
+    assert odd.parsed and odd.max_tokens == 7 and odd.prompt_tokens == 1
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
+                                                              max_size=4),
+    max_leaves=12,
+)
+
+
+@given(
+    extra=st.dictionaries(st.sampled_from(["prompt", "messages", "model", "stream", "x"]),
+                          _JSON, max_size=4),
+    max_tokens=st.one_of(st.integers(), st.floats(allow_nan=False), st.text(max_size=3)),
+)
+def test_the_fast_parse_gives_what_json_alone_gives(
+    extra: dict[str, object], max_tokens: object
+) -> None:
+    import orjson
+
+    from fulcrum.gateway import body as body_mod
+
+    def refuse(_: bytes) -> object:
+        raise orjson.JSONDecodeError("forced", "", 0)
+
+    raw = json.dumps({**extra, "max_tokens": max_tokens}).encode()
+    fast = parse_body(raw, "/v1/completions", 4.0, 256, with_text=True)
+    with mock.patch.object(body_mod, "orjson",
+                           SimpleNamespace(loads=refuse, JSONDecodeError=orjson.JSONDecodeError)):
+        slow = parse_body(raw, "/v1/completions", 4.0, 256, with_text=True)
+    assert fast == slow

@@ -151,14 +151,28 @@ def _prompt_str(prompt: Any) -> str:
     return ""
 
 
+#: orjson reads an integer past 64 bits as a float; :func:`json.loads` keeps it an int.
+_BIG = float(1 << 63)
+
+
 def _loads(body: bytes) -> Any:
-    """The body's JSON value (None when it is not JSON). orjson first; what it refuses
-    (integers past 64 bits, lone surrogates, NaN, ...) goes to the standard library, so
-    that every body parses as :func:`json.loads` parses it."""
+    """The body's JSON value (None when it is not JSON). orjson first; the standard
+    library for what orjson refuses (NaN, lone surrogates, other encodings than UTF-8)
+    and for a body whose output length orjson read as a float past 64 bits (json reads
+    an int there, which the KV bound then refuses), so that the fields the pick reads
+    come out as :func:`json.loads` gives them. (A token id past 64 bits in a prompt
+    list, garbage for any tokenizer, still comes out a float: that prompt counts one
+    token less.)"""
     try:
-        return orjson.loads(body)
+        obj = orjson.loads(body)
     except orjson.JSONDecodeError:
-        pass
+        obj = None
+    else:
+        if not isinstance(obj, dict) or not any(
+            isinstance(v, float) and abs(v) >= _BIG
+            for v in (obj.get("max_tokens"), obj.get("max_completion_tokens"))
+        ):
+            return obj
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError):
