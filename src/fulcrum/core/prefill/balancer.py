@@ -349,15 +349,12 @@ class PrefillBalancer:
 
     # -- engines and rounds ---------------------------------------------------------------
 
-    def add_engine(self, engine_id: str, dp_ranks: int,
-                   step_quota_ns: int = 0) -> Redistribution:
-        """A prefill engine joined (or re-joined): give it a tier at once.
-        ``step_quota_ns``: its own step budget (ns; 0: the configured one), by which its
-        steps are predicted under prefix affinity."""
-        if dp_ranks < 1:
-            raise ValueError("dp_ranks: must be >= 1")
-        if step_quota_ns < 0:
-            raise ValueError("step_quota_ns: must be >= 0")
+    def add_engine(self, engine_id: str, dp_ranks: int, step_quota_ns: int = 0) -> Redistribution:
+        """A prefill engine joined (or re-joined): give it a tier at once. ``step_quota_ns``:
+        its own step budget (ns; 0: the configured one; predicts its steps, see :func:`_steps`)."""
+        if dp_ranks < 1 or step_quota_ns < 0:
+            field = "dp_ranks: must be >= 1" if dp_ranks < 1 else "step_quota_ns: must be >= 0"
+            raise ValueError(field)
         old = self._engines.pop(engine_id, None)
         if old is not None and old.tier >= 0:
             self._counts[old.tier] -= 1
@@ -576,12 +573,7 @@ class PrefillBalancer:
             taken = first.join(taken)
         if taken.items:
             eng.load_ns = sum(loads) + taken.quota_ns
-        cfg = self.config
-        limit = eng.step_quota_ns or cfg.step_quota_ns
-        # the configured floor's fraction of the engine's own budget
-        floor = cfg.step_floor_ns * limit // cfg.step_quota_ns if cfg.step_quota_ns > 0 else 0
-        aff_order.seen(eng, loads, taken.ranks, taken.costs_ns, now_ns,
-                       lambda after: aff_order.step_ns(after, limit, floor))
+        aff_order.seen(eng, loads, taken.ranks, taken.costs_ns, now_ns, _steps(self.config, eng))
         return taken
 
     def _pass(self, eng: EngineEntry, tier: int, loads: list[int], remaining_ns: int,
@@ -625,6 +617,14 @@ def _start_pull(bal: PrefillBalancer, eng: EngineEntry, tier: int, loads: list[i
                   max_requests=cap),
         bal.affinity, dead=dead,
     )
+
+
+def _steps(cfg: BalancerConfig, eng: EngineEntry) -> Callable[[Sequence[int]], int]:
+    """The step predictor of ``eng`` (:func:`fulcrum.core.prefill.order.step_ns`): its own
+    step budget (or the configured one), and the configured floor's fraction of it."""
+    limit = eng.step_quota_ns or cfg.step_quota_ns
+    floor = cfg.step_floor_ns * limit // cfg.step_quota_ns if cfg.step_quota_ns > 0 else 0
+    return lambda after: aff_order.step_ns(after, limit, floor)
 
 
 def _affinity_window(

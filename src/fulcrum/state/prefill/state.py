@@ -353,16 +353,14 @@ class PrefillState:
         """A prefill engine joined: give it a tier at once."""
         shape = member.shape
         assert isinstance(shape, PrefillEngineShape)
-        old = self.roster.join(member)
+        eid, old = member.member_id, self.roster.join(member)
         if old is not None:
             self.dispatcher.end(old)
             # A new incarnation has lost what the old one held: deliver it elsewhere.
-            self.lease_book.drop_engine(member.member_id)
-        log.info("prefill_engine_joined", engine_id=member.member_id, dp_ranks=shape.dp_ranks)
-        self.prefix.join(member.member_id, shape.prefix_cache_blocks,
-                         cache_survived=shape.prefix_cache_survived)
-        self._redistributed(self.balancer.add_engine(member.member_id, shape.dp_ranks,
-                                                     shape.step_quota_ns or 0))
+            self.lease_book.drop_engine(eid)
+        log.info("prefill_engine_joined", engine_id=eid, dp_ranks=shape.dp_ranks)
+        self.prefix.join(eid, shape.prefix_cache_blocks, cache_survived=shape.prefix_cache_survived)
+        self._redistributed(self.balancer.add_engine(eid, shape.dp_ranks, shape.step_quota_ns))
 
     def adopt(self, engine_id: str, held: Sequence[Held]) -> int:
         """``engine_id`` (just registered) still holds ``held`` from a daemon that is
