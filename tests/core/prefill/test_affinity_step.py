@@ -102,18 +102,24 @@ def test_an_engines_own_step_budget_sets_its_predicted_step() -> None:
     assert not bal.take("b", 100 * S, [0, 0], now_ns=1).items
 
 
+def _wait_for_a(bal: PrefillBalancer, tier: int) -> None:
+    """Queue ``r`` (2,000 tokens, 1,900 held by ``a``: 101 ms there, 2 s on ``b``) in
+    ``tier`` at t = 0, with ``a`` busy for 1.5 s: ``a`` is predicted sooner."""
+    aff = bal.affinity
+    assert aff is not None
+    blocks = tuple(range(20))
+    aff.index.record("a", blocks[:19])
+    assert not bal.take("a", 0, [1500 * MS], now_ns=0).items
+    bal.enqueue(Queued("r", 2_000, 0, tier, aff.expected_cost(2_000, blocks), 0, blocks))
+
+
 def test_the_fairness_bound_scales_with_the_tiers_batch_cap() -> None:
     # Tier 1 (from 1,000 tokens) has 4x tier 0's batch cap, so its bound is 4 x 2 s. r
     # (2,000 tokens, 1,900 held by a: 101 ms there, 2 s on b) waits for a, predicted
     # sooner (1.5 s queued): past 2 s it still waits, past 8 s b takes it (FIFO).
     bal = _two_engines((1_000,), (8 * S, 32 * S), 1, 2 * S)
     assert bal.engine_tier("a") == bal.engine_tier("b") == 1
-    aff = bal.affinity
-    assert aff is not None
-    blocks = tuple(range(20))
-    aff.index.record("a", blocks[:19])
-    assert not bal.take("a", 0, [1500 * MS], now_ns=0).items
-    bal.enqueue(Queued("r", 2_000, 0, 1, aff.expected_cost(2_000, blocks), 0, blocks))
+    _wait_for_a(bal, tier=1)
     for now in (1 * S, 3 * S, 7 * S):
         assert not bal.take("b", 100 * S, [0], now_ns=now).items, now
     assert [i.request_id for i in bal.take("b", 100 * S, [0], now_ns=8 * S).items] == ["r"]
@@ -122,12 +128,7 @@ def test_the_fairness_bound_scales_with_the_tiers_batch_cap() -> None:
 def test_the_shortest_tier_keeps_the_configured_bound() -> None:
     # The same in tier 0: past the configured 2 s, b takes r.
     bal = _two_engines((1_000_000,), (8 * S, 32 * S), 0, 2 * S)
-    aff = bal.affinity
-    assert aff is not None
-    blocks = tuple(range(20))
-    aff.index.record("a", blocks[:19])
-    assert not bal.take("a", 0, [1500 * MS], now_ns=0).items
-    bal.enqueue(Queued("r", 2_000, 0, 0, aff.expected_cost(2_000, blocks), 0, blocks))
+    _wait_for_a(bal, tier=0)
     assert not bal.take("b", 100 * S, [0], now_ns=1 * S).items
     assert [i.request_id for i in bal.take("b", 100 * S, [0], now_ns=2 * S).items] == ["r"]
 
