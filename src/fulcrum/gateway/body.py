@@ -161,8 +161,8 @@ def _loads(body: bytes) -> Any:
     and for a body whose output length orjson read as a float past 64 bits (json reads
     an int there, which the KV bound then refuses), so that the fields the pick reads
     come out as :func:`json.loads` gives them. (A token id past 64 bits in a prompt
-    list, garbage for any tokenizer, still comes out a float: that prompt counts one
-    token less.)"""
+    list, garbage for any tokenizer, still comes out a float: such a list is counted as
+    text, with that id counted as nothing.)"""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
