@@ -144,6 +144,13 @@ def _plan_rank(
     return tuple(chunks), step_cost, tokens
 
 
+def busy_budget(need: float, limit_ns: float, floor_ns: float) -> float:
+    """A busy rank's step budget (ns) for ``need`` ns of work: at least the floor (at
+    most the limit), at most the limit. The one clipping rule of :func:`rank_budget`
+    and of the prefix affinity's step prediction (:func:`fulcrum.core.prefill.order.step_ns`)."""
+    return min(limit_ns, max(min(floor_ns, limit_ns), need))
+
+
 def rank_budget(
     queue: Iterable[PrefillTask],
     limit_ns: float,
@@ -179,7 +186,7 @@ def rank_budget(
             return float(limit_ns)
     if not busy:
         return float(limit_ns)
-    return float(min(limit_ns, max(min(floor_ns, limit_ns), need)))
+    return float(busy_budget(need, limit_ns, floor_ns))
 
 
 def rank_budgets(

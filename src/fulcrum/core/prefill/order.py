@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from fulcrum.core.prefill.affinity import Affinity
+from fulcrum.core.prefill.chunks import busy_budget
 from fulcrum.core.prefill.items import EngineEntry, Offer, Queued
 from fulcrum.core.prefix_cost import predicted_ttft_one_ns
 
@@ -118,8 +119,7 @@ def step_ns(loads: Sequence[int], limit_ns: int, floor_ns: int) -> int:
     busy = [x for x in loads if x > 0]
     if not busy:
         return 0
-    budget = min(limit_ns, max(min(floor_ns, limit_ns), min(busy)))
-    return min(budget, max(busy))
+    return int(min(busy_budget(min(busy), limit_ns, floor_ns), max(busy)))
 
 
 def matched_cost(aff: Affinity, item: Queued, matched: int) -> int:
