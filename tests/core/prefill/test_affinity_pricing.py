@@ -98,8 +98,8 @@ def test_able_uses_the_predicted_finish() -> None:
     w = aff_order.Window([item], [{"a": 2}], aff.max_wait_ns)
     offers = [Offer("b", 100 * S, [0])]
 
-    def finish(e: str, it: Queued, m: int) -> int:
-        return aff_order.finish_ns(aff, bal.engine(e), it, m, 1)
+    def finish(e: str, it: Queued, m: int, ahead: int) -> int:
+        return aff_order.finish_ns(aff, bal.engine(e), it, m, 1, ahead_ns=ahead)
 
     assert aff_order.able(aff, offers, 1, w, lambda o, it: True, finish) == [0]
     assert aff_order.able(aff, offers, 1, w, lambda o, it: True) == []

@@ -516,8 +516,8 @@ class PrefillBalancer:
             offering = {o.engine_id for o in offers}
             able = aff_order.able(aff, offers, now_ns, w,
                                   lambda o, it: self._can_take_item(tier, o, it),
-                                  lambda e, it, m: aff_order.finish_ns(
-                                      aff, self.engine(e), it, m, now_ns, e in offering))
+                                  lambda e, it, m, a: aff_order.finish_ns(
+                                      aff, self.engine(e), it, m, now_ns, e in offering, a))
         if not able:
             return -1
         return self.config.rules.puller.choose(able, offers)
@@ -659,5 +659,5 @@ def _affinity_order(
         return None
     aff = bal.affinity
     assert aff is not None
-    return aff_order.order_for(aff, engine_id, now_ns, w, lambda e, it, m: aff_order.finish_ns(
-        aff, bal.engine(e), it, m, now_ns, e == engine_id))
+    return aff_order.order_for(aff, engine_id, now_ns, w, lambda e, it, m, a: aff_order.finish_ns(
+        aff, bal.engine(e), it, m, now_ns, e == engine_id, a))

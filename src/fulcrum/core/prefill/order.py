@@ -6,8 +6,9 @@ a pull looks at the tier's first ``affinity.scan`` live requests (the *window*) 
 each, the leading blocks every engine that may serve the tier holds. An engine's take
 order: a request another engine holds a longer prefix of waits for it only while that
 holder is predicted to finish it sooner (its least-loaded rank's remaining work, and no
-sooner than the end of the step it is running, plus its cost there, against this
-engine's; issue 21), and never past the bound; the rest go longest held prefix first,
+sooner than the end of the step it is running, plus the window's earlier requests that
+wait for it spread over its ranks, plus its cost there, against this engine's; issue 21),
+and never past the bound; the rest go longest held prefix first,
 FIFO among equals. Past the bound, pulls are FIFO (a fairness override). Pure functions
 over queued records.
 """
@@ -63,32 +64,44 @@ def window(
 
 
 #: Predicted finish (ns from now) of a request on an engine holding ``matched`` of its
-#: leading blocks: ``finish(engine_id, item, matched)``.
-Finish = Callable[[str, Queued, int], int]
+#: leading blocks, after ``ahead`` ns of other waiting work that engine takes first:
+#: ``finish(engine_id, item, matched, ahead)``.
+Finish = Callable[[str, Queued, int, int], int]
 
 
-def holder_sooner(finish: Finish, engine_id: str, item: Queued, held: dict[str, int],
-                  mine: int) -> bool:
-    """True when an engine holding more of ``item``'s prefix than ``engine_id`` (``mine``
-    blocks; ``held``: engine -> leading blocks held) is predicted to finish it first.
-    O(holders), no index look-up."""
-    own = finish(engine_id, item, mine)
-    return any(finish(e, item, m) < own for e, m in held.items()
-               if m > mine and e != engine_id)
+def sooner_holder(finish: Finish, engine_id: str, item: Queued, held: dict[str, int],
+                  mine: int, ahead: dict[str, int] | None = None) -> str | None:
+    """The engine holding more of ``item``'s prefix than ``engine_id`` (``mine`` blocks;
+    ``held``: engine -> leading blocks held) predicted to finish it first, after
+    ``ahead[e]`` ns of earlier requests waiting for it; None when ``engine_id`` is
+    predicted no later than every such holder. O(holders), no index look-up."""
+    at = finish(engine_id, item, mine, 0)
+    best = None
+    for e, m in held.items():
+        if m > mine and e != engine_id:
+            t = finish(e, item, m, 0 if ahead is None else ahead.get(e, 0))
+            if t < at:
+                best, at = e, t
+    return best
 
 
 def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window,
               finish: Finish | None = None) -> list[Queued]:
     """``engine_id``'s take order over the window ``w`` (see the module docstring). With
     ``finish``, a request waits for a holder of a longer prefix only while that holder is
-    predicted to finish it sooner (issue 21); without, whenever one exists."""
+    predicted to finish it sooner, after the window's earlier requests that wait for it
+    (issue 21); without, whenever one exists."""
     ranked: list[tuple[int, int, Queued]] = []
+    ahead: dict[str, int] = {}
     for i, (item, h) in enumerate(zip(w.items, w.held, strict=True)):
         mine = h.get(engine_id, 0)
-        if (h and now_ns - item.enqueued_ns < w.bound_ns
-                and max(h.values()) > mine
-                and (finish is None or holder_sooner(finish, engine_id, item, h, mine))):
-            continue  # its holder is predicted to finish it sooner (or: it waits for it)
+        if h and now_ns - item.enqueued_ns < w.bound_ns and max(h.values()) > mine:
+            if finish is None:
+                continue  # it waits for its holder
+            e = sooner_holder(finish, engine_id, item, h, mine, ahead)
+            if e is not None:  # its holder is predicted to finish it sooner
+                ahead[e] = ahead.get(e, 0) + matched_cost(aff, item, h[e])
+                continue
         ranked.append((-mine, i, item))
     ranked.sort(key=lambda x: (x[0], x[1]))
     return [x[2] for x in ranked]
@@ -139,7 +152,7 @@ def _pool_cost(aff: Affinity, item: Queued) -> int:
 
 
 def finish_ns(aff: Affinity, eng: EngineEntry | None, item: Queued, matched: int,
-              now_ns: int, pulling: bool = False) -> int:
+              now_ns: int, pulling: bool = False, ahead_ns: int = 0) -> int:
     """Predicted finish (ns from now) of ``item`` on engine ``eng`` holding ``matched`` of
     its leading blocks (:func:`fulcrum.core.prefix_cost.predicted_ttft_one_ns`): that
     engine's least-loaded rank's load after its latest pull, drained by the time since
@@ -147,12 +160,12 @@ def finish_ns(aff: Affinity, eng: EngineEntry | None, item: Queued, matched: int
     mid-step pulls at its step boundary; ``pulling``: the engine is at one now), plus
     the request's cost there (:func:`matched_cost`)."""
     if eng is None:
-        return matched_cost(aff, item, matched)
+        return ahead_ns + matched_cost(aff, item, matched)
     since = max(0, now_ns - eng.seen_ns)
     load = max(0, eng.min_rank_ns - since)
     if not pulling:
         load = max(load, eng.step_ns - since)
-    return load + matched_cost(aff, item, matched)
+    return load + ahead_ns // max(1, eng.dp_ranks) + matched_cost(aff, item, matched)
 
 
 def able(aff: Affinity, offers: Sequence[Offer], now_ns: int, w: Window,
