@@ -8,9 +8,9 @@ order: a request another engine holds a longer prefix of waits for it only while
 holder is predicted to finish it sooner (its least-loaded rank's remaining work, and no
 sooner than the end of the step it is running, plus the window's earlier requests that
 wait for it spread over its ranks, plus its cost there, against this engine's; issue 21),
-and never past the bound; the rest go longest held prefix first,
-FIFO among equals. Past the bound, pulls are FIFO (a fairness override). Pure functions
-over queued records.
+and never past the bound; the rest go longest held prefix first, FIFO among equals.
+Past the bound, pulls are FIFO (a fairness override). Pure functions over queued
+records.
 """
 
 from __future__ import annotations
@@ -158,6 +158,7 @@ def finish_ns(aff: Affinity, eng: EngineEntry | None, item: Queued, matched: int
     engine's least-loaded rank's load after its latest pull, drained by the time since
     (1 ns per ns), but no sooner than the end of the step that pull started (an engine
     mid-step pulls at its step boundary; ``pulling``: the engine is at one now), plus
+    ``ahead_ns`` of other requests' work it takes first, spread over its DP ranks, plus
     the request's cost there (:func:`matched_cost`)."""
     if eng is None:
         return ahead_ns + matched_cost(aff, item, matched)
