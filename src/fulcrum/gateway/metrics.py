@@ -139,9 +139,9 @@ class _PickCollector(Collector):
         buckets = f.buckets if f is not None else (0,) * (len(PICK_BUCKETS) + 1)
         for (policy, outcome), n in sorted(f.picks if f is not None else ()):
             picks.add_metric([policy, outcome], float(n))
+        released = dict(f.releases) if f is not None else {}
         for reason in RELEASE_REASONS:
-            n = dict(f.releases).get(reason, 0) if f is not None else 0
-            releases.add_metric([reason], float(n))
+            releases.add_metric([reason], float(released.get(reason, 0)))
         upper = [*map(str, PICK_BUCKETS), "+Inf"]
         cumulative, total = [], 0
         for le, n in zip(upper, buckets, strict=True):
