@@ -168,11 +168,14 @@ def cpu_s(pid: int) -> float:
 
 
 @contextlib.asynccontextmanager
-async def fulcrum_router(ports: list[int], lean: bool = False) -> AsyncIterator[int]:
+async def fulcrum_router(
+    ports: list[int], lean: bool = False, unary: bool = False
+) -> AsyncIterator[int]:
     """``fulcrum serve`` in its own process (not the load generator's loop), gateway.cache
     on, scraping the engines; a real Envoy in front (``lean``: the lean processing mode,
-    request headers and buffered body only, release on stream close; nothing is learnt
-    from the response)."""
+    request headers and buffered body only, release on stream close; ``unary``: ext_authz
+    Check with the body, release by the gRPC access log; in both nothing is learnt from
+    the response)."""
     import yaml
 
     from fulcrum.gateway.testing import render_envoy_config, start_envoy, wait_for
@@ -204,7 +207,8 @@ async def fulcrum_router(ports: list[int], lean: bool = False) -> AsyncIterator[
 
     try:
         await wait_for(listening, tries=600, interval_s=0.1, what="fulcrum ext_proc port")
-        env = await start_envoy(render_envoy_config(port, [*ports, *ports], lean=lean),
+        env = await start_envoy(render_envoy_config(port, [*ports, *ports], lean=lean,
+                                                    unary=unary),
                                 concurrency=1, log_level="error")
         ROUTER_PIDS[:] = [proc.pid, env.proc.pid]
         try:
@@ -274,6 +278,8 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
     routers: dict[str, Callable[[list[int]], contextlib.AbstractAsyncContextManager[int]]] = {
         "Fulcrum (gateway.cache)": fulcrum_router,
         "Fulcrum (gateway.cache, lean Envoy mode)": functools.partial(fulcrum_router, lean=True),
+        "Fulcrum (gateway.cache, unary Envoy mode)": functools.partial(
+            fulcrum_router, unary=True),
         "smg cache_aware": smg_router("cache_aware"),
         "smg round_robin": smg_router("round_robin"),
         "Envoy round robin": envoy_rr,

@@ -59,6 +59,8 @@ SETUPS = (
     "Fulcrum EPP",
     "no-op picker, lean",
     "Fulcrum EPP, lean",
+    "no-op picker, unary",
+    "Fulcrum EPP, unary",
 )
 BODY = json.dumps({"model": "m", "prompt": "x" * 1000, "max_tokens": 64}).encode()
 
@@ -141,15 +143,23 @@ def noop_picker(upstream_ports: list[int]) -> Iterator[tuple[int, int]]:
 
 
 def serve_noop(port: int, upstream_ports: list[int]) -> None:
-    """The no-op ext_proc picker: round robin, body collected and returned, no parsing."""
+    """The no-op picker: round robin, no parsing. ext_proc: the body collected and
+    returned; unary mode: ext_authz ``Check`` answers the destination, the access log
+    stream reads each entry's token."""
     import grpc
     import uvloop
     from envoy.config.core.v3 import base_pb2
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+    from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+    from envoy.service.auth.v3 import external_auth_pb2 as ea
+    from envoy.service.auth.v3 import external_auth_pb2_grpc as ea_grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
     from google.protobuf import struct_pb2
+    from google.rpc import status_pb2
 
+    ok = status_pb2.Status(code=0)
+    tokens = itertools.count(1)
     BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
     addrs = itertools.cycle([f"127.0.0.1:{p}" for p in upstream_ports])
     key = "x-gateway-destination-endpoint"
@@ -232,9 +242,40 @@ def serve_noop(port: int, upstream_ports: list[int]) -> None:
                 elif kind == "response_trailers":
                     yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
+    class NoopCheck(ea_grpc.AuthorizationServicer):  # type: ignore[misc]
+        """Unary mode: the destination and a placement token on the OK answer."""
+
+        async def Check(self, req, context):  # type: ignore[no-untyped-def]
+            return ea.CheckResponse(
+                status=ok,
+                ok_response=ea.OkHttpResponse(
+                    headers=[
+                        base_pb2.HeaderValueOption(
+                            header=base_pb2.HeaderValue(key=key, value=next(addrs))
+                        ),
+                        base_pb2.HeaderValueOption(
+                            header=base_pb2.HeaderValue(
+                                key="x-fulcrum-placement", value=str(next(tokens))
+                            )
+                        ),
+                    ]
+                ),
+            )
+
+    class NoopLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+        """Unary mode: reads each entry's token, as a release would."""
+
+        async def StreamAccessLogs(self, it, context):  # type: ignore[no-untyped-def]
+            async for msg in it:
+                for e in msg.http_logs.log_entry:
+                    e.request.request_headers.get("x-fulcrum-placement")
+            return als_pb2.StreamAccessLogsResponse()
+
     async def main() -> None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         ep_grpc.add_ExternalProcessorServicer_to_server(Noop(), server)
+        ea_grpc.add_AuthorizationServicer_to_server(NoopCheck(), server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(NoopLog(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
@@ -325,37 +366,30 @@ async def _bench(
             u.record = False
             u.delay_s = UPSTREAM_DELAY_S
         ports = [u.port for u in ups]
-        template = render_envoy_config(9002, ports, listener_port=0, admin_port=0)
-        lean = render_envoy_config(9002, ports, listener_port=0, admin_port=0, lean=True)
+        modes = {
+            "": render_envoy_config(9002, ports, listener_port=0, admin_port=0),
+            ", lean": render_envoy_config(9002, ports, listener_port=0, admin_port=0, lean=True),
+            ", unary": render_envoy_config(
+                9002, ports, listener_port=0, admin_port=0, unary=True
+            ),
+        }
+
+        def at(text: str, port: int) -> str:
+            return text.replace("port_value: 9002", f"port_value: {port}")
+
         with contextlib.ExitStack() as stack:
             noop_port, noop_pid = stack.enter_context(noop_picker(ports))
             epp_port, epp_pid = stack.enter_context(fulcrum_picker(ports))
-            configs = {
-                "Envoy round robin": (_round_robin_config(template), []),
-                "no-op picker": (
-                    template.replace("port_value: 9002", f"port_value: {noop_port}"),
-                    [noop_pid],
-                ),
-                "Fulcrum EPP": (
-                    template.replace("port_value: 9002", f"port_value: {epp_port}"),
-                    [epp_pid],
-                ),
-                "no-op picker, lean": (
-                    lean.replace("port_value: 9002", f"port_value: {noop_port}"),
-                    [noop_pid],
-                ),
-                "Fulcrum EPP, lean": (
-                    lean.replace("port_value: 9002", f"port_value: {epp_port}"),
-                    [epp_pid],
-                ),
+            configs: dict[str, tuple[str, list[int]]] = {
+                "Envoy round robin": (_round_robin_config(modes[""]), [])
             }
+            for suffix, text in modes.items():  # in SETUPS order: no-op, then Fulcrum
+                configs[f"no-op picker{suffix}"] = (at(text, noop_port), [noop_pid])
+                configs[f"Fulcrum EPP{suffix}"] = (at(text, epp_port), [epp_pid])
             if baseline_src:
                 old_port, old_pid = stack.enter_context(fulcrum_picker(ports, baseline_src))
-                for name, text in zip(BASELINE, (template, lean), strict=True):
-                    configs[name] = (
-                        text.replace("port_value: 9002", f"port_value: {old_port}"),
-                        [old_pid],
-                    )
+                for name, suffix in zip(BASELINE, ("", ", lean"), strict=True):
+                    configs[name] = (at(modes[suffix], old_port), [old_pid])
             for r in range(rounds):
                 for name, (cfg, pids) in configs.items():
                     progress(f"gateway: {name}, round {r + 1}/{rounds}")
@@ -377,12 +411,14 @@ def run(quick: bool) -> str:
 def report(quick: bool, baseline_src: str | None = None, rounds: int | None = None) -> str:
     figs, meta = asyncio.run(_bench(quick, baseline_src, rounds))
     by = {f.name: f for f in figs}
-    noop, epp, lean = by["no-op picker"], by["Fulcrum EPP"], by["Fulcrum EPP, lean"]
+    noop, epp = by["no-op picker"], by["Fulcrum EPP"]
+    lean, unary = by["Fulcrum EPP, lean"], by["Fulcrum EPP, unary"]
     today = by.get(BASELINE[0], epp)  # "today's" full mode: the baseline tree's if run
     rows = []
     for f in figs:
         p50, p99 = percentiles(f.latencies_s)
-        same_mode_noop = by["no-op picker, lean"] if "lean" in f.name else noop
+        mode = next((m for m in ("lean", "unary") if m in f.name), "")
+        same_mode_noop = by[f"no-op picker, {mode}"] if mode else noop
         rows.append(
             [
                 f.name,
@@ -413,6 +449,8 @@ def report(quick: bool, baseline_src: str | None = None, rounds: int | None = No
     verdict = "met" if epp.rate >= 0.8 * noop.rate else "MISSED"
     cpu_ratio = lean.cpu_per_request_s / today.cpu_per_request_s
     cpu_verdict = "met" if cpu_ratio <= 0.6 else "MISSED"
+    unary_ratio = unary.cpu_per_request_s / today.cpu_per_request_s
+    unary_verdict = "met" if unary_ratio <= 0.6 else "MISSED"
     against = "the baseline tree's full mode" if today is not epp else "full mode"
     return (
         "### Gateway CPU per request\n\n"
@@ -424,11 +462,14 @@ def report(quick: bool, baseline_src: str | None = None, rounds: int | None = No
         "and the picker process (not the load generator nor the upstreams). Full mode: the "
         "bootstrap as shipped (headers, FULL_DUPLEX_STREAMED bodies both ways, trailers); "
         "lean: `render_envoy_config(lean=True)` (request headers and the buffered body, "
-        "nothing from the response; release on stream close).\n\n"
+        "nothing from the response; release on stream close); unary: "
+        "`render_envoy_config(unary=True)` (one ext_authz Check with the body per request, "
+        "release by the batched gRPC access log).\n\n"
         f"{table}\n\n"
         f"Aim: Fulcrum EPP >= 0.8x the no-op picker's throughput: **{verdict}** "
         f"({ratio(epp.rate, noop.rate)}). Aim: CPU per request, lean <= 0.6x {against}: "
-        f"**{cpu_verdict}** ({cpu_ratio:.2f}x).\n\n"
+        f"**{cpu_verdict}** ({cpu_ratio:.2f}x); unary <= 0.6x {against}: "
+        f"**{unary_verdict}** ({unary_ratio:.2f}x).\n\n"
         "Command: `.venv/bin/python benchmarks/bench_gateway.py` "
         "(or `make bench`; `--quick` for 2 s runs).\n"
     )

@@ -81,6 +81,7 @@ async def gateway_stack(
     request_body_mode: str = "FULL_DUPLEX_STREAMED",
     with_pool: bool = True,
     lean: bool = False,
+    unary: bool = False,
 ) -> AsyncIterator[Stack]:
     async with upstreams(4) as ups:
         ports = [u.port for u in ups]
@@ -107,6 +108,7 @@ async def gateway_stack(
                     subset_from_header=subset_from_header,
                     request_body_mode=request_body_mode,
                     lean=lean,
+                    unary=unary,
                 )
             )
             st = Stack(daemon, g, ups, env)

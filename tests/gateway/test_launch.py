@@ -23,12 +23,13 @@ ROOT = Path(__file__).resolve().parents[2]
 FULCRUM = [sys.executable, "-m", "fulcrum.cli"]
 
 
-async def test_one_command_routes_requests_and_stops_on_sigterm() -> None:
+@pytest.mark.parametrize("mode", ["full", "unary"])
+async def test_one_command_routes_requests_and_stops_on_sigterm(mode: str) -> None:
     async with upstreams(2) as ups:
         urls = [f"http://127.0.0.1:{u.port}" for u in ups]
         proc = await asyncio.create_subprocess_exec(
             *FULCRUM, "gateway", "--worker-urls", *urls, "--port", "0", "--grpc-port", "0",
-            "--metrics-port", "0", stdout=asyncio.subprocess.PIPE,
+            "--metrics-port", "0", "--envoy-mode", mode, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, cwd="/",
         )
         seen: list[str] = []
@@ -49,6 +50,11 @@ async def test_one_command_routes_requests_and_stops_on_sigterm() -> None:
             # Fulcrum picked them: the picker's header reached the engine.
             assert all("x-gateway-destination-endpoint" in rec.headers
                        for u in ups for rec in u.received)
+            # The unary mode's placement token rides on each request (the access log
+            # names it at the end); the ext_proc modes add none.
+            tokens = {rec.headers.get("x-fulcrum-placement") for u in ups for rec in u.received}
+            assert (len(tokens) == 4 and None not in tokens) if mode == "unary" else (
+                tokens == {None})
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
@@ -75,6 +81,18 @@ def test_overrides_make_a_valid_pool_and_scrape_switch() -> None:
                                                 metrics_port=None))
     assert s.gateway.enabled and s.gateway.scrape.enabled
     assert [e.addresses() for e in s.gateway.pool.decode][1] == ["10.0.0.2:8001"]
+
+
+def test_envoy_modes_and_a_mode_it_does_not_know() -> None:
+    addrs = [("127.0.0.1", 8000), ("127.0.0.1", 8001)]
+    unary = launch.envoy_config(9002, addrs, host="127.0.0.1", port=0, admin_port=0,
+                                mode="unary")
+    assert "ext_authz" in unary and "ext_proc" not in unary
+    lean = launch.envoy_config(9002, addrs, host="127.0.0.1", port=0, admin_port=0,
+                               mode="lean")
+    assert "request_body_mode: BUFFERED" in lean
+    with pytest.raises(ValueError, match="envoy-mode"):
+        launch.envoy_config(9002, addrs, host="127.0.0.1", port=0, admin_port=0, mode="x")
 
 
 def test_the_packaged_envoy_bootstrap_is_the_example() -> None:

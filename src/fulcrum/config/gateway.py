@@ -226,6 +226,13 @@ class GatewaySettings(Section):
         description="longest time from a stream's opening to its complete request "
         "(headers, body, trailers); beyond it: 503 and the stream ends, ms",
     )
+    max_hold_s: float = Field(
+        3600.0,
+        gt=0.0,
+        le=7 * 86400.0,
+        description="unary mode (ext_authz + access log): longest a placement is held "
+        "without its access-log entry; then it is released (reason expired), s",
+    )
     pool: PoolSettings = Field(
         default_factory=PoolSettings,
         description="static pool (restart-only: its engines are registered at start)",

@@ -135,7 +135,12 @@ def _struct_strings(value: struct_pb2.Value) -> list[str]:
 
 def subset_hint(req: ep.ProcessingRequest, namespace: str) -> list[str] | None:
     """The subset hint of a request (None when absent; possibly empty)."""
-    md = req.metadata_context.filter_metadata
+    return subset_in(req.metadata_context, namespace)
+
+
+def subset_in(metadata: base_pb2.Metadata, namespace: str) -> list[str] | None:
+    """The subset hint in a message's metadata context (ext_proc's or ext_authz's)."""
+    md = metadata.filter_metadata
     if namespace not in md:
         return None
     fields = md[namespace].fields
@@ -413,18 +418,22 @@ class Picker:
         headers = [_header("content-type", "application/json")]
         if refusal.code == 429:
             headers.append(_header("retry-after", str(refusal.retry_after_s)))
-        body = (
-            '{"error":{"message":' + _json_str(refusal.message) + ',"type":"'
-            + refusal.outcome + '","code":' + str(refusal.code) + "}}"
-        )
         return ep.ProcessingResponse(
             immediate_response=ep.ImmediateResponse(
                 status=http_status_pb2.HttpStatus(code=_STATUS[refusal.code]),
                 headers=ep.HeaderMutation(set_headers=headers),
-                body=body.encode(),
+                body=refusal_body(refusal),
                 details=f"fulcrum_{refusal.outcome}",
             )
         )
+
+
+def refusal_body(refusal: Refusal) -> bytes:
+    """The JSON error body of a refusal (OpenAI's error shape)."""
+    return (
+        '{"error":{"message":' + _json_str(refusal.message) + ',"type":"'
+        + refusal.outcome + '","code":' + str(refusal.code) + "}}"
+    ).encode()
 
 
 def _tenancy_headers(settings: GatewaySettings) -> frozenset[str]:

@@ -71,15 +71,24 @@ def gateway_overrides(
     return out
 
 
+#: Envoy's ways of asking the picker (``--envoy-mode``): the shipped ext_proc bootstrap,
+#: its lean processing mode, or the unary mode (ext_authz + access log; docs/gateway-limits.md).
+ENVOY_MODES = ("full", "lean", "unary")
+
+
 def envoy_config(epp_port: int, addresses: Sequence[tuple[str, int]], *, host: str,
-                 port: int, admin_port: int) -> str:
+                 port: int, admin_port: int, mode: str = "full") -> str:
     """The example bootstrap for these engines: listener ``host:port``, picker on
-    ``127.0.0.1:epp_port``, the engines as the fail-open fallback pool."""
+    ``127.0.0.1:epp_port``, the engines as the fail-open fallback pool; ``mode`` one of
+    :data:`ENVOY_MODES`."""
+    if mode not in ENVOY_MODES:
+        raise ValueError(f"--envoy-mode: {mode!r}: must be one of {', '.join(ENVOY_MODES)}")
     ports = [p for _, p in addresses]
     padded = (ports * 4)[:4] if len(ports) < 4 else ports[:4]
     template = resources.files("fulcrum.gateway").joinpath("envoy.yaml").read_text()
     text = envoy_kit.render_envoy_config(epp_port, padded, listener_port=port,
-                                         admin_port=admin_port, text=template)
+                                         admin_port=admin_port, text=template,
+                                         lean=mode == "lean", unary=mode == "unary")
     doc = yaml.safe_load(text)
     res = doc["static_resources"]
     res["listeners"][0]["address"]["socket_address"]["address"] = host
@@ -108,7 +117,7 @@ class Launched:
 @contextlib.asynccontextmanager
 async def launched(settings: Settings, addresses: Sequence[tuple[str, int]], *,
                    host: str = "127.0.0.1", port: int = 0,
-                   admin_port: int = 0) -> AsyncIterator[Launched]:
+                   admin_port: int = 0, mode: str = "full") -> AsyncIterator[Launched]:
     """Start the daemon (``settings`` must enable the gateway) and Envoy; stop both."""
     from fulcrum.service.server import build
 
@@ -117,7 +126,8 @@ async def launched(settings: Settings, addresses: Sequence[tuple[str, int]], *,
     try:
         gw = daemon.gateway
         assert gw is not None, "settings.gateway.enabled must be true"
-        cfg = envoy_config(gw.port, addresses, host=host, port=port, admin_port=admin_port)
+        cfg = envoy_config(gw.port, addresses, host=host, port=port, admin_port=admin_port,
+                           mode=mode)
         envoy = await envoy_kit.start_envoy(cfg)
         try:
             yield Launched(daemon, envoy, host)
@@ -134,7 +144,7 @@ async def _run(settings: Settings, addresses: Sequence[tuple[str, int]],
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with launched(settings, addresses, host=args.host, port=args.port,
-                        admin_port=args.admin_port) as gw:
+                        admin_port=args.admin_port, mode=args.envoy_mode) as gw:
         print(f"fulcrum gateway: send requests to {gw.url} (OpenAI-compatible, e.g. POST "
               f"{gw.url}/v1/completions); {len(addresses)} engine(s); picker "
               f"127.0.0.1:{gw.daemon.gateway.port}; Envoy admin "
@@ -191,6 +201,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="Envoy listen address")
     p.add_argument("--port", type=int, default=8081, help="Envoy listen port (0 = any free)")
     p.add_argument("--admin-port", type=int, default=0, help="Envoy admin port (0 = any free)")
+    p.add_argument("--envoy-mode", choices=ENVOY_MODES, default="full",
+                   help="how Envoy asks the picker: full (ext_proc, every phase), lean "
+                   "(ext_proc, headers + buffered body) or unary (ext_authz Check + gRPC "
+                   "access log: the least CPU per request; docs/gateway-limits.md)")
     p.add_argument("--scrape", action="store_true",
                    help="read the engines' load from their /metrics (gateway.scrape)")
     p.add_argument("--config", help="YAML for the other settings (decode.policy, ...)")

@@ -25,7 +25,9 @@ from fulcrum.state.placement import Publisher
 #: Outcomes of a pick (label values of ``fulcrum_gateway_picks``).
 PICK_OUTCOMES = ("picked", "no_endpoint", "shed", "bad_request", "too_large")
 #: Why a held placement ended.
-RELEASE_REASONS = ("response_end", "stream_closed", "not_held")
+RELEASE_REASONS = (
+    "response_end", "stream_closed", "not_held", "access_log", "check_cancelled", "expired"
+)
 #: Why a stream was refused before or instead of a pick (``fulcrum_gateway_refused``).
 REFUSE_REASONS = ("out_of_order", "streams", "pending_bytes", "body_timeout", "too_deep")
 #: HTTP codes the picker answers with an immediate response.
@@ -60,7 +62,9 @@ _PICKS_HELP = (
 )
 _RELEASES_HELP = (
     "Placements released by the picker: at the response's end, when the ext_proc stream "
-    "closed first (client gone, upstream reset), or not held any more (lease expired)."
+    "closed first (client gone, upstream reset), not held any more; unary mode: by the "
+    "request's access-log entry (access_log), its Check cancelled after the pick "
+    "(check_cancelled), or no entry within gateway.max_hold_s (expired)."
 )
 _SECONDS_HELP = (
     "Time to pick an endpoint once the request body is complete (parse + place), seconds."
@@ -173,6 +177,13 @@ ENDPOINTS = Gauge(
     "Decode endpoints (ip:port, one per DP rank) the picker may route to.",
     registry=REGISTRY,
 )
+ACCESS_LOG_ENTRIES = Counter(
+    "fulcrum_gateway_access_log_entries",
+    "Unary mode: Envoy access-log entries received, by outcome (released: the entry's "
+    "x-fulcrum-placement was held and is released; unknown: no held placement named).",
+    ["outcome"],
+    registry=REGISTRY,
+)
 SCRAPES = Counter(
     "fulcrum_gateway_scrapes",
     "Scrapes of engines' Prometheus endpoints by outcome (ok, error).",
@@ -184,5 +195,7 @@ for _r in REFUSE_REASONS:
     REFUSED.labels(_r)
 for _c in IMMEDIATE_CODES:
     IMMEDIATE.labels(_c)
+for _o in ("released", "unknown"):
+    ACCESS_LOG_ENTRIES.labels(_o)
 for _o in ("ok", "error"):
     SCRAPES.labels(_o)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,7 @@ from grpc_health.v1._async import HealthServicer
 
 from fulcrum.config import Settings
 from fulcrum.config.gateway import GatewaySettings
+from fulcrum.gateway import authz
 from fulcrum.gateway.adapter import DecodeAdapter, PrefillAdapter
 from fulcrum.gateway.body import load_tokenizer
 from fulcrum.gateway.extproc import SERVICE, Picker, add_to_server
@@ -48,6 +50,8 @@ class Gateway:
     port: int
     health_port: int
     scraper: Scraper | None = None
+    #: The unary mode's access-log servicer (its lease table; ended first at stop).
+    access_log: authz.AccessLogServicer | None = None
     #: The ZMQ endpoint bound for vLLM's KV events ("" when off or it failed).
     kv_endpoint: str = ""
     _started: bool = field(default=False)
@@ -121,6 +125,8 @@ class Gateway:
             return
         self._started = False
         await self._set_ready(False)
+        if self.access_log is not None:
+            self.access_log.close()
         await self.server.stop(grace_s)
         if self.picker.prefill is not None:
             await self.picker.prefill.stop(self.app.clock())
@@ -152,8 +158,11 @@ def _warn_if_plaintext(host: str, port: int) -> None:
     )
 
 
-def _extproc_server(gs: GatewaySettings, picker: Picker) -> tuple[grpc.aio.Server, int]:
-    """The ext_proc server, bound (messages up to ``max_body_bytes`` + 1 MiB)."""
+def _extproc_server(
+    gs: GatewaySettings, picker: Picker, clock: Callable[[], int]
+) -> tuple[grpc.aio.Server, int, authz.AccessLogServicer]:
+    """The picker's server (ext_proc, and the unary mode's ext_authz and access log),
+    bound (messages up to ``max_body_bytes`` + 1 MiB)."""
     options = [
         ("grpc.max_receive_message_length", gs.max_body_bytes + (1 << 20)),
         ("grpc.max_send_message_length", gs.max_body_bytes + (1 << 20)),
@@ -161,9 +170,10 @@ def _extproc_server(gs: GatewaySettings, picker: Picker) -> tuple[grpc.aio.Serve
     ]
     server = grpc.aio.server(options=options)
     add_to_server(server, picker)
+    access_log = authz.add_to_server(server, picker, clock)
     port = server.add_insecure_port(f"{gs.host}:{gs.port}")
     _warn_if_plaintext(gs.host, port)
-    return server, port
+    return server, port, access_log
 
 
 def build(app: Any) -> Gateway | None:
@@ -206,7 +216,7 @@ def build(app: Any) -> Gateway | None:
             scraper.apply_settings(new.gateway)
 
     app.reload_hooks.append(reload)
-    server, port = _extproc_server(gs, picker)
+    server, port, access_log = _extproc_server(gs, picker, app.clock)
     health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
@@ -222,4 +232,5 @@ def build(app: Any) -> Gateway | None:
         port=port,
         health_port=health_port,
         scraper=scraper,
+        access_log=access_log,
     )

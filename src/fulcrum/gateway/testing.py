@@ -45,12 +45,16 @@ def render_envoy_config(
     request_body_mode: str = "FULL_DUPLEX_STREAMED",
     text: str | None = None,
     lean: bool = False,
+    unary: bool = False,
 ) -> str:
     """The example bootstrap with its ports replaced (0 = any free port).
 
     ``lean``: the processing mode of :data:`LEAN_MODE`: two ext_proc messages per request
     (the headers, the buffered body), nothing from the response; the picker releases
     when Envoy closes the stream at the end of the HTTP stream.
+
+    ``unary``: the unary mode (:func:`unary_config`): ext_authz ``Check`` picks, the gRPC
+    access log releases; one unary call per request and a batched log stream.
 
     ``subset_from_header`` (tests only) adds a filter that copies the request header
     ``x-test-subset`` into the subset-hint filter metadata before ext_proc, the way a
@@ -74,13 +78,7 @@ def render_envoy_config(
         raise ValueError("need exactly four upstream ports")
     for old, new in zip(template_upstreams, upstream_ports, strict=True):
         sub(old, new)
-    if lean:
-        cfg = _lean(cfg)
-    elif request_body_mode != "FULL_DUPLEX_STREAMED":
-        mode_line = "request_body_mode: FULL_DUPLEX_STREAMED"
-        if mode_line not in cfg:
-            raise ValueError("envoy template: request_body_mode not found")
-        cfg = cfg.replace(mode_line, f"request_body_mode: {request_body_mode}", 1)
+    cfg = _with_mode(cfg, lean, unary, request_body_mode)
     if not failure_mode_allow:
         line = "\n                      failure_mode_allow: true\n"
         if line not in cfg:
@@ -88,6 +86,22 @@ def render_envoy_config(
         cfg = cfg.replace(line, line.replace("true", "false"), 1)
     if subset_from_header:
         cfg = _with_subset_filter(cfg)
+    return cfg
+
+
+def _with_mode(cfg: str, lean: bool, unary: bool, request_body_mode: str) -> str:
+    """The bootstrap in the lean or the unary mode, or with another request body mode."""
+    if lean and unary:
+        raise ValueError("lean and unary are two modes: choose one")
+    if lean:
+        return _lean(cfg)
+    if unary:
+        return unary_config(cfg)
+    if request_body_mode != "FULL_DUPLEX_STREAMED":
+        mode_line = "request_body_mode: FULL_DUPLEX_STREAMED"
+        if mode_line not in cfg:
+            raise ValueError("envoy template: request_body_mode not found")
+        cfg = cfg.replace(mode_line, f"request_body_mode: {request_body_mode}", 1)
     return cfg
 
 
@@ -150,6 +164,67 @@ def _lean(cfg: str, headers: tuple[str, ...] = LEAN_HEADERS) -> str:
                "                        allowed_headers:\n"
                "                          patterns:\n" + rules)
     return cfg.replace(anchor, forward + anchor, 1)
+
+
+_EXT_AUTHZ = "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"
+_GRPC_LOG = "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
+
+#: The unary mode's ext_authz filter: the whole body (as bytes, up to 1 MiB; Envoy answers
+#: 413 above it), ``:path`` and the tenancy headers go to ``Check``; its OK answer's
+#: headers are added to the request and the route is chosen again.
+UNARY_FILTER = """\
+                  # 2. Ask the picker: one unary ext_authz Check per request (unary mode).
+                  - name: envoy.filters.http.ext_authz
+                    typed_config:
+                      "@type": type.googleapis.com/%s
+                      grpc_service:
+                        envoy_grpc: { cluster_name: fulcrum_epp }
+                        timeout: 5s
+                      transport_api_version: V3
+                      failure_mode_allow: true
+                      clear_route_cache: true
+                      with_request_body:
+                        max_request_bytes: 1048576
+                        allow_partial_message: false
+                        pack_as_bytes: true
+                      metadata_context_namespaces: [envoy.lb.subset_hint]
+                      allowed_headers:
+                        patterns:
+%s"""
+
+#: The unary mode's release: an access-log entry per finished request, batched on one
+#: gRPC stream per Envoy worker, with the placement token the pick added to the request.
+UNARY_ACCESS_LOG = """\
+                access_log:
+                  - name: envoy.access_loggers.http_grpc
+                    typed_config:
+                      "@type": type.googleapis.com/%s
+                      common_config:
+                        log_name: fulcrum
+                        transport_api_version: V3
+                        grpc_service: { envoy_grpc: { cluster_name: fulcrum_epp } }
+                        buffer_flush_interval: 0.02s
+                      additional_request_headers_to_log: [x-fulcrum-placement]
+"""
+
+
+def unary_config(cfg: str, headers: tuple[str, ...] = LEAN_HEADERS) -> str:
+    """The bootstrap ``cfg`` in the unary mode: its ext_proc filter replaced by ext_authz
+    (:data:`UNARY_FILTER`) and the HTTP connection manager's access log sent to the
+    picker (:data:`UNARY_ACCESS_LOG`). The early header mutation of the template already
+    removes a client's ``x-fulcrum-placement`` (a client cannot name a placement)."""
+    start_anchor = "                  # 2. Ask the picker.\n"
+    end_anchor = "                  - name: envoy.filters.http.router\n"
+    hcm_anchor = "                stat_prefix: inference\n"
+    for anchor in (start_anchor, end_anchor, hcm_anchor):
+        if cfg.count(anchor) != 1:
+            raise ValueError(f"envoy template: {anchor.strip()!r} not found once")
+    if "remove: x-fulcrum-placement" not in cfg:
+        raise ValueError("envoy template: x-fulcrum-placement is not removed early")
+    start, end = cfg.index(start_anchor), cfg.index(end_anchor)
+    rules = "".join(f'                          - exact: "{h}"\n' for h in headers)
+    cfg = cfg[:start] + UNARY_FILTER % (_EXT_AUTHZ, rules) + cfg[end:]
+    return cfg.replace(hcm_anchor, hcm_anchor + UNARY_ACCESS_LOG % _GRPC_LOG, 1)
 
 
 # -- HTTP/1.1, just enough -----------------------------------------------------------------

@@ -1,0 +1,289 @@
+"""The unary picker path: Envoy's ext_authz ``Check`` picks, its gRPC access log releases.
+
+An ext_proc stream costs the picker a stream and two messages each way per HTTP request
+even in the lean mode; most of the picker's CPU per request is grpc.aio's per-message
+work, not the pick (BENCHMARKS.md, "Gateway CPU per request"). This mode asks Envoy for
+exactly what the pick and the release need, in the cheapest shape Envoy offers:
+
+- **the pick**: ``envoy.service.auth.v3.Authorization/Check``, one unary call per HTTP
+  request. Envoy's ext_authz filter buffers the body (``with_request_body``,
+  ``pack_as_bytes``) and sends it with ``:path`` and the allowed headers (the tenancy
+  headers). The answer is an OK response that adds the destination header
+  (``x-gateway-destination-endpoint``), the P/D prefiller header when there is one, and
+  ``x-fulcrum-placement`` (the placement's token); ``clear_route_cache`` re-routes the
+  request to the header-matched route, as the ext_proc answer does. A refusal is a denied
+  response with the same HTTP status, headers and JSON body as the ext_proc path's
+  immediate response (429 with ``retry-after``, 413, 400, 503).
+- **the release**: ``envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs``, one
+  long-lived stream per Envoy worker on which Envoy batches an entry per finished HTTP
+  request (``buffer_flush_interval``). Each entry's logged ``x-fulcrum-placement``
+  request header releases that placement (reason ``access_log``); an entry without one
+  (a request Envoy answered itself, or one the picker refused) releases nothing.
+- **what cannot be lost**: a ``Check`` cancelled after its pick (Envoy's timeout, the
+  client gone) never put the token on the request, so no entry would release it: the
+  call's done callback releases it (reason ``check_cancelled``). An entry Envoy drops
+  (its access-log buffer full while the stream is down) would leave a placement held:
+  every placement of this path is released at the latest ``gateway.max_hold_s`` after
+  its pick (reason ``expired``, counted), swept on every call of either service, so the
+  table of held placements stays bounded by ``gateway.max_in_flight`` and time.
+
+Limits (docs/gateway-limits.md): the body is capped by ``with_request_body.
+max_request_bytes`` (Envoy answers 413 above it); no response message reaches the picker,
+so the online cost refit learns nothing and P/D marks its prefill done at the release;
+the release comes up to one access-log flush interval after the response ended.
+
+Event loop only: both servicers run on the daemon's loop and touch the picker there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.auth.v3 import external_auth_pb2 as ea
+from envoy.service.auth.v3 import external_auth_pb2_grpc as ea_grpc
+from envoy.type.v3 import http_status_pb2
+from google.rpc import code_pb2, status_pb2
+
+from fulcrum.gateway import metrics as gm
+from fulcrum.gateway.adapter import Placement
+from fulcrum.gateway.body import BodyTooDeep
+from fulcrum.gateway.extproc import (
+    _STATUS,
+    DEST_HEADER,
+    PREFILLER_HEADER,
+    Picker,
+    Refusal,
+    refusal_body,
+    subset_in,
+)
+from fulcrum.gateway.tenancy import classify
+
+AUTHZ_SERVICE: str = ea.DESCRIPTOR.services_by_name["Authorization"].full_name
+ACCESS_LOG_SERVICE: str = als_pb2.DESCRIPTOR.services_by_name["AccessLogService"].full_name
+
+#: The request header that carries a placement's token from the pick to the access log.
+PLACEMENT_HEADER = "x-fulcrum-placement"
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_OK = status_pb2.Status(code=code_pb2.OK)
+_DENIED = status_pb2.Status(code=code_pb2.PERMISSION_DENIED)
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    # ext_authz reads ``value`` (a ``raw_value`` answer is taken as an empty value).
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, value=value), append_action=_OVERWRITE
+    )
+
+
+class Leases:
+    """The placements picked over ``Check`` and not yet released, oldest first (event
+    loop only). Each is released by its access-log entry, its cancelled call, or at the
+    latest ``max_hold_ns`` after its pick by :meth:`sweep`."""
+
+    __slots__ = ("_due", "_picker")
+
+    def __init__(self, picker: Picker) -> None:
+        self._picker = picker
+        #: token -> (the time it expires, ns; its placement). Insertion order is pick
+        #: order and every lease gets the same hold, so the first entry expires first.
+        self._due: dict[str, tuple[int, Placement]] = {}
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def add(self, placement: Placement, now_ns: int) -> None:
+        hold_ns = int(self._picker.settings.max_hold_s * 1e9)
+        self._due[placement.request_id] = (now_ns + hold_ns, placement)
+
+    def release(self, token: str, reason: str) -> bool:
+        """Release the placement of ``token`` (False when it is not held here)."""
+        got = self._due.pop(token, None)
+        if got is None:
+            return False
+        self._picker.release(got[1], reason)
+        return True
+
+    def sweep(self, now_ns: int) -> int:
+        """Release every lease past its hold (reason ``expired``); returns how many."""
+        due = self._due
+        n = 0
+        while due:
+            token = next(iter(due))
+            at, placement = due[token]
+            if at > now_ns:
+                break
+            del due[token]
+            self._picker.release(placement, "expired")
+            n += 1
+        return n
+
+
+def _wanted(headers: Any, names: frozenset[str]) -> list[base_pb2.HeaderValue]:
+    """The tenancy headers among a CheckRequest's headers (lower-case keys)."""
+    if not names:
+        return []
+    return [base_pb2.HeaderValue(key=k, value=v) for k, v in headers.items() if k in names]
+
+
+class AuthzServicer(ea_grpc.AuthorizationServicer):  # type: ignore[misc]
+    """``Check``: one pick per HTTP request (see the module docstring)."""
+
+    def __init__(self, picker: Picker, leases: Leases, clock: Callable[[], int]) -> None:
+        self._picker = picker
+        self._leases = leases
+        self._clock = clock
+        self._answers: dict[tuple[str, str], list[base_pb2.HeaderValueOption]] = {}
+
+    async def Check(self, request: ea.CheckRequest, context: Any) -> ea.CheckResponse:
+        picker, leases = self._picker, self._leases
+        s = picker.settings
+        leases.sweep(self._clock())
+        if picker.streams >= s.max_streams:
+            return _denied(Refusal(
+                429, "streams", f"gateway: {s.max_streams} picks under way "
+                "(gateway.max_streams)", s.retry_after_s,
+            ), refused=True)
+        http = request.attributes.request.http
+        body = http.raw_body or (http.body.encode() if http.body else b"")
+        if len(body) > s.max_body_bytes:
+            picker.counts.pick(picker.adapter.policy_name, "too_large")
+            return _denied(Refusal(
+                413, "too_large",
+                f"request body over {s.max_body_bytes} bytes (gateway.max_body_bytes)",
+            ))
+        subset = subset_in(request.attributes.metadata_context, s.subset_namespace)
+        cls = classify(picker.tenancy, s.tenancy, _wanted(http.headers, picker.tenancy_headers))
+        picker.streams += 1
+        try:
+            out = await picker.pick_full(body, http.path, subset, cls)
+        except BodyTooDeep as err:
+            gm.REFUSED.labels("too_deep").inc()
+            return _denied(Refusal(400, "too_deep", str(err)))
+        finally:
+            picker.streams -= 1
+        if isinstance(out, Refusal):
+            return _denied(out)
+        leases.add(out, self._clock())
+        token = out.request_id
+        context.add_done_callback(
+            lambda ctx: ctx.cancelled() and leases.release(token, "check_cancelled")
+        )
+        # No dynamic metadata: Envoy files a Check answer's under the ext_authz filter's
+        # own namespace, where no load balancer reads it; the route reads the header.
+        answer = ea.OkHttpResponse(headers=self._headers(out))
+        return ea.CheckResponse(status=_OK, ok_response=answer)
+
+    def _headers(self, placement: Placement) -> list[base_pb2.HeaderValueOption]:
+        value = (
+            placement.address
+            if not placement.fallbacks
+            else ",".join((placement.address, *placement.fallbacks))
+        )
+        key = (value, placement.prefiller)
+        base = self._answers.get(key)
+        if base is None:
+            base = [_header(DEST_HEADER, value)]
+            if placement.prefiller:
+                base.append(_header(PREFILLER_HEADER, placement.prefiller))
+            if len(self._answers) >= 8192:
+                self._answers.clear()
+            self._answers[key] = base
+        return [*base, _header(PLACEMENT_HEADER, placement.request_id)]
+
+
+def _denied(refusal: Refusal, refused: bool = False) -> ea.CheckResponse:
+    """The HTTP answer of a refusal (the ext_proc path's status, headers and body)."""
+    if refused:
+        gm.REFUSED.labels(refusal.outcome).inc()
+    gm.IMMEDIATE.labels(str(refusal.code)).inc()
+    headers = [_header("content-type", "application/json")]
+    if refusal.code == 429:
+        headers.append(_header("retry-after", str(refusal.retry_after_s)))
+    return ea.CheckResponse(
+        status=_DENIED,
+        denied_response=ea.DeniedHttpResponse(
+            status=http_status_pb2.HttpStatus(code=_STATUS[refusal.code]),
+            headers=headers,
+            body=refusal_body(refusal),
+        ),
+    )
+
+
+class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+    """``StreamAccessLogs``: each finished HTTP request's entry releases its placement."""
+
+    def __init__(self, leases: Leases, clock: Callable[[], int]) -> None:
+        self.leases = leases
+        self._clock = clock
+        #: Set by :meth:`close`: every open stream answers and ends.
+        self._closing = asyncio.Event()
+        self.open_streams = 0
+
+    async def StreamAccessLogs(
+        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: Any
+    ) -> als_pb2.StreamAccessLogsResponse:
+        leases = self.leases
+        it = aiter(request_iterator)
+        closing = asyncio.ensure_future(self._closing.wait())
+        self.open_streams += 1
+        try:
+            while True:
+                # A read races the daemon's stop (messages are batched by Envoy, a few
+                # tens a second at most, so a task per read costs little).
+                read = asyncio.ensure_future(anext(it))
+                await asyncio.wait((read, closing), return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
+                    read.cancel()
+                    break
+                try:
+                    msg = read.result()
+                except StopAsyncIteration:
+                    break
+                released = release_entries(leases, msg.http_logs.log_entry)
+                if released:
+                    gm.ACCESS_LOG_ENTRIES.labels("released").inc(released)
+                leases.sweep(self._clock())
+        finally:
+            closing.cancel()
+            self.open_streams -= 1
+        return als_pb2.StreamAccessLogsResponse()
+
+    def close(self) -> None:
+        """End the open access-log streams with an answer (the daemon stops: an Envoy
+        stays connected for ever, so they would hold the server's grace period to its
+        end). Idempotent."""
+        self._closing.set()
+
+
+def release_entries(leases: Leases, entries: Iterable[Any]) -> int:
+    """Release the placement named by each entry's logged ``x-fulcrum-placement``
+    header; returns how many were held. Entries without a held token are counted as
+    ``unknown`` (Envoy's own answers, refusals, a token already released)."""
+    n = unknown = 0
+    for entry in entries:
+        token = entry.request.request_headers.get(PLACEMENT_HEADER, "")
+        if token and leases.release(token, "access_log"):
+            n += 1
+        else:
+            unknown += 1
+    if unknown:
+        gm.ACCESS_LOG_ENTRIES.labels("unknown").inc(unknown)
+    return n
+
+
+def add_to_server(
+    server: grpc.aio.Server, picker: Picker, clock: Callable[[], int]
+) -> AccessLogServicer:
+    """Add the ``Check`` and access-log servicers (sharing one lease table); returns the
+    access-log servicer (its ``leases``, and ``close`` for the daemon's stop)."""
+    leases = Leases(picker)
+    access_log = AccessLogServicer(leases, clock)
+    ea_grpc.add_AuthorizationServicer_to_server(AuthzServicer(picker, leases, clock), server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(access_log, server)
+    return access_log
