@@ -169,13 +169,15 @@ def cpu_s(pid: int) -> float:
 
 @contextlib.asynccontextmanager
 async def fulcrum_router(
-    ports: list[int], lean: bool = False, unary: bool = False
+    ports: list[int], lean: bool = False, unary: bool = False,
+    recompute_weight: float | None = None,
 ) -> AsyncIterator[int]:
     """``fulcrum serve`` in its own process (not the load generator's loop), gateway.cache
     on, scraping the engines; a real Envoy in front (``lean``: the lean processing mode,
     request headers and buffered body only, release on stream close; ``unary``: ext_authz
     Check with the body, release by the gRPC access log; in both nothing is learnt from
-    the response)."""
+    the response). ``recompute_weight``: ``gateway.cache.recompute_weight`` (None: the
+    default)."""
     import yaml
 
     from fulcrum.gateway.testing import render_envoy_config, start_envoy, wait_for
@@ -193,6 +195,8 @@ async def fulcrum_router(
             "cache": {"enabled": True},
         },
     }
+    if recompute_weight is not None:
+        cfg["gateway"]["cache"]["recompute_weight"] = recompute_weight  # type: ignore[index]
     tmp = Path(tempfile.mkdtemp(prefix="bench-engines-"))
     (tmp / "fulcrum.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "fulcrum.cli", "serve", "--config",
@@ -280,6 +284,8 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
         "Fulcrum (gateway.cache, lean Envoy mode)": functools.partial(fulcrum_router, lean=True),
         "Fulcrum (gateway.cache, unary Envoy mode)": functools.partial(
             fulcrum_router, unary=True),
+        "Fulcrum (gateway.cache, unary Envoy mode, least TTFT alone)": functools.partial(
+            fulcrum_router, unary=True, recompute_weight=0.0),
         "smg cache_aware": smg_router("cache_aware"),
         "smg round_robin": smg_router("round_robin"),
         "Envoy round robin": envoy_rr,

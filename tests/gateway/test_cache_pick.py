@@ -174,7 +174,9 @@ def test_a_conversation_stays_with_its_busy_holder_when_steps_are_shared(
     from fulcrum.gateway.cache_pick import CachePicker
 
     fleet = _Fleet()
-    cp = CachePicker(CacheSettings(enabled=True, shared_steps=shared), 4.0, fleet)  # type: ignore[arg-type]
+    # The step overhead alone (the recompute charge would keep the fourth turn too).
+    settings = CacheSettings(enabled=True, shared_steps=shared, recompute_weight=0.0)
+    cp = CachePicker(settings, 4.0, fleet)  # type: ignore[arg-type]
     texts = [f"conversation {i} " + "lorem ipsum dolor sit amet " * 60 for i in range(4)]
     for i, t in enumerate(texts):  # each history already on engine 0
         cp._slot(fleet.addrs[i % 2])
@@ -209,3 +211,76 @@ def test_the_refit_sample_of_a_request_behind_work_is_its_whole_cost() -> None:
     assert choice.load_ns > 0 and choice.shared_ns == k
     cp.first_token("r2", 10**9)
     assert seen[-1] == (1e9, pytest.approx(choice.load_ns - k))
+
+
+def _holder_and_idle(weight: float, holder_load_ns: float) -> tuple[str, object]:
+    """A conversation's history on engine 0 with ``holder_load_ns`` of predicted work
+    queued there, engine 1 idle; returns where its next turn goes, and the choice."""
+    from fulcrum.config.cache import CacheSettings
+    from fulcrum.gateway.body import RequestShape
+    from fulcrum.gateway.cache_pick import CachePicker
+
+    fleet = _Fleet()
+    cp = CachePicker(CacheSettings(enabled=True, recompute_weight=weight), 4.0, fleet)  # type: ignore[arg-type]
+    text = "system prompt " + "lorem ipsum dolor sit amet " * 70
+    for a in fleet.addrs:
+        cp._slot(a)
+    cp.index.record(0, text_blocks(text, cp.block_chars))
+    cp._busy[0] = holder_load_ns
+    shape = RequestShape(500, 8, True, text=text + " next question " * 8, stream=True)
+    choice = cp.choose(fleet, shape, None, 0)  # type: ignore[arg-type]
+    assert choice is not None
+    return choice.address, choice
+
+
+@pytest.mark.parametrize(
+    ("weight", "load_ms", "stays"),
+    [
+        # Measured on two real vLLM engines (emit_scores): the holder predicted 34.0 ms,
+        # the idle engine 33.2 ms for a full recompute; least TTFT alone moved the turn.
+        (0.0, 30.0, False),
+        (1.0, 30.0, True),
+        # Far behind, the move pays for its recompute: it still happens.
+        (1.0, 120.0, False),
+        (0.5, 70.0, False),
+    ],
+)
+def test_a_move_off_the_holder_must_save_more_than_the_recompute_it_adds(
+    weight: float, load_ms: float, stays: bool
+) -> None:
+    where, choice = _holder_and_idle(weight, load_ms * 1e6)
+    assert (where == "10.0.0.1:8000") is stays
+    # The reported predictions stay the TTFTs, not the charged scores.
+    assert choice.chosen_ns == pytest.approx(choice.load_ns + choice.cost_ns)  # type: ignore[attr-defined]
+
+
+def test_recompute_is_the_work_beyond_the_cheapest_engine() -> None:
+    from fulcrum.core.prefix_cost import recompute_ns
+
+    model = CostModel(a=1.0, b=100.0, k=1000.0)
+    got = recompute_ns(np.array([0, 900, 500, 900]), 1000, Coefficients.of(model))
+    assert got[1] == got[3] == 0.0
+    assert got[0] == pytest.approx(model.cost(1000, 0) - model.cost(100, 900))
+    assert got[2] == pytest.approx(model.cost(500, 500) - model.cost(100, 900))
+    assert recompute_ns(np.array([0, 0]), 1000, Coefficients.of(model)).tolist() == [0.0, 0.0]
+    # Per-engine models: the cheapest whole cost is the reference, k included.
+    per = Coefficients(np.array([1.0, 1.0]), np.array([100.0, 100.0]), np.array([0.0, 500.0]))
+    assert recompute_ns(np.array([0, 0]), 10, per).tolist() == [0.0, 500.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    hits=st.lists(st.integers(-5, 5000), min_size=1, max_size=8),
+    prompt=st.integers(0, 5000),
+)
+def test_recompute_is_zero_at_the_cheapest_and_never_negative(
+    hits: list[int], prompt: int
+) -> None:
+    from fulcrum.core.prefix_cost import recompute_ns
+
+    got = recompute_ns(np.array(hits), prompt, Coefficients.of(CostModel(a=2.0, b=56e3, k=5e6)))
+    assert got.shape == (len(hits),)
+    assert float(got.min()) == 0.0 and bool((got >= 0).all())
+    # Holding more of the prompt never costs more recompute.
+    order = np.argsort(np.clip(hits, 0, max(prompt - 1, 0)), kind="stable")
+    assert bool((np.diff(got[order]) <= 1e-6 * max(1.0, float(got.max()))).all())

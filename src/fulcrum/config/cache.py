@@ -93,6 +93,15 @@ class CacheSettings(Section):
         "batching: vLLM, SGLang): a request queued behind predicted work shares that "
         "step's fixed overhead (the cost model's k), so it adds cost - k, not cost",
     )
+    recompute_weight: float = Field(
+        1.0,
+        ge=0.0,
+        le=100.0,
+        description="a pick is scored by its predicted TTFT plus this weight x the "
+        "prefill work it adds beyond the cheapest endpoint (the prefix it recomputes), "
+        "ns per ns: 1 = a request leaves the endpoint holding its prefix only when the "
+        "wait it saves exceeds the recompute it adds; 0 = least predicted TTFT alone",
+    )
     emit_scores: bool = Field(
         False,
         description="log one line per pick with every candidate's predicted TTFT and hit "

@@ -16,7 +16,10 @@ prefill and decode, and the prefill pull's affinity)::
 
 :func:`rank` turns the predictions into a decision: the engine with the least predicted
 TTFT (ties: the smaller tie-break key, then the lower index) and the best other one, whose
-prediction the caller reports next to the chosen one.
+prediction the caller reports next to the chosen one. :func:`recompute_ns` is the work a
+choice adds beyond the cheapest engine's (the prefix it recomputes), which a caller may
+charge on top of the TTFT so that a request leaves the engine holding its prefix only
+when the wait it saves is worth the work it adds.
 
 Pure: numpy in, numpy out; no clock, no I/O.
 """
@@ -61,6 +64,30 @@ def miss_tokens(prompt_tokens: int, cached_tokens: npt.ArrayLike) -> tuple[IntAr
     return q, c
 
 
+def _cost(qf: FloatArray, cf: FloatArray, co: Coefficients) -> FloatArray:
+    """``cost_e(q, c)`` per engine (ns): ``a*q*(c + q/2) + b*q + k``."""
+    out: FloatArray = (
+        np.asarray(co.a) * qf * (cf + qf / 2.0) + np.asarray(co.b) * qf + np.asarray(co.k)
+    )
+    return out
+
+
+def recompute_ns(
+    cached_tokens: npt.ArrayLike, prompt_tokens: int, coefficients: Coefficients
+) -> FloatArray:
+    """The prefill work the request adds on each engine beyond its cheapest engine
+    (ns, float64, shape ``(n,)``, >= 0; 0 on the cheapest): ``cost_e(q_e, c_e) -
+    min_j cost_j(q_j, c_j)``, whole costs (``k`` included). With one model for all
+    engines it is the cost of the prefix engine ``e`` lacks and the best holder has:
+    the recompute a move there causes, GPU time every request queued behind it waits.
+    ``cached_tokens``: shape ``(n,)``, n >= 1 (tokens)."""
+    q, c = miss_tokens(prompt_tokens, cached_tokens)
+    cost = _cost(q.astype(np.float64), c.astype(np.float64), coefficients)
+    cost = np.broadcast_to(cost, q.shape)
+    out: FloatArray = np.maximum(cost - float(cost.min()), 0.0)
+    return out
+
+
 def predicted_ttft_ns(
     load_ns: npt.ArrayLike,
     cached_tokens: npt.ArrayLike,
@@ -80,10 +107,8 @@ def predicted_ttft_ns(
     fixed overhead and adds ``cost - k``; on an idle engine it pays the whole ``cost``.
     """
     q, c = miss_tokens(prompt_tokens, cached_tokens)
-    qf = q.astype(np.float64)
-    cf = c.astype(np.float64)
     co = coefficients
-    cost = np.asarray(co.a) * qf * (cf + qf / 2.0) + np.asarray(co.b) * qf + np.asarray(co.k)
+    cost = _cost(q.astype(np.float64), c.astype(np.float64), co)
     load = np.maximum(np.asarray(load_ns, dtype=np.float64), 0.0)
     if shared_steps:
         cost = cost - np.where(load > 0.0, np.asarray(co.k, dtype=np.float64), 0.0)

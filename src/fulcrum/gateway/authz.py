@@ -239,7 +239,8 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                 read = asyncio.ensure_future(anext(it))
                 await asyncio.wait((read, closing), return_when=asyncio.FIRST_COMPLETED)
                 if not read.done():
-                    read.cancel()
+                    read.cancel()  # may still end with the stream's end: retrieved below
+                    read.add_done_callback(_retrieve)
                     break
                 try:
                     msg = read.result()
@@ -259,6 +260,13 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
         stays connected for ever, so they would hold the server's grace period to its
         end). Idempotent."""
         self._closing.set()
+
+
+def _retrieve(read: asyncio.Future[Any]) -> None:
+    """Take a dropped read's outcome (the end of the stream, or its cancellation), so
+    that asyncio does not report an exception never retrieved."""
+    if not read.cancelled():
+        read.exception()
 
 
 def release_entries(leases: Leases, entries: Iterable[Any]) -> int:

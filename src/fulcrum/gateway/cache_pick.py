@@ -21,6 +21,11 @@ token (:func:`fulcrum.core.prefix_cost.predicted_ttft_ns`)::
   endpoint (or for all) from the TTFT the gateway observes
   (:mod:`fulcrum.gateway.cost_learn`, :meth:`CachePicker.first_token`).
 
+The pick is scored by ``ttft[e] + recompute_weight x recompute[e]``
+(:func:`fulcrum.core.prefix_cost.recompute_ns`: the prefill work ``e`` adds beyond the
+cheapest endpoint, the prefix it lacks): a request leaves the endpoint holding its
+prefix only when the wait it saves exceeds the work it adds (``recompute_weight`` 1,
+the default; 0 = least predicted TTFT alone). The reported TTFTs stay the predictions.
 Ties go to fewer requests (the decode view's), then to fewer picks so far. A prompt that
 was not parsed or is empty is picked by load alone (no hits), counted as ``load_only``.
 Event loop only.
@@ -40,7 +45,7 @@ import structlog
 from fulcrum.config.cache import CacheSettings
 from fulcrum.core.cost import CostModel
 from fulcrum.core.decode.view import KV_BITS
-from fulcrum.core.prefix_cost import Coefficients, predicted_ttft_ns, rank
+from fulcrum.core.prefix_cost import Coefficients, predicted_ttft_ns, rank, recompute_ns
 from fulcrum.gateway import pick_metrics as pm
 from fulcrum.gateway.adapter import DecodeAdapter
 from fulcrum.gateway.body import RequestShape
@@ -82,15 +87,21 @@ def _emit_scores(
     addrs: list[str],
     ttft: npt.NDArray[np.float64],
     hits: npt.NDArray[np.int64],
+    extra: npt.NDArray[np.float64] | None = None,
 ) -> None:
     """The debug line of one pick (``emit_scores``): every candidate's predicted TTFT
-    (ns) and hit tokens."""
+    (ns), hit tokens and the recompute charged on top (ns, ``recompute_weight`` x
+    :func:`~fulcrum.core.prefix_cost.recompute_ns`)."""
+    charged = np.zeros(len(addrs)) if extra is None else extra
     log.info(
         "gateway_endpoint_scores",
         chosen=choice.address,
         rule=choice.rule,
         prompt_tokens=prompt,
-        scores={a: [round(float(t)), int(h)] for a, t, h in zip(addrs, ttft, hits, strict=True)},
+        scores={
+            a: [round(float(t)), int(h), round(float(x))]
+            for a, t, h, x in zip(addrs, ttft, hits, charged, strict=True)
+        },
     )
 
 
@@ -229,13 +240,13 @@ class CachePicker:
             hits = np.zeros(len(addrs), dtype=np.int64)
         load = self.outstanding_ns(isl, now_ns)
         co = self._coef[isl]
-        ttft = predicted_ttft_ns(
-            load, hits, prompt, Coefficients(co[:, 0], co[:, 1], co[:, 2]),
-            shared_steps=self.settings.shared_steps,
-        )
+        coef = Coefficients(co[:, 0], co[:, 1], co[:, 2])
+        ttft = predicted_ttft_ns(load, hits, prompt, coef, shared_steps=self.settings.shared_steps)
+        w = self.settings.recompute_weight
+        extra = recompute_ns(hits, prompt, coef) * w if w > 0 and blocks else None
         # Ties: fewer requests, then fewer picks so far (round robin among equals).
         tie = ((keys >> KV_BITS) << KV_BITS) | np.minimum(self._picks[isl], _PICKS_MAX)
-        r = rank(ttft, tie)
+        r = rank(ttft if extra is None else ttft + extra, tie)
         c = r.chosen
         hit = int(min(hits[c], max(prompt - 1, 0)))
         choice = Choice(
@@ -246,13 +257,13 @@ class CachePicker:
             cost_ns=float(ttft[c] - load[c]),
             load_ns=float(load[c]),
             shared_ns=float(co[c, 2]) if self.settings.shared_steps and load[c] > 0 else 0.0,
-            chosen_ns=r.chosen_ns,
-            other_ns=r.other_ns,
+            chosen_ns=float(ttft[c]),
+            other_ns=float(ttft[r.other]) if r.other >= 0 else math.nan,
             hit_tokens=hit,
             rule="ttft" if blocks or (shape.parsed and prompt > 0) else "load_only",
         )
         if self.settings.emit_scores:
-            _emit_scores(choice, prompt, addrs, ttft, hits)
+            _emit_scores(choice, prompt, addrs, ttft, hits, extra)
         return choice
 
     def placed(
