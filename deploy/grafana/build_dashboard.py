@@ -202,6 +202,27 @@ def build() -> dict[str, Any]:
         (f"sum by (header, reason) (rate(fulcrum_gateway_tenancy_headers_ignored_total{{{SEL}}}[$__rate_interval]))",
          "header {{header}} {{reason}}/s")])
 
+    b.row("Gateway (endpoint picker)")
+    b.panel("Picks by outcome", [(
+        f"sum by (outcome) (rate(fulcrum_gateway_picks_total{{{SEL}}}[$__rate_interval]))",
+        "{{outcome}}")], unit="reqps")
+    b.panel("Releases by reason (expired: no access-log entry within gateway.max_hold_s)", [(
+        f"sum by (reason) (rate(fulcrum_gateway_releases_total{{{SEL}}}[$__rate_interval]))",
+        "{{reason}}")], unit="reqps")
+    b.panel("Requests in flight and Envoy access-log entries (unary mode)", [
+        (f"sum(fulcrum_gateway_requests_in_flight{{{SEL}}})", "in flight"),
+        (f"sum by (outcome) (rate(fulcrum_gateway_access_log_entries_total{{{SEL}}}[$__rate_interval]))",
+         "log entries {{outcome}}/s")])
+    b.panel("Pick time p99 and predicted TTFT p50 of the chosen endpoint", [
+        (f"histogram_quantile(0.99, sum by (le) (rate(fulcrum_gateway_pick_seconds_bucket{{{SEL}}}[$__rate_interval])))",
+         "pick p99"),
+        (f"histogram_quantile(0.5, sum by (le) (rate(fulcrum_gateway_cache_predicted_ttft_seconds_bucket{{{SEL}}}[$__rate_interval])))",
+         "predicted TTFT p50")], unit="s")
+    b.panel("Prompt tokens found in an endpoint's cache (hit / prompt)", [(
+        f"sum(rate(fulcrum_gateway_cache_hit_tokens_total{{{SEL}}}[$__rate_interval])) / "
+        f"sum(rate(fulcrum_gateway_cache_prompt_tokens_total{{{SEL}}}[$__rate_interval]))",
+        "hit ratio")], unit="percentunit")
+
     b.row("Expert-parallel load balancer (EPLB)")
     b.panel("moe_lb observed vs predicted by group", [
         (f"fulcrum_eplb_moe_lb_observed{{{SEL}}}", "observed {{group}}"),
