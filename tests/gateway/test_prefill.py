@@ -133,8 +133,11 @@ async def test_no_engine_can_take_it_in_time_is_429_and_releases_decode() -> Non
             await s1.close()
 
 
-async def test_envoy_passes_the_prefiller_header_to_the_decode_endpoint() -> None:
-    async with gateway_stack(gateway={"pool": {"prefill": PREFILL}}) as st:
+@pytest.mark.parametrize("unary", [False, True], ids=["ext_proc", "unary"])
+async def test_envoy_passes_the_prefiller_header_to_the_decode_endpoint(unary: bool) -> None:
+    # Unary mode: the prefiller header rides on the Check answer, and the prefill is
+    # accounted finished at the release (no response message reaches the picker).
+    async with gateway_stack(gateway={"pool": {"prefill": PREFILL}}, unary=unary) as st:
         r = await st.post("/v1/completions", {"prompt": "w" * 400, "max_tokens": 4})
         assert r.status == 200
         (got,) = [u.received[-1] for u in st.ups if u.received]
