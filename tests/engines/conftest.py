@@ -9,11 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.vllm_fleet import VllmFleet, free_port, kv_events_args, make_model, vllm_python
+from tests.engines.vllm_fleet import (
+    VllmFleet,
+    free_port_below_ephemeral,
+    kv_events_args,
+    make_model,
+    vllm_python,
+)
 
 #: Where the session's engines send their KV events (the gateway binds it in
-#: test_vllm_kv_events; until then the engines' PUB sockets retry and drop).
-KV_PORT = free_port()
+#: test_vllm_kv_events; until then the engines' PUB sockets retry and drop). Below the
+#: ephemeral range: a retry there could self-connect and hold the port (a CI failure,
+#: "address already in use"). The start varies by process so parallel runs differ.
+KV_PORT = free_port_below_ephemeral(os.getpid() * 7919)
 
 
 @pytest.fixture(scope="session")

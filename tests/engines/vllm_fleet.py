@@ -38,6 +38,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_below_ephemeral(seed: int) -> int:
+    """A free loopback port below the kernel's ephemeral range, for a port that clients
+    connect to long before anything listens on it (the engines' KV-event PUB sockets
+    retry every 100 ms from their start). In the ephemeral range such a retry can pick
+    the destination port as its own source port and connect to itself (a TCP
+    self-connect), which then holds the port: the later bind fails "address already in
+    use". ``seed``: where the search starts (tests pass a seeded value)."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    span = max(low - 10_000, 1)
+    for i in range(span):
+        port = 10_000 + (seed + i) % span
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 def make_model(out: Path) -> Path:
     py = vllm_python()
     assert py is not None
