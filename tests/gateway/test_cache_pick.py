@@ -284,3 +284,51 @@ def test_recompute_is_zero_at_the_cheapest_and_never_negative(
     # Holding more of the prompt never costs more recompute.
     order = np.argsort(np.clip(hits, 0, max(prompt - 1, 0)), kind="stable")
     assert bool((np.diff(got[order]) <= 1e-6 * max(1.0, float(got.max()))).all())
+
+
+def test_a_scraped_queue_is_work_ahead_at_the_scrape_and_drains_with_time() -> None:
+    """A scrape is a snapshot: its waiting requests are work ahead from the scrape's time
+    on, draining as time passes, like the picker's own prediction; a newer scrape
+    replaces it."""
+    from fulcrum.config.cache import CacheSettings
+    from fulcrum.gateway.cache_pick import CachePicker
+
+    fleet = _Fleet()
+    cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
+    for a in fleet.addrs:
+        cp._slot(a)
+    cp._mean[0] = 13e6  # ns per request
+    cp.scraped(fleet.addrs[0], 4, 0, 1_000_000_000)
+    slots = np.array([0, 1], dtype=np.int64)
+    at = [1_000_000_000 + d for d in (0, 26_000_000, 52_000_000, 80_000_000)]
+    assert [cp.outstanding_ns(slots, t)[0] for t in at] == [52e6, 26e6, 0.0, 0.0]
+    assert cp.outstanding_ns(slots, at[0])[1] == 0.0
+    cp.scraped(fleet.addrs[0], 1, 0, at[3])  # the next page: one waiting from then on
+    assert cp.outstanding_ns(slots, at[3])[0] == 13e6
+
+
+def test_a_turn_does_not_leave_its_holder_for_a_queue_the_holder_has_since_served() -> None:
+    """Caught on two real vLLM engines (unary mode, emit_scores): a scrape saw the holder
+    with waiting turns (52 ms predicted ahead there); up to 235 ms later, when the next
+    turn of one of those conversations came (so the holder had answered its previous
+    turn), the snapshot still counted 52 ms and the turn left with its 409 cached tokens.
+    Here the snapshot is long enough that leaving pays at the scrape's instant."""
+    from fulcrum.config.cache import CacheSettings
+    from fulcrum.gateway.body import RequestShape
+    from fulcrum.gateway.cache_pick import CachePicker
+
+    fleet = _Fleet()
+    cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
+    text = "system prompt " + "lorem ipsum dolor sit amet " * 70
+    for a in fleet.addrs:
+        cp._slot(a)
+    cp.index.record(0, text_blocks(text, cp.block_chars))
+    cp._mean[0] = 26e6
+    t_scrape = 10_000_000_000
+    cp.scraped(fleet.addrs[0], 3, 0, t_scrape)
+    shape = RequestShape(500, 8, True, text=text + " next question " * 8, stream=True)
+    at_scrape = cp.choose(fleet, shape, None, t_scrape)  # type: ignore[arg-type]
+    later = cp.choose(fleet, shape, None, t_scrape + 235_000_000)  # type: ignore[arg-type]
+    assert at_scrape is not None and later is not None
+    assert at_scrape.address == fleet.addrs[1]  # 78 ms ahead then: the move pays
+    assert later.address == fleet.addrs[0] and later.load_ns == 0.0

@@ -13,7 +13,8 @@ token (:func:`fulcrum.core.prefix_cost.predicted_ttft_ns`)::
 * ``outstanding[e]``: prefill work sent to ``e`` and predicted not done yet (ns): each
   pick moves the endpoint's predicted "prefill busy until" to ``max(it, now) + cost``;
   when its last request in flight ends, what is left of it is dropped. The scraped queue
-  depth corrects it from below: ``waiting x`` the endpoint's mean predicted cost.
+  depth corrects it from below: ``waiting x`` the endpoint's mean predicted cost from the
+  scrape's time on, draining as time passes (a scrape is a snapshot of the past).
 * ``k``: the cost model's fixed per-step overhead. Engines with continuous batching run
   the prompts waiting together in one step, so a request queued behind outstanding work
   adds ``cost - k`` to it (``gateway.cache.shared_steps``, on by default).
@@ -117,7 +118,8 @@ class CachePicker:
         self._slots: dict[str, int] = {}
         self._busy = np.zeros(0, dtype=np.float64)  # prefill busy until (ns)
         self._mean = np.zeros(0, dtype=np.float64)  # mean predicted cost (ns)
-        self._waiting = np.zeros(0, dtype=np.float64)  # scraped queue depth (requests)
+        #: Scraped work ahead: scrape time + waiting x mean predicted cost (ns).
+        self._scraped_until = np.zeros(0, dtype=np.float64)
         self._pending = np.zeros(0, dtype=np.int64)  # requests in flight
         self._picks = np.zeros(0, dtype=np.int64)  # picks so far (tie-break)
         self._requests: dict[str, tuple[int, float]] = {}
@@ -158,7 +160,7 @@ class CachePicker:
             grow = max(_GROW, slot + 1 - self._busy.shape[0])
             self._busy = np.concatenate([self._busy, np.zeros(grow)])
             self._mean = np.concatenate([self._mean, np.zeros(grow)])
-            self._waiting = np.concatenate([self._waiting, np.zeros(grow)])
+            self._scraped_until = np.concatenate([self._scraped_until, np.zeros(grow)])
             self._pending = np.concatenate([self._pending, np.zeros(grow, dtype=np.int64)])
             self._picks = np.concatenate([self._picks, np.zeros(grow, dtype=np.int64)])
             b = self._base
@@ -178,10 +180,14 @@ class CachePicker:
         addr = self._addr_of[slot]
         return self.engine_of.get(addr, addr) if per == "engine" else addr
 
-    def scraped(self, address: str, waiting: int, kv_capacity_tokens: int) -> None:
-        """The scraper's figures of one endpoint: requests waiting, KV cache (tokens)."""
+    def scraped(self, address: str, waiting: int, kv_capacity_tokens: int, now_ns: int) -> None:
+        """The scraper's figures of one endpoint, seen at ``now_ns``: requests waiting,
+        KV cache (tokens). The waiting requests are work ahead *at the scrape*:
+        ``waiting x`` the endpoint's mean predicted cost from ``now_ns`` on, which drains
+        as time passes, as the picker's own prediction does (the engine works on after
+        the page was read; until the next scrape, up to ``scrape.interval_ms`` later)."""
         slot = self._slot(address)
-        self._waiting[slot] = max(0, waiting)
+        self._scraped_until[slot] = float(now_ns) + max(0, waiting) * float(self._mean[slot])
         if kv_capacity_tokens > 0 and self._kv_tokens.get(address) != kv_capacity_tokens:
             self._kv_tokens[address] = kv_capacity_tokens
             self.index.set_capacity(slot, self._capacity(address))
@@ -209,8 +215,8 @@ class CachePicker:
 
     def outstanding_ns(self, slots: npt.NDArray[np.int64], now_ns: int) -> npt.NDArray[np.float64]:
         """Outstanding prefill work of index slots (ns, shape of ``slots``)."""
-        own = np.maximum(self._busy[slots] - float(now_ns), 0.0)
-        out: npt.NDArray[np.float64] = np.maximum(own, self._waiting[slots] * self._mean[slots])
+        ahead = np.maximum(self._busy[slots], self._scraped_until[slots]) - float(now_ns)
+        out: npt.NDArray[np.float64] = np.maximum(ahead, 0.0)
         return out
 
     def choose(

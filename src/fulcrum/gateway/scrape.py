@@ -238,17 +238,18 @@ class Scraper:
                 continue
             gm.SCRAPES.labels("ok").inc()
             self._pool.report(engine.id, to_load(engine, ranks), now)
-            self._tell(engine, ranks)
+            self._tell(engine, ranks, now)
         self.rounds += 1
 
-    def _tell(self, engine: PoolEngine, ranks: list[RankLoad]) -> None:
-        """Hand each rank's queue depth and KV capacity to the adapter's listeners."""
+    def _tell(self, engine: PoolEngine, ranks: list[RankLoad], now_ns: int) -> None:
+        """Hand each rank's queue depth and KV capacity, seen at ``now_ns``, to the
+        adapter's listeners."""
         adapter = self._pool.adapter
         listeners = [] if adapter is None else adapter.scrape_listeners
         if listeners:
             for address, r in zip(engine.addresses(), ranks, strict=True):
                 for fn in listeners:
-                    fn(address, r.waiting, r.kv_capacity_tokens)
+                    fn(address, r.waiting, r.kv_capacity_tokens, now_ns)
 
     async def run(self) -> None:
         try:
