@@ -103,6 +103,8 @@ async def stubs() -> AsyncIterator[Stubs]:
 
 async def test_check_picks_and_the_access_log_releases(stubs: Stubs) -> None:
     picker = stubs.daemon.gateway.picker
+    key = "fulcrum_gateway_access_log_entries_total"
+    m0 = scrape(stubs.daemon)  # the counters are the process's: compare deltas
     h = ok_headers(await stubs.check(check_request(completion(400))))
     assert h["x-gateway-destination-endpoint"].startswith("10.0.0.1:800")
     token = h[authz.PLACEMENT_HEADER]
@@ -119,9 +121,25 @@ async def test_check_picks_and_the_access_log_releases(stubs: Stubs) -> None:
     await stubs.log(entries(token))
     assert stubs.releases == after
     m = scrape(stubs.daemon)
-    key = "fulcrum_gateway_access_log_entries_total"
-    assert m[(key, (("outcome", "released"),))] == 1
-    assert m[(key, (("outcome", "unknown"),))] == 3
+    for outcome, n in (("released", 1), ("unknown", 3)):
+        label = (key, (("outcome", outcome),))
+        assert m[label] - m0[label] == n
+
+
+async def test_a_token_cannot_be_guessed_from_the_request_id(stubs: Stubs) -> None:
+    # Anyone on the picker's port can send access-log entries: the sequential request id
+    # alone (gw-N) names nothing; the token carries 64 random bits.
+    picks: list[str] = []
+    stubs.daemon.gateway.picker.pick_hooks.append(lambda r, p: picks.append(r))
+    h = ok_headers(await stubs.check(check_request(completion(10))))
+    token = h[authz.PLACEMENT_HEADER]
+    (request_id,) = picks
+    rid, _, salt = token.partition(".")
+    assert rid == request_id and len(salt) == 16 and int(salt, 16) >= 0
+    await stubs.log(entries(request_id, request_id + ".0000000000000000"))
+    assert stubs.daemon.gateway.picker.in_flight == 1
+    await stubs.log(entries(token))
+    assert stubs.daemon.gateway.picker.in_flight == 0
 
 
 async def test_each_check_gets_its_own_token_and_batches_release_them_all(

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from fulcrum.gateway import authz
-from fulcrum.gateway.testing import HttpClient, envoy_binary, render_envoy_config
+from fulcrum.gateway.testing import HttpClient, envoy_binary, render_envoy_config, wait_for
 from tests.gateway.helpers import gateway_stack
 from tests.gateway.test_envoy_e2e import completion, hold
 
@@ -54,7 +54,10 @@ async def test_held_until_the_response_ends_then_released(
         # none (the ext_proc stream itself is the handle).
         (got,) = [r for r in u.received if r.headers.get("x-test-hold") == "held"]
         token = got.headers.get(authz.PLACEMENT_HEADER)
-        assert token == (request_id if "unary" in mode else None)
+        if "unary" in mode:
+            assert token is not None and token.startswith(request_id + ".")
+        else:
+            assert token is None
         # The response is open upstream: the placement is still held.
         assert st.decode.gpu_load(*placement.gpu) == (1, 1000 + 100)
         assert not any(r == request_id for r, _ in st.releases)
@@ -77,18 +80,29 @@ async def test_released_when_the_client_disconnects(mode: dict[str, bool], reaso
 
 
 async def test_a_client_cannot_name_a_placement() -> None:
-    # The early header mutation strips a client's x-fulcrum-placement: a request that
-    # sends another request's token does not release it when it ends.
+    # A refused request gets no OK answer, so its access-log entry logs its headers as
+    # the client sent them: without the early header mutation, a request built to be
+    # refused (JSON nested too deep: 400) carrying another request's token would release
+    # that placement when its entry arrives.
+    from fulcrum.gateway import metrics as gm
+
+    unknown = gm.ACCESS_LOG_ENTRIES.labels("unknown")
     async with gateway_stack(unary=True) as st:
         c = await hold(st, "victim", completion(400))
-        victim, _ = st.picks[-1]
-        r = await st.post("/v1/completions", completion(400), {authz.PLACEMENT_HEADER: victim})
-        assert r.status == 200
-        forger, _ = st.picks[-1]
-        assert forger != victim
-        assert await st.wait_released(forger) == "access_log"
-        assert st.gateway.picker.in_flight == 1  # the victim's is still held
-        st.upstream(st.picks[0][1].address).release_hold("victim")
+        victim, placement = st.picks[-1]
+        # The forger knows the victim's whole token (as the engine that received it).
+        (seen,) = [r for r in st.upstream(placement.address).received
+                   if r.headers.get("x-test-hold") == "victim"]
+        token = seen.headers[authz.PLACEMENT_HEADER]
+        before = unknown._value.get()
+        r = await st.post("/v1/completions", b"[" * 600 + b"]" * 600,
+                          {authz.PLACEMENT_HEADER: token})
+        assert r.status == 400
+        # Its entry has arrived (and named nothing held): the victim is still held.
+        await wait_for(lambda: unknown._value.get() > before, what="the refused entry")
+        assert st.gateway.picker.in_flight == 1
+        assert not any(r == victim for r, _ in st.releases)
+        st.upstream(placement.address).release_hold("victim")
         assert (await c.receive()).status == 200
         await c.close()
         assert await st.wait_released(victim) == "access_log"

@@ -10,7 +10,8 @@ exactly what the pick and the release need, in the cheapest shape Envoy offers:
   ``pack_as_bytes``) and sends it with ``:path`` and the allowed headers (the tenancy
   headers). The answer is an OK response that adds the destination header
   (``x-gateway-destination-endpoint``), the P/D prefiller header when there is one, and
-  ``x-fulcrum-placement`` (the placement's token); ``clear_route_cache`` re-routes the
+  ``x-fulcrum-placement`` (the placement's token: its request id and 64 random bits,
+  :func:`placement_token`); ``clear_route_cache`` re-routes the
   request to the header-matched route, as the ext_proc answer does. A refusal is a denied
   response with the same HTTP status, headers and JSON body as the ext_proc path's
   immediate response (429 with ``retry-after``, 413, 400, 503).
@@ -38,6 +39,7 @@ Event loop only: both servicers run on the daemon's loop and touch the picker th
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -97,9 +99,10 @@ class Leases:
     def __len__(self) -> int:
         return len(self._due)
 
-    def add(self, placement: Placement, now_ns: int) -> None:
+    def add(self, placement: Placement, now_ns: int, token: str) -> None:
+        """Hold ``placement`` under ``token`` until its release or ``max_hold_s``."""
         hold_ns = int(self._picker.settings.max_hold_s * 1e9)
-        self._due[placement.request_id] = (now_ns + hold_ns, placement)
+        self._due[token] = (now_ns + hold_ns, placement)
 
     def release(self, token: str, reason: str) -> bool:
         """Release the placement of ``token`` (False when it is not held here)."""
@@ -169,17 +172,17 @@ class AuthzServicer(ea_grpc.AuthorizationServicer):  # type: ignore[misc]
             picker.streams -= 1
         if isinstance(out, Refusal):
             return _denied(out)
-        leases.add(out, self._clock())
-        token = out.request_id
+        token = placement_token(out.request_id)
+        leases.add(out, self._clock(), token)
         context.add_done_callback(
             lambda ctx: ctx.cancelled() and leases.release(token, "check_cancelled")
         )
         # No dynamic metadata: Envoy files a Check answer's under the ext_authz filter's
         # own namespace, where no load balancer reads it; the route reads the header.
-        answer = ea.OkHttpResponse(headers=self._headers(out))
+        answer = ea.OkHttpResponse(headers=self._headers(out, token))
         return ea.CheckResponse(status=_OK, ok_response=answer)
 
-    def _headers(self, placement: Placement) -> list[base_pb2.HeaderValueOption]:
+    def _headers(self, placement: Placement, token: str) -> list[base_pb2.HeaderValueOption]:
         value = (
             placement.address
             if not placement.fallbacks
@@ -194,7 +197,15 @@ class AuthzServicer(ea_grpc.AuthorizationServicer):  # type: ignore[misc]
             if len(self._answers) >= 8192:
                 self._answers.clear()
             self._answers[key] = base
-        return [*base, _header(PLACEMENT_HEADER, placement.request_id)]
+        return [*base, _header(PLACEMENT_HEADER, token)]
+
+
+def placement_token(request_id: str) -> str:
+    """A placement's token: its request id and 64 random bits (``secrets``). Anyone who
+    reaches the picker's port can send access-log entries; with a request id alone
+    (``gw-N``, sequential) they could release other requests' placements, which an
+    ext_proc stream, its own handle, does not allow."""
+    return f"{request_id}.{secrets.token_hex(8)}"
 
 
 def _denied(refusal: Refusal, refused: bool = False) -> ea.CheckResponse:
@@ -231,6 +242,7 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
         leases = self.leases
         it = aiter(request_iterator)
         closing = asyncio.ensure_future(self._closing.wait())
+        read: asyncio.Future[Any] | None = None
         self.open_streams += 1
         try:
             while True:
@@ -239,9 +251,7 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                 read = asyncio.ensure_future(anext(it))
                 await asyncio.wait((read, closing), return_when=asyncio.FIRST_COMPLETED)
                 if not read.done():
-                    read.cancel()  # may still end with the stream's end: retrieved below
-                    read.add_done_callback(_retrieve)
-                    break
+                    break  # closing: the read is dropped below
                 try:
                     msg = read.result()
                 except StopAsyncIteration:
@@ -252,6 +262,13 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[
                 leases.sweep(self._clock())
         finally:
             closing.cancel()
+            if read is not None:
+                # Dropped (closing, or this handler cancelled, maybe just as the stream
+                # ended): take its outcome, now or when it ends, so that asyncio reports
+                # no exception never retrieved.
+                if not read.done():
+                    read.cancel()
+                read.add_done_callback(_retrieve)
             self.open_streams -= 1
         return als_pb2.StreamAccessLogsResponse()
 
