@@ -72,18 +72,34 @@ def _cost(qf: FloatArray, cf: FloatArray, co: Coefficients) -> FloatArray:
     return out
 
 
-def recompute_ns(
+def request_cost_ns(
     cached_tokens: npt.ArrayLike, prompt_tokens: int, coefficients: Coefficients
+) -> FloatArray:
+    """The request's whole prefill cost on each engine, ``cost_e(q_e, c_e)`` with ``(q,
+    c)`` split by :func:`miss_tokens` (ns, float64, shape of ``cached_tokens``). A
+    caller that needs both :func:`predicted_ttft_ns` and :func:`recompute_ns` computes it
+    once and passes it to each (``cost_ns=``)."""
+    q, c = miss_tokens(prompt_tokens, cached_tokens)
+    cost = _cost(q.astype(np.float64), c.astype(np.float64), coefficients)
+    out: FloatArray = np.broadcast_to(cost, q.shape)
+    return out
+
+
+def recompute_ns(
+    cached_tokens: npt.ArrayLike,
+    prompt_tokens: int,
+    coefficients: Coefficients,
+    cost_ns: FloatArray | None = None,
 ) -> FloatArray:
     """The prefill work the request adds on each engine beyond its cheapest engine
     (ns, float64, shape ``(n,)``, >= 0; 0 on the cheapest): ``cost_e(q_e, c_e) -
     min_j cost_j(q_j, c_j)``, whole costs (``k`` included). With one model for all
     engines it is the cost of the prefix engine ``e`` lacks and the best holder has:
     the recompute a move there causes, GPU time every request queued behind it waits.
-    ``cached_tokens``: shape ``(n,)``, n >= 1 (tokens)."""
-    q, c = miss_tokens(prompt_tokens, cached_tokens)
-    cost = _cost(q.astype(np.float64), c.astype(np.float64), coefficients)
-    cost = np.broadcast_to(cost, q.shape)
+    ``cached_tokens``: shape ``(n,)``, n >= 1 (tokens); ``cost_ns``: the
+    :func:`request_cost_ns` of the same arguments, when the caller has it."""
+    cost = request_cost_ns(cached_tokens, prompt_tokens, coefficients) if cost_ns is None \
+        else cost_ns
     out: FloatArray = np.maximum(cost - float(cost.min()), 0.0)
     return out
 
@@ -94,6 +110,7 @@ def predicted_ttft_ns(
     prompt_tokens: int,
     coefficients: Coefficients,
     shared_steps: bool = False,
+    cost_ns: FloatArray | None = None,
 ) -> FloatArray:
     """Predicted time to first token of one request on each engine (ns, float64, shape
     ``(n,)``).
@@ -105,10 +122,10 @@ def predicted_ttft_ns(
     ``shared_steps``: the engines batch waiting prompts into one step (continuous
     batching), so behind outstanding work (``load_ns > 0``) the request shares a step's
     fixed overhead and adds ``cost - k``; on an idle engine it pays the whole ``cost``.
+    ``cost_ns``: the :func:`request_cost_ns` of the same arguments, when the caller has it.
     """
-    q, c = miss_tokens(prompt_tokens, cached_tokens)
     co = coefficients
-    cost = _cost(q.astype(np.float64), c.astype(np.float64), co)
+    cost = request_cost_ns(cached_tokens, prompt_tokens, co) if cost_ns is None else cost_ns
     load = np.maximum(np.asarray(load_ns, dtype=np.float64), 0.0)
     if shared_steps:
         cost = cost - np.where(load > 0.0, np.asarray(co.k, dtype=np.float64), 0.0)

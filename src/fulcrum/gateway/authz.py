@@ -55,11 +55,13 @@ from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.adapter import Placement
 from fulcrum.gateway.body import BodyTooDeep
 from fulcrum.gateway.extproc import (
+    _CACHE_MAX,
     _STATUS,
     DEST_HEADER,
     PREFILLER_HEADER,
     Picker,
     Refusal,
+    destination_value,
     refusal_body,
     subset_in,
 )
@@ -155,11 +157,7 @@ class AuthzServicer(ea_grpc.AuthorizationServicer):  # type: ignore[misc]
         http = request.attributes.request.http
         body = http.raw_body or (http.body.encode() if http.body else b"")
         if len(body) > s.max_body_bytes:
-            picker.counts.pick(picker.adapter.policy_name, "too_large")
-            return _denied(Refusal(
-                413, "too_large",
-                f"request body over {s.max_body_bytes} bytes (gateway.max_body_bytes)",
-            ))
+            return _denied(picker.too_large())
         subset = subset_in(request.attributes.metadata_context, s.subset_namespace)
         cls = classify(picker.tenancy, s.tenancy, _wanted(http.headers, picker.tenancy_headers))
         picker.streams += 1
@@ -183,18 +181,14 @@ class AuthzServicer(ea_grpc.AuthorizationServicer):  # type: ignore[misc]
         return ea.CheckResponse(status=_OK, ok_response=answer)
 
     def _headers(self, placement: Placement, token: str) -> list[base_pb2.HeaderValueOption]:
-        value = (
-            placement.address
-            if not placement.fallbacks
-            else ",".join((placement.address, *placement.fallbacks))
-        )
+        value = destination_value(placement)
         key = (value, placement.prefiller)
         base = self._answers.get(key)
         if base is None:
             base = [_header(DEST_HEADER, value)]
             if placement.prefiller:
                 base.append(_header(PREFILLER_HEADER, placement.prefiller))
-            if len(self._answers) >= 8192:
+            if len(self._answers) >= _CACHE_MAX:
                 self._answers.clear()
             self._answers[key] = base
         return [*base, _header(PLACEMENT_HEADER, token)]

@@ -46,7 +46,13 @@ import structlog
 from fulcrum.config.cache import CacheSettings
 from fulcrum.core.cost import CostModel
 from fulcrum.core.decode.view import KV_BITS
-from fulcrum.core.prefix_cost import Coefficients, predicted_ttft_ns, rank, recompute_ns
+from fulcrum.core.prefix_cost import (
+    Coefficients,
+    predicted_ttft_ns,
+    rank,
+    recompute_ns,
+    request_cost_ns,
+)
 from fulcrum.gateway import pick_metrics as pm
 from fulcrum.gateway.adapter import DecodeAdapter
 from fulcrum.gateway.body import RequestShape
@@ -247,9 +253,12 @@ class CachePicker:
         load = self.outstanding_ns(isl, now_ns)
         co = self._coef[isl]
         coef = Coefficients(co[:, 0], co[:, 1], co[:, 2])
-        ttft = predicted_ttft_ns(load, hits, prompt, coef, shared_steps=self.settings.shared_steps)
+        cost = request_cost_ns(hits, prompt, coef)  # once, for the TTFT and the charge
+        ttft = predicted_ttft_ns(
+            load, hits, prompt, coef, shared_steps=self.settings.shared_steps, cost_ns=cost
+        )
         w = self.settings.recompute_weight
-        extra = recompute_ns(hits, prompt, coef) * w if w > 0 and blocks else None
+        extra = recompute_ns(hits, prompt, coef, cost_ns=cost) * w if w > 0 and blocks else None
         # Ties: fewer requests, then fewer picks so far (round robin among equals).
         tie = ((keys >> KV_BITS) << KV_BITS) | np.minimum(self._picks[isl], _PICKS_MAX)
         r = rank(ttft if extra is None else ttft + extra, tie)

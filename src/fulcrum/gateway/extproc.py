@@ -240,6 +240,12 @@ class Picker:
             with_text=self.cache is not None,
         )
 
+    def too_large(self) -> Refusal:
+        """413 (counted): a body over ``gateway.max_body_bytes``."""
+        n = self.settings.max_body_bytes
+        self._count("too_large")
+        return Refusal(413, "too_large", f"request body over {n} bytes (gateway.max_body_bytes)")
+
     def _full(self) -> Refusal | None:
         """429 (counted) when ``gateway.max_in_flight`` requests hold a placement."""
         s = self.settings
@@ -379,11 +385,7 @@ class Picker:
         destination: header mutation with the route cache cleared, and the same value in
         dynamic metadata. Answers are immutable once built, so they are cached per value
         (bounded: at most ``_CACHE_MAX`` entries, then the cache starts over)."""
-        value = (
-            placement.address
-            if not placement.fallbacks
-            else ",".join((placement.address, *placement.fallbacks))
-        )
+        value = destination_value(placement)
         key = (value, phase, placement.prefiller)
         cached = self._answers.get(key)
         if cached is not None:
@@ -426,6 +428,13 @@ class Picker:
                 details=f"fulcrum_{refusal.outcome}",
             )
         )
+
+
+def destination_value(placement: Placement) -> str:
+    """The ``x-gateway-destination-endpoint`` value: the primary, then the fallbacks."""
+    if not placement.fallbacks:
+        return placement.address
+    return ",".join((placement.address, *placement.fallbacks))
 
 
 def refusal_body(refusal: Refusal) -> bytes:
@@ -688,11 +697,7 @@ class _Stream:
     def _add(self, chunk: bytes) -> None:
         s, picker = self._settings, self._picker
         if self._pending + len(chunk) > s.max_body_bytes:
-            picker.counts.pick(picker.adapter.policy_name, "too_large")
-            raise _Refused(Refusal(
-                413, "too_large",
-                f"request body over {s.max_body_bytes} bytes (gateway.max_body_bytes)",
-            ))
+            raise _Refused(picker.too_large())
         if picker.pending_bytes + len(chunk) > s.max_pending_bytes:
             raise _refuse(
                 "pending_bytes", 429, f"gateway: {s.max_pending_bytes} body bytes pending "
