@@ -395,7 +395,7 @@ async def _bench(
                     progress(f"gateway: {name}, round {r + 1}/{rounds}")
                     async with _envoy(cfg) as (port, envoy_pid):
                         await _load(port, workers, duration, figs[name], [envoy_pid, *pids])
-    meta = {"workers": workers, "duration_s": duration, "rounds": rounds}
+    meta: dict[str, object] = {"workers": workers, "duration_s": duration, "rounds": rounds}
     return list(figs.values()), meta
 
 
