@@ -12,13 +12,14 @@ Workloads (streaming chat completions, ``max_tokens`` 8):
 - ``shared-system``: N requests with one long system prompt, distinct questions, 8 at once;
 - ``no-reuse``: N requests with distinct prompts, 8 at once.
 
-Fresh text every run: every text starts with a nonce (four random words seeded by router,
-workload and time, the same length for every router), so a cache left warm by a previous
-router gives nothing. Figures: the engines' own hit ratio
-(deltas of ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``), TTFT p50
-and p99 (time to the first streamed chunk, client side), wall time, requests per engine
-(deltas of ``vllm:request_success_total``), and the router's CPU per request (Envoy and
-picker processes, ``/proc/<pid>/stat`` deltas over the workload).
+Fresh text every run: every text starts with a nonce (16 symbols seeded by router,
+workload and time, 16 tokens for every router), so a cache left warm by a previous router
+gives nothing; after it, every router in a round gets the same text (:func:`workloads`).
+Figures: the engines' own hit ratio (deltas of ``vllm:prefix_cache_hits_total /
+vllm:prefix_cache_queries_total``), TTFT p50 and p99 (time to the first streamed chunk,
+client side), wall time, requests per engine (deltas of ``vllm:request_success_total``)
+with each engine's own mean TTFT, and the router's CPU per request (Envoy and picker
+processes, ``/proc/<pid>/stat`` deltas over the workload).
 
 Run: ``.venv/bin/python benchmarks/bench_engines.py [--ports P1,P2] [--quick]
 [--routers Fulcrum,Envoy] [--workloads no-reuse] [--rounds N]`` (needs
