@@ -137,13 +137,15 @@ def words(rng: random.Random, n: int) -> str:
 Workload = Callable[[int, str, str, Run], Awaitable[None]]
 
 
-def workloads(quick: bool) -> dict[str, Workload]:
+def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str, Workload]:
     """Each workload is called with the router's port, the run's nonce, the round's text
     seed and the run. Every router in a round gets the same text after its own nonce, and
     a conversation's assistant turns are text of the seed too (two words, about the 8
     tokens asked for), not the model's sampled answer: so the prompts every router sends
-    are the same tokens, and a difference in hit ratio is the routing's, not the text's."""
-    convs, turns, n = (4, 3, 12) if quick else (8, 4, 24)
+    are the same tokens, and a difference in hit ratio is the routing's, not the text's.
+    ``size``: conversations, turns each, and requests of the other workloads (default
+    8, 4, 24; ``quick`` 4, 3, 12)."""
+    convs, turns, n = size or ((4, 3, 12) if quick else (8, 4, 24))
 
     async def send(port: int, msgs: list[dict[str, str]], run: Run) -> None:
         try:
@@ -344,7 +346,8 @@ def engine_figures(ports: list[int]) -> np.ndarray:
 
 
 async def bench(ports: list[int], quick: bool, only_routers: str = "",
-                only_workloads: str = "", rounds: int = 1) -> list[Run]:
+                only_workloads: str = "", rounds: int = 1,
+                size: tuple[int, int, int] | None = None) -> list[Run]:
     routers: dict[str, Callable[[list[int]], contextlib.AbstractAsyncContextManager[int]]] = {
         "Fulcrum (gateway.cache)": fulcrum_router,
         "Fulcrum (gateway.cache, lean Envoy mode)": functools.partial(fulcrum_router, lean=True),
@@ -372,7 +375,7 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
     session = time.time_ns()  # the rounds' text seeds: fresh per bench, shared in a round
     for rnd, (name, router) in [(i, pair) for i in range(rounds) for pair in chosen]:
         async with router(ports) as port:
-            for wname, work in workloads(quick).items():
+            for wname, work in workloads(quick, size).items():
                 if only_workloads and wname not in only_workloads.split(","):
                     continue
                 run = Run(name, wname)
@@ -528,7 +531,13 @@ def main() -> None:
     ap.add_argument("--workloads", default="", help="only these workloads (comma-separated)")
     ap.add_argument("--rounds", type=int, default=1, help="run every router this many "
                     "times (interleaved) and add a table pooling the rounds")
+    ap.add_argument("--size", default="", help="conversations,turns,requests: the "
+                    "multi-turn workload's conversations and turns, and the other "
+                    "workloads' requests (default 8,4,24)")
     args = ap.parse_args()
+    size = tuple(int(x) for x in args.size.split(",")) if args.size else None
+    if size is not None and (len(size) != 3 or min(size) < 1):
+        ap.error("--size: three positive integers, conversations,turns,requests")
     if args.pick:
         print(pick_micro())
         return
@@ -543,7 +552,7 @@ def main() -> None:
         ports = fleet.ports
     try:
         runs = asyncio.run(bench(ports, args.quick, args.routers, args.workloads,
-                                 args.rounds))
+                                 args.rounds, size))
     finally:
         if fleet is not None:
             fleet.stop()
