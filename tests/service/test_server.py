@@ -116,8 +116,12 @@ async def test_ping_stream_echoes_in_order(client: FulcrumClient) -> None:
 async def test_drain_turns_health_not_serving_and_finishes_call_in_flight(
     daemon: Daemon, client: FulcrumClient
 ) -> None:
+    # The slow call keeps the drain open (test settings: no linger) while the new call
+    # below is refused: 2 s, well inside the 5 s grace, so that a loaded machine cannot
+    # end it before that call arrives (at 400 ms it once did: the server had stopped and
+    # the new call was CANCELLED by the transport, not refused).
     slow = asyncio.ensure_future(
-        client.diagnostics.Ping(diagnostics_pb2.PingRequest(payload=b"slow", delay_ms=400))
+        client.diagnostics.Ping(diagnostics_pb2.PingRequest(payload=b"slow", delay_ms=2000))
     )
     # Wait until the call is in flight (a bounded poll on a condition, not a sleep).
     await until(lambda: daemon.app.in_flight > 0, "the slow call in flight")
