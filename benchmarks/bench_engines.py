@@ -225,8 +225,6 @@ async def fulcrum_router(
     port, grpc_port, health_port = free_ports(3)
     cfg = {
         "server": {"host": "127.0.0.1", "port": grpc_port, "seed": 7},
-        "metrics": {"enabled": False},
-        "logging": {"level": "error", "format": "json"},
         "gateway": {
             "enabled": True, "port": port, "health_port": health_port,
             "pool": {"decode": [{"id": f"v{i}", "host": "127.0.0.1", "ports": [p]}

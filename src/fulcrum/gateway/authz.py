@@ -55,8 +55,8 @@ from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.adapter import Placement
 from fulcrum.gateway.body import BodyTooDeep
 from fulcrum.gateway.extproc import (
-    _CACHE_MAX,
     _STATUS,
+    ANSWER_CACHE_MAX,
     DEST_HEADER,
     PREFILLER_HEADER,
     Picker,
@@ -188,7 +188,7 @@ class AuthzServicer(ea_grpc.AuthorizationServicer):  # type: ignore[misc]
             base = [_header(DEST_HEADER, value)]
             if placement.prefiller:
                 base.append(_header(PREFILLER_HEADER, placement.prefiller))
-            if len(self._answers) >= _CACHE_MAX:
+            if len(self._answers) >= ANSWER_CACHE_MAX:
                 self._answers.clear()
             self._answers[key] = base
         return [*base, _header(PLACEMENT_HEADER, token)]

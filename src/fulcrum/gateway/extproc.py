@@ -88,8 +88,9 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 #: 100-300 MB/s: 256 KiB is about 1-3 ms on the loop), bytes.
 OFFLOAD_BYTES = 256 * 1024
 
-#: Cached destination answers (distinct primary + fallbacks values x 2 phases).
-_CACHE_MAX = 8192
+#: Bound of the cached destination answers, here and in the unary Check (distinct
+#: primary + fallbacks values x 2 phases).
+ANSWER_CACHE_MAX = 8192
 
 _STATUS = {
     400: http_status_pb2.BadRequest,
@@ -384,7 +385,7 @@ class Picker:
         """The answer of ``phase`` ("request_headers" or "request_body") carrying the
         destination: header mutation with the route cache cleared, and the same value in
         dynamic metadata. Answers are immutable once built, so they are cached per value
-        (bounded: at most ``_CACHE_MAX`` entries, then the cache starts over)."""
+        (bounded: at most ``ANSWER_CACHE_MAX`` entries, then the cache starts over)."""
         value = destination_value(placement)
         key = (value, phase, placement.prefiller)
         cached = self._answers.get(key)
@@ -409,7 +410,7 @@ class Picker:
             answer = ep.ProcessingResponse(
                 request_body=ep.BodyResponse(response=common), dynamic_metadata=md
             )
-        if len(self._answers) >= _CACHE_MAX:
+        if len(self._answers) >= ANSWER_CACHE_MAX:
             self._answers.clear()
         self._answers[key] = answer
         return answer
