@@ -2,7 +2,9 @@
 """Cost of one prefix-affinity pull decision (choose the puller, then take) on the loop.
 
 Worst case for the affinity scan: 8 engines that all hold most of every queued
-request's prefix (so every match walks the whole prefix), 256 queued requests. Reported
+request's prefix (so every match walks the whole prefix), 256 queued requests; and one
+engine holding every prefix while the other seven pull (every request of the window
+waits for it, priced at each puller). Reported
 as ms per decision and as a ratio against the same decision without affinity, measured
 in the same run. Run: ``.venv/bin/python benchmarks/bench_prefix.py`` (the table), or through ``make bench``
 (:func:`run`: the whole "Prefix affinity" section of BENCHMARKS.md). The simulator figures
@@ -24,7 +26,10 @@ def cost(q: int, c: int) -> int:
     return 1_000 * q + 1_000
 
 
-def build(blocks: int, affinity: bool) -> PrefillBalancer:
+def build(blocks: int, affinity: bool, one_holder: bool = False) -> PrefillBalancer:
+    """256 queued requests of ``blocks`` blocks; every engine holds all but the last
+    block of each (``one_holder``: only ``e0`` does, so at every other engine each
+    request waits for ``e0``, and a take order reads the whole window)."""
     bal = PrefillBalancer(BalancerConfig(
         bounds=(10**9,), batch_cap_ns=(10**15, 10**15), backlog_rounds=1.0, hysteresis=0.0,
         max_batch_requests=8,
@@ -37,7 +42,7 @@ def build(blocks: int, affinity: bool) -> PrefillBalancer:
     bal.remove("seed")
     for i in range(256):
         bl = tuple(range(i * 1_000, i * 1_000 + blocks))
-        for e in ENGINES:
+        for e in ENGINES[:1] if one_holder else ENGINES:
             aff.index.stored(e, bl[: blocks - 1])
         bal.enqueue(Queued(f"r{i}", blocks * 512, 0, 0, cost(blocks * 512, 0), 0, bl))
     if affinity:
@@ -45,18 +50,21 @@ def build(blocks: int, affinity: bool) -> PrefillBalancer:
     return bal
 
 
-def decision_ms(blocks: int, affinity: bool, reps: int = 20) -> tuple[float, float]:
+def decision_ms(blocks: int, affinity: bool, reps: int = 20,
+                one_holder: bool = False) -> tuple[float, float]:
     """Best of ``reps``: the first decision on a fresh queue (every match computed) and
-    the next one (matches memoised; only the engine that took recomputes)."""
+    the next one (matches memoised; only the engine that took recomputes). With
+    ``one_holder`` the holder ``e0`` does not offer (it is busy elsewhere, idle by its
+    last report): the other seven find every request waiting for it."""
     first = nxt = float("inf")
     for _ in range(reps):
-        bal = build(blocks, affinity)
-        offers = [Offer(e, 10**12, (0,) * 8) for e in ENGINES]
+        bal = build(blocks, affinity, one_holder)
+        offers = [Offer(e, 10**12, (0,) * 8) for e in (ENGINES[1:] if one_holder else ENGINES)]
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
             i = bal.choose_puller(0, offers, now_ns=1)
-            bal.take(ENGINES[i], 10**12, [0] * 8, now_ns=1)
+            bal.take(offers[max(i, 0)].engine_id, 10**12, [0] * 8, now_ns=1)
             times.append(time.perf_counter() - t0)
         first, nxt = min(first, times[0]), min(nxt, times[1])
     return first * 1e3, nxt * 1e3
@@ -65,13 +73,15 @@ def decision_ms(blocks: int, affinity: bool, reps: int = 20) -> tuple[float, flo
 def table(quick: bool = False) -> str:
     """The decision-cost table (markdown)."""
     rows = ["| prefix blocks | without affinity (ms) | with affinity, fresh queue (ms) | "
-            "with affinity, next decision (ms) |", "|---:|---:|---:|---:|"]
+            "with affinity, next decision (ms) | one holder, every request waiting for it: "
+            "fresh / next (ms) |", "|---:|---:|---:|---:|---:|"]
     for blocks in (8, 32, 200):
         reps = 3 if quick else 20
         base, _ = decision_ms(blocks, False, reps)
         first, nxt = decision_ms(blocks, True, reps)
+        w_first, w_nxt = decision_ms(blocks, True, reps, one_holder=True)
         rows.append(f"| {blocks} | {base:.3f} | {first:.3f} ({first / base:.1f}x) | "
-                    f"{nxt:.3f} ({nxt / base:.1f}x) |")
+                    f"{nxt:.3f} ({nxt / base:.1f}x) | {w_first:.3f} / {w_nxt:.3f} |")
     return "\n".join(rows)
 
 
@@ -159,8 +169,9 @@ is below the shortest tier's TTFT SLO (5 s) so a waiting request keeps SLO headr
 tuned (one value tried). The affinity scan (32 queued requests per pull) bounds the
 work of a decision; matches are memoised per queued request and recomputed only for an
 engine whose cache changed. Cost of one decision (choose the puller, then take), worst
-case of 8 engines that all hold every queued request's prefix, 256 queued requests
-(`.venv/bin/python benchmarks/bench_prefix.py`, best of 20):
+case of 8 engines that all hold every queued request's prefix, 256 queued requests; last
+column: one engine holds every prefix and the other seven pull, so every request waits
+for it at each of them (`.venv/bin/python benchmarks/bench_prefix.py`, best of 20):
 
 {cost}
 

@@ -41,6 +41,9 @@ async def test_later_turns_follow_the_prefix_until_the_fairness_bound() -> None:
         hits0 = _metric("fulcrum_prefill_affinity_decisions_total", decision="affinity_hit")
         over0 = _metric("fulcrum_prefill_affinity_decisions_total",
                         decision="fairness_override")
+        # The counters are the process's: other tests may have counted an engine "a".
+        hit_a0 = _metric("fulcrum_prefill_prefix_engine_hit_blocks_total", engine="a")
+        look_a0 = _metric("fulcrum_prefill_prefix_engine_lookup_blocks_total", engine="a")
 
         conv = list(range(2_100))  # the shared prefix: 4 full blocks of 512 tokens
         turn1 = asyncio.ensure_future(c.prefill.Submit(_submit("t1", conv)))
@@ -78,8 +81,10 @@ async def test_later_turns_follow_the_prefix_until_the_fairness_bound() -> None:
                        decision="affinity_hit") == hits0 + 1
         assert _metric("fulcrum_prefill_affinity_decisions_total",
                        decision="fairness_override") == over0 + 1
-        assert _metric("fulcrum_prefill_prefix_engine_hit_blocks_total", engine="a") == 4
-        assert _metric("fulcrum_prefill_prefix_engine_lookup_blocks_total", engine="a") == 9
+        assert _metric("fulcrum_prefill_prefix_engine_hit_blocks_total",
+                       engine="a") == hit_a0 + 4
+        assert _metric("fulcrum_prefill_prefix_engine_lookup_blocks_total",
+                       engine="a") == look_a0 + 9
         # a holds t2's 5 full blocks (t1's 4 among them), b t3's 5 (the same 5 hashes).
         assert _metric("fulcrum_prefill_prefix_index_blocks") == 5 + 5
 

@@ -281,8 +281,9 @@ def test_request_waits_only_while_its_holder_is_predicted_sooner() -> None:
     bal.enqueue(_item("r", (7, 8, 9), 0, bal))
     # b now: 351 ms from scratch; a: 40 ms left + 51 ms -> r waits for a.
     assert not bal.take("b", 100 * S, [0], now_ns=1).items
-    # "a" pulls again, now with 400 ms queued on its rank: 400 + 51 > 351, b takes r.
-    assert not bal.take("a", 0, [400_000_000], now_ns=2).items
+    # "a" pulls again, now with 700 ms queued on its rank: 700 + 51 > 351 + the grace
+    # (the recompute a saves, 300 ms, capped at two step floors, 200 ms): b takes r.
+    assert not bal.take("a", 0, [700_000_000], now_ns=2).items
     taken = bal.take("b", 100 * S, [0], now_ns=3)
     assert [i.request_id for i in taken.items] == ["r"]
     assert taken.quota_ns == cost(350, 0)  # charged at b's own cost
@@ -294,13 +295,13 @@ def test_a_holders_predicted_load_drains_with_time() -> None:
     aff = bal.affinity
     assert aff is not None
     aff.index.record("a", (7, 8))
-    assert not bal.take("a", 0, [400_000_000], now_ns=0).items
+    assert not bal.take("a", 0, [700_000_000], now_ns=0).items
     bal.enqueue(_item("r", (7, 8, 9), 0, bal))
-    assert bal.take("c", 100 * S, [0], now_ns=1).items  # a busy for 400 ms: c takes it
-    bal.enqueue(_item("r2", (7, 8, 10), 0, bal))
-    # 350 ms later a has 50 ms left: 50 + 51 < 351, so b leaves r2 to a holder.
-    assert not bal.take("b", 100 * S, [0], now_ns=350_000_000).items
-    taken = bal.take("a", 100 * S, [0], now_ns=350_000_001)
+    assert bal.take("c", 100 * S, [0], now_ns=1).items  # a busy for 700 ms: c takes it
+    bal.enqueue(_item("r2", (7, 8, 10), 650_000_000, bal))
+    # 650 ms later a has 50 ms left: 50 + 51 < 351, so b leaves r2 to a holder.
+    assert not bal.take("b", 100 * S, [0], now_ns=650_000_000).items
+    taken = bal.take("a", 100 * S, [0], now_ns=650_000_001)
     assert [i.request_id for i in taken.items] == ["r2"]
 
 

@@ -79,11 +79,12 @@ def _bal() -> PrefillBalancer:
 
 def _held_request(bal: PrefillBalancer) -> Queued:
     """``r`` (350 tokens) of which ``a`` holds 200: 151 ms on ``a``, 351 ms on ``b``.
-    ``a`` last pulled with 400 ms on its rank (free at 400 ms): 551 ms > 351 ms."""
+    ``a`` last pulled with 700 ms on its rank (free at 700 ms): 851 ms > 351 ms plus
+    the grace (the 200 ms ``a`` saves, at most two step floors: 200 ms)."""
     aff = bal.affinity
     assert aff is not None
     aff.index.record("a", (7, 8))
-    assert not bal.take("a", 0, [400 * MS], now_ns=0).items
+    assert not bal.take("a", 0, [700 * MS], now_ns=0).items
     blocks = (7, 8, 9)
     return Queued("r", 350, 0, 0, aff.expected_cost(350, blocks), 1, blocks)
 
@@ -95,7 +96,8 @@ def test_able_uses_the_predicted_finish() -> None:
     aff = bal.affinity
     assert aff is not None
     item = _held_request(bal)
-    w = aff_order.Window([item], [{"a": 2}], aff.max_wait_ns)
+    w = aff_order.Window([item], ["a", "b"], aff.index, aff.max_wait_ns)
+    assert w.held(0) == {"a": 2}
     offers = [Offer("b", 100 * S, [0])]
 
     def finish(e: str, it: Queued, m: int, ahead: int) -> int:
@@ -116,10 +118,33 @@ def test_choose_puller_and_take_agree_on_a_held_request() -> None:
 
 def test_the_pullers_own_finish_uses_its_current_rank_loads() -> None:
     # b last pulled with 1 s queued; it now reports an idle rank. Priced from its current
-    # loads (351 ms) it beats the holder a (551 ms) and takes r; priced from its stale
+    # loads (351 ms) it beats the holder a (851 ms) and takes r; priced from its stale
     # drained prediction (1 s + 351 ms) it would leave r waiting.
     bal = _bal()
     item = _held_request(bal)
     assert not bal.take("b", 0, [1000 * MS], now_ns=0).items
     bal.enqueue(item)
     assert [i.request_id for i in bal.take("b", 100 * S, [0], now_ns=1).items] == ["r"]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    min_rank_ms=st.integers(0, 5_000), step_ms=st.integers(0, 5_000),
+    seen_ms=st.integers(0, 5_000), now_ms=st.integers(0, 10_000), ranks=st.integers(1, 8),
+    matched=st.integers(0, 3), ahead_ms=st.integers(0, 3_000), pulling=st.booleans(),
+    known=st.booleans(),
+)
+def test_the_decisions_pricer_is_finish_ns(min_rank_ms: int, step_ms: int, seen_ms: int,
+                                           now_ms: int, ranks: int, matched: int,
+                                           ahead_ms: int, pulling: bool, known: bool) -> None:
+    """``pricer`` (one decision's cached form) predicts what :func:`finish_ns` does."""
+    aff = Affinity(PrefixIndex(block_tokens=100), cost, max_wait_ns=100 * S)
+    item = Queued("r", 350, 0, 0, cost(350, 0), 0, (7, 8, 9))
+    eng = EngineEntry("e", ranks, tier=0, min_rank_ns=min_rank_ms * MS, seen_ns=seen_ms * MS,
+                      step_ns=step_ms * MS) if known else None
+    w = aff_order.Window([item], ["e"], aff.index, 100 * S)
+    now = now_ms * MS
+    price = aff_order.pricer(aff, w, lambda e: eng, now, lambda e: pulling)
+    for _ in range(2):  # the second call reads the cached parts
+        assert price("e", item, matched, ahead_ms * MS) == aff_order.finish_ns(
+            aff, eng, item, matched, now, pulling, ahead_ms * MS)

@@ -72,14 +72,14 @@ def _two_engines(bounds: tuple[int, ...], caps: tuple[int, ...], tier: int,
 
 def test_an_idle_rank_of_a_holder_mid_step_does_not_make_it_sooner() -> None:
     # a holds 200 of r's 350 tokens (151 ms there, 351 ms on b). a's latest pull left
-    # one rank with 400 ms and one idle: its idle rank waits for the 400 ms step to end,
-    # so a finishes r at 551 ms and the idle b takes it. Priced from a's idle rank alone
-    # (151 ms), r would wait for a.
+    # one rank with 700 ms and one idle: its idle rank waits for the 700 ms step to end,
+    # so a finishes r at 851 ms, past b's 351 ms plus the grace (200 ms), and the idle b
+    # takes it. Priced from a's idle rank alone (151 ms), r would wait for a.
     bal = _two_engines((1_000_000,), (1000 * S, 1000 * S), 0, 100 * S, ranks=2)
     aff = bal.affinity
     assert aff is not None
     aff.index.record("a", (7, 8))
-    assert not bal.take("a", 0, [400 * MS, 0], now_ns=0).items
+    assert not bal.take("a", 0, [700 * MS, 0], now_ns=0).items
     blocks = (7, 8, 9)
     bal.enqueue(Queued("r", 350, 0, 0, aff.expected_cost(350, blocks), 1, blocks))
     assert bal.choose_puller(0, [Offer("b", 100 * S, [0, 0])], now_ns=1) == 0

@@ -516,8 +516,9 @@ class PrefillBalancer:
             offering = {o.engine_id for o in offers}
             able = aff_order.able(aff, offers, now_ns, w,
                                   lambda o, it: self._can_take_item(tier, o, it),
-                                  lambda e, it, m, a: aff_order.finish_ns(
-                                      aff, self.engine(e), it, m, now_ns, e in offering, a))
+                                  aff_order.pricer(aff, w, self.engine, now_ns,
+                                                   offering.__contains__),
+                                  aff_order.grace_ns(self.config.step_floor_ns))
         if not able:
             return -1
         return self.config.rules.puller.choose(able, offers)
@@ -659,5 +660,7 @@ def _affinity_order(
         return None
     aff = bal.affinity
     assert aff is not None
-    return aff_order.order_for(aff, engine_id, now_ns, w, lambda e, it, m, a: aff_order.finish_ns(
-        aff, bal.engine(e), it, m, now_ns, e == engine_id, a))
+    return aff_order.order_for(
+        aff, engine_id, now_ns, w,
+        aff_order.pricer(aff, w, bal.engine, now_ns, lambda e: e == engine_id),
+        aff_order.grace_ns(bal.config.step_floor_ns))

@@ -2,36 +2,97 @@
 
 Within the fairness bound (the tier's head waited less than the tier's bound: the
 shell's ``affinity.max_wait_ns`` for the shortest tier, scaled by each tier's batch cap),
-a pull looks at the tier's first ``affinity.scan`` live requests (the *window*) and, for
-each, the leading blocks every engine that may serve the tier holds. An engine's take
-order: a request another engine holds a longer prefix of waits for it only while that
-holder is predicted to finish it sooner (its least-loaded rank's remaining work, and no
-sooner than the end of the step it is running, plus the window's earlier requests that
-wait for it spread over its ranks, plus its cost there, against this engine's; issue 21),
-and never past the bound; the rest go longest held prefix first, FIFO among equals.
+a pull looks at the tier's live requests from the head (the *window*) and, for each, the
+leading blocks every engine that may serve the tier holds. An engine's take order: a
+request another engine holds a longer prefix of waits for it only while that holder is
+predicted to finish it sooner (its least-loaded rank's remaining work, and no sooner than
+the end of the step it is running, plus the window's earlier requests that wait for it
+or that it alone holds most of, spread over its ranks, plus its cost there, against this
+engine's; issue 21), and never past the bound. A holder nobody else waits for may also
+be later by the recompute it saves, capped at :data:`GRACE_FLOORS` step floors, a cap
+that shrinks to none as the request's wait grows from one cap to two (the *grace*: an
+engine's own finish is not the fleet's; the recompute is GPU time every later request
+waits for). The rest go longest held prefix first, FIFO among equals; the order ends at
+``affinity.scan`` requests, not counting those left to a holder (so the window runs to
+at most :data:`SCAN_CAP` x ``scan`` requests, matched only as far as the order reads).
 Past the bound, pulls are FIFO (a fairness override). Pure functions over queued
 records.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from fulcrum.core.prefill.affinity import Affinity
+from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
 from fulcrum.core.prefill.chunks import busy_budget
 from fulcrum.core.prefill.items import EngineEntry, Offer, Queued
 from fulcrum.core.prefix_cost import predicted_ttft_one_ns
 
+#: The window runs up to this many times ``affinity.scan`` requests: an engine's take
+#: order skips those waiting for another engine and stops at ``scan`` others. 2 is the
+#: largest multiple that keeps one decision under 3 ms in ``benchmarks/bench_prefix.py``'s
+#: worst cases (3: 3.4 ms); 4 made the same decisions on every simulator trace tried
+#: (BENCHMARKS.md, "Prefix affinity ... stop 36").
+SCAN_CAP = 2
+
+#: The grace a request may wait for a holder predicted later than the puller (the
+#: recompute the holder saves, :func:`sooner_holder`) is at most this many step floors;
+#: it shrinks to none as the request's wait goes from that to twice that.
+GRACE_FLOORS = 2
+
+
+def grace_ns(step_floor_ns: int) -> int:
+    """The grace's cap (ns) for a balancer whose step floor is ``step_floor_ns``."""
+    return GRACE_FLOORS * max(0, step_floor_ns)
+
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """The window's requests (head first) and, per request, engine -> held blocks."""
+    """The window's requests (head first) and, per request, engine -> held blocks
+    (:meth:`held`, matched on first use: a take order that ends early never matches the
+    requests past its end)."""
 
     items: list[Queued]
-    held: list[dict[str, int]]
+    #: The engines that may serve the tier (the only ones matched).
+    serving: list[str]
+    index: PrefixIndex
     #: The tier's fairness bound (ns): a request waits for a holder at most this long.
     bound_ns: int
+    _held: list[dict[str, int]] = field(default_factory=list)
+    _costs: dict[tuple[int, int], int] = field(default_factory=dict)
+    _tops: dict[int, tuple[int, str | None]] = field(default_factory=dict)
+
+    def held(self, i: int) -> dict[str, int]:
+        """Engine -> leading blocks held of ``items[i]`` (engines holding none left out)."""
+        got = self._held
+        while len(got) <= i:
+            it = self.items[len(got)]
+            got.append({e: m for e in self.serving
+                        if (m := self.index.match_memo(e, it.blocks, it.held))}
+                       if it.blocks else {})
+        return got[i]
+
+    def cost(self, aff: Affinity, item: Queued, matched: int) -> int:
+        """:func:`matched_cost` of ``item`` at ``matched`` blocks, computed once per
+        window (it does not depend on the engine that asks)."""
+        key = (id(item), matched)
+        got = self._costs.get(key)
+        if got is None:
+            got = self._costs[key] = matched_cost(aff, item, matched)
+        return got
+
+    def top(self, i: int) -> tuple[int, str | None]:
+        """The longest prefix any engine holds of ``items[i]`` (blocks) and the one engine
+        holding it (None: nobody, or a tie)."""
+        got = self._tops.get(i)
+        if got is None:
+            h = self.held(i)
+            m = max(h.values(), default=0)
+            tops = [e for e, x in h.items() if x == m]
+            got = self._tops[i] = (m, tops[0] if m > 0 and len(tops) == 1 else None)
+        return got
 
 
 def window(
@@ -49,18 +110,12 @@ def window(
                 dead.append(item)
             continue
         items.append(item)
-        if len(items) >= aff.scan:
+        if len(items) >= aff.scan * SCAN_CAP:
             break
     bound = aff.max_wait_ns if bound_ns is None else bound_ns
     if not items or now_ns - items[0].enqueued_ns >= bound:
         return None
-    idx = aff.index
-    held = [
-        {e: m for e in serving if (m := idx.match_memo(e, it.blocks, it.held))}
-        if it.blocks else {}
-        for it in items
-    ]
-    return Window(items, held, bound)
+    return Window(items, serving, aff.index, bound)
 
 
 #: Predicted finish (ns from now) of a request on an engine holding ``matched`` of its
@@ -70,39 +125,67 @@ Finish = Callable[[str, Queued, int, int], int]
 
 
 def sooner_holder(finish: Finish, engine_id: str, item: Queued, held: dict[str, int],
-                  mine: int, ahead: dict[str, int] | None = None) -> str | None:
+                  mine: int, ahead: dict[str, int] | None = None,
+                  cost: Callable[[int], int] | None = None, grace_ns: int = 0) -> str | None:
     """The engine holding more of ``item``'s prefix than ``engine_id`` (``mine`` blocks;
     ``held``: engine -> leading blocks held) predicted to finish it first, after
     ``ahead[e]`` ns of earlier requests waiting for it; None when ``engine_id`` is
-    predicted no later than every such holder. O(holders), no index look-up."""
+    predicted no later than every such holder. With ``cost`` (matched blocks -> ns) and
+    ``grace_ns``, a holder with nothing ``ahead`` counts as sooner while it is predicted
+    later by less than the recompute it saves (``cost(mine) - cost(its blocks)``), at
+    most ``grace_ns`` (one request at a time waits on a grace: no pile-up on a holder).
+    O(holders), no index look-up."""
     at = finish(engine_id, item, mine, 0)
-    best = None
+    best, bt = None, None
     for e, m in held.items():
         if m > mine and e != engine_id:
-            t = finish(e, item, m, 0 if ahead is None else ahead.get(e, 0))
-            if t < at:
-                best, at = e, t
+            before = 0 if ahead is None else ahead.get(e, 0)
+            t = finish(e, item, m, before)
+            g = 0 if cost is None or grace_ns <= 0 or before > 0 \
+                else max(0, min(cost(mine) - cost(m), grace_ns))
+            if t < at + g and (bt is None or t < bt):
+                best, bt = e, t
     return best
 
 
 def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window,
-              finish: Finish | None = None) -> list[Queued]:
+              finish: Finish | None = None, grace_ns: int = 0) -> list[Queued]:
     """``engine_id``'s take order over the window ``w`` (see the module docstring). With
     ``finish``, a request waits for a holder of a longer prefix only while that holder is
-    predicted to finish it sooner, after the window's earlier requests that wait for it
-    (issue 21); without, whenever one exists."""
+    predicted to finish it sooner (or later by less than the recompute it saves, at most
+    ``grace_ns`` while the request waited less than ``grace_ns``, shrinking to none at
+    twice that: :func:`sooner_holder`), after the window's earlier requests that wait for
+    it or that it alone holds the longest prefix of (it takes those first; issue 21);
+    without, whenever one exists. It ends once it holds ``aff.scan`` requests: the ones
+    waiting for another engine do not count (the window runs up to ``SCAN_CAP`` times
+    ``aff.scan``)."""
     ranked: list[tuple[int, int, Queued]] = []
     ahead: dict[str, int] = {}
-    for i, (item, h) in enumerate(zip(w.items, w.held, strict=True)):
+    bound, scan, cost = w.bound_ns, aff.scan, w.cost
+    for i, item in enumerate(w.items):
+        h = w.held(i)
         mine = h.get(engine_id, 0)
-        if h and now_ns - item.enqueued_ns < w.bound_ns and max(h.values()) > mine:
+        top_m, top = w.top(i)
+        e = None
+        age = now_ns - item.enqueued_ns
+        if age < bound and top_m > mine:
             if finish is None:
                 continue  # it waits for its holder
-            e = sooner_holder(finish, engine_id, item, h, mine, ahead)
+            e = sooner_holder(finish, engine_id, item, h, mine, ahead,
+                              functools.partial(cost, aff, item),
+                              max(0, min(grace_ns, 2 * grace_ns - age)))
             if e is not None:  # its holder is predicted to finish it sooner
-                ahead[e] = ahead.get(e, 0) + matched_cost(aff, item, h[e])
-                continue
+                ahead[e] = ahead.get(e, 0) + cost(aff, item, h[e])
+                if top is None or top in (e, engine_id):
+                    continue
+        # Held longest by one other engine alone: it takes this one before later ones.
+        if top is not None and top != engine_id and top != e and age < bound:
+            ahead[top] = ahead.get(top, 0) + cost(aff, item, top_m)
+        if e is not None:
+            continue
         ranked.append((-mine, i, item))
+        if len(ranked) >= scan:  # requests waiting for another engine do not count
+            break
     ranked.sort(key=lambda x: (x[0], x[1]))
     return [x[2] for x in ranked]
 
@@ -152,37 +235,62 @@ def _pool_cost(aff: Affinity, item: Queued) -> int:
 
 
 def finish_ns(aff: Affinity, eng: EngineEntry | None, item: Queued, matched: int,
-              now_ns: int, pulling: bool = False, ahead_ns: int = 0) -> int:
+              now_ns: int, pulling: bool = False, ahead_ns: int = 0,
+              cost_ns: int | None = None) -> int:
     """Predicted finish (ns from now) of ``item`` on engine ``eng`` holding ``matched`` of
     its leading blocks (:func:`fulcrum.core.prefix_cost.predicted_ttft_one_ns`): that
     engine's least-loaded rank's load after its latest pull, drained by the time since
     (1 ns per ns), but no sooner than the end of the step that pull started (an engine
     mid-step pulls at its step boundary; ``pulling``: the engine is at one now), plus
     ``ahead_ns`` of other requests' work it takes first, spread over its DP ranks, plus
-    the request's cost there (:func:`matched_cost`)."""
+    the request's cost there (:func:`matched_cost`; ``cost_ns`` when the caller has it)."""
+    cost = matched_cost(aff, item, matched) if cost_ns is None else cost_ns
+    load, ranks = _base(eng, now_ns, pulling)
+    return load + ahead_ns // ranks + cost
+
+
+def pricer(aff: Affinity, w: Window, engine: Callable[[str], EngineEntry | None],
+           now_ns: int, pulling: Callable[[str], bool]) -> Finish:
+    """:func:`finish_ns` over the window ``w`` for one decision at ``now_ns`` (``engine``:
+    engine id -> its entry; ``pulling``: the engines at a step boundary now), with each
+    engine's load part computed once and each request's cost once per window: the take
+    orders of every offering engine price the same engines and requests again."""
+    bases: dict[str, tuple[int, int]] = {}
+
+    def finish(e: str, it: Queued, m: int, ahead: int) -> int:
+        b = bases.get(e)
+        if b is None:
+            b = bases[e] = _base(engine(e), now_ns, pulling(e))
+        return b[0] + ahead // b[1] + w.cost(aff, it, m)
+
+    return finish
+
+
+def _base(eng: EngineEntry | None, now_ns: int, pulling: bool) -> tuple[int, int]:
+    """(load part of :func:`finish_ns` in ns, the ranks its ``ahead_ns`` is spread over)."""
     if eng is None:
-        return ahead_ns + matched_cost(aff, item, matched)
+        return 0, 1
     since = max(0, now_ns - eng.seen_ns)
     load = max(0, eng.min_rank_ns - since)
     if not pulling:
         load = max(load, eng.step_ns - since)
-    return load + ahead_ns // max(1, eng.dp_ranks) + matched_cost(aff, item, matched)
+    return load, max(1, eng.dp_ranks)
 
 
 def able(aff: Affinity, offers: Sequence[Offer], now_ns: int, w: Window,
          can_take: Callable[[Offer, Queued], bool],
-         finish: Finish | None = None) -> list[int]:
+         finish: Finish | None = None, grace_ns: int = 0) -> list[int]:
     """Indices of the ``offers`` able (``can_take``) to take the first request of their
     take order over ``w`` (:func:`order_for`, with ``finish`` as the pull's own order
     uses it), narrowed to those holding the longest prefix of it (when any holds one)."""
     firsts: dict[int, Queued] = {}
     for i, o in enumerate(offers):
-        order = order_for(aff, o.engine_id, now_ns, w, finish)
+        order = order_for(aff, o.engine_id, now_ns, w, finish, grace_ns)
         if order and can_take(o, order[0]):
             firsts[i] = order[0]
     found = list(firsts)
     pos = {id(it): j for j, it in enumerate(w.items)}
-    held = {i: w.held[pos[id(firsts[i])]].get(offers[i].engine_id, 0) for i in found}
+    held = {i: w.held(pos[id(firsts[i])]).get(offers[i].engine_id, 0) for i in found}
     top = max(held.values(), default=0)
     if top > 0:
         found = [i for i in found if held[i] == top]
