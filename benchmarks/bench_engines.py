@@ -206,23 +206,31 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def port_open(port: int) -> bool:
+    """Something accepts connections on loopback ``port``."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        return True
+    return False
+
+
 @contextlib.asynccontextmanager
 async def fulcrum_router(
     ports: list[int], lean: bool = False, unary: bool = False,
-    recompute_weight: float | None = None,
+    recompute_weight: float | None = None, http: bool = False,
 ) -> AsyncIterator[int]:
     """``fulcrum serve`` in its own process (not the load generator's loop), gateway.cache
     on, scraping the engines, every other setting the daemon's default (scrape every
     1,000 ms, the KV size each engine's page reports); a real Envoy in front (``lean``:
     the lean processing mode, request headers and buffered body only, release on stream
     close; ``unary``: ext_authz Check with the body, release by the gRPC access log; in
-    both nothing is learnt from the response). ``recompute_weight``:
+    both nothing is learnt from the response; ``http``: the unary mode with its ext_authz
+    over plain HTTP/1.1 to ``gateway.authz_http_port``). ``recompute_weight``:
     ``gateway.cache.recompute_weight`` (None: the default)."""
     import yaml
 
     from fulcrum.gateway.testing import render_envoy_config, start_envoy, wait_for
 
-    port, grpc_port, health_port = free_ports(3)
+    port, grpc_port, health_port, http_port = free_ports(4)
     cfg = {
         "server": {"host": "127.0.0.1", "port": grpc_port, "seed": 7},
         "gateway": {
@@ -235,6 +243,8 @@ async def fulcrum_router(
     }
     if recompute_weight is not None:
         cfg["gateway"]["cache"]["recompute_weight"] = recompute_weight  # type: ignore[index]
+    if http:
+        cfg["gateway"]["authz_http_port"] = http_port  # type: ignore[index]
     tmp = Path(tempfile.mkdtemp(prefix="bench-engines-"))
     (tmp / "fulcrum.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "fulcrum.cli", "serve", "--config",
@@ -243,14 +253,13 @@ async def fulcrum_router(
 
     def listening() -> bool:
         assert proc.poll() is None, f"fulcrum exited: {tmp / 'fulcrum.log'}"
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return True
-        return False
+        return port_open(port)
 
     try:
         await wait_for(listening, tries=600, interval_s=0.1, what="fulcrum ext_proc port")
         env = await start_envoy(render_envoy_config(port, [*ports, *ports], lean=lean,
-                                                    unary=unary),
+                                                    unary=unary,
+                                                    http_authz_port=http_port if http else None),
                                 concurrency=1, log_level="error")
         ROUTER_PIDS[:] = [proc.pid, env.proc.pid]
         try:
@@ -281,6 +290,58 @@ async def noop_unary(ports: list[int]) -> AsyncIterator[int]:
         finally:
             ROUTER_PIDS.clear()
             env.stop()
+
+
+#: The HTTP mode's no-op picker: round robin over the engines, no parsing, a bare
+#: asyncio protocol on uvloop (its own process).
+NOOP_HTTP = r"""
+import asyncio, itertools, sys, uvloop
+addrs = itertools.cycle([f"127.0.0.1:{p}".encode() for p in sys.argv[2:]])
+class P(asyncio.Protocol):
+    def connection_made(self, t): self.t, self.buf = t, b""
+    def data_received(self, d):
+        self.buf += d
+        while (i := self.buf.find(b"\r\n\r\n")) >= 0:
+            n = 0
+            for line in self.buf[:i].split(b"\r\n")[1:]:
+                k, _, v = line.partition(b":")
+                if k.strip().lower() == b"content-length":
+                    n = int(v)
+            if len(self.buf) < i + 4 + n:
+                return
+            self.buf = self.buf[i + 4 + n:]
+            self.t.write(b"HTTP/1.1 200 OK\r\nx-gateway-destination-endpoint: " + next(addrs)
+                         + b"\r\ncontent-length: 0\r\n\r\n")
+async def main():
+    srv = await asyncio.get_running_loop().create_server(P, "127.0.0.1", int(sys.argv[1]))
+    await srv.serve_forever()
+uvloop.run(main())
+"""
+
+
+@contextlib.asynccontextmanager
+async def noop_http(ports: list[int]) -> AsyncIterator[int]:
+    """The HTTP Envoy mode (:func:`fulcrum.gateway.testing.http_authz_config`) in front
+    of a no-op HTTP picker (:data:`NOOP_HTTP`): what the HTTP hop costs without a pick."""
+    from fulcrum.gateway.testing import render_envoy_config, start_envoy, wait_for
+
+    (port,) = free_ports(1)
+    proc = subprocess.Popen([sys.executable, "-c", NOOP_HTTP, str(port), *map(str, ports)])
+
+    try:
+        await wait_for(lambda: port_open(port), tries=200, interval_s=0.05,
+                       what="no-op HTTP picker")
+        env = await start_envoy(render_envoy_config(9002, [*ports, *ports], http_authz_port=port),
+                                concurrency=1, log_level="error")
+        ROUTER_PIDS[:] = [proc.pid, env.proc.pid]
+        try:
+            yield env.port
+        finally:
+            ROUTER_PIDS.clear()
+            env.stop()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @contextlib.asynccontextmanager
@@ -353,7 +414,9 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
             fulcrum_router, unary=True),
         "Fulcrum (gateway.cache, unary Envoy mode, least TTFT alone)": functools.partial(
             fulcrum_router, unary=True, recompute_weight=0.0),
+        "Fulcrum (gateway.cache, HTTP Envoy mode)": functools.partial(fulcrum_router, http=True),
         "no-op picker (unary Envoy mode)": noop_unary,
+        "no-op picker (HTTP Envoy mode)": noop_http,
         "smg cache_aware": peer_router(PEERS, "cache_aware", ("launch",)),
         "smg round_robin": peer_router(PEERS, "round_robin", ("launch",)),
         "Envoy round robin": envoy_rr,

@@ -82,6 +82,7 @@ async def gateway_stack(
     with_pool: bool = True,
     lean: bool = False,
     unary: bool = False,
+    http: bool = False,
 ) -> AsyncIterator[Stack]:
     async with upstreams(4) as ups:
         ports = [u.port for u in ups]
@@ -91,6 +92,8 @@ async def gateway_stack(
             "health_port": 0,
             **pool_overrides(ports, **(engine or {})),
         }
+        if http:  # the HTTP picker on any free port
+            gw["authz_http_port"] = 0
         if not with_pool:
             gw["pool"] = {"decode": []}
         extra = dict(gateway or {})
@@ -109,6 +112,7 @@ async def gateway_stack(
                     request_body_mode=request_body_mode,
                     lean=lean,
                     unary=unary,
+                    http_authz_port=g.http_port if http else None,
                 )
             )
             st = Stack(daemon, g, ups, env)

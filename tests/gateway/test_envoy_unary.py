@@ -21,11 +21,8 @@ from tests.gateway.test_envoy_e2e import completion, hold
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_unary_config_replaces_ext_proc_and_validates(tmp_path: Path) -> None:
-    cfg = render_envoy_config(9002, [8101, 8102, 8103, 8104], unary=True)
-    assert "envoy.filters.http.ext_proc" not in cfg
-    assert "envoy.filters.http.ext_authz" in cfg and "envoy.access_loggers.http_grpc" in cfg
-    assert "remove: x-fulcrum-placement" in cfg  # a client's token never reaches Check
+def assert_envoy_validates(cfg: str, tmp_path: Path) -> None:
+    """Envoy's own ``--mode validate`` accepts the bootstrap ``cfg``."""
     path = tmp_path / "envoy.yaml"
     path.write_text(cfg)
     out = subprocess.run(
@@ -33,6 +30,14 @@ def test_unary_config_replaces_ext_proc_and_validates(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_unary_config_replaces_ext_proc_and_validates(tmp_path: Path) -> None:
+    cfg = render_envoy_config(9002, [8101, 8102, 8103, 8104], unary=True)
+    assert "envoy.filters.http.ext_proc" not in cfg
+    assert "envoy.filters.http.ext_authz" in cfg and "envoy.access_loggers.http_grpc" in cfg
+    assert "remove: x-fulcrum-placement" in cfg  # a client's token never reaches Check
+    assert_envoy_validates(cfg, tmp_path)
     with pytest.raises(ValueError, match="choose one"):
         render_envoy_config(9002, [1, 2, 3, 4], unary=True, lean=True)
 
@@ -123,20 +128,21 @@ async def test_unary_mode_refusals_are_http_answers_through_envoy() -> None:
         assert st.gateway.picker.in_flight == 0
 
 
-async def test_unary_mode_forwards_the_path_and_the_tenancy_headers_only(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("mode", ["unary", "http"])
+async def test_forwards_the_path_and_the_tenancy_headers_only(
+    mode: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Both ext_authz transports (gRPC Check, HTTP/1.1) reach the same pick.
     seen: list[dict[str, str]] = []
-    check = authz.AuthzServicer.Check
+    check = authz.check
 
-    async def spy(self: authz.AuthzServicer, request: Any, context: Any) -> Any:
-        http = request.attributes.request.http
-        seen.append({"path": http.path, **dict(http.headers)})
-        return await check(self, request, context)
+    async def spy(picker: Any, leases: Any, clock: Any, body: bytes, path: str,
+                  subset: Any, headers: Any) -> Any:
+        seen.append({"path": path, **dict(headers)})
+        return await check(picker, leases, clock, body, path, subset, headers)
 
-    # Before the stack starts: gRPC binds the servicer's method when it is added.
-    monkeypatch.setattr(authz.AuthzServicer, "Check", spy)
-    async with gateway_stack(unary=True) as st:
+    monkeypatch.setattr(authz, "check", spy)
+    async with gateway_stack(**{mode: True}) as st:
         c = HttpClient("127.0.0.1", st.envoy.port)
         try:
             r = await c.request(

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FULCRUM = [sys.executable, "-m", "fulcrum.cli"]
 
 
-@pytest.mark.parametrize("mode", ["full", "unary"])
+@pytest.mark.parametrize("mode", ["full", "unary", "http"])
 async def test_one_command_routes_requests_and_stops_on_sigterm(mode: str) -> None:
     async with upstreams(2) as ups:
         urls = [f"http://127.0.0.1:{u.port}" for u in ups]
@@ -50,10 +50,11 @@ async def test_one_command_routes_requests_and_stops_on_sigterm(mode: str) -> No
             # Fulcrum picked them: the picker's header reached the engine.
             assert all("x-gateway-destination-endpoint" in rec.headers
                        for u in ups for rec in u.received)
-            # The unary mode's placement token rides on each request (the access log
-            # names it at the end); the ext_proc modes add none.
+            # The unary and HTTP modes' placement token rides on each request (the access
+            # log names it at the end); the ext_proc modes add none. (The HTTP mode runs
+            # here on the daemon's own uvloop, as a user runs it.)
             tokens = {rec.headers.get("x-fulcrum-placement") for u in ups for rec in u.received}
-            assert (len(tokens) == 4 and None not in tokens) if mode == "unary" else (
+            assert (len(tokens) == 4 and None not in tokens) if mode in ("unary", "http") else (
                 tokens == {None})
         finally:
             if proc.returncode is None:
@@ -91,6 +92,12 @@ def test_envoy_modes_and_a_mode_it_does_not_know() -> None:
     lean = launch.envoy_config(9002, addrs, host="127.0.0.1", port=0, admin_port=0,
                                mode="lean")
     assert "request_body_mode: BUFFERED" in lean
+    http = launch.envoy_config(9002, addrs, host="127.0.0.1", port=0, admin_port=0,
+                               mode="http", http_port=9004)
+    assert "http_service" in http and "port_value: 9004" in http
+    s = parse_settings(launch.gateway_overrides(addrs, scrape=False, grpc_port=0,
+                                                metrics_port=None, mode="http"))
+    assert s.gateway.authz_http_port == 0
     with pytest.raises(ValueError, match="envoy-mode"):
         launch.envoy_config(9002, addrs, host="127.0.0.1", port=0, admin_port=0, mode="x")
 

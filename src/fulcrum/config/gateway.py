@@ -169,6 +169,14 @@ class GatewaySettings(Section):
         description="gRPC health port: liveness, readiness, ext_proc service (0 = any)",
         json_schema_extra={"restart_only": True},
     )
+    authz_http_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="port of the HTTP picker (Envoy's ext_authz http_service, one "
+        "HTTP/1.1 request per pick; null = off, 0 = any free port)",
+        json_schema_extra={"restart_only": True},
+    )
     chars_per_token: float = Field(
         4.0,
         gt=0.0,

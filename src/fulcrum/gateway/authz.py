@@ -129,8 +129,9 @@ class Leases:
         return n
 
 
-def _wanted(headers: Any, names: frozenset[str]) -> list[base_pb2.HeaderValue]:
-    """The tenancy headers among a CheckRequest's headers (lower-case keys)."""
+def wanted(headers: Any, names: frozenset[str]) -> list[base_pb2.HeaderValue]:
+    """The tenancy headers among a request's headers (a mapping with lower-case keys:
+    a CheckRequest's, or the HTTP mode's)."""
     if not names:
         return []
     return [base_pb2.HeaderValue(key=k, value=v) for k, v in headers.items() if k in names]
@@ -147,31 +148,17 @@ class AuthzServicer(ea_grpc.AuthorizationServicer):  # type: ignore[misc]
 
     async def Check(self, request: ea.CheckRequest, context: Any) -> ea.CheckResponse:
         picker, leases = self._picker, self._leases
-        s = picker.settings
-        leases.sweep(self._clock())
-        if picker.streams >= s.max_streams:
-            return _denied(Refusal(
-                429, "streams", f"gateway: {s.max_streams} picks under way "
-                "(gateway.max_streams)", s.retry_after_s,
-            ), refused=True)
         http = request.attributes.request.http
         body = http.raw_body or (http.body.encode() if http.body else b"")
-        if len(body) > s.max_body_bytes:
-            return _denied(picker.too_large())
-        subset = subset_in(request.attributes.metadata_context, s.subset_namespace)
-        cls = classify(picker.tenancy, s.tenancy, _wanted(http.headers, picker.tenancy_headers))
-        picker.streams += 1
-        try:
-            out = await picker.pick_full(body, http.path, subset, cls)
-        except BodyTooDeep as err:
-            gm.REFUSED.labels("too_deep").inc()
-            return _denied(Refusal(400, "too_deep", str(err)))
-        finally:
-            picker.streams -= 1
-        if isinstance(out, Refusal):
-            return _denied(out)
-        token = placement_token(out.request_id)
-        leases.add(out, self._clock(), token)
+        if len(body) > picker.settings.max_body_bytes:
+            refusal = picker.too_large()
+            count_refusal(refusal)
+            return _denied(refusal)
+        subset = subset_in(request.attributes.metadata_context, picker.settings.subset_namespace)
+        got = await check(picker, leases, self._clock, body, http.path, subset, http.headers)
+        if isinstance(got, Refusal):
+            return _denied(got)
+        out, token = got
         context.add_done_callback(
             lambda ctx: ctx.cancelled() and leases.release(token, "check_cancelled")
         )
@@ -194,6 +181,37 @@ class AuthzServicer(ea_grpc.AuthorizationServicer):  # type: ignore[misc]
         return [*base, _header(PLACEMENT_HEADER, token)]
 
 
+async def check(
+    picker: Picker, leases: Leases, clock: Callable[[], int], body: bytes, path: str,
+    subset: list[str] | None, headers: Any,
+) -> tuple[Placement, str] | Refusal:
+    """One pick of the unary and HTTP modes: the bound on picks under way, the request's
+    class from its tenancy headers (``headers``: a mapping with lower-case keys), the
+    pick, and its lease under a new token. A refusal comes back counted."""
+    s = picker.settings
+    leases.sweep(clock())
+    if picker.streams >= s.max_streams:
+        refusal = Refusal(429, "streams", f"gateway: {s.max_streams} picks under way "
+                          "(gateway.max_streams)", s.retry_after_s)
+        count_refusal(refusal, refused=True)
+        return refusal
+    cls = classify(picker.tenancy, s.tenancy, wanted(headers, picker.tenancy_headers))
+    picker.streams += 1
+    try:
+        out = await picker.pick_full(body, path, subset, cls)
+    except BodyTooDeep as err:
+        gm.REFUSED.labels("too_deep").inc()
+        out = Refusal(400, "too_deep", str(err))
+    finally:
+        picker.streams -= 1
+    if isinstance(out, Refusal):
+        count_refusal(out)
+        return out
+    token = placement_token(out.request_id)
+    leases.add(out, clock(), token)
+    return out, token
+
+
 def placement_token(request_id: str) -> str:
     """A placement's token: its request id and 64 random bits (``secrets``). Anyone who
     reaches the picker's port can send access-log entries; with a request id alone
@@ -202,11 +220,17 @@ def placement_token(request_id: str) -> str:
     return f"{request_id}.{secrets.token_hex(8)}"
 
 
-def _denied(refusal: Refusal, refused: bool = False) -> ea.CheckResponse:
-    """The HTTP answer of a refusal (the ext_proc path's status, headers and body)."""
+def count_refusal(refusal: Refusal, refused: bool = False) -> None:
+    """Count a refusal answered by the picker itself (``refused``: one the picker
+    counts as refused before any pick, e.g. too many picks under way)."""
     if refused:
         gm.REFUSED.labels(refusal.outcome).inc()
     gm.IMMEDIATE.labels(str(refusal.code)).inc()
+
+
+def _denied(refusal: Refusal) -> ea.CheckResponse:
+    """The HTTP answer of a refusal, counted already (the ext_proc path's status,
+    headers and body)."""
     headers = [_header("content-type", "application/json")]
     if refusal.code == 429:
         headers.append(_header("retry-after", str(refusal.retry_after_s)))

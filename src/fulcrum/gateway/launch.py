@@ -55,15 +55,18 @@ def engine_address(url: str) -> tuple[str, int]:
 
 def gateway_overrides(
     addresses: Sequence[tuple[str, int]], *, scrape: bool, grpc_port: int | None,
-    metrics_port: int | None,
+    metrics_port: int | None, mode: str = "full",
 ) -> dict[str, Any]:
-    """Settings overrides: the picker on free loopback ports, one pool engine per URL."""
+    """Settings overrides: the picker on free loopback ports, one pool engine per URL
+    (``mode`` "http": the HTTP picker too, ``gateway.authz_http_port``)."""
     engines = [{"id": f"engine-{i}", "host": host, "ports": [port]}
                for i, (host, port) in enumerate(addresses)]
     out: dict[str, Any] = {
         "gateway": {"enabled": True, "host": "127.0.0.1", "port": 0, "health_port": 0,
                     "pool": {"decode": engines}, "scrape": {"enabled": scrape}},
     }
+    if mode == "http":
+        out["gateway"]["authz_http_port"] = 0
     if grpc_port is not None:
         out["server"] = {"port": grpc_port}
     if metrics_port is not None:
@@ -72,15 +75,16 @@ def gateway_overrides(
 
 
 #: Envoy's ways of asking the picker (``--envoy-mode``): the shipped ext_proc bootstrap,
-#: its lean processing mode, or the unary mode (ext_authz + access log; docs/gateway-limits.md).
-ENVOY_MODES = ("full", "lean", "unary")
+#: its lean processing mode, the unary mode (ext_authz + access log; docs/gateway-limits.md),
+#: or the HTTP mode (the unary mode's ext_authz over HTTP/1.1).
+ENVOY_MODES = ("full", "lean", "unary", "http")
 
 
 def envoy_config(epp_port: int, addresses: Sequence[tuple[str, int]], *, host: str,
-                 port: int, admin_port: int, mode: str = "full") -> str:
+                 port: int, admin_port: int, mode: str = "full", http_port: int = 0) -> str:
     """The example bootstrap for these engines: listener ``host:port``, picker on
-    ``127.0.0.1:epp_port``, the engines as the fail-open fallback pool; ``mode`` one of
-    :data:`ENVOY_MODES`."""
+    ``127.0.0.1:epp_port`` (the HTTP mode's on ``http_port``), the engines as the
+    fail-open fallback pool; ``mode`` one of :data:`ENVOY_MODES`."""
     if mode not in ENVOY_MODES:
         raise ValueError(f"--envoy-mode: {mode!r}: must be one of {', '.join(ENVOY_MODES)}")
     ports = [p for _, p in addresses]
@@ -88,7 +92,8 @@ def envoy_config(epp_port: int, addresses: Sequence[tuple[str, int]], *, host: s
     template = resources.files("fulcrum.gateway").joinpath("envoy.yaml").read_text()
     text = envoy_kit.render_envoy_config(epp_port, padded, listener_port=port,
                                          admin_port=admin_port, text=template,
-                                         lean=mode == "lean", unary=mode == "unary")
+                                         lean=mode == "lean", unary=mode == "unary",
+                                         http_authz_port=http_port if mode == "http" else None)
     doc = yaml.safe_load(text)
     res = doc["static_resources"]
     res["listeners"][0]["address"]["socket_address"]["address"] = host
@@ -127,7 +132,7 @@ async def launched(settings: Settings, addresses: Sequence[tuple[str, int]], *,
         gw = daemon.gateway
         assert gw is not None, "settings.gateway.enabled must be true"
         cfg = envoy_config(gw.port, addresses, host=host, port=port, admin_port=admin_port,
-                           mode=mode)
+                           mode=mode, http_port=gw.http_port)
         envoy = await envoy_kit.start_envoy(cfg)
         try:
             yield Launched(daemon, envoy, host)
@@ -170,7 +175,7 @@ def main(args: argparse.Namespace, load: Callable[..., Any],
         return EXIT_USAGE
     settings = load(args.config, gateway_overrides(
         addresses, scrape=args.scrape, grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port))
+        metrics_port=args.metrics_port, mode=args.envoy_mode))
     line = busy_port(settings)
     if line is not None:
         print(line, file=sys.stderr)
@@ -203,8 +208,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--admin-port", type=int, default=0, help="Envoy admin port (0 = any free)")
     p.add_argument("--envoy-mode", choices=ENVOY_MODES, default="full",
                    help="how Envoy asks the picker: full (ext_proc, every phase), lean "
-                   "(ext_proc, headers + buffered body) or unary (ext_authz Check + gRPC "
-                   "access log: the least CPU per request; docs/gateway-limits.md)")
+                   "(ext_proc, headers + buffered body), unary (ext_authz Check + gRPC "
+                   "access log) or http (unary's ext_authz over HTTP/1.1: the least CPU "
+                   "per request; docs/gateway-limits.md)")
     p.add_argument("--scrape", action="store_true",
                    help="read the engines' load from their /metrics (gateway.scrape)")
     p.add_argument("--config", help="YAML for the other settings (decode.policy, ...)")

@@ -21,7 +21,7 @@ from grpc_health.v1._async import HealthServicer
 
 from fulcrum.config import Settings
 from fulcrum.config.gateway import GatewaySettings
-from fulcrum.gateway import authz
+from fulcrum.gateway import authz, authz_http
 from fulcrum.gateway.adapter import DecodeAdapter, PrefillAdapter
 from fulcrum.gateway.body import load_tokenizer
 from fulcrum.gateway.extproc import SERVICE, Picker, add_to_server
@@ -54,6 +54,10 @@ class Gateway:
     access_log: authz.AccessLogServicer | None = None
     #: The ZMQ endpoint bound for vLLM's KV events ("" when off or it failed).
     kv_endpoint: str = ""
+    #: The HTTP picker (``gateway.authz_http_port``), its server and bound port (0: off).
+    authz_http: authz_http.AuthzHttp | None = None
+    http_server: asyncio.Server | None = None
+    http_port: int = 0
     _started: bool = field(default=False)
     _drain_task: asyncio.Future[None] | None = None
 
@@ -79,6 +83,7 @@ class Gateway:
         await self.health_server.start()
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
+        await self._start_http()
         for name in ("readiness", SERVICE, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._started = True
@@ -90,6 +95,16 @@ class Gateway:
             endpoints=len(self.pool.addresses),
             policy=self.picker.adapter.policy_name,
         )
+
+    async def _start_http(self) -> None:
+        """gateway.authz_http_port: the HTTP picker's listener."""
+        gs = self.app.settings.gateway
+        if self.authz_http is None or gs.authz_http_port is None:
+            return
+        self.http_server, self.http_port = await authz_http.serve(
+            self.authz_http, gs.host, gs.authz_http_port)
+        _warn_if_plaintext(gs.host, self.http_port)
+        log.info("gateway_authz_http_started", port=self.http_port)
 
     async def _start_kv_events(self) -> None:
         """gateway.cache.kv_events: the subscriber task (a failed bind is logged; the picks
@@ -127,6 +142,11 @@ class Gateway:
         await self._set_ready(False)
         if self.access_log is not None:
             self.access_log.close()
+        if self.http_server is not None:  # every connection closes (a pick under way: released)
+            self.http_server.close()
+            assert self.authz_http is not None
+            self.authz_http.close_all()
+            await self.http_server.wait_closed()
         await self.server.stop(grace_s)
         if self.picker.prefill is not None:
             await self.picker.prefill.stop(self.app.clock())
@@ -233,4 +253,6 @@ def build(app: Any) -> Gateway | None:
         health_port=health_port,
         scraper=scraper,
         access_log=access_log,
+        authz_http=None if gs.authz_http_port is None
+        else authz_http.AuthzHttp(picker, access_log.leases, app.clock),
     )

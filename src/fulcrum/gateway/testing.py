@@ -46,6 +46,7 @@ def render_envoy_config(
     text: str | None = None,
     lean: bool = False,
     unary: bool = False,
+    http_authz_port: int | None = None,
 ) -> str:
     """The example bootstrap with its ports replaced (0 = any free port).
 
@@ -55,6 +56,10 @@ def render_envoy_config(
 
     ``unary``: the unary mode (:func:`unary_config`): ext_authz ``Check`` picks, the gRPC
     access log releases; one unary call per request and a batched log stream.
+
+    ``http_authz_port``: the HTTP mode (:func:`http_authz_config`): the unary mode with
+    its ext_authz ``Check`` sent over plain HTTP/1.1 to the daemon's
+    ``gateway.authz_http_port`` (the access log stays on gRPC).
 
     ``subset_from_header`` (tests only) adds a filter that copies the request header
     ``x-test-subset`` into the subset-hint filter metadata before ext_proc, the way a
@@ -78,7 +83,9 @@ def render_envoy_config(
         raise ValueError("need exactly four upstream ports")
     for old, new in zip(template_upstreams, upstream_ports, strict=True):
         sub(old, new)
-    cfg = _with_mode(cfg, lean, unary, request_body_mode)
+    cfg = _with_mode(cfg, lean, unary or http_authz_port is not None, request_body_mode)
+    if http_authz_port is not None:
+        cfg = http_authz_config(cfg, http_authz_port)
     if not failure_mode_allow:
         line = "\n                      failure_mode_allow: true\n"
         if line not in cfg:
@@ -225,6 +232,52 @@ def unary_config(cfg: str, headers: tuple[str, ...] = LEAN_HEADERS) -> str:
     rules = "".join(f'                          - exact: "{h}"\n' for h in headers)
     cfg = cfg[:start] + UNARY_FILTER % (_EXT_AUTHZ, rules) + cfg[end:]
     return cfg.replace(hcm_anchor, hcm_anchor + UNARY_ACCESS_LOG % _GRPC_LOG, 1)
+
+
+_HTTP_SERVICE = """\
+                      http_service:
+                        server_uri:
+                          uri: "http://127.0.0.1:%d"
+                          cluster: fulcrum_authz_http
+                          timeout: 5s
+                        authorization_response:
+                          allowed_upstream_headers:
+                            patterns:
+                              - exact: x-gateway-destination-endpoint
+                              - exact: x-prefiller-host-port
+                              - exact: x-fulcrum-placement
+"""
+
+_HTTP_CLUSTER = """\
+    # The HTTP picker (gateway.authz_http_port, HTTP/1.1).
+    - name: fulcrum_authz_http
+      type: STATIC
+      connect_timeout: 1s
+      load_assignment:
+        cluster_name: fulcrum_authz_http
+        endpoints:
+          - lb_endpoints:
+              - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: %d } } }
+"""
+
+
+def http_authz_config(cfg: str, port: int) -> str:
+    """A unary-mode bootstrap (:func:`unary_config`) with ext_authz over HTTP/1.1 to the
+    picker's ``gateway.authz_http_port`` (``port``) instead of gRPC: the answer's headers
+    listed in ``allowed_upstream_headers`` go on the request; a denied answer (its status,
+    headers and body) goes to the client. The subset-hint metadata is not sent."""
+    grpc_service = """\
+                      grpc_service:
+                        envoy_grpc: { cluster_name: fulcrum_epp }
+                        timeout: 5s
+"""
+    cluster_anchor = "    # The picker (gRPC over HTTP/2).\n"
+    md = "                      metadata_context_namespaces: [envoy.lb.subset_hint]\n"
+    for anchor in (grpc_service, cluster_anchor, md):
+        if cfg.count(anchor) != 1:
+            raise ValueError(f"envoy template: {anchor.strip()[:40]!r} not found once")
+    cfg = cfg.replace(grpc_service, _HTTP_SERVICE % port, 1).replace(md, "", 1)
+    return cfg.replace(cluster_anchor, _HTTP_CLUSTER % port + cluster_anchor, 1)
 
 
 # -- HTTP/1.1, just enough -----------------------------------------------------------------
