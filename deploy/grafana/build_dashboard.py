@@ -209,10 +209,11 @@ def build() -> dict[str, Any]:
     b.panel("Releases by reason (expired: no access-log entry within gateway.max_hold_s)", [(
         f"sum by (reason) (rate(fulcrum_gateway_releases_total{{{SEL}}}[$__rate_interval]))",
         "{{reason}}")], unit="reqps")
-    b.panel("Requests in flight and Envoy access-log entries (unary mode)", [
+    b.panel("Requests in flight, Envoy access-log entries (unary and HTTP modes), HTTP picker connections", [
         (f"sum(fulcrum_gateway_requests_in_flight{{{SEL}}})", "in flight"),
         (f"sum by (outcome) (rate(fulcrum_gateway_access_log_entries_total{{{SEL}}}[$__rate_interval]))",
-         "log entries {{outcome}}/s")])
+         "log entries {{outcome}}/s"),
+        (f"sum(fulcrum_gateway_authz_http_connections{{{SEL}}})", "HTTP connections")])
     b.panel("Pick time p99 and predicted TTFT p50 of the chosen endpoint", [
         (f"histogram_quantile(0.99, sum by (le) (rate(fulcrum_gateway_pick_seconds_bucket{{{SEL}}}[$__rate_interval])))",
          "pick p99"),

@@ -64,6 +64,10 @@ def exported_names() -> set[str]:
     """Every sample name the daemon's registry can export (all metric modules loaded)."""
     for info in pkgutil.iter_modules(fulcrum.metrics.__path__):
         importlib.import_module(f"fulcrum.metrics.{info.name}")
+    # the gateway's own metric modules (loaded by the daemon when the gateway is on;
+    # imported here so that this module's tests pass alone too)
+    for name in ("metrics", "pick_metrics"):
+        importlib.import_module(f"fulcrum.gateway.{name}")
     names: set[str] = set()
     for family in REGISTRY.collect():
         base = family.name

@@ -118,6 +118,8 @@ async def test_pipelined_requests_are_answered_in_order_and_held() -> None:
         tokens = [next(ln for ln in a.split(b"\r\n") if ln.startswith(b"x-fulcrum-placement"))
                   for a in answers]
         assert len(set(tokens)) == 3 and len(st.picks) == 3
+        from fulcrum.metrics import REGISTRY
+        assert REGISTRY.get_sample_value("fulcrum_gateway_authz_http_connections") is not None
         # Nobody sends their access-log entries: held until gateway.max_hold_s.
         assert st.gateway.picker.in_flight == 3
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import weakref
 from collections.abc import Callable
 from typing import Final, cast
 
@@ -119,6 +120,8 @@ class AuthzHttp:
         self._clock = clock
         #: Open connections (closed by :meth:`close_all` when the daemon stops).
         self.connections: set[_Connection] = set()
+        me = weakref.ref(self)  # read when scraped, not set per connection
+        gm.HTTP_CONNECTIONS.set_function(lambda: _count(me))
 
     def protocol(self) -> asyncio.Protocol:
         """A new connection's protocol (``loop.create_server``'s factory)."""
@@ -145,6 +148,12 @@ class AuthzHttp:
             extra.append((PREFILLER_HEADER, out.prefiller))
         extra.append((authz.PLACEMENT_HEADER, token))
         return response(200, extra)
+
+
+def _count(ref: weakref.ReferenceType[AuthzHttp]) -> float:
+    """Open connections of the HTTP picker ``ref`` points to (0 once it is gone)."""
+    server = ref()
+    return 0.0 if server is None else float(len(server.connections))
 
 
 class _Connection(asyncio.Protocol):

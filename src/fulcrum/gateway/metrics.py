@@ -172,6 +172,12 @@ STREAMS = Gauge(
     "Open ext_proc streams (one per HTTP request in the gateway).",
     registry=REGISTRY,
 )
+HTTP_CONNECTIONS = Gauge(
+    "fulcrum_gateway_authz_http_connections",
+    "HTTP mode: open connections to the HTTP picker (gateway.authz_http_port; Envoy keeps "
+    "them alive, a few per worker).",
+    registry=REGISTRY,
+)
 ENDPOINTS = Gauge(
     "fulcrum_gateway_endpoints",
     "Decode endpoints (ip:port, one per DP rank) the picker may route to.",
