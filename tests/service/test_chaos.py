@@ -142,6 +142,12 @@ class Engine:
                     self.ledger.in_doubt[rid] = self.member_id
                 raise
             except grpc.aio.AioRpcError as err:
+                # No reply (a deadline under load, the daemon restarting): the daemon may
+                # have applied these acknowledgements before the call failed, as for a
+                # call on the wire at a kill. Sent again below; a re-sent one it already
+                # has comes back refused, so only this mark records who held it.
+                for rid in acks:
+                    self.ledger.in_doubt.setdefault(rid, self.member_id)
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     self.pending.clear()  # a new incarnation: what it held went elsewhere
                 await asyncio.sleep(0.02)  # re-registration is the session's job

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -276,7 +277,11 @@ def _run_jobs(jobs: Sequence[GoodputJob], workers: int, quiet: bool) -> list[dic
     try:
         if not parallel:
             return [note(run_goodput(j)) for j in jobs]
-        with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
+        # spawn, not fork: a process with threads (a test runner, an embedding service)
+        # can fork a child holding a lock no thread will release (seen: a worker spinning
+        # in a copied thread's join, CI, 2026-12-06)
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [pool.submit(run_goodput, j) for j in jobs]
             return [note(f.result()) for f in futures]
     finally:

@@ -18,7 +18,8 @@ class SearchProgress:
     def __init__(self, n_jobs: int, max_runs: int, stream: TextIO, *, processes: bool):
         self.max_runs = max_runs
         self._stream = stream
-        self._manager = multiprocessing.Manager() if processes else None
+        # spawn, as the simulator's process pool (fulcrum.sim.cli): no fork of a threaded process
+        self._manager = multiprocessing.get_context("spawn").Manager() if processes else None
         self.queue: Any = self._manager.Queue() if self._manager else queue.Queue()
         self.bar = tqdm(total=n_jobs * max_runs, unit="probe", desc="goodput", file=stream,
                         dynamic_ncols=True, leave=False)
