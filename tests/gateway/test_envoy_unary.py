@@ -113,8 +113,10 @@ async def test_a_client_cannot_name_a_placement() -> None:
         assert await st.wait_released(victim) == "access_log"
 
 
-async def test_unary_mode_refusals_are_http_answers_through_envoy() -> None:
-    async with gateway_stack(unary=True, gateway={"max_in_flight": 1}) as st:
+@pytest.mark.parametrize("mode", ["unary", "http"])
+async def test_ext_authz_refusals_are_http_answers_through_envoy(mode: str) -> None:
+    # Both ext_authz transports (gRPC Check, HTTP/1.1) answer a refusal the same way.
+    async with gateway_stack(**{mode: True}, gateway={"max_in_flight": 1}) as st:
         c = await hold(st, "one", completion(400))
         r = await st.post("/v1/completions", completion(400))
         assert r.status == 429

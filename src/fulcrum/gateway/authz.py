@@ -61,8 +61,10 @@ from fulcrum.gateway.extproc import (
     PREFILLER_HEADER,
     Picker,
     Refusal,
+    count_refusal,
     destination_value,
     refusal_body,
+    refusal_headers,
     subset_in,
 )
 from fulcrum.gateway.tenancy import classify
@@ -220,20 +222,10 @@ def placement_token(request_id: str) -> str:
     return f"{request_id}.{secrets.token_hex(8)}"
 
 
-def count_refusal(refusal: Refusal, refused: bool = False) -> None:
-    """Count a refusal answered by the picker itself (``refused``: one the picker
-    counts as refused before any pick, e.g. too many picks under way)."""
-    if refused:
-        gm.REFUSED.labels(refusal.outcome).inc()
-    gm.IMMEDIATE.labels(str(refusal.code)).inc()
-
-
 def _denied(refusal: Refusal) -> ea.CheckResponse:
     """The HTTP answer of a refusal, counted already (the ext_proc path's status,
     headers and body)."""
-    headers = [_header("content-type", "application/json")]
-    if refusal.code == 429:
-        headers.append(_header("retry-after", str(refusal.retry_after_s)))
+    headers = [_header(k, v) for k, v in refusal_headers(refusal)]
     return ea.CheckResponse(
         status=_DENIED,
         denied_response=ea.DeniedHttpResponse(

@@ -46,8 +46,10 @@ from fulcrum.gateway.extproc import (
     PREFILLER_HEADER,
     Picker,
     Refusal,
+    count_refusal,
     destination_value,
     refusal_body,
+    refusal_headers,
 )
 
 log = structlog.get_logger(__name__)
@@ -105,10 +107,7 @@ def response(code: int, headers: list[tuple[str, str]], body: bytes = b"") -> by
 def refused(refusal: Refusal) -> bytes:
     """The HTTP answer of a refusal, counted already (the other modes' status, headers
     and JSON body)."""
-    headers = [("content-type", "application/json")]
-    if refusal.code == 429:
-        headers.append(("retry-after", str(refusal.retry_after_s)))
-    return response(refusal.code, headers, refusal_body(refusal))
+    return response(refusal.code, refusal_headers(refusal), refusal_body(refusal))
 
 
 class AuthzHttp:
@@ -204,7 +203,7 @@ class _Connection(asyncio.Protocol):
         picker = self._server.picker
         if length > picker.settings.max_body_bytes:
             refusal = picker.too_large()
-            authz.count_refusal(refusal)
+            count_refusal(refusal)
             self._write(refused(refusal))
             self.close()
             return

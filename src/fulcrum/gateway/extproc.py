@@ -417,10 +417,8 @@ class Picker:
 
     @staticmethod
     def immediate(refusal: Refusal) -> ep.ProcessingResponse:
-        gm.IMMEDIATE.labels(str(refusal.code)).inc()
-        headers = [_header("content-type", "application/json")]
-        if refusal.code == 429:
-            headers.append(_header("retry-after", str(refusal.retry_after_s)))
+        count_refusal(refusal)
+        headers = [_header(k, v) for k, v in refusal_headers(refusal)]
         return ep.ProcessingResponse(
             immediate_response=ep.ImmediateResponse(
                 status=http_status_pb2.HttpStatus(code=_STATUS[refusal.code]),
@@ -429,6 +427,23 @@ class Picker:
                 details=f"fulcrum_{refusal.outcome}",
             )
         )
+
+
+def refusal_headers(refusal: Refusal) -> list[tuple[str, str]]:
+    """The response headers of a refusal in every Envoy mode: JSON, and ``retry-after``
+    (s) on a 429."""
+    headers = [("content-type", "application/json")]
+    if refusal.code == 429:
+        headers.append(("retry-after", str(refusal.retry_after_s)))
+    return headers
+
+
+def count_refusal(refusal: Refusal, refused: bool = False) -> None:
+    """Count a refusal the picker answers itself (``refused``: one also counted as
+    refused before any pick, e.g. too many picks under way)."""
+    if refused:
+        gm.REFUSED.labels(refusal.outcome).inc()
+    gm.IMMEDIATE.labels(str(refusal.code)).inc()
 
 
 def destination_value(placement: Placement) -> str:
