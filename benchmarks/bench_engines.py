@@ -83,6 +83,8 @@ class Run:
     #: Each engine's own mean TTFT over the run (ms, its ``vllm:time_to_first_token``
     #: histogram): how fast each engine answered, next to how many requests it got.
     engine_ttft_ms: list[float] = field(default_factory=list)
+    #: The round it ran in (rounds are interleaved: every router once per round).
+    round: int = 0
 
 
 async def stream_ttft(port: int, body: dict[str, object]) -> tuple[float, str]:
@@ -439,7 +441,7 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
             for wname, work in workloads(quick, size).items():
                 if only_workloads and wname not in only_workloads.split(","):
                     continue
-                run = Run(name, wname)
+                run = Run(name, wname, round=rnd)
                 f0 = engine_figures(ports)
                 c0 = sum(cpu_s(p) for p in ROUTER_PIDS)
                 t0 = time.perf_counter()
@@ -484,6 +486,31 @@ def pooled(runs: list[Run]) -> str:
                    f"{' / '.join(map(str, np.sum([r.per_engine for r in rs], axis=0)))} | "
                    f"{sum(balanced(r.per_engine) for r in rs)} | "
                    f"{float(np.median(cpu)):.2f} | {sum(r.errors for r in rs)} |")
+    return "\n".join(out)
+
+
+def paired(runs: list[Run], baseline: str = "Envoy round robin", aim: float = 1.05,
+           seed: int = 20) -> str:
+    """Wall time against ``baseline``'s in the same round, per workload and router: the
+    median of the per-round ratios, a 90% bootstrap interval of that median (2,000
+    resamples of the rounds, seeded) and the rounds at or under ``aim``. Pairing by round
+    removes the drift of a shared machine between rounds, which an unpaired median of
+    each router's walls keeps."""
+    base = {(r.workload, r.round): r.wall_s for r in runs if r.router == baseline}
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in runs:
+        b = base.get((r.workload, r.round))
+        if r.router != baseline and b:
+            groups.setdefault((r.workload, r.router), []).append(r.wall_s / b)
+    rng = np.random.default_rng(seed)
+    out = [f"| workload | router | rounds | wall / {baseline}'s, median of the rounds | "
+           f"90% interval | rounds <= {aim:g}x |", "|---|---|---:|---:|---|---:|"]
+    for (workload, router), ratios in sorted(groups.items()):
+        x = np.array(ratios)
+        boot = np.median(rng.choice(x, size=(2000, x.size)), axis=1)
+        lo, hi = np.percentile(boot, [5, 95])
+        out.append(f"| {workload} | {router} | {x.size} | {np.median(x):.3f} | "
+                   f"{lo:.3f}-{hi:.3f} | {int((x <= aim).sum())} |")
     return "\n".join(out)
 
 
@@ -621,6 +648,8 @@ def main() -> None:
     if args.rounds > 1:
         print()
         print(pooled(runs))
+        print()
+        print(paired(runs))
 
 
 if __name__ == "__main__":

@@ -40,3 +40,43 @@ def test_nonce_has_the_same_length_for_every_router_and_is_fresh_per_key() -> No
     assert not set(be.NONCE_CHARS) & set("".join(WORDS) + "0123456789")
     assert len(set(nonces)) == 3
     assert be.nonce("k") == be.nonce("k")
+
+
+def _runs(walls: dict[str, list[float]], workload: str = "no-reuse") -> list[be.Run]:
+    return [be.Run(router, workload, wall_s=w, round=i)
+            for router, ws in walls.items() for i, w in enumerate(ws)]
+
+
+def _row(text: str, router: str) -> list[str]:
+    (line,) = [ln for ln in text.splitlines() if f"| {router} |" in ln]
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+@pytest.mark.parametrize(
+    ("base", "mine", "median", "under"),
+    [
+        # Same ratio every round: the median is that ratio whatever the drift between rounds.
+        ([0.60, 0.90, 0.60], [0.63, 0.945, 0.63], "1.050", "3"),
+        # Unpaired medians would say 0.70 / 0.70 = 1.00x; paired, two rounds of three are slower.
+        ([0.60, 0.70, 0.80], [0.70, 0.80, 0.60], "1.143", "1"),
+        ([0.50, 0.50], [0.49, 0.56], "1.050", "1"),  # even count: the mean of the middle two
+    ],
+)
+def test_paired_divides_each_round_by_the_baselines_wall_in_that_round(
+    base: list[float], mine: list[float], median: str, under: str
+) -> None:
+    text = be.paired(_runs({"Envoy round robin": base, "Fulcrum": mine}))
+    row = _row(text, "Fulcrum")
+    assert row[0] == "no-reuse" and row[2] == str(len(base))
+    assert row[3] == median and row[5] == under
+    lo, hi = (float(x) for x in row[4].split("-"))
+    assert lo <= float(median) <= hi
+    assert "| Envoy round robin |" not in text  # the baseline is not paired with itself
+
+
+def test_paired_skips_rounds_and_workloads_without_the_baseline() -> None:
+    runs = _runs({"Envoy round robin": [0.5], "Fulcrum": [0.55, 0.9]})
+    runs += _runs({"Fulcrum": [1.0]}, workload="multi-turn")
+    text = be.paired(runs)
+    assert _row(text, "Fulcrum")[2] == "1"  # round 1 has no baseline run
+    assert "multi-turn" not in text
