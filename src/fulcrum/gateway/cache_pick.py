@@ -305,7 +305,7 @@ class CachePicker:
         self._pending[i] += 1
         self._picks[i] += 1
         self._requests[request_id] = (i, choice.cost_ns)
-        pm.CACHE_PICKS.labels(choice.rule).inc()
+        pm.PICKS_BY_RULE[choice.rule].inc()
         pm.HIT_TOKENS.inc(choice.hit_tokens)
         pm.PROMPT_TOKENS.inc(max(prompt_tokens, 0))
         pm.CHOSEN_TTFT.observe(choice.chosen_ns / 1e9)

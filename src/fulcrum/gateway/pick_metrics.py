@@ -77,8 +77,9 @@ KV_EVENTS = Counter(
     registry=REGISTRY,
 )
 
-for _r in RULES:
-    CACHE_PICKS.labels(_r)
+#: The picks counter's child per rule, bound once (``labels()`` costs a lookup and a lock
+#: per pick).
+PICKS_BY_RULE = {_r: CACHE_PICKS.labels(_r) for _r in RULES}
 for _r in ("ok", "garbage", "unknown_engine", "gap"):
     KV_EVENTS.labels(_r)
 for _r in ("kept", "dropped"):
