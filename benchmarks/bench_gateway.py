@@ -41,6 +41,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -61,6 +62,8 @@ SETUPS = (
     "Fulcrum EPP, lean",
     "no-op picker, unary",
     "Fulcrum EPP, unary",
+    "no-op picker, http",
+    "Fulcrum EPP, http",
 )
 BODY = json.dumps({"model": "m", "prompt": "x" * 1000, "max_tokens": 64}).encode()
 
@@ -109,10 +112,11 @@ def _process(args: list[str], port: int, what: str, src: str | None = None) -> I
 
 @contextlib.contextmanager
 def fulcrum_picker(
-    upstream_ports: list[int], src: str | None = None
+    upstream_ports: list[int], src: str | None = None, http_port: int | None = None
 ) -> Iterator[tuple[int, int]]:
-    """The daemon with the gateway on (``src``: run the package of that source tree);
-    yields (ext_proc port, pid)."""
+    """The daemon with the gateway on (``src``: run the package of that source tree;
+    ``http_port``: its HTTP picker's port, ``gateway.authz_http_port``); yields (ext_proc
+    port, pid)."""
     port = _free_port()
     cfg = {
         "server": {"host": "127.0.0.1", "port": _free_port(), "seed": 7},
@@ -125,6 +129,8 @@ def fulcrum_picker(
             "pool": {"decode": [{"id": "d0", "host": "127.0.0.1", "ports": upstream_ports}]},
         },
     }
+    if http_port is not None:
+        cfg["gateway"]["authz_http_port"] = http_port  # type: ignore[index]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fulcrum.yaml"
         path.write_text(yaml.safe_dump(cfg))
@@ -134,18 +140,24 @@ def fulcrum_picker(
 
 
 @contextlib.contextmanager
-def noop_picker(upstream_ports: list[int]) -> Iterator[tuple[int, int]]:
-    """The no-op picker of the same stack, in its own process; yields (port, pid)."""
+def noop_picker(
+    upstream_ports: list[int], http_port: int | None = None
+) -> Iterator[tuple[int, int]]:
+    """The no-op picker of the same stack, in its own process (``http_port``: also its
+    HTTP picker there); yields (gRPC port, pid)."""
     port = _free_port()
-    args = [sys.executable, __file__, "--noop-picker", str(port), *map(str, upstream_ports)]
+    http = ["--http", str(http_port)] if http_port is not None else []
+    args = [sys.executable, __file__, "--noop-picker", str(port), *http,
+            *map(str, upstream_ports)]
     with _process(args, port, "no-op picker") as pid:
         yield port, pid
 
 
-def serve_noop(port: int, upstream_ports: list[int]) -> None:
+def serve_noop(port: int, upstream_ports: list[int], http_port: int | None = None) -> None:
     """The no-op picker: round robin, no parsing. ext_proc: the body collected and
     returned; unary mode: ext_authz ``Check`` answers the destination, the access log
-    stream reads each entry's token."""
+    stream reads each entry's token; HTTP mode (``http_port``): the same answer to
+    ext_authz over HTTP/1.1 from a bare asyncio protocol."""
     import grpc
     import uvloop
     from envoy.config.core.v3 import base_pb2
@@ -271,11 +283,35 @@ def serve_noop(port: int, upstream_ports: list[int]) -> None:
                     e.request.request_headers.get("x-fulcrum-placement")
             return als_pb2.StreamAccessLogsResponse()
 
+    class NoopHttp(asyncio.Protocol):
+        """HTTP mode: each request (head and Content-Length body) gets a 200 with the
+        destination and a placement token."""
+
+        def connection_made(self, transport):  # type: ignore[no-untyped-def]
+            self.t, self.buf = transport, b""
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while (i := self.buf.find(b"\r\n\r\n")) >= 0:
+                n = 0
+                for line in self.buf[:i].split(b"\r\n")[1:]:
+                    k, _, v = line.partition(b":")
+                    if k.strip().lower() == b"content-length":
+                        n = int(v)
+                if len(self.buf) < i + 4 + n:
+                    return
+                self.buf = self.buf[i + 4 + n:]
+                self.t.write(b"HTTP/1.1 200 OK\r\n" + key.encode() + b": "
+                             + next(addrs).encode() + b"\r\nx-fulcrum-placement: "
+                             + str(next(tokens)).encode() + b"\r\ncontent-length: 0\r\n\r\n")
+
     async def main() -> None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         ep_grpc.add_ExternalProcessorServicer_to_server(Noop(), server)
         ea_grpc.add_AuthorizationServicer_to_server(NoopCheck(), server)
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(NoopLog(), server)
+        if http_port is not None:
+            await asyncio.get_running_loop().create_server(NoopHttp, "127.0.0.1", http_port)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
@@ -339,14 +375,25 @@ async def _load(port: int, workers: int, duration_s: float, fig: Figures, pids: 
 
 
 @contextlib.asynccontextmanager
-async def _envoy(config: str) -> AsyncIterator[tuple[int, int]]:
+async def _envoy(config: str) -> AsyncIterator[tuple[int, int, Any]]:
     from fulcrum.gateway.testing import start_envoy
 
     env = await start_envoy(config, concurrency=1, log_level="error")
     try:
-        yield env.port, env.proc.pid
+        yield env.port, env.proc.pid, env
     finally:
         env.stop()
+
+
+async def _check_picked(env: Any, name: str) -> None:
+    """An ext_authz setup whose picker failed would still answer every request: Envoy
+    fails open (``failure_mode_allow``) and routes round robin, and the row would
+    measure no picking at all (a void run at stop 36). Every Check must have been
+    answered OK."""
+    failed = sum([await env.stat("http.inference.ext_authz.error"),
+                  await env.stat("http.inference.ext_authz.failure_mode_allowed")])
+    if failed or not await env.stat("http.inference.ext_authz.ok"):
+        raise RuntimeError(f"{name}: {failed} ext_authz checks failed (Envoy failed open)")
 
 
 BASELINE = ("Fulcrum EPP, baseline tree", "Fulcrum EPP, lean, baseline tree")
@@ -372,14 +419,22 @@ async def _bench(
             ", unary": render_envoy_config(
                 9002, ports, listener_port=0, admin_port=0, unary=True
             ),
+            ", http": render_envoy_config(
+                9002, ports, listener_port=0, admin_port=0, http_authz_port=9004
+            ),
         }
 
+        noop_http, epp_http = _free_port(), _free_port()
+
         def at(text: str, port: int) -> str:
-            return text.replace("port_value: 9002", f"port_value: {port}")
+            http = noop_http if port == noop_port else epp_http
+            return text.replace("port_value: 9002", f"port_value: {port}").replace(
+                "127.0.0.1:9004", f"127.0.0.1:{http}").replace(
+                "port_value: 9004", f"port_value: {http}")
 
         with contextlib.ExitStack() as stack:
-            noop_port, noop_pid = stack.enter_context(noop_picker(ports))
-            epp_port, epp_pid = stack.enter_context(fulcrum_picker(ports))
+            noop_port, noop_pid = stack.enter_context(noop_picker(ports, noop_http))
+            epp_port, epp_pid = stack.enter_context(fulcrum_picker(ports, http_port=epp_http))
             configs: dict[str, tuple[str, list[int]]] = {
                 "Envoy round robin": (_round_robin_config(modes[""]), [])
             }
@@ -393,8 +448,10 @@ async def _bench(
             for r in range(rounds):
                 for name, (cfg, pids) in configs.items():
                     progress(f"gateway: {name}, round {r + 1}/{rounds}")
-                    async with _envoy(cfg) as (port, envoy_pid):
+                    async with _envoy(cfg) as (port, envoy_pid, env):
                         await _load(port, workers, duration, figs[name], [envoy_pid, *pids])
+                        if name.endswith((", unary", ", http")):
+                            await _check_picked(env, name)
     meta: dict[str, object] = {"workers": workers, "duration_s": duration, "rounds": rounds}
     return list(figs.values()), meta
 
@@ -413,11 +470,12 @@ def report(quick: bool, baseline_src: str | None = None, rounds: int | None = No
     by = {f.name: f for f in figs}
     noop, epp = by["no-op picker"], by["Fulcrum EPP"]
     lean, unary = by["Fulcrum EPP, lean"], by["Fulcrum EPP, unary"]
+    http = by["Fulcrum EPP, http"]
     today = by.get(BASELINE[0], epp)  # "today's" full mode: the baseline tree's if run
     rows = []
     for f in figs:
         p50, p99 = percentiles(f.latencies_s)
-        mode = next((m for m in ("lean", "unary") if m in f.name), "")
+        mode = next((m for m in ("lean", "unary", "http") if m in f.name), "")
         same_mode_noop = by[f"no-op picker, {mode}"] if mode else noop
         rows.append(
             [
@@ -451,6 +509,8 @@ def report(quick: bool, baseline_src: str | None = None, rounds: int | None = No
     cpu_verdict = "met" if cpu_ratio <= 0.6 else "MISSED"
     unary_ratio = unary.cpu_per_request_s / today.cpu_per_request_s
     unary_verdict = "met" if unary_ratio <= 0.6 else "MISSED"
+    http_ratio = http.cpu_per_request_s / today.cpu_per_request_s
+    http_verdict = "met" if http_ratio <= 0.6 else "MISSED"
     against = "the baseline tree's full mode" if today is not epp else "full mode"
     return (
         "### Gateway CPU per request\n\n"
@@ -464,12 +524,15 @@ def report(quick: bool, baseline_src: str | None = None, rounds: int | None = No
         "lean: `render_envoy_config(lean=True)` (request headers and the buffered body, "
         "nothing from the response; release on stream close); unary: "
         "`render_envoy_config(unary=True)` (one ext_authz Check with the body per request, "
-        "release by the batched gRPC access log).\n\n"
+        "release by the batched gRPC access log); http: `render_envoy_config("
+        "http_authz_port=P)` (the unary mode's Check over plain HTTP/1.1 to "
+        "`gateway.authz_http_port`, the same access log).\n\n"
         f"{table}\n\n"
         f"Aim: Fulcrum EPP >= 0.8x the no-op picker's throughput: **{verdict}** "
         f"({ratio(epp.rate, noop.rate)}). Aim: CPU per request, lean <= 0.6x {against}: "
         f"**{cpu_verdict}** ({cpu_ratio:.2f}x); unary <= 0.6x {against}: "
-        f"**{unary_verdict}** ({unary_ratio:.2f}x).\n\n"
+        f"**{unary_verdict}** ({unary_ratio:.2f}x); http <= 0.6x {against}: "
+        f"**{http_verdict}** ({http_ratio:.2f}x).\n\n"
         "Command: `.venv/bin/python benchmarks/bench_gateway.py` "
         "(or `make bench`; `--quick` for 2 s runs).\n"
     )
@@ -477,7 +540,11 @@ def report(quick: bool, baseline_src: str | None = None, rounds: int | None = No
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--noop-picker":
-        serve_noop(int(sys.argv[2]), [int(p) for p in sys.argv[3:]])
+        rest = sys.argv[3:]
+        http_port = None
+        if rest[:1] == ["--http"]:
+            http_port, rest = int(rest[1]), rest[2:]
+        serve_noop(int(sys.argv[2]), [int(p) for p in rest], http_port)
     else:
         flag = "--baseline-src"
         base = sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else None
