@@ -275,75 +275,28 @@ async def fulcrum_router(
 
 
 @contextlib.asynccontextmanager
-async def noop_unary(ports: list[int]) -> AsyncIterator[int]:
+async def noop_unary(ports: list[int], http: bool = False) -> AsyncIterator[int]:
     """The unary Envoy mode in front of ``bench_gateway``'s no-op picker (round robin, no
     parsing, same grpc.aio + uvloop stack, its own process): what the Envoy and gRPC hop
-    of the unary mode costs, without Fulcrum's pick."""
+    of the unary mode costs, without Fulcrum's pick. ``http``: the HTTP mode, the same
+    no-op answering ext_authz over HTTP/1.1 from a bare asyncio protocol. Either way it
+    reads the same gRPC access log as Fulcrum does."""
     from bench_gateway import noop_picker
 
     from fulcrum.gateway.testing import render_envoy_config, start_envoy
 
-    with noop_picker(ports) as (port, pid):
-        env = await start_envoy(render_envoy_config(port, [*ports, *ports], unary=True),
-                                concurrency=1, log_level="error")
+    (http_port,) = free_ports(1)
+    with noop_picker(ports, http_port if http else None) as (port, pid):
+        env = await start_envoy(
+            render_envoy_config(port, [*ports, *ports], unary=not http,
+                                http_authz_port=http_port if http else None),
+            concurrency=1, log_level="error")
         ROUTER_PIDS[:] = [pid, env.proc.pid]
         try:
             yield env.port
         finally:
             ROUTER_PIDS.clear()
             env.stop()
-
-
-#: The HTTP mode's no-op picker: round robin over the engines, no parsing, a bare
-#: asyncio protocol on uvloop (its own process).
-NOOP_HTTP = r"""
-import asyncio, itertools, sys, uvloop
-addrs = itertools.cycle([f"127.0.0.1:{p}".encode() for p in sys.argv[2:]])
-class P(asyncio.Protocol):
-    def connection_made(self, t): self.t, self.buf = t, b""
-    def data_received(self, d):
-        self.buf += d
-        while (i := self.buf.find(b"\r\n\r\n")) >= 0:
-            n = 0
-            for line in self.buf[:i].split(b"\r\n")[1:]:
-                k, _, v = line.partition(b":")
-                if k.strip().lower() == b"content-length":
-                    n = int(v)
-            if len(self.buf) < i + 4 + n:
-                return
-            self.buf = self.buf[i + 4 + n:]
-            self.t.write(b"HTTP/1.1 200 OK\r\nx-gateway-destination-endpoint: " + next(addrs)
-                         + b"\r\ncontent-length: 0\r\n\r\n")
-async def main():
-    srv = await asyncio.get_running_loop().create_server(P, "127.0.0.1", int(sys.argv[1]))
-    await srv.serve_forever()
-uvloop.run(main())
-"""
-
-
-@contextlib.asynccontextmanager
-async def noop_http(ports: list[int]) -> AsyncIterator[int]:
-    """The HTTP Envoy mode (:func:`fulcrum.gateway.testing.http_authz_config`) in front
-    of a no-op HTTP picker (:data:`NOOP_HTTP`): what the HTTP hop costs without a pick."""
-    from fulcrum.gateway.testing import render_envoy_config, start_envoy, wait_for
-
-    (port,) = free_ports(1)
-    proc = subprocess.Popen([sys.executable, "-c", NOOP_HTTP, str(port), *map(str, ports)])
-
-    try:
-        await wait_for(lambda: port_open(port), tries=200, interval_s=0.05,
-                       what="no-op HTTP picker")
-        env = await start_envoy(render_envoy_config(9002, [*ports, *ports], http_authz_port=port),
-                                concurrency=1, log_level="error")
-        ROUTER_PIDS[:] = [proc.pid, env.proc.pid]
-        try:
-            yield env.port
-        finally:
-            ROUTER_PIDS.clear()
-            env.stop()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @contextlib.asynccontextmanager
@@ -418,7 +371,7 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
             fulcrum_router, unary=True, recompute_weight=0.0),
         "Fulcrum (gateway.cache, HTTP Envoy mode)": functools.partial(fulcrum_router, http=True),
         "no-op picker (unary Envoy mode)": noop_unary,
-        "no-op picker (HTTP Envoy mode)": noop_http,
+        "no-op picker (HTTP Envoy mode)": functools.partial(noop_unary, http=True),
         "smg cache_aware": peer_router(PEERS, "cache_aware", ("launch",)),
         "smg round_robin": peer_router(PEERS, "round_robin", ("launch",)),
         "Envoy round robin": envoy_rr,
