@@ -174,9 +174,7 @@ class AuthzServicer(ea_grpc.AuthorizationServicer):  # type: ignore[misc]
         key = (value, placement.prefiller)
         base = self._answers.get(key)
         if base is None:
-            base = [_header(DEST_HEADER, value)]
-            if placement.prefiller:
-                base.append(_header(PREFILLER_HEADER, placement.prefiller))
+            base = [_header(k, v) for k, v in answer_headers(placement, value)]
             if len(self._answers) >= ANSWER_CACHE_MAX:
                 self._answers.clear()
             self._answers[key] = base
@@ -212,6 +210,17 @@ async def check(
     token = placement_token(out.request_id)
     leases.add(out, clock(), token)
     return out, token
+
+
+def answer_headers(placement: Placement, destination: str | None = None) -> list[tuple[str, str]]:
+    """The headers an OK pick adds to the request, before its placement token (both the
+    gRPC and the HTTP answer): the destination (``destination``: its value when the
+    caller has it) and, under P/D, the prefiller."""
+    value = destination_value(placement) if destination is None else destination
+    out = [(DEST_HEADER, value)]
+    if placement.prefiller:
+        out.append((PREFILLER_HEADER, placement.prefiller))
+    return out
 
 
 def placement_token(request_id: str) -> str:

@@ -42,12 +42,9 @@ import structlog
 from fulcrum.gateway import authz
 from fulcrum.gateway import metrics as gm
 from fulcrum.gateway.extproc import (
-    DEST_HEADER,
-    PREFILLER_HEADER,
     Picker,
     Refusal,
     count_refusal,
-    destination_value,
     refusal_body,
     refusal_headers,
 )
@@ -142,11 +139,7 @@ class AuthzHttp:
         out, token = got
         if not still_open():
             self.leases.release(token, "check_cancelled")
-        extra = [(DEST_HEADER, destination_value(out))]
-        if out.prefiller:
-            extra.append((PREFILLER_HEADER, out.prefiller))
-        extra.append((authz.PLACEMENT_HEADER, token))
-        return response(200, extra)
+        return response(200, [*authz.answer_headers(out), (authz.PLACEMENT_HEADER, token)])
 
 
 def _count(ref: weakref.ReferenceType[AuthzHttp]) -> float:
