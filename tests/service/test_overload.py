@@ -301,7 +301,7 @@ async def test_late_loop_sheds_placements_but_not_control_calls() -> None:
         assert d.reload(off) == "applied"
         admission.observe_lag(1.0)
         await _place_images(c, 8)
-        # the lateness decays by half per tick once the loop catches up
+        # the lateness halves every 10 ms of probe samples once the loop catches up
         on = with_overrides(d.app.settings, {"server": {"admission": {"enabled": True}}})
         assert d.reload(on) == "applied"
         for _ in range(8):
@@ -477,3 +477,35 @@ def test_abandoned_calls_spread_over_windows_are_not_a_queue() -> None:
     a.started(b)
     assert a.abandoned_share == 0.0
     assert a.arrive("placement", clock())[1] is None
+
+
+@pytest.mark.parametrize(("probe_ms", "samples_per_half"), [(10, 1), (50, 0.2), (5, 2)])
+def test_loop_lateness_halves_every_10_ms_whatever_the_probe_period(
+    probe_ms: int, samples_per_half: float
+) -> None:
+    """The smoothed lateness the admission sheds on halves every 10 ms of probe samples
+    once the loop catches up, at any ``server.loop_lag_probe_ms`` (a longer period must
+    not keep an old stall refusing placements for longer)."""
+    from fulcrum.config.server import AdmissionSettings
+    from fulcrum.service.admission import Admission
+    from fulcrum.service.looplag import LagMonitor
+
+    a = Admission(AdmissionSettings())
+    probe = LagMonitor(probe_ms / 1000)
+    a.watch(probe)
+    probe.observe(1.0)
+    assert a.lag_s == 1.0
+    probe.observe(0.0)
+    assert a.lag_s == pytest.approx(0.5 ** (1 / samples_per_half))
+    probe.observe(0.8)  # a new late sample above the decayed value wins
+    assert a.lag_s == 0.8
+
+
+async def test_loop_lag_probe_period_is_the_setting() -> None:
+    """``server.loop_lag_probe_ms`` sets the daemon's probe period (default 50 ms)."""
+    from fulcrum.config import Settings
+    from fulcrum.service.looplag import INTERVAL_S
+
+    assert Settings().server.loop_lag_probe_ms == INTERVAL_S * 1000 == 50
+    async with running_server({"server": {"loop_lag_probe_ms": 20}}) as d:
+        assert d.app.components["loop_lag"].interval_s == 0.02

@@ -83,6 +83,13 @@ class ServerSettings(Section):
         None, ge=0, description="seed of the random source (null = from the OS)",
         json_schema_extra=RESTART_ONLY,
     )
+    loop_lag_probe_ms: int = Field(
+        50, ge=1, le=1000,
+        description="period of the event-loop lag probe (fulcrum_event_loop_lag_seconds and "
+        "the admission's loop lateness), ms: a stall longer than this always shows; each "
+        "wake-up costs CPU (about 0.1 ms on a small VM)",
+        json_schema_extra=RESTART_ONLY,
+    )
     admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
 
 

@@ -28,9 +28,9 @@ Four signals:
    callers before their handler ran, new placement calls are refused on arrival for the
    next window;
 3. *loop lateness*: the daemon's loop-lag probe (:mod:`fulcrum.service.looplag`, one
-   wake-up every 10 ms) measures how late the event loop runs (smoothed, decays by half
-   per sample once the loop catches up); above the same bound placement calls are
-   refused on arrival too;
+   wake-up every 50 ms) measures how late the event loop runs (smoothed: once the loop
+   catches up it halves every :data:`LAG_HALF_LIFE_S`, whatever the probe's period);
+   above the same bound placement calls are refused on arrival too;
 4. a bound on concurrent calls per class (``server.admission.max_<class>``), checked when
    the handler starts.
 
@@ -92,6 +92,9 @@ ABANDONED_MIN: Final = 8
 #: A waiting call stops counting after this many times ``shed_wait_ms`` (its caller gave
 #: up before its handler ran).
 FORGET_AFTER: Final = 4
+#: Half-life of the smoothed loop lateness once the loop catches up, seconds (the decay of
+#: the former 10 ms probe, kept when the probe's period changed to 50 ms).
+LAG_HALF_LIFE_S: Final = 0.01
 
 
 def class_of(method: str) -> str:
@@ -116,6 +119,8 @@ class Admission:
         self.in_flight: dict[str, int] = dict.fromkeys(CLASSES, 0)
         #: Smoothed lateness of the event loop, seconds.
         self.lag_s = 0.0
+        #: Factor applied to :attr:`lag_s` per probe sample (set by :meth:`watch`).
+        self._lag_decay = 0.5
         #: Shed by load (queue wait, loop lateness): on once :meth:`watch` is called
         #: (``fulcrum serve`` starts it; in-process test daemons shed by concurrency only
         #: unless a test turns it on).
@@ -215,12 +220,14 @@ class Admission:
 
     def observe_lag(self, late_s: float) -> None:
         """One lateness sample of the loop-lag probe, seconds."""
-        self.lag_s = max(late_s, self.lag_s * 0.5)
+        self.lag_s = max(late_s, self.lag_s * self._lag_decay)
 
     def watch(self, monitor: LagMonitor) -> None:
         """Shed by load from now on, the loop's lateness taken from ``monitor``'s samples
-        (the daemon's one 10 ms probe, :mod:`fulcrum.service.looplag`)."""
+        (the daemon's one probe, :mod:`fulcrum.service.looplag`): the smoothed lateness
+        halves every :data:`LAG_HALF_LIFE_S` of the probe's period."""
         self.load_shedding = True
+        self._lag_decay = 0.5 ** (monitor.interval_s / LAG_HALF_LIFE_S)
         monitor.listeners.append(self.observe_lag)
 
 

@@ -360,7 +360,7 @@ async def serve(settings: Settings, reload: Callable[[Daemon], None] | None = No
     # collection on the loop costs the tables' objects only (46 ms -> 0.01 ms for an
     # empty daemon; measured by benchmarks/bench_scale.py's loop-lag probe).
     gc.freeze()
-    # Load shedding on the loop's lateness, from the loop-lag probe: one 10 ms probe
+    # Load shedding on the loop's lateness, from the loop-lag probe: one probe
     # measures the lateness for both (the histogram and the shedding).
     daemon.app.components["admission"].watch(daemon.app.components["loop_lag"])
     await daemon.wait_stopped()
