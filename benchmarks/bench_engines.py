@@ -220,12 +220,12 @@ async def fulcrum_router(
     ports: list[int], lean: bool = False, unary: bool = False,
     recompute_weight: float | None = None, http: bool = False,
 ) -> AsyncIterator[int]:
-    """``fulcrum serve`` in its own process (not the load generator's loop), gateway.cache
-    on, scraping the engines, every other setting the daemon's default (scrape every
-    1,000 ms, the KV size each engine's page reports); a real Envoy in front (``lean``:
-    the lean processing mode, request headers and buffered body only, release on stream
-    close; ``unary``: ext_authz Check with the body, release by the gRPC access log; in
-    both nothing is learnt from the response; ``http``: the unary mode with its ext_authz
+    """``fulcrum serve`` in its own process (not the load generator's loop), gateway.cache on,
+    scraping the engines, every other setting the daemon's default (scrape every 1,000 ms,
+    the KV size each engine's page reports; /metrics on a free port); a real Envoy in front
+    (``lean``: the lean processing mode, request headers and buffered body only, release on
+    stream close; ``unary``: ext_authz Check with the body, release by the gRPC access log;
+    in both nothing is learnt from the response; ``http``: the unary mode with its ext_authz
     over plain HTTP/1.1 to ``gateway.authz_http_port``). ``recompute_weight``:
     ``gateway.cache.recompute_weight`` (None: the default)."""
     import yaml
@@ -235,6 +235,8 @@ async def fulcrum_router(
     port, grpc_port, health_port, http_port = free_ports(4)
     cfg = {
         "server": {"host": "127.0.0.1", "port": grpc_port, "seed": 7},
+        # /metrics on any free port: the default 9464 fails the start next to a running daemon
+        "metrics": {"port": 0},
         "gateway": {
             "enabled": True, "port": port, "health_port": health_port,
             "pool": {"decode": [{"id": f"v{i}", "host": "127.0.0.1", "ports": [p]}
