@@ -22,8 +22,12 @@ with each engine's own mean TTFT, and the router's CPU per request (Envoy and pi
 processes, ``/proc/<pid>/stat`` deltas over the workload).
 
 Run: ``.venv/bin/python benchmarks/bench_engines.py [--ports P1,P2] [--quick]
-[--routers Fulcrum,Envoy] [--workloads no-reuse] [--rounds N]`` (needs
+[--routers Fulcrum,Envoy] [--workloads no-reuse] [--rounds N] [--save FILE]`` (needs
 ``tests/engines/install_vllm.sh`` and ``.venv-peers/bin/pip install smg vllm-router``).
+``--save`` appends every round's walls to a JSON lines file; ``--pool FILE[,FILE]``
+prints the paired table over every round saved there, runs apart
+(``benchmarks/results/no_reuse_rounds_stop37.jsonl`` and ``..._stop38.jsonl``: the
+no-reuse rounds behind BENCHMARKS.md's pooled figures, walls to two decimals).
 
 Where the engines run: the bench's own engines have each one core for their whole
 process tree (``VllmFleet(pin_processes=True)``), at niceness +10 below the routers and
@@ -469,6 +473,33 @@ def paired(runs: list[Run], baseline: str = "Envoy round robin", aim: float = 1.
     return "\n".join(out)
 
 
+def save_rounds(runs: list[Run], path: Path, label: str) -> None:
+    """Append every run's wall (s) to ``path``, one JSON line each: ``label`` (which bench
+    run), ``round``, ``router``, ``workload``, ``wall_s``; :func:`load_rounds` reads them
+    back for a :func:`paired` table over many runs."""
+    with path.open("a") as fh:
+        for r in runs:
+            fh.write(json.dumps({"label": label, "round": r.round, "router": r.router,
+                                 "workload": r.workload, "wall_s": r.wall_s}) + "\n")
+
+
+def load_rounds(paths: list[Path]) -> list[Run]:
+    """The rounds :func:`save_rounds` wrote, as runs whose ``round`` is unique per
+    (file, label, round): rounds of different bench runs never pair with each other."""
+    ids: dict[tuple[str, str, int], int] = {}
+    out = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            key = (str(path), str(d["label"]), int(d["round"]))
+            rnd = ids.setdefault(key, len(ids))
+            out.append(Run(str(d["router"]), str(d["workload"]), wall_s=float(d["wall_s"]),
+                           round=rnd))
+    return out
+
+
 def table(runs: list[Run]) -> str:
     out = ["| workload | router | hit ratio | TTFT p50 (ms) | TTFT p99 (ms) | wall (s) | "
            "requests per engine | engines' own mean TTFT (ms) | router CPU per request (ms) "
@@ -577,7 +608,14 @@ def main() -> None:
     ap.add_argument("--size", default="", help="conversations,turns,requests: the "
                     "multi-turn workload's conversations and turns, and the other "
                     "workloads' requests (default 8,4,24)")
+    ap.add_argument("--save", default="", help="append every round's walls to this JSON "
+                    "lines file (labelled with the start time)")
+    ap.add_argument("--pool", default="", help="no bench: the paired table over the rounds "
+                    "saved in these files (comma-separated)")
     args = ap.parse_args()
+    if args.pool:
+        print(paired(load_rounds([Path(p) for p in args.pool.split(",")])))
+        return
     size = tuple(int(x) for x in args.size.split(",")) if args.size else None
     if size is not None and (len(size) != 3 or min(size) < 1):
         ap.error("--size: three positive integers, conversations,turns,requests")
@@ -599,6 +637,8 @@ def main() -> None:
     finally:
         if fleet is not None:
             fleet.stop()
+    if args.save:
+        save_rounds(runs, Path(args.save), time.strftime("%Y-%m-%dT%H:%M:%S"))
     print(table(sorted(runs, key=lambda r: r.workload)))
     if args.rounds > 1:
         print()

@@ -3,6 +3,8 @@ aim of issue 20 and the per-run nonce that opens every text."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks import bench_engines as be
@@ -80,3 +82,23 @@ def test_paired_skips_rounds_and_workloads_without_the_baseline() -> None:
     text = be.paired(runs)
     assert _row(text, "Fulcrum")[2] == "1"  # round 1 has no baseline run
     assert "multi-turn" not in text
+
+
+def test_saved_rounds_pool_by_run_and_round(tmp_path: Path) -> None:
+    """Rounds saved by two bench runs come back as distinct rounds: round 0 of one run
+    never pairs with round 0 of the other, and the paired table over the saved rounds is
+    the table over the runs themselves."""
+    path = tmp_path / "rounds.jsonl"
+    a = [be.Run("Envoy round robin", "w", wall_s=1.0, round=0),
+         be.Run("F", "w", wall_s=1.1, round=0),
+         be.Run("Envoy round robin", "w", wall_s=2.0, round=1),
+         be.Run("F", "w", wall_s=2.0, round=1)]
+    b = [be.Run("Envoy round robin", "w", wall_s=4.0, round=0),
+         be.Run("F", "w", wall_s=4.4, round=0)]  # round 0 again, another run
+    be.save_rounds(a, path, "run a")
+    be.save_rounds(b, path, "run b")
+    back = be.load_rounds([path])
+    assert len({r.round for r in back}) == 3
+    assert be.paired(back) == be.paired([*a, *[be.Run(r.router, r.workload, wall_s=r.wall_s,
+                                                        round=r.round + 2) for r in b]])
+    assert "| w | F | 3 | 1.100 |" in be.paired(back)
