@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 
 from fulcrum.config import with_overrides
+from fulcrum.gateway import pick_metrics as pm
 from fulcrum.testing import running_server
 from fulcrum.testing import test_settings as base_settings
 from tests.engines.conftest import KV_PORT
@@ -64,3 +65,4 @@ async def test_engines_kv_events_reach_the_gateway(vllm_fleet: VllmFleet) -> Non
         assert all(t in sink.engines for t in topics), (waited, topics, sink.engines)
         assert all(sink.engines[t].stored > 0 for t in topics), sink.engines
         assert not any(e.degraded for e in sink.engines.values())
+        assert pm.KV_EVENT_SENDERS.labels("reporting")._value.get() == len(ports)

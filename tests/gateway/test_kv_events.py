@@ -73,6 +73,37 @@ def test_removals_evict_the_oldest_and_a_reset_clears_and_garbage_degrades_once(
     assert idx.match([7, 8]).tolist() == [2]
 
 
+def senders() -> tuple[float, float]:
+    return (pm.KV_EVENT_SENDERS.labels("reporting")._value.get(),
+            pm.KV_EVENT_SENDERS.labels("degraded")._value.get())
+
+
+def test_engines_heard_from_are_logged_once_and_counted_by_state() -> None:
+    """An engine's first batch is one info line and one more sender reporting; a bad frame
+    moves it to degraded; a topic naming no pool endpoint is a degraded sender, never a
+    reporting one."""
+    idx = PrefixIndex()
+    a, b = idx.add(100), idx.add(100)
+    sink = KvEventSink({"10.0.0.1:8000": a, "10.0.0.2:8000": b}.get, idx.evict_oldest,
+                       idx.clear)
+    with structlog.testing.capture_logs() as cap:
+        sink.handle(frames("stored", 0))
+        sink.handle(frames("stored", 1))
+        assert senders() == (1, 0)
+        sink.handle(frames("stored", 0, topic="10.0.0.2:8000"))
+        assert senders() == (2, 0)
+        sink.handle([b"10.0.0.2:8000", bytes(8), b"junk"])
+        assert senders() == (1, 1)
+        sink.handle(frames("stored", 0, topic="10.9.9.9:1"))
+        assert senders() == (1, 2)
+    assert [(e["event"], e["log_level"]) for e in cap] == [
+        ("gateway_kv_events_engine_reporting", "info"),
+        ("gateway_kv_events_engine_reporting", "info"),
+        ("gateway_kv_events_degraded", "warning"),
+        ("gateway_kv_events_degraded", "warning"),
+    ]
+
+
 async def test_events_through_zmq_reach_the_index_and_garbage_never_stops_picks() -> None:
     gw = {"cache": {"enabled": True, "block_tokens": 8,
                     "kv_events": {"enabled": True, "endpoint": "tcp://127.0.0.1:0"}}}

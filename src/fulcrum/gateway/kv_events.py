@@ -29,8 +29,11 @@ blocks evicts that engine's ``n`` least recently used index blocks (the engine's
 pressure, from decode KV growth too, which the routed prompts alone do not show);
 ``BlockStored`` counts. A frame that cannot be decoded, an unknown topic or a sequence gap
 is counted; the first bad frame of an engine is logged once, and the index stays
-approximate for it. Nothing here can stop a pick: each frame is handled on its own and the
-receive loop ends only on cancellation or a closed socket (logged once).
+approximate for it. The first batch of an engine is logged at info, and
+``fulcrum_gateway_kv_event_senders{state}`` counts the engines reporting and degraded: an
+engine of the pool missing from it sends nothing (its PUB socket never reached this one).
+Nothing here can stop a pick: each frame is handled on its own and the receive loop ends
+only on cancellation or a closed socket (logged once).
 """
 
 from __future__ import annotations
@@ -130,7 +133,11 @@ class KvEventSink:
             pm.KV_EVENTS.labels("unknown_engine").inc()
             self._degrade(topic, "kv event: topic names no endpoint of the pool")
             return
-        eng = self.engines.setdefault(topic, EngineEvents())
+        eng = self.engines.get(topic)
+        if eng is None:  # bounded: slot_of knows only the pool's endpoints
+            eng = self.engines[topic] = EngineEvents()
+            log.info("gateway_kv_events_engine_reporting", engine=topic[:64])
+            self._publish()
         if eng.seq >= 0 and batch.seq != eng.seq + 1:
             pm.KV_EVENTS.labels("gap").inc()
         eng.seq = batch.seq
@@ -150,6 +157,14 @@ class KvEventSink:
         if not eng.degraded:
             eng.degraded = True
             log.warning("gateway_kv_events_degraded", engine=topic[:64], error=why[:200])
+            self._publish()
+
+    def _publish(self) -> None:
+        """``fulcrum_gateway_kv_event_senders`` from the engines heard so far (on a change
+        only: the scrape thread reads the gauge, never :attr:`engines`)."""
+        degraded = sum(e.degraded for e in self.engines.values())
+        pm.KV_EVENT_SENDERS.labels("degraded").set(degraded)
+        pm.KV_EVENT_SENDERS.labels("reporting").set(len(self.engines) - degraded)
 
 
 def _topic(frames: list[bytes]) -> str:

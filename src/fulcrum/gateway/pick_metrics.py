@@ -77,11 +77,23 @@ KV_EVENTS = Counter(
     registry=REGISTRY,
 )
 
+KV_EVENT_SENDERS = Gauge(
+    "fulcrum_gateway_kv_event_senders",
+    "Engines (KV event topics) heard from, by state: reporting (its batches decode and its "
+    "topic is a pool endpoint) or degraded (a bad frame, or a topic naming no pool "
+    "endpoint; its index stays approximate). Compare reporting with "
+    "fulcrum_gateway_endpoints: an engine missing from it sends no events.",
+    ["state"],
+    registry=REGISTRY,
+)
+
 #: The picks counter's child per rule, bound once (``labels()`` costs a lookup and a lock
 #: per pick).
 PICKS_BY_RULE = {_r: CACHE_PICKS.labels(_r) for _r in RULES}
 for _r in ("ok", "garbage", "unknown_engine", "gap"):
     KV_EVENTS.labels(_r)
+for _r in ("reporting", "degraded"):
+    KV_EVENT_SENDERS.labels(_r)
 for _r in ("kept", "dropped"):
     TTFT_SAMPLES.labels(_r)
 for _r in ("adopted", "kept", "skipped"):
