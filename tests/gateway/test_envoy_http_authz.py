@@ -128,6 +128,7 @@ async def test_a_pick_whose_connection_is_gone_is_released(
             return await pick_full(*args, **kwargs)
 
         monkeypatch.setattr(picker, "pick_full", slow)
+        monkeypatch.setattr(picker, "answers_at_once", lambda body: False)  # the task path
         _reader, writer = await asyncio.open_connection("127.0.0.1", st.gateway.http_port)
         writer.write(_post(json.dumps(completion(400)).encode()))
         await writer.drain()
@@ -138,3 +139,67 @@ async def test_a_pick_whose_connection_is_gone_is_released(
         gate.set()
         await wait_for(lambda: len(st.releases) == 1, what="the release")
         assert st.releases[0][1] == "check_cancelled" and picker.in_flight == 0
+
+
+class _Transport:
+    """A transport that keeps what is written (a connection driven by hand)."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_pick_that_need_not_wait_is_answered_on_the_connections_own_callback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # No task and no turn of the loop between the request and its answer; pipelined
+    # requests are answered in order in the same callback. A pick that has to wait (here
+    # forced) goes through a task, and what follows it in the buffer waits its turn.
+    async with gateway_stack(http=True) as st:
+        server = st.gateway.authz_http
+        assert server is not None
+        conn = server.protocol()
+        t = _Transport()
+        conn.connection_made(t)  # type: ignore[arg-type]
+        body = json.dumps(completion(400)).encode()
+        conn.data_received(_post(body) * 3)
+        assert [w.split(b" ")[1] for w in t.written] == [b"200"] * 3
+        assert len(st.picks) == 3
+
+        monkeypatch.setattr(server.picker, "answers_at_once", lambda body: False)
+        conn.data_received(_post(body) * 2)
+        assert len(t.written) == 3  # nothing answered yet: the first pick is in a task
+        await wait_for(lambda: len(t.written) == 5, what="both answers")
+        assert [w.split(b" ")[1] for w in t.written[3:]] == [b"200"] * 2
+        assert len(st.picks) == 5 and server.picker.in_flight == 5
+        conn.connection_lost(None)
+
+
+#: (case, body bytes, a tokenizer configured, P/D, answered at once)
+AT_ONCE = [
+    ("plain", 1_000, False, False, True),
+    ("big body: parsed in a worker thread", 256 * 1024 + 1, False, False, False),
+    ("tokenized in a worker thread", 1_000, True, False, False),
+    ("nothing to tokenize", 0, True, False, True),
+    ("P/D: waits for a prefill placement", 1_000, False, True, False),
+]
+
+
+async def test_which_picks_answer_at_once() -> None:
+    async with gateway_stack(http=True) as st:
+        picker = st.gateway.picker
+        for case, size, tokenizer, prefill, at_once in AT_ONCE:
+            with pytest.MonkeyPatch.context() as mp:
+                if tokenizer:
+                    mp.setattr(picker, "counter", object())
+                if prefill:
+                    mp.setattr(picker, "prefill", object())
+                assert picker.answers_at_once(b"x" * size) is at_once, case

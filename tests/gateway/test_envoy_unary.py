@@ -143,7 +143,15 @@ async def test_forwards_the_path_and_the_tenancy_headers_only(
         seen.append({"path": path, **dict(headers)})
         return await check(picker, leases, clock, body, path, subset, headers)
 
+    check_now = authz.check_now  # the HTTP mode's picks that need not wait
+
+    def spy_now(picker: Any, leases: Any, clock: Any, body: bytes, path: str,
+                subset: Any, headers: Any) -> Any:
+        seen.append({"path": path, **dict(headers)})
+        return check_now(picker, leases, clock, body, path, subset, headers)
+
     monkeypatch.setattr(authz, "check", spy)
+    monkeypatch.setattr(authz, "check_now", spy_now)
     async with gateway_stack(**{mode: True}) as st:
         c = HttpClient("127.0.0.1", st.envoy.port)
         try:

@@ -41,6 +41,7 @@ import structlog
 
 from fulcrum.gateway import authz
 from fulcrum.gateway import metrics as gm
+from fulcrum.gateway.adapter import Placement
 from fulcrum.gateway.extproc import (
     Picker,
     Refusal,
@@ -134,6 +135,19 @@ class AuthzHttp:
         released at once)."""
         got = await authz.check(self.picker, self.leases, self._clock, body, path, None,
                                 headers)
+        return self.rendered(got, still_open)
+
+    def answer_now(self, path: str, headers: dict[str, str], body: bytes) -> bytes | None:
+        """:meth:`answer` on the connection's own callback (the connection is open), or
+        None when the pick has to wait (:func:`fulcrum.gateway.authz.check_now`)."""
+        got = authz.check_now(self.picker, self.leases, self._clock, body, path, None,
+                              headers)
+        return None if got is None else self.rendered(got, lambda: True)
+
+    def rendered(self, got: tuple[Placement, str] | Refusal,
+                 still_open: Callable[[], bool]) -> bytes:
+        """The HTTP answer of a pick (a pick the connection can no longer carry is
+        released at once)."""
         if isinstance(got, Refusal):
             return refused(got)
         out, token = got
@@ -179,34 +193,51 @@ class _Connection(asyncio.Protocol):
             self._next()
 
     def _next(self) -> None:
-        """Answer the next complete request in the buffer, if any."""
+        """Answer the complete requests in the buffer, in order: at once while their
+        picks need not wait, else the first that must in a task (the rest after it)."""
+        while self._one():
+            pass
+
+    def _one(self) -> bool:
+        """Answer the next complete request in the buffer; True when it was answered at
+        once and the buffer may hold another."""
         end = self._buf.find(b"\r\n\r\n")
         if end < 0:
             if len(self._buf) > MAX_HEAD_BYTES:
                 self._fail(_BadRequest(431, f"request head over {MAX_HEAD_BYTES} bytes"))
-            return
+            return False
         if end > MAX_HEAD_BYTES:
             self._fail(_BadRequest(431, f"request head over {MAX_HEAD_BYTES} bytes"))
-            return
+            return False
         try:
             _method, path, headers, length = parse_head(bytes(self._buf[:end]))
         except _BadRequest as err:
             self._fail(err)
-            return
+            return False
         picker = self._server.picker
         if length > picker.settings.max_body_bytes:
             refusal = picker.too_large()
             count_refusal(refusal)
             self._write(refused(refusal))
             self.close()
-            return
+            return False
         if len(self._buf) < end + 4 + length:
-            return  # the body is still coming
+            return False  # the body is still coming
         body = bytes(self._buf[end + 4:end + 4 + length])
         del self._buf[:end + 4 + length]
+        try:
+            now = self._server.answer_now(path, headers, body)
+        except Exception as err:  # a bug: logged, never a half answer
+            log.error("gateway_authz_http_failed", error=repr(err))
+            self.close()
+            return False
+        if now is not None:
+            self._write(now)
+            return self._open() and bool(self._buf)
         self._busy = True
         task = asyncio.ensure_future(self._server.answer(path, headers, body, self._open))
         task.add_done_callback(self._answered)
+        return False
 
     def _answered(self, task: asyncio.Future[bytes]) -> None:
         self._busy = False

@@ -317,6 +317,16 @@ class Picker:
             hook(request_id, placement)
         return placement
 
+    def _offloaded(self, body: bytes) -> bool:
+        """The body is parsed (and tokenized) in a worker thread: over ``OFFLOAD_BYTES``,
+        or any body when a tokenizer is configured."""
+        return len(body) > OFFLOAD_BYTES or (self.counter is not None and bool(body))
+
+    def answers_at_once(self, body: bytes) -> bool:
+        """:meth:`pick_full` of ``body`` would not wait (no worker thread, no prefill
+        placement), so :meth:`pick` alone answers it, on the caller's own callback."""
+        return self.prefill is None and not self._offloaded(body)
+
     async def pick_full(
         self, body: bytes, path: str, subset: list[str] | None, cls: RequestClass = DEFAULT_CLASS
     ) -> Placement | Refusal:
@@ -324,7 +334,7 @@ class Picker:
         over ``OFFLOAD_BYTES`` is parsed (and tokenized) in a worker thread, so that the
         event loop never spends more than a few ms on one request."""
         shape = None
-        if len(body) > OFFLOAD_BYTES or (self.counter is not None and body):
+        if self._offloaded(body):
             loop = asyncio.get_running_loop()
             shape = await loop.run_in_executor(None, self.parse, body, path)
         out = self.pick(body, path, subset, shape, cls)
