@@ -26,8 +26,8 @@ Run: ``.venv/bin/python benchmarks/bench_engines.py [--ports P1,P2] [--quick]
 ``tests/engines/install_vllm.sh`` and ``.venv-peers/bin/pip install smg vllm-router``).
 ``--save`` appends every round's walls to a JSON lines file; ``--pool FILE[,FILE]``
 prints the paired table over every round saved there, runs apart
-(``benchmarks/results/no_reuse_rounds_stop37.jsonl`` and ``..._stop38.jsonl``: the
-no-reuse rounds behind BENCHMARKS.md's pooled figures, walls to two decimals).
+(``benchmarks/results/no_reuse_rounds_stop37.jsonl``, ``..._stop38`` and ``..._stop39``: the
+no-reuse rounds behind BENCHMARKS.md's pooled figures).
 
 Where the engines run: the bench's own engines have each one core for their whole
 process tree (``VllmFleet(pin_processes=True)``), at niceness +10 below the routers and
