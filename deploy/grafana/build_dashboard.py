@@ -130,9 +130,11 @@ def build() -> dict[str, Any]:
     b.panel("Requests taken by another tier's engines", [(
         f"sum by (tier, engine_tier) (rate(fulcrum_prefill_helped_requests_total{{{SEL}}}[$__rate_interval]))",
         "{{tier}} by {{engine_tier}}")], unit="reqps")
-    b.panel("Requests run ahead of lower-band work (priority bands on ranks)", [(
-        f"sum by (tier) (rate(fulcrum_prefill_overtaking_requests_total{{{SEL}}}[$__rate_interval]))",
-        "{{tier}}")], unit="reqps")
+    b.panel("Requests run ahead of lower-band work (priority bands on ranks)", [
+        (f"sum by (tier) (rate(fulcrum_prefill_overtaking_requests_total{{{SEL}}}[$__rate_interval]))",
+         "{{tier}}"),
+        (f"sum by (tier) (rate(fulcrum_prefill_precedence_requests_total{{{SEL}}}[$__rate_interval]))",
+         "{{tier}} fair-share precedence")], unit="reqps")
     b.panel("Redistributions and engine moves", [
         (f"sum by (reason) (rate(fulcrum_prefill_rounds_total{{{SEL}}}[$__rate_interval]))", "rounds {{reason}}"),
         (f"rate(fulcrum_prefill_rebalance_moves_total{{{SEL}}}[$__rate_interval])", "moves")], unit="ops")

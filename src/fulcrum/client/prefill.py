@@ -23,6 +23,7 @@ import grpc
 
 from fulcrum.client import FulcrumClient
 from fulcrum.client.planner import ChunkPlanner, CostModel, PrefillTask, StepPlan
+from fulcrum.core.prefill.bands import rank_band, split_band
 from fulcrum.core.prefill.batch import quota_ns as quota_ns
 from fulcrum.v1 import fleet_pb2
 from fulcrum.v1 import prefill_pb2 as pb
@@ -177,8 +178,9 @@ class PrefillEngine:
                 max_wait_ms=max_wait_ms,
                 max_requests=max_requests,
                 band_rank_loads=[
-                    pb.BandRankLoads(priority=prio, rank_loads_ns=row)
-                    for prio, row in bands.items()
+                    pb.BandRankLoads(priority=split_band(band)[0],
+                                     boosted=split_band(band)[1], rank_loads_ns=row)
+                    for band, row in bands.items()
                 ],
             )
         )
@@ -191,7 +193,7 @@ class PrefillEngine:
         for r in accepted:
             self.planner.add(
                 r.dp_rank, PrefillTask(r.request_id, int(r.cached_tokens), int(r.total_tokens),
-                                       int(r.priority))
+                                       rank_band(int(r.priority), r.boosted))
             )
             self.accepted[r.request_id] = (
                 int(r.dp_rank), int(r.total_tokens), int(r.cached_tokens))

@@ -108,7 +108,8 @@ class TenantsSettings(Section):
     )
     cap_window_ms: int = Field(
         core.DEFAULT_CAP_WINDOW_NS // _MS, ge=1, le=86_400_000,
-        description="window over which a tenant's compute_cap is measured, ms",
+        description="window over which a tenant's served compute is measured (its "
+        "compute_cap, and whether it is under its fair share), ms",
     )
 
     @model_validator(mode="after")

@@ -155,6 +155,14 @@ BANDED = Counter(
     ["tier"],
     registry=REGISTRY,
 )
+PRECEDENCE = Counter(
+    "fulcrum_prefill_precedence_requests",
+    "Requests taken with fair-share precedence (their tenant under its share, another "
+    "tenant's work waiting in their band): they run half a band up on their rank "
+    "(PulledRequest.boosted). By the request's tier.",
+    ["tier"],
+    registry=REGISTRY,
+)
 COST_REL_ERROR = Histogram(
     "fulcrum_prefill_cost_model_relative_error",
     "|predicted - measured| / measured of reported step times under the model in force.",

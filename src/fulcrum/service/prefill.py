@@ -11,6 +11,7 @@ import grpc
 import structlog
 
 from fulcrum.config import Settings
+from fulcrum.core.prefill.bands import rank_band
 from fulcrum.core.types import MemberKind, PrefillEngineShape
 from fulcrum.errors import InvalidArgument, NotFound
 from fulcrum.service.app import App
@@ -118,22 +119,25 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
         )
         return self._reply(batch, request.engine_id)
 
-    def _bands(self, request: pb.PullRequest, ranks_bound: int) -> dict[int, list[int]]:
-        """``band_rank_loads`` as a map, bounded before anything is converted (entries:
-        the priority range's size; each: the per-member GPU bound); duplicates refused."""
+    def _bands(self, request: pb.PullRequest, ranks_bound: int) -> dict[float, list[int]]:
+        """``band_rank_loads`` as a map by rank band (:func:`~fulcrum.core.prefill.bands.
+        rank_band`), bounded before anything is converted (entries: two per priority in
+        the range; each: the per-member GPU bound); duplicates refused."""
         pol = self._state.balancer.config.tenants
-        most = pol.max_priority - pol.min_priority + 1
+        most = 2 * (pol.max_priority - pol.min_priority + 1)
         if len(request.band_rank_loads) > most:
             raise InvalidArgument("band_rank_loads", f"must have at most {most} entries "
-                                  "(one per priority band)")
-        out: dict[int, list[int]] = {}
+                                  "(two per priority band)")
+        out: dict[float, list[int]] = {}
         for b in request.band_rank_loads:
             if len(b.rank_loads_ns) > ranks_bound:
                 raise InvalidArgument("band_rank_loads", f"must have at most {ranks_bound} "
                                       "rank entries each (one per DP rank)")
-            if b.priority in out:
-                raise InvalidArgument("band_rank_loads", f"priority {b.priority} appears twice")
-            out[int(b.priority)] = [int(x) for x in b.rank_loads_ns]
+            band = rank_band(int(b.priority), b.boosted)
+            if band in out:
+                raise InvalidArgument("band_rank_loads", f"priority {b.priority} (boosted "
+                                      f"{str(b.boosted).lower()}) appears twice")
+            out[band] = [int(x) for x in b.rank_loads_ns]
         return out
 
     async def Ack(
@@ -165,6 +169,7 @@ class PrefillServicer(pb_grpc.PrefillBalancerServiceServicer):
                     dp_rank=it.dp_rank,
                     predicted_cost_ns=it.predicted_cost_ns,
                     priority=it.priority,
+                    boosted=it.boosted,
                 )
                 for it in batch.items
             ],

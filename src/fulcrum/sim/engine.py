@@ -483,10 +483,10 @@ class Simulator:
             else:
                 rank = self.router.route(self.now, self.quota[rid])
             e, r = divmod(rank, self.n_ranks)
-            self._enqueue(e, r, rid)
+            self._enqueue(e, r, rid, self.tenants.classes[rid].priority)
             self._kick_engine(e)
 
-    def _enqueue(self, e: int, r: int, rid: int) -> None:
+    def _enqueue(self, e: int, r: int, rid: int, band: float) -> None:
         total = int(self.inp[rid])
         if self.per_engine:
             # The engine's own cache: what it really holds decides the cost.
@@ -494,7 +494,7 @@ class Simulator:
             self.cached[rid] = c0
             self.quota[rid] = self.model.cost_ns(total - c0, c0)
         enqueue_task(self.queues[e][r], core_chunks.PrefillTask(
-            str(rid), int(self.cached[rid]), total, self.tenants.classes[rid].priority))
+            str(rid), int(self.cached[rid]), total, band))
         self.rank_load[e][r] += self.quota[rid]
         self.rank_reqs[e * self.n_ranks + r] += 1
 
@@ -518,8 +518,8 @@ class Simulator:
         self._trace(("pull", self.now, eid, remaining, tuple(loads),
                      tuple(it.request_id for it in taken.items), taken.ranks, bands))
         self.tenants.taken(taken.items, self.now)
-        for it, r in zip(taken.items, taken.ranks, strict=True):
-            self._enqueue(e, r, int(it.request_id))
+        for it, r, band in zip(taken.items, taken.ranks, taken.bands, strict=True):
+            self._enqueue(e, r, int(it.request_id), band)
         if taken.items:
             self._kick_engine(e)
         return bool(taken.items)

@@ -38,15 +38,17 @@ class TenantStage:
             except FulcrumError as err:
                 raise ValueError(f"request {i} (arrival {r.arrival_ns} ns): "
                                  f"{err.message}") from None
-        #: True when the requests come in more than one priority band.
-        self.banded = len({c.priority for c in self.classes}) > 1
+        #: True when the requests come in more than one priority band, or from more than
+        #: one tenant (fair-share precedence splits a band on the ranks).
+        self.banded = (len({c.priority for c in self.classes}) > 1
+                       or len({c.tenant for c in self.classes}) > 1)
         n = len(reqs)
         self.shed = np.zeros(n, dtype=np.bool_)
         self.taken_ns: npt.NDArray[np.int64] = np.full(n, -1, dtype=np.int64)
         self.useful_ns: npt.NDArray[np.float64] = np.zeros(n, dtype=np.float64)
 
     def band_loads(self, queues: Sequence[Iterable[PrefillTask]],
-                   model: CostModel) -> dict[int, list[int]] | None:
+                   model: CostModel) -> dict[float, list[int]] | None:
         """An engine's work per band held and rank (ns; ``queues``: its ranks' queues), as
         an engine running the kit reports it with its pull; None when the workload has one
         band (nothing to say)."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from fulcrum.v1 import fleet_pb2 as fulcrum_dot_v1_dot_fleet__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66ulcrum/v1/prefill.proto\x12\nfulcrum.v1\x1a\x16\x66ulcrum/v1/fleet.proto\"\xc7\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\x12\x13\n\x0bmax_wait_ms\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x04\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x18\n\x0bttft_slo_ms\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_ttft_slo_ms\"\x83\x01\n\x0eSubmitResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0c\n\x04tier\x18\x03 \x01(\r\x12\x11\n\ttier_name\x18\x04 \x01(\t\x12\x19\n\x11predicted_cost_ns\x18\x05 \x01(\x04\x12\x11\n\twaited_ns\x18\x06 \x01(\x04\"\xf6\x01\n\x0bPullRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x1a\n\x12remaining_quota_ns\x18\x03 \x01(\x04\x12\x15\n\rrank_loads_ns\x18\x04 \x03(\x04\x12\x13\n\x0bmax_wait_ms\x18\x05 \x01(\r\x12\x14\n\x0cmax_requests\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63k_request_ids\x18\x07 \x03(\t\x12\x14\n\x0c\x61\x63k_on_reply\x18\x08 \x01(\x08\x12\x32\n\x0f\x62\x61nd_rank_loads\x18\t \x03(\x0b\x32\x19.fulcrum.v1.BandRankLoads\"8\n\rBandRankLoads\x12\x10\n\x08priority\x18\x01 \x01(\x05\x12\x15\n\rrank_loads_ns\x18\x02 \x03(\x04\"I\n\nAckRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\"=\n\x0b\x41\x63kResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x1c\n\x14rejected_request_ids\x18\x02 \x03(\t\"\x8e\x01\n\rPulledRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\x19\n\x11predicted_cost_ns\x18\x05 \x01(\x04\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\xf3\x01\n\x0cPullResponse\x12\x0c\n\x04tier\x18\x01 \x01(\r\x12\x11\n\ttier_name\x18\x02 \x01(\t\x12+\n\x08requests\x18\x03 \x03(\x0b\x32\x19.fulcrum.v1.PulledRequest\x12\x16\n\x0e\x62\x61tch_quota_ns\x18\x04 \x01(\x04\x12\x1a\n\x12\x63ost_model_version\x18\x05 \x01(\x04\x12\x1c\n\x14rejected_request_ids\x18\x06 \x03(\t\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\x12\x31\n\nassignment\x18\x08 \x01(\x0b\x32\x1d.fulcrum.v1.PrefillAssignment\"7\n\nStepSample\x12\t\n\x01q\x18\x01 \x01(\x04\x12\t\n\x01\x63\x18\x02 \x01(\x04\x12\x13\n\x0bmeasured_ns\x18\x03 \x01(\x04\"T\n\x16ReportStepTimesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\'\n\x07samples\x18\x02 \x03(\x0b\x32\x16.fulcrum.v1.StepSample\"+\n\x17ReportStepTimesResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"(\n\x13GetCostModelRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"y\n\x14GetCostModelResponse\x12\t\n\x01\x61\x18\x01 \x01(\x01\x12\t\n\x01\x62\x18\x02 \x01(\x01\x12\t\n\x01k\x18\x03 \x01(\x01\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x15\n\rstep_quota_ns\x18\x05 \x01(\x04\x12\x18\n\x10max_chunk_tokens\x18\x06 \x01(\r2\xfb\x02\n\x16PrefillBalancerService\x12?\n\x06Submit\x12\x19.fulcrum.v1.SubmitRequest\x1a\x1a.fulcrum.v1.SubmitResponse\x12\x39\n\x04Pull\x12\x17.fulcrum.v1.PullRequest\x1a\x18.fulcrum.v1.PullResponse\x12\x36\n\x03\x41\x63k\x12\x16.fulcrum.v1.AckRequest\x1a\x17.fulcrum.v1.AckResponse\x12Z\n\x0fReportStepTimes\x12\".fulcrum.v1.ReportStepTimesRequest\x1a#.fulcrum.v1.ReportStepTimesResponse\x12Q\n\x0cGetCostModel\x12\x1f.fulcrum.v1.GetCostModelRequest\x1a .fulcrum.v1.GetCostModelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66ulcrum/v1/prefill.proto\x12\nfulcrum.v1\x1a\x16\x66ulcrum/v1/fleet.proto\"\xc7\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\x12\x13\n\x0bmax_wait_ms\x18\x04 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x04\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x18\n\x0bttft_slo_ms\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_ttft_slo_ms\"\x83\x01\n\x0eSubmitResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0c\n\x04tier\x18\x03 \x01(\r\x12\x11\n\ttier_name\x18\x04 \x01(\t\x12\x19\n\x11predicted_cost_ns\x18\x05 \x01(\x04\x12\x11\n\twaited_ns\x18\x06 \x01(\x04\"\xf6\x01\n\x0bPullRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x1a\n\x12remaining_quota_ns\x18\x03 \x01(\x04\x12\x15\n\rrank_loads_ns\x18\x04 \x03(\x04\x12\x13\n\x0bmax_wait_ms\x18\x05 \x01(\r\x12\x14\n\x0cmax_requests\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63k_request_ids\x18\x07 \x03(\t\x12\x14\n\x0c\x61\x63k_on_reply\x18\x08 \x01(\x08\x12\x32\n\x0f\x62\x61nd_rank_loads\x18\t \x03(\x0b\x32\x19.fulcrum.v1.BandRankLoads\"I\n\rBandRankLoads\x12\x10\n\x08priority\x18\x01 \x01(\x05\x12\x15\n\rrank_loads_ns\x18\x02 \x03(\x04\x12\x0f\n\x07\x62oosted\x18\x03 \x01(\x08\"I\n\nAckRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\"=\n\x0b\x41\x63kResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x1c\n\x14rejected_request_ids\x18\x02 \x03(\t\"\x9f\x01\n\rPulledRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\x19\n\x11predicted_cost_ns\x18\x05 \x01(\x04\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x0f\n\x07\x62oosted\x18\x07 \x01(\x08\"\xf3\x01\n\x0cPullResponse\x12\x0c\n\x04tier\x18\x01 \x01(\r\x12\x11\n\ttier_name\x18\x02 \x01(\t\x12+\n\x08requests\x18\x03 \x03(\x0b\x32\x19.fulcrum.v1.PulledRequest\x12\x16\n\x0e\x62\x61tch_quota_ns\x18\x04 \x01(\x04\x12\x1a\n\x12\x63ost_model_version\x18\x05 \x01(\x04\x12\x1c\n\x14rejected_request_ids\x18\x06 \x03(\t\x12\x10\n\x08lease_ms\x18\x07 \x01(\r\x12\x31\n\nassignment\x18\x08 \x01(\x0b\x32\x1d.fulcrum.v1.PrefillAssignment\"7\n\nStepSample\x12\t\n\x01q\x18\x01 \x01(\x04\x12\t\n\x01\x63\x18\x02 \x01(\x04\x12\x13\n\x0bmeasured_ns\x18\x03 \x01(\x04\"T\n\x16ReportStepTimesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\'\n\x07samples\x18\x02 \x03(\x0b\x32\x16.fulcrum.v1.StepSample\"+\n\x17ReportStepTimesResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\"(\n\x13GetCostModelRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"y\n\x14GetCostModelResponse\x12\t\n\x01\x61\x18\x01 \x01(\x01\x12\t\n\x01\x62\x18\x02 \x01(\x01\x12\t\n\x01k\x18\x03 \x01(\x01\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\x15\n\rstep_quota_ns\x18\x05 \x01(\x04\x12\x18\n\x10max_chunk_tokens\x18\x06 \x01(\r2\xfb\x02\n\x16PrefillBalancerService\x12?\n\x06Submit\x12\x19.fulcrum.v1.SubmitRequest\x1a\x1a.fulcrum.v1.SubmitResponse\x12\x39\n\x04Pull\x12\x17.fulcrum.v1.PullRequest\x1a\x18.fulcrum.v1.PullResponse\x12\x36\n\x03\x41\x63k\x12\x16.fulcrum.v1.AckRequest\x1a\x17.fulcrum.v1.AckResponse\x12Z\n\x0fReportStepTimes\x12\".fulcrum.v1.ReportStepTimesRequest\x1a#.fulcrum.v1.ReportStepTimesResponse\x12Q\n\x0cGetCostModel\x12\x1f.fulcrum.v1.GetCostModelRequest\x1a .fulcrum.v1.GetCostModelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,25 +39,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLREQUEST']._serialized_start=401
   _globals['_PULLREQUEST']._serialized_end=647
   _globals['_BANDRANKLOADS']._serialized_start=649
-  _globals['_BANDRANKLOADS']._serialized_end=705
-  _globals['_ACKREQUEST']._serialized_start=707
-  _globals['_ACKREQUEST']._serialized_end=780
-  _globals['_ACKRESPONSE']._serialized_start=782
-  _globals['_ACKRESPONSE']._serialized_end=843
-  _globals['_PULLEDREQUEST']._serialized_start=846
-  _globals['_PULLEDREQUEST']._serialized_end=988
-  _globals['_PULLRESPONSE']._serialized_start=991
-  _globals['_PULLRESPONSE']._serialized_end=1234
-  _globals['_STEPSAMPLE']._serialized_start=1236
-  _globals['_STEPSAMPLE']._serialized_end=1291
-  _globals['_REPORTSTEPTIMESREQUEST']._serialized_start=1293
-  _globals['_REPORTSTEPTIMESREQUEST']._serialized_end=1377
-  _globals['_REPORTSTEPTIMESRESPONSE']._serialized_start=1379
-  _globals['_REPORTSTEPTIMESRESPONSE']._serialized_end=1422
-  _globals['_GETCOSTMODELREQUEST']._serialized_start=1424
-  _globals['_GETCOSTMODELREQUEST']._serialized_end=1464
-  _globals['_GETCOSTMODELRESPONSE']._serialized_start=1466
-  _globals['_GETCOSTMODELRESPONSE']._serialized_end=1587
-  _globals['_PREFILLBALANCERSERVICE']._serialized_start=1590
-  _globals['_PREFILLBALANCERSERVICE']._serialized_end=1969
+  _globals['_BANDRANKLOADS']._serialized_end=722
+  _globals['_ACKREQUEST']._serialized_start=724
+  _globals['_ACKREQUEST']._serialized_end=797
+  _globals['_ACKRESPONSE']._serialized_start=799
+  _globals['_ACKRESPONSE']._serialized_end=860
+  _globals['_PULLEDREQUEST']._serialized_start=863
+  _globals['_PULLEDREQUEST']._serialized_end=1022
+  _globals['_PULLRESPONSE']._serialized_start=1025
+  _globals['_PULLRESPONSE']._serialized_end=1268
+  _globals['_STEPSAMPLE']._serialized_start=1270
+  _globals['_STEPSAMPLE']._serialized_end=1325
+  _globals['_REPORTSTEPTIMESREQUEST']._serialized_start=1327
+  _globals['_REPORTSTEPTIMESREQUEST']._serialized_end=1411
+  _globals['_REPORTSTEPTIMESRESPONSE']._serialized_start=1413
+  _globals['_REPORTSTEPTIMESRESPONSE']._serialized_end=1456
+  _globals['_GETCOSTMODELREQUEST']._serialized_start=1458
+  _globals['_GETCOSTMODELREQUEST']._serialized_end=1498
+  _globals['_GETCOSTMODELRESPONSE']._serialized_start=1500
+  _globals['_GETCOSTMODELRESPONSE']._serialized_end=1621
+  _globals['_PREFILLBALANCERSERVICE']._serialized_start=1624
+  _globals['_PREFILLBALANCERSERVICE']._serialized_end=2003
 # @@protoc_insertion_point(module_scope)

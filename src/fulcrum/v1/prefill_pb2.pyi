@@ -195,9 +195,10 @@ class PullRequest(_message.Message):
         chunk planner does): per band the engine holds, what runs before a new request of
         that band on each rank. A request of a higher band than work the engine holds is
         bound and placed by these loads instead of rank_loads_ns. At most one entry per
-        priority, each with one entry per DP rank, none above the rank's rank_loads_ns, at
-        most tenants.max_priority - tenants.min_priority + 1 entries (INVALID_ARGUMENT naming
-        band_rank_loads otherwise). Empty: every band waits behind the whole rank load.
+        (priority, boosted), each with one entry per DP rank, none above the rank's
+        rank_loads_ns, at most 2 x (tenants.max_priority - tenants.min_priority + 1) entries
+        (INVALID_ARGUMENT naming band_rank_loads otherwise). Empty: every band waits behind
+        the whole rank load.
         """
 
     def __init__(
@@ -229,8 +230,13 @@ class BandRankLoads(_message.Message):
 
     PRIORITY_FIELD_NUMBER: _builtins.int
     RANK_LOADS_NS_FIELD_NUMBER: _builtins.int
+    BOOSTED_FIELD_NUMBER: _builtins.int
     priority: _builtins.int
     """The band (a Submit's priority)."""
+    boosted: _builtins.bool
+    """The half band above priority: the work of requests pulled with boosted set (and
+    of higher bands) that runs before a new boosted request of this priority.
+    """
     @_builtins.property
     def rank_loads_ns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Per DP rank, in nanoseconds: the predicted cost of the rank's work of this band or
@@ -242,10 +248,11 @@ class BandRankLoads(_message.Message):
         *,
         priority: _builtins.int = ...,
         rank_loads_ns: _abc.Iterable[_builtins.int] | None = ...,
+        boosted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["priority", b"priority", "rank_loads_ns", b"rank_loads_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boosted", b"boosted", "priority", b"priority", "rank_loads_ns", b"rank_loads_ns"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -327,6 +334,7 @@ class PulledRequest(_message.Message):
     DP_RANK_FIELD_NUMBER: _builtins.int
     PREDICTED_COST_NS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    BOOSTED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id."""
     total_tokens: _builtins.int
@@ -339,6 +347,13 @@ class PulledRequest(_message.Message):
     """Predicted compute cost, in nanoseconds."""
     priority: _builtins.int
     """The request's priority band (its Submit's priority; higher first on its rank)."""
+    boosted: _builtins.bool
+    """Fair-share precedence: the request was taken while its tenant was the one fair
+    queueing serves next in its band, with another tenant's work waiting there. Run it
+    ahead of this band's requests pulled without it (half a band up: behind every
+    higher band), as the kit's chunk planner does; report its work in the
+    band_rank_loads entry with boosted set.
+    """
     def __init__(
         self,
         *,
@@ -348,10 +363,11 @@ class PulledRequest(_message.Message):
         dp_rank: _builtins.int = ...,
         predicted_cost_ns: _builtins.int = ...,
         priority: _builtins.int = ...,
+        boosted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "dp_rank", b"dp_rank", "predicted_cost_ns", b"predicted_cost_ns", "priority", b"priority", "request_id", b"request_id", "total_tokens", b"total_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boosted", b"boosted", "cached_tokens", b"cached_tokens", "dp_rank", b"dp_rank", "predicted_cost_ns", b"predicted_cost_ns", "priority", b"priority", "request_id", b"request_id", "total_tokens", b"total_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -186,6 +186,36 @@ def test_past_max_tenants_the_ledger_trims_the_least_debt_with_slack() -> None:
     assert min(int(t[1:]) for t in bal.fair.v) >= 1_000 - 100
 
 
+def test_the_served_ns_table_stays_bounded_and_forgets_without_rerunning() -> None:
+    # Every tenant's served ns is kept while recent (fair-share precedence reads it);
+    # 3,000 tenants served once each within one window: a pass frees nothing, and it is
+    # not repeated on every charge; past max_tenants the oldest are dropped.
+    bal = make(policy=TenantPolicy(max_tenants=10_000))
+    runs = 0
+    forget = bal.fair._forget_used
+
+    def counted(now_ns: int) -> None:
+        nonlocal runs
+        runs += 1
+        forget(now_ns)
+
+    bal.fair._forget_used = counted  # type: ignore[method-assign]
+    for i in range(3_000):
+        bal.enqueue(q(f"r{i}", f"t{i}", cost=MS))
+    for _ in range(3_000):
+        take_one(bal, 0)
+    assert 1 <= runs <= 3 and len(bal.fair.used) == 3_000
+    small = make(policy=TenantPolicy(max_tenants=100))
+    for i in range(1_000):
+        small.enqueue(q(f"r{i}", f"t{i}", cost=MS))
+        take_one(small, 0)
+        assert len(small.fair.used) <= 2 * 100
+    later = 10 * 60 * S  # far past three windows: idle tenants' entries go
+    small.fair.charge("fresh", float(MS), MS, later)
+    small.fair._forget_used(later)
+    assert set(small.fair.used) == {"fresh"}
+
+
 @pytest.mark.parametrize(("sheddable", "slo", "shed"), [
     (True, 10 * MS, True), (True, 10 * S, False), (False, 10 * MS, False), (True, None, False)])
 def test_shed_intent(sheddable: bool, slo: int | None, shed: bool) -> None:

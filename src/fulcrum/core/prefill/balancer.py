@@ -54,7 +54,7 @@ import numpy.typing as npt
 
 from fulcrum.core.prefill import order as aff_order
 from fulcrum.core.prefill.affinity import Affinity
-from fulcrum.core.prefill.bands import after_pass, band_pass, offer_for
+from fulcrum.core.prefill.bands import after_pass, band_pass, offer_for, rank_band
 from fulcrum.core.prefill.batch import BatchFill, select_batch
 from fulcrum.core.prefill.chunks import DEFAULT_FLOOR_FRACTION
 from fulcrum.core.prefill.fair import FairLedger, TierQueue
@@ -225,7 +225,7 @@ class PrefillBalancer:
         if config.rules.order.name != self.config.rules.order.name:
             self.fair.reset()  # another rule counts other units
         self.config = config
-        self.fair.policy = config.tenants
+        self.fair.set_policy(config.tenants)
 
     # -- queries --------------------------------------------------------------------------
 
@@ -489,7 +489,7 @@ class PrefillBalancer:
         return self._can_take_item(tier, offer, head)
 
     def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
-        loads, remaining = offer_for(offer, head.cls.priority)  # the work ahead of its band
+        loads, remaining = offer_for(offer, band_of(self, tier, head))  # the work ahead of it
         full = self.config.rules.binding.full(loads, self.config.step_quota_ns)
         if full:
             return False
@@ -532,7 +532,7 @@ class PrefillBalancer:
         limit: int | None = None,
         alive: Callable[[Queued], bool] | None = None,
         now_ns: int | None = None,
-        band_loads: Mapping[int, Sequence[int]] | None = None,
+        band_loads: Mapping[float, Sequence[int]] | None = None,
     ) -> Taken:
         """A pull by ``engine_id``: select, assign ranks and remove a batch (may be empty).
 
@@ -561,7 +561,7 @@ class PrefillBalancer:
         tier = self.source_tier(engine_id, loads, now_ns)
         if tier < 0:
             return Taken(tier=tier)
-        top = max(self.tier_queue(tier).bands, default=None) if band_loads else None
+        top = _top_band(self, tier) if band_loads else None
         first = band_pass(top, loads, band_loads, remaining_ns, lambda ahead, left, band:
                           self._pass(eng, tier, ahead, left, limit, alive, now_ns, band))
         after, left, limit = after_pass(first, loads, remaining_ns, limit,
@@ -579,11 +579,12 @@ class PrefillBalancer:
 
     def _pass(self, eng: EngineEntry, tier: int, loads: list[int], remaining_ns: int,
               limit: int | None, alive: Callable[[Queued], bool] | None, now_ns: int | None,
-              band: int | None = None) -> Taken:
+              band: float | None = None) -> Taken:
         """One pass of a pull by these rank loads (ns): select, commit and charge a batch
         (``band``: only requests of that band or higher)."""
         pull = _start_pull(self, eng, tier, loads, remaining_ns, limit, alive, now_ns)
         pull.band = band
+        pull.band_of = lambda it: band_of(self, tier, it)
         pull.run(self.queued(tier, now_ns), alive, self.cost_for)
         taken = pull.commit(tier, loads, self.remove, now_ns)
         self._charge(taken, pull.costs, now_ns)
@@ -596,6 +597,24 @@ class PrefillBalancer:
         for it, cost in zip(taken.items, costs, strict=True):
             self.fair.charge(it.cls.tenant, order.units(it, cost), cost, now_ns)
             q.served(it, now_ns)
+
+
+def band_of(bal: PrefillBalancer, tier: int, item: Queued) -> float:
+    """``item``'s band on a rank if taken now (:func:`~fulcrum.core.prefill.bands.
+    rank_band`): half a band up while its tenant leads its band (the order rule's
+    fair-share precedence)."""
+    lead = bal.config.rules.order.precedence and bal.tier_queue(tier).leads(item)
+    return rank_band(item.cls.priority, lead)
+
+
+def _top_band(bal: PrefillBalancer, tier: int) -> float | None:
+    """The highest rank band queued in ``tier`` (its top priority band, half a band up
+    when a tenant leads it), None when empty."""
+    q = bal.tier_queue(tier)
+    top = max(q.bands, default=None)
+    if top is None:
+        return None
+    return rank_band(top, bal.config.rules.order.precedence and len(q.flows[top]) > 1)
 
 
 def _start_pull(bal: PrefillBalancer, eng: EngineEntry, tier: int, loads: list[int],
@@ -616,7 +635,7 @@ def _start_pull(bal: PrefillBalancer, eng: EngineEntry, tier: int, loads: list[i
         cfg.rules.binding.fill(loads, cfg.step_quota_ns),
         BatchFill(remaining_ns, cfg.batch_cap_ns[tier], idle=not any(loads),
                   max_requests=cap),
-        bal.affinity, dead=dead,
+        bal.affinity, dead=dead, skips=cap,
     )
 
 

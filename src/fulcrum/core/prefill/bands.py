@@ -23,18 +23,46 @@ The rule (pure; the engine kit, the daemon and the simulator share it):
   balancer binds and places a request of band ``p`` by these loads (:func:`loads_for`)
   instead of the rank's whole load, since that is what runs before it.
 
+**Fair-share precedence** (the default order rule, ``wfq_ns``): a request taken while
+its tenant is the one fair queueing serves next in its band, with another tenant's work
+waiting in that band (:meth:`fulcrum.core.prefill.fair.TierQueue.leads`), gets the rank
+band ``priority + PRECEDENCE`` instead of ``priority``: on its rank it goes ahead of its
+band's other work (within the overtaking bound), below every higher band, and the
+balancer binds and places it by that half band's work ahead. So a tenant under its share
+is served first on the ranks too, not only in the daemon's queue: without it a light
+tenant's short request, first in the queue, still waited on its rank behind the heavy
+tenant's work taken before it (up to the late-binding horizon). The wire carries it as
+``priority`` plus a ``boosted`` flag (:func:`rank_band`, :func:`split_band`).
+
 With one band everywhere nothing changes: FIFO queues, whole loads.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 from fulcrum.core.prefill.items import Offer, Taken
 
+PRECEDENCE: float = 0.5
+"""How far fair-share precedence lifts a request's rank band: half a band, so it passes
+its own band's other work and no higher band's."""
 
-def loads_for(priority: int, rank_loads_ns: Sequence[int],
-              bands: Mapping[int, Sequence[int]] | None) -> Sequence[int]:
+
+def rank_band(priority: int, boosted: bool) -> float:
+    """The band a request runs in on its rank: its priority, half a band up when it was
+    taken with fair-share precedence."""
+    return priority + PRECEDENCE if boosted else float(priority)
+
+
+def split_band(band: float) -> tuple[int, bool]:
+    """(priority, boosted) of a rank band (:func:`rank_band`'s inverse, for the wire)."""
+    p = math.floor(band)
+    return p, band != p
+
+
+def loads_for(priority: float, rank_loads_ns: Sequence[int],
+              bands: Mapping[float, Sequence[int]] | None) -> Sequence[int]:
     """The rank loads (ns) that run before a request of ``priority``: those of the lowest
     reported band at or above it (zero when the engine holds nothing of its band or
     higher); the whole ``rank_loads_ns`` when the engine reports no bands."""
@@ -50,7 +78,7 @@ def _freed(whole: Sequence[int], ahead: Sequence[int]) -> int:
     return sum(max(0, int(a) - int(b)) for a, b in zip(whole, ahead, strict=True))
 
 
-def offer_for(offer: Offer, priority: int) -> tuple[Sequence[int], int]:
+def offer_for(offer: Offer, priority: float) -> tuple[Sequence[int], int]:
     """An offer's rank loads and remaining quota (ns) as a request of ``priority`` sees
     them: the work ahead of its band, and the quota that work leaves free."""
     whole = offer.rank_loads_ns
@@ -60,9 +88,9 @@ def offer_for(offer: Offer, priority: int) -> tuple[Sequence[int], int]:
     return ahead, offer.remaining_ns + _freed(whole, ahead)
 
 
-def band_pass(band: int | None, loads: Sequence[int],
-              bands: Mapping[int, Sequence[int]] | None, remaining_ns: int,
-              run: Callable[[list[int], int, int], Taken]) -> Taken | None:
+def band_pass(band: float | None, loads: Sequence[int],
+              bands: Mapping[float, Sequence[int]] | None, remaining_ns: int,
+              run: Callable[[list[int], int, float], Taken]) -> Taken | None:
     """The band pass of :meth:`PrefillBalancer.take`: when ``band`` (the highest band
     queued in the tier) has less work ahead on the engine (``bands``) than the whole rank
     ``loads`` (ns), ``run(ahead, remaining, band)`` takes the requests of that band or

@@ -53,14 +53,15 @@ class PrefillTask:
 
     ``computed``: prefix already computed or cached (tokens, the ``c`` of the next chunk);
     ``total``: total context length (tokens); ``total > computed >= 0``; ``priority``: the
-    request's band (higher first on its rank, :mod:`fulcrum.core.prefill.bands`);
+    request's band (higher first on its rank, :mod:`fulcrum.core.prefill.bands`: its
+    priority, + 0.5 when taken with fair-share precedence);
     ``overtaken``: tokens of later higher-band work that passed it on its rank.
     """
 
     request_id: str
     computed: int
     total: int
-    priority: int = 0
+    priority: float = 0
     overtaken: int = 0
 
     def __post_init__(self) -> None:
@@ -173,7 +174,7 @@ def rank_budget(
         raise ValueError(f"limit_ns: must be > 0, got {limit_ns}")
     need = 0.0
     busy = False
-    band = 0
+    band: float = 0
     for task in queue:
         if not busy:
             busy = True
@@ -280,7 +281,7 @@ def enqueue_task(queue: deque[PrefillTask], task: PrefillTask,
 
 
 def band_loads(queues: Sequence[Iterable[PrefillTask]], model: CostModel,
-               max_overtaken_tokens: int = DEFAULT_MAX_OVERTAKEN_TOKENS) -> dict[int, list[int]]:
+               max_overtaken_tokens: int = DEFAULT_MAX_OVERTAKEN_TOKENS) -> dict[float, list[int]]:
     """Per band ``p`` present on the engine, per rank: the predicted cost (ns) of what runs
     before a new request of band ``p`` there -- its tasks of priority ``p`` or higher, and
     every task up to the last lower-band one that may no longer be passed (``overtaken``
@@ -290,7 +291,7 @@ def band_loads(queues: Sequence[Iterable[PrefillTask]], model: CostModel,
     ranks = [[(t.priority, t.overtaken >= max_overtaken_tokens,
                int(model.cost_ns(t.need, t.computed))) for t in q] for q in queues]
     bands = sorted({prio for rank in ranks for prio, _, _ in rank})
-    out: dict[int, list[int]] = {}
+    out: dict[float, list[int]] = {}
     for p in bands:
         row = []
         for rank in ranks:
@@ -338,7 +339,7 @@ class ChunkPlanner:
             raise ValueError(f"rank: must be in [0, {len(self._queues)}), got {rank}")
         enqueue_task(self._queues[rank], task, self.max_overtaken_tokens)
 
-    def band_loads(self) -> dict[int, list[int]]:
+    def band_loads(self) -> dict[float, list[int]]:
         """Per band held, per rank: the predicted cost (ns) of its tasks of that band or
         higher (:func:`band_loads`; the pull's
         ``band_rank_loads``)."""

@@ -10,10 +10,12 @@ of the whole fleet's prefill compute): per tenant a virtual time (charged units 
 units: ns of predicted cost, or tokens for ``vtc_tokens``), the system virtual time
 ``vnow`` (start-time fair queueing: the virtual time of the flow served last), the
 tenant's queued count over all tiers (a flow that becomes backlogged is lifted to
-``vnow``, as in VTC: an idle tenant banks no credit, its share is lent), and for a
-tenant with a compute cap an exponentially decayed sum of its served ns (time constant
-``cap_window_ns``). Entries of idle tenants without debt are dropped, so the ledger
-holds at most the tenants with queued work or debt (bounded by the tenant table).
+``vnow``, as in VTC: an idle tenant banks no credit, its share is lent), and an
+exponentially decayed sum of each tenant's served ns (time constant ``cap_window_ns``:
+its compute cap, and whether it is under its fair share, :meth:`TierQueue.leads`).
+Entries of idle tenants without debt are dropped (served ns once decayed below
+``exp(-3)`` of what they were), so the ledger holds at most the tenants with queued
+work, debt or recent service (bounded by the tenant table).
 Pure: every time is passed in (ns).
 """
 
@@ -49,6 +51,14 @@ class FairLedger:
         self.queues: list[TierQueue] = []
         #: Ledger size past which the next charge sweeps (see :meth:`_sweep`).
         self.sweep_at = min(self.SWEEP_AT, policy.max_tenants)
+        #: Served-ns entries past which the next charge forgets (:meth:`_forget_used`).
+        self.forget_at = self.sweep_at
+
+    def set_policy(self, policy: TenantPolicy) -> None:
+        """Adopt a new tenant policy (reload): the queues' summed weights afresh."""
+        self.policy = policy
+        for q in self.queues:
+            q.reweigh()
 
     def weight(self, tenant: str) -> float:
         """Fair-share weight of ``tenant``."""
@@ -78,8 +88,6 @@ class FairLedger:
         self.count.pop(tenant, None)
         if self.v.get(tenant, 0.0) <= self.vnow:
             self.v.pop(tenant, None)  # no debt: a new backlog starts at vnow anyway
-        if tenant in self.used and self.cap(tenant) is None:
-            del self.used[tenant]
 
     def charge(self, tenant: str, units: float, cost_ns: int, now_ns: int | None) -> None:
         """``tenant`` was served ``units`` (its order rule's) costing ``cost_ns``."""
@@ -89,9 +97,10 @@ class FairLedger:
         self._moved(tenant)
         if len(self.v) > max(self.sweep_at, 2 * len(self.count)):
             self._sweep()
-        if self.cap(tenant) is not None:
-            t = self.now_ns if now_ns is None else now_ns
-            self.used[tenant] = (self.usage(tenant, t) + cost_ns, t)
+        t = self.now_ns if now_ns is None else now_ns
+        self.used[tenant] = (self.usage(tenant, t) + cost_ns, t)
+        if len(self.used) > max(self.forget_at, 2 * len(self.count)):
+            self._forget_used(t)
 
     #: Ledger size that starts a sweep of idle tenants' entries.
     SWEEP_AT = 1024
@@ -117,6 +126,28 @@ class FairLedger:
             for t in heapq.nsmallest(over, rest, key=self.v.__getitem__):
                 del self.v[t]
         self.sweep_at = min(limit, max(self.SWEEP_AT, 2 * len(self.v)))
+
+    def _forget_used(self, now_ns: int) -> None:
+        """Drop the served ns of idle tenants served last over three windows ago (decayed
+        below ``exp(-3)``); past ``max_tenants`` entries, the idle ones served longest
+        ago. Amortised O(1) per charge, as :meth:`_sweep` (the next run waits until the
+        entries have doubled)."""
+        old = now_ns - 3 * self.policy.cap_window_ns
+        idle = [t for t in self.used if t not in self.count]
+        for t in idle:
+            if self.used[t][1] <= old:
+                del self.used[t]
+        over = len(self.used) - self.policy.max_tenants
+        if over > 0:
+            rest = (t for t in idle if t in self.used)
+            for t in heapq.nsmallest(over, rest, key=lambda x: self.used[x][1]):
+                del self.used[t]
+        self.forget_at = min(self.policy.max_tenants, max(self.SWEEP_AT, 2 * len(self.used)))
+
+    def fair_ns(self, tenant: str, share: float) -> float:
+        """Served ns over the window (:meth:`usage`'s scale) of a tenant getting
+        ``share`` of the fleet (``capacity_ranks`` x ``cap_window_ns``)."""
+        return share * max(1, self.capacity_ranks()) * self.policy.cap_window_ns
 
     def refund(self, tenant: str, units: float) -> None:
         """A taken request of ``tenant`` came back unserved (a lapsed lease)."""
@@ -172,6 +203,8 @@ class TierQueue:
         self.served_ns: dict[int, int] = {}
         #: Queued predicted cost per (band, tenant), ns.
         self.flow_ns: dict[tuple[int, str], int] = {}
+        #: Summed fair-share weight of each band's flows.
+        self.weights: dict[int, float] = {}
         #: Per band, a heap of (virtual time, head seq, tenant) of its flows; an entry is
         #: stale once the flow's head or the tenant's virtual time moved (dropped lazily).
         self.heaps: dict[int, list[tuple[float, int, str]]] = {}
@@ -195,6 +228,8 @@ class TierQueue:
         rid, band, tenant = item.request_id, item.cls.priority, item.cls.tenant
         bq = self.bands.setdefault(band, OrderedDict())
         flows = self.flows.setdefault(band, OrderedDict())
+        if tenant not in flows:
+            self.weights[band] = self.weights.get(band, 0.0) + self.ledger.weight(tenant)
         flow = flows.setdefault(tenant, OrderedDict())
         for q in (self.all, bq, flow):
             q[rid] = item
@@ -235,9 +270,11 @@ class TierQueue:
         if not flow:
             del flows[tenant]
             del self.flow_ns[band, tenant]
+            self.weights[band] -= self.ledger.weight(tenant)
         if not bq:
             del self.bands[band]
             del self.flows[band]
+            del self.weights[band]
             self.heaps.pop(band, None)
         self.ledger.left(tenant)
         if flow and was_head:
@@ -272,6 +309,11 @@ class TierQueue:
         heapq.heapify(h)
         self.heaps[band] = h
 
+    def reweigh(self) -> None:
+        """Every band's summed weight afresh (the tenant policy changed)."""
+        w = self.ledger.weight
+        self.weights = {b: sum(w(t) for t in flows) for b, flows in self.flows.items()}
+
     def rebuild(self) -> None:
         """Every band's heap afresh."""
         for band in self.flows:
@@ -287,6 +329,20 @@ class TierQueue:
             self._rebuild_band(band)
             h = self.heaps[band]
         return h
+
+    def leads(self, item: Queued) -> bool:
+        """True when ``item``'s tenant is under its fair share while another tenant's work
+        waits in its band (fair-share precedence on the ranks,
+        :data:`fulcrum.core.prefill.bands.PRECEDENCE`): its served ns over the window
+        (:meth:`FairLedger.usage`) below its weight's part, among the tenants with work in
+        the band, of the fleet's compute. O(1)."""
+        band, tenant = item.cls.priority, item.cls.tenant
+        flows = self.flows.get(band)
+        if flows is None or len(flows) < 2 or tenant not in flows:
+            return False
+        led = self.ledger
+        share = led.weight(tenant) / self.weights[band]
+        return led.usage(tenant, led.now_ns) < led.fair_ns(tenant, share)
 
     def served(self, item: Queued, now_ns: int | None) -> None:
         """``item`` was taken at ``now_ns``: its band was served, its flow goes last in

@@ -63,7 +63,7 @@ class Offer:
     engine_id: str
     remaining_ns: int
     rank_loads_ns: Sequence[int]
-    band_loads: Mapping[int, Sequence[int]] | None = None
+    band_loads: Mapping[float, Sequence[int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,9 @@ class Taken:
     (FIFO order), from ``tier``; ``quota_ns`` their summed cost; ``dead`` the requests
     found dead (caller gone) on the way, removed from the queue, not delivered;
     ``costs_ns[i]``: ``items[i]``'s cost on the engine (ns); ``banded``: how many of the
-    first items a band pass took (bound by the work ahead of their band)."""
+    first items a band pass took (bound by the work ahead of their band); ``bands[i]``:
+    ``items[i]``'s band on its rank (:func:`fulcrum.core.prefill.bands.rank_band`: its
+    priority, + 0.5 with fair-share precedence)."""
 
     tier: int
     items: tuple[Queued, ...] = ()
@@ -81,9 +83,11 @@ class Taken:
     dead: tuple[Queued, ...] = ()
     costs_ns: tuple[int, ...] = ()
     banded: int = 0
+    bands: tuple[float, ...] = ()
 
     def join(self, then: Taken) -> Taken:
         """This band pass's batch followed by ``then`` (the usual pass of the same pull)."""
         return Taken(self.tier, self.items + then.items, self.ranks + then.ranks,
                      self.quota_ns + then.quota_ns, self.dead + then.dead,
-                     self.costs_ns + then.costs_ns, banded=len(self.items))
+                     self.costs_ns + then.costs_ns, banded=len(self.items),
+                     bands=self.bands + then.bands)

@@ -34,7 +34,10 @@ class Pull:
     the tier is longer than the engine's (None: none); ``ranks``: the binding rule's rank
     state; ``batch``: the quota fill; ``aff``: prefix affinity (None: off); ``band``: a
     band pass (the ranks hold the work of this band or higher only): the batch ends at
-    the first request of a lower band (None: every band).
+    the first request of a lower band (None: every band), except that a pass for the
+    half band of fair-share precedence looks past up to ``skips`` requests of its own
+    priority taken without it; ``band_of``: a request's band on its rank (None: its
+    priority); ``bands``: those of the taken requests.
     """
 
     engine_id: str
@@ -43,8 +46,11 @@ class Pull:
     ranks: RankFill
     batch: BatchFill
     aff: Affinity | None = None
-    band: int | None = None
+    band: float | None = None
+    band_of: Callable[[Queued], float] | None = None
+    skips: int = 0
     taken: list[Queued] = field(default_factory=list)
+    bands: list[float] = field(default_factory=list)
     costs: list[int] = field(default_factory=list)
     dead: list[Queued] = field(default_factory=list)
 
@@ -77,14 +83,19 @@ class Pull:
         """Walk the candidates through the steps until the first refusal (``cost_for``:
         the balancer's per-engine cost, ns)."""
         for item in self.candidates(queue, alive):
-            if self.band is not None and item.cls.priority < self.band:
-                return
+            band = item.cls.priority if self.band_of is None else self.band_of(item)
+            if self.band is not None and band < self.band:
+                if item.cls.priority < self.band - 0.5 or self.skips <= 0:
+                    return
+                self.skips -= 1  # its own band's work without precedence: look past it
+                continue
             c = cost_for(item, self.engine_id)
             if not (self.within_bound(c) and self.binds(item) and self.fits(c)):
                 return
             self.ranks.place(c)
             self.taken.append(item)
             self.costs.append(c)
+            self.bands.append(band)
             if self.batch.closed:
                 return
 
@@ -109,4 +120,4 @@ class Pull:
                 aff.hits += int(bool(hit) and self.order is not None)
         return Taken(tier=tier, items=tuple(chosen), ranks=plan.ranks,
                      quota_ns=sum(self.costs), dead=tuple(self.dead),
-                     costs_ns=tuple(self.costs))
+                     costs_ns=tuple(self.costs), bands=tuple(self.bands))

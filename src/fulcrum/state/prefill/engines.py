@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from fulcrum.core.prefill.bands import split_band
 from fulcrum.core.tenants import TenantPolicy
 from fulcrum.core.types import Member, MemberKind, PrefillEngineShape
 from fulcrum.errors import InvalidArgument, NotFound
@@ -86,16 +87,16 @@ class EngineRoster:
 
 
 def check_band_loads(eng: Engine, rank_loads_ns: Sequence[int],
-                     band_loads: Mapping[int, Sequence[int]] | None,
-                     policy: TenantPolicy) -> dict[int, list[int]] | None:
+                     band_loads: Mapping[float, Sequence[int]] | None,
+                     policy: TenantPolicy) -> dict[float, list[int]] | None:
     """A pull's ``band_rank_loads`` checked against its engine and the priority range:
     one entry per rank each, none above the rank's whole load (InvalidArgument naming
     ``band_rank_loads`` otherwise); None when empty."""
     if not band_loads:
         return None
-    out: dict[int, list[int]] = {}
+    out: dict[float, list[int]] = {}
     for prio, row in band_loads.items():
-        if not policy.min_priority <= prio <= policy.max_priority:
+        if not policy.min_priority <= split_band(prio)[0] <= policy.max_priority:
             raise InvalidArgument("band_rank_loads", f"priority {prio} is outside "
                                   f"{policy.min_priority}..{policy.max_priority}")
         if len(row) != eng.dp_ranks:

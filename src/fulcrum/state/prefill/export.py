@@ -64,6 +64,7 @@ class PrefillMetrics:
         # [request tier][engine tier] children
         self._helped = [[m.HELPED.labels(t, e) for e in labels] for t in labels]
         self._banded = [m.BANDED.labels(t) for t in labels]
+        self._boosted = [m.PRECEDENCE.labels(t) for t in labels]
         self.leases = {o: m.LEASES.labels(o) for o in LEASE_OUTCOMES}
         #: Per-tenant figures (issue 23); the state gives it its tenant table's labels.
         self.tenants = PrefillMeter(lambda _tenant: DEFAULT_TENANT)
@@ -112,13 +113,17 @@ class PrefillMetrics:
         return batch
 
     def helped(self, taken: Taken, own: int) -> None:
-        """An engine of tier ``own`` took ``taken``: counted when of another tier, and the
-        requests a band pass took (by the work ahead of their band)."""
+        """An engine of tier ``own`` took ``taken``: counted when of another tier, the
+        requests a band pass took (by the work ahead of their band) and those taken with
+        fair-share precedence."""
         tier = taken.tier
         if 0 <= own != tier:
             self._helped[tier][own].inc(len(taken.items))
         if taken.banded > 0:
             self._banded[tier].inc(taken.banded)
+        boosted = sum(b != int(b) for b in taken.bands)
+        if boosted:
+            self._boosted[tier].inc(boosted)
 
     def redistributed(self, red: Redistribution) -> None:
         """Rounds, moves, engines per tier and (closing a round) each tier's demand (s)."""

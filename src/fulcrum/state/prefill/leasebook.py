@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from fulcrum.core.prefill.balancer import Taken
+from fulcrum.core.prefill.bands import split_band
 from fulcrum.core.prefill.leases import Lease, requeue_order
 from fulcrum.errors import DeadlineExceeded
 from fulcrum.state.prefill.context import Part, Shell
@@ -44,12 +45,13 @@ class LeaseBook(Part):
         index = self._submits.index
         items = []
         lease_ms = self._settings().lease_ms if lease else 0
-        for item, rank in zip(taken.items, taken.ranks, strict=True):
+        bands = taken.bands or tuple(float(it.cls.priority) for it in taken.items)
+        for item, rank, band in zip(taken.items, taken.ranks, bands, strict=True):
             rec = index[item.request_id]
             rec.pulled_ns = now
             items.append(
                 PulledItem(item.request_id, item.total, item.cached, rank, item.cost_ns,
-                           item.cls.priority))
+                           item.cls.priority, split_band(band)[1]))
             if not lease:
                 self._submits.forget(rec)
                 self._submits.resolve(rec, Delivery(

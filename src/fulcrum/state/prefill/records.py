@@ -67,7 +67,8 @@ class Delivery:
 
 @dataclass(frozen=True, slots=True)
 class PulledItem:
-    """One request of a pulled batch (tokens; cost in ns; its priority band)."""
+    """One request of a pulled batch (tokens; cost in ns; its priority band; fair-share
+    precedence on its rank, :data:`fulcrum.core.prefill.bands.PRECEDENCE`)."""
 
     request_id: str
     total_tokens: int
@@ -75,6 +76,7 @@ class PulledItem:
     dp_rank: int
     predicted_cost_ns: int
     priority: int = 0
+    boosted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +161,7 @@ class Waiter:
     remaining_ns: int
     loads: list[int]
     max_requests: int
-    band_loads: dict[int, list[int]] | None = None
+    band_loads: dict[float, list[int]] | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
     woken: bool = False
     woken_tier: int = -1

@@ -280,7 +280,7 @@ class PrefillState:
         *,
         lease: bool = False,
         ack_ids: Sequence[str] = (),
-        band_loads: Mapping[int, Sequence[int]] | None = None,
+        band_loads: Mapping[float, Sequence[int]] | None = None,
     ) -> Batch:
         """An engine's pull: a batch now, or after a long poll of up to ``wait_ns``.
 

@@ -142,6 +142,10 @@ class OrderRule(Rule):
     """The take order inside a tier queue (``order``)."""
 
     kind: ClassVar[str] = "order"
+    #: The rule gives fair-share precedence on the ranks (:meth:`TierQueue.leads`): a
+    #: request taken while its tenant leads a band shared with another tenant runs
+    #: ahead of that band's other work on its rank (half a band up).
+    precedence: ClassVar[bool] = False
 
     def order(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
         """``queue``'s requests in take order at ``now_ns`` (a tenant at its compute cap

@@ -115,6 +115,7 @@ class WfqNs(OrderRule):
     """Priority bands with a starvation bound, then weighted fair shares in ns."""
 
     name: ClassVar[str] = "wfq_ns"
+    precedence: ClassVar[bool] = True
 
     def order(self, queue: TierQueue, now_ns: int) -> Iterator[Queued]:
         return plain(queue) or self._fair(queue, now_ns)
