@@ -213,7 +213,7 @@ async def test_simulator_and_daemon_make_the_same_affinity_decisions() -> None:
                 await asyncio.sleep(0)
                 assert tuple(state.engines_per_tier()) == ev[5], ev
             elif kind == "pull":
-                _, _, eid, remaining, loads, ids, ranks, bands = ev
+                _, _, eid, remaining, loads, ids, ranks, bands, _ = ev
                 batch = await state.pull(str(eid), 0, int(remaining),
                                          list(loads), 0, 0, band_loads=bands)
                 assert tuple(it.request_id for it in batch.items) == ids, ev

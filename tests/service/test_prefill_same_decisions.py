@@ -70,7 +70,7 @@ async def replay(events: list[tuple[Any, ...]], rules: str | list[str],
     )
     fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
     tasks: dict[str, asyncio.Task[Delivery]] = {}
-    seen = {"pull": 0, "batch": 0, "round": 0}
+    seen = {"pull": 0, "batch": 0, "round": 0, "boosted": 0}
     try:
         for ev in events:
             kind, now[0] = ev[0], int(ev[1])
@@ -85,11 +85,15 @@ async def replay(events: list[tuple[Any, ...]], rules: str | list[str],
                 assert state.is_queued(rid)
                 assert tuple(state.engines_per_tier()) == counts, ev
             elif kind == "pull":
-                _, _, eid, remaining, loads, ids, ranks, bands = ev
+                _, _, eid, remaining, loads, ids, ranks, bands, rank_bands = ev
                 batch = await state.pull(eid, 0, remaining, list(loads), 0, 0,
                                          band_loads=bands)
                 assert tuple(it.request_id for it in batch.items) == ids, ev
                 assert tuple(it.dp_rank for it in batch.items) == ranks, ev
+                # fair-share precedence: the same requests boosted (the kit's band)
+                assert tuple(it.boosted for it in batch.items) == tuple(
+                    b != int(b) for b in rank_bands), ev
+                seen["boosted"] += sum(it.boosted for it in batch.items)
                 seen["pull"] += 1
                 seen["batch"] += bool(ids)
             elif kind == "round":

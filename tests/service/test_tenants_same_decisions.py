@@ -44,3 +44,5 @@ async def test_simulator_and_daemon_decide_alike_with_tenants(policy: str) -> No
         rules = [r.name for r in rules_by_name(ps.rules).with_order(ps.order).steps]
     seen = await replay(events, rules, table, classes)
     assert seen["batch"] >= 20 and seen["pull"] > seen["batch"]
+    # Fair-share precedence is the default order's alone, and it acted here.
+    assert (seen["boosted"] > 0) == (policy == "default"), seen

@@ -516,7 +516,8 @@ class Simulator:
         bands = self.tenants.band_loads(self.queues[e], self.model)
         taken = self.balancer.take(eid, remaining, loads, now_ns=self.now, band_loads=bands)
         self._trace(("pull", self.now, eid, remaining, tuple(loads),
-                     tuple(it.request_id for it in taken.items), taken.ranks, bands))
+                     tuple(it.request_id for it in taken.items), taken.ranks, bands,
+                     taken.bands))
         self.tenants.taken(taken.items, self.now)
         for it, r, band in zip(taken.items, taken.ranks, taken.bands, strict=True):
             self._enqueue(e, r, int(it.request_id), band)
