@@ -601,15 +601,16 @@ class PrefillBalancer:
 
 def band_of(bal: PrefillBalancer, tier: int, item: Queued) -> float:
     """``item``'s band on a rank if taken now (:func:`~fulcrum.core.prefill.bands.
-    rank_band`): half a band up while its tenant leads its band (the order rule's
-    fair-share precedence)."""
+    rank_band`): half a band up while its tenant is under its fair share with a rival
+    in its band (:meth:`TierQueue.leads`; the order rule's fair-share precedence)."""
     lead = bal.config.rules.order.precedence and bal.tier_queue(tier).leads(item)
     return rank_band(item.cls.priority, lead)
 
 
 def _top_band(bal: PrefillBalancer, tier: int) -> float | None:
-    """The highest rank band queued in ``tier`` (its top priority band, half a band up
-    when a tenant leads it), None when empty."""
+    """The band a pull's band pass serves in ``tier``: its top priority band, half a band
+    up when two tenants share it (one may be under its share; when none is, the pass
+    takes nothing); None when empty."""
     q = bal.tier_queue(tier)
     top = max(q.bands, default=None)
     if top is None:

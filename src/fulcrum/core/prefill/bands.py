@@ -24,14 +24,16 @@ The rule (pure; the engine kit, the daemon and the simulator share it):
   instead of the rank's whole load, since that is what runs before it.
 
 **Fair-share precedence** (the default order rule, ``wfq_ns``): a request taken while
-its tenant is the one fair queueing serves next in its band, with another tenant's work
-waiting in that band (:meth:`fulcrum.core.prefill.fair.TierQueue.leads`), gets the rank
+its tenant is under its fair share of the fleet's compute, with another tenant's work
+waiting in its band (:meth:`fulcrum.core.prefill.fair.TierQueue.leads`), gets the rank
 band ``priority + PRECEDENCE`` instead of ``priority``: on its rank it goes ahead of its
 band's other work (within the overtaking bound), below every higher band, and the
-balancer binds and places it by that half band's work ahead. So a tenant under its share
-is served first on the ranks too, not only in the daemon's queue: without it a light
-tenant's short request, first in the queue, still waited on its rank behind the heavy
-tenant's work taken before it (up to the late-binding horizon). The wire carries it as
+balancer binds and places it by that half band's work ahead (the band pass looks past
+up to the pull's request cap of its own priority's other requests to find it). So a
+tenant under its share is served first on the ranks too, not only in the daemon's
+queue: without it a light tenant's short request, first in the queue, still waited on
+its rank behind the heavy tenant's work taken before it (up to the late-binding
+horizon). The wire carries it as
 ``priority`` plus a ``boosted`` flag (:func:`rank_band`, :func:`split_band`).
 
 With one band everywhere nothing changes: FIFO queues, whole loads.

@@ -13,9 +13,9 @@ tenant's queued count over all tiers (a flow that becomes backlogged is lifted t
 ``vnow``, as in VTC: an idle tenant banks no credit, its share is lent), and an
 exponentially decayed sum of each tenant's served ns (time constant ``cap_window_ns``:
 its compute cap, and whether it is under its fair share, :meth:`TierQueue.leads`).
-Entries of idle tenants without debt are dropped (served ns once decayed below
-``exp(-3)`` of what they were), so the ledger holds at most the tenants with queued
-work, debt or recent service (bounded by the tenant table).
+Idle tenants' entries are dropped: a virtual time once it carries no debt, served ns
+three windows after the last service. So the ledger holds the tenants with queued work,
+debt or recent service (bounded by the tenant table).
 Pure: every time is passed in (ns).
 """
 
