@@ -515,8 +515,8 @@ class Simulator:
         loads = self._loads(e)
         bands = self.tenants.band_loads(self.queues[e], self.model)
         taken = self.balancer.take(eid, remaining, loads, now_ns=self.now, band_loads=bands)
-        self._trace(("pull", self.now, eid, remaining, tuple(loads),
-                     tuple(it.request_id for it in taken.items), taken.ranks, bands,
+        ids = tuple(it.request_id for it in taken.items)
+        self._trace(("pull", self.now, eid, remaining, tuple(loads), ids, taken.ranks, bands,
                      taken.bands))
         self.tenants.taken(taken.items, self.now)
         for it, r, band in zip(taken.items, taken.ranks, taken.bands, strict=True):
@@ -527,13 +527,12 @@ class Simulator:
 
     def _pull(self, tier: int) -> None:
         """Work waits in ``tier``: the balancer chooses which engine takes it, until no
-        engine can (each engine offers its remaining quota and rank loads).
-
-        Only engines with no step running offer, as engines running the kit's loop
+        engine can (each engine offers its remaining quota and rank loads). Only engines
+        with no step running offer, as engines running the kit's loop
         (:class:`fulcrum.client.prefill.PrefillEngineLoop`) do: an engine pulls once
         between its steps (without waiting) and parks a long poll only when it has
-        nothing to step, so work that arrives while every engine is mid-step waits in
-        the tier queue for the first engine to reach a step boundary."""
+        nothing to step, so work that arrives while every engine is mid-step waits in the
+        tier queue for the first engine to reach a step boundary."""
         bal = self.balancer
         while bal.head(tier) is not None:
             # mid-step engines do not offer: they pull at their step boundary
