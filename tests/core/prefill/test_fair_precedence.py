@@ -145,3 +145,16 @@ def test_rank_bands_round_trip_and_keep_the_priority_order(priority: int, booste
     assert split_band(band) == (priority, boosted)
     assert priority <= band < priority + 1
     assert rank_band(priority + 1, False) > band >= rank_band(priority, False)
+
+
+def test_the_fleet_s_ranks_are_counted_as_engines_join_rejoin_and_leave() -> None:
+    # A fair share is of ranks x window: kept as a count (read on every check), never
+    # summed over the engines.
+    bal = _balancer(ranks=2)
+    bal.add_engine("e1", 4)
+    bal.add_engine("e0", 3)  # re-joined with another shape
+    assert bal.fair.ranks == 7
+    bal.remove_engine("e1")
+    bal.remove_engine("nobody")
+    assert bal.fair.ranks == 3
+    assert bal.fair.fair_ns("t", 0.5) == 0.5 * 3 * WINDOW

@@ -206,8 +206,7 @@ class PrefillBalancer:
         self.n_tiers = len(self.bounds) + 1
         self._engines: dict[str, EngineEntry] = {}
         #: Tenants' virtual times and usage, shared by the tier queues (issue 23).
-        self.fair = FairLedger(config.tenants,
-                               lambda: sum(e.dp_ranks for e in self._engines.values()))
+        self.fair = FairLedger(config.tenants)
         self._tiers = [_Tier(TierQueue(self.fair)) for _ in range(self.n_tiers)]
         self._index: dict[str, Queued] = {}
         self._counts = [0] * self.n_tiers
@@ -356,10 +355,10 @@ class PrefillBalancer:
             field = "dp_ranks: must be >= 1" if dp_ranks < 1 else "step_quota_ns: must be >= 0"
             raise ValueError(field)
         old = self._engines.pop(engine_id, None)
+        self.fair.ranks += dp_ranks - (0 if old is None else old.dp_ranks)
         if old is not None and old.tier >= 0:
             self._counts[old.tier] -= 1
-        self._engines[engine_id] = EngineEntry(engine_id, dp_ranks,
-                                               step_quota_ns=step_quota_ns)
+        self._engines[engine_id] = EngineEntry(engine_id, dp_ranks, step_quota_ns=step_quota_ns)
         return self.redistribute("join")
 
     def remove_engine(self, engine_id: str) -> Redistribution | None:
@@ -367,6 +366,7 @@ class PrefillBalancer:
         eng = self._engines.pop(engine_id, None)
         if eng is None:
             return None
+        self.fair.ranks -= eng.dp_ranks
         if eng.tier >= 0:
             self._counts[eng.tier] -= 1
         return self.redistribute("leave")

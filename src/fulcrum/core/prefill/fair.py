@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from fulcrum.core.prefill.items import Queued
 from fulcrum.core.tenants import TenantPolicy
@@ -35,12 +35,13 @@ Flow = OrderedDict[str, Queued]
 class FairLedger:
     """Virtual times, queued counts and capped usage per tenant (see module docstring).
 
-    ``capacity_ranks``: the shell's count of prefill DP ranks in the fleet (a compute
-    cap is a fraction of ``capacity_ranks * cap_window_ns`` ns per window)."""
+    ``ranks``: the prefill DP ranks in the fleet, kept by the balancer as engines join
+    and leave (a compute cap, and a fair share, is a fraction of ``ranks x
+    cap_window_ns`` ns per window; read on every precedence check, so never summed)."""
 
-    def __init__(self, policy: TenantPolicy, capacity_ranks: Callable[[], int]) -> None:
+    def __init__(self, policy: TenantPolicy) -> None:
         self.policy = policy
-        self.capacity_ranks = capacity_ranks
+        self.ranks = 0
         self.v: dict[str, float] = {}
         self.vnow = 0.0
         self.count: dict[str, int] = {}
@@ -146,8 +147,8 @@ class FairLedger:
 
     def fair_ns(self, tenant: str, share: float) -> float:
         """Served ns over the window (:meth:`usage`'s scale) of a tenant getting
-        ``share`` of the fleet (``capacity_ranks`` x ``cap_window_ns``)."""
-        return share * max(1, self.capacity_ranks()) * self.policy.cap_window_ns
+        ``share`` of the fleet (``ranks`` x ``cap_window_ns``)."""
+        return share * max(1, self.ranks) * self.policy.cap_window_ns
 
     def refund(self, tenant: str, units: float) -> None:
         """A taken request of ``tenant`` came back unserved (a lapsed lease)."""
@@ -176,7 +177,7 @@ class FairLedger:
         cap = self.cap(tenant)
         if cap is None:
             return False
-        budget = cap * max(1, self.capacity_ranks()) * self.policy.cap_window_ns
+        budget = cap * max(1, self.ranks) * self.policy.cap_window_ns
         return self.usage(tenant, now_ns) >= budget
 
     @property
