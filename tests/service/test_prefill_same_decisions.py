@@ -19,6 +19,7 @@ import pytest
 
 from fulcrum.config.prefill import PrefillSettings
 from fulcrum.config.server import FleetSettings
+from fulcrum.core.prefill.bands import split_band
 from fulcrum.core.tenants import DEFAULT_CLASS, RequestClass, TenantTable
 from fulcrum.core.types import MemberKind, PrefillEngineShape
 from fulcrum.sim.cluster import Cluster
@@ -92,7 +93,7 @@ async def replay(events: list[tuple[Any, ...]], rules: str | list[str],
                 assert tuple(it.dp_rank for it in batch.items) == ranks, ev
                 # fair-share precedence: the same requests boosted (the kit's band)
                 assert tuple(it.boosted for it in batch.items) == tuple(
-                    b != int(b) for b in rank_bands), ev
+                    split_band(b)[1] for b in rank_bands), ev
                 seen["boosted"] += sum(it.boosted for it in batch.items)
                 seen["pull"] += 1
                 seen["batch"] += bool(ids)

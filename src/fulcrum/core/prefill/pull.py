@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from fulcrum.core.prefill.affinity import Affinity
+from fulcrum.core.prefill.bands import split_band
 from fulcrum.core.prefill.batch import BatchFill
 from fulcrum.core.prefill.items import Queued, Taken
 from fulcrum.core.prefill.ranks import assign_ranks
@@ -85,7 +86,7 @@ class Pull:
         for item in self.candidates(queue, alive):
             band = item.cls.priority if self.band_of is None else self.band_of(item)
             if self.band is not None and band < self.band:
-                if item.cls.priority < self.band - 0.5 or self.skips <= 0:
+                if item.cls.priority < split_band(self.band)[0] or self.skips <= 0:
                     return
                 self.skips -= 1  # its own band's work without precedence: look past it
                 continue

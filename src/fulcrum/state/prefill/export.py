@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from fulcrum.core.cost import CostModel
 from fulcrum.core.prefill.balancer import PrefillBalancer, Redistribution, Taken
+from fulcrum.core.prefill.bands import split_band
 from fulcrum.core.prefill.leases import LeaseTable
 from fulcrum.core.tenants import DEFAULT_TENANT
 from fulcrum.metrics import prefill as m
@@ -121,7 +122,7 @@ class PrefillMetrics:
             self._helped[tier][own].inc(len(taken.items))
         if taken.banded > 0:
             self._banded[tier].inc(taken.banded)
-        boosted = sum(b != int(b) for b in taken.bands)
+        boosted = sum(split_band(b)[1] for b in taken.bands)
         if boosted:
             self._boosted[tier].inc(boosted)
 

@@ -45,8 +45,7 @@ class LeaseBook(Part):
         index = self._submits.index
         items = []
         lease_ms = self._settings().lease_ms if lease else 0
-        bands = taken.bands or tuple(float(it.cls.priority) for it in taken.items)
-        for item, rank, band in zip(taken.items, taken.ranks, bands, strict=True):
+        for item, rank, band in zip(taken.items, taken.ranks, taken.bands, strict=True):
             rec = index[item.request_id]
             rec.pulled_ns = now
             items.append(
