@@ -225,6 +225,9 @@ def build() -> dict[str, Any]:
         f"sum(rate(fulcrum_gateway_cache_hit_tokens_total{{{SEL}}}[$__rate_interval])) / "
         f"sum(rate(fulcrum_gateway_cache_prompt_tokens_total{{{SEL}}}[$__rate_interval]))",
         "hit ratio")], unit="percentunit")
+    b.panel("Picks that copy a prefix another endpoint held, by charge (shared: requests in flight use it)", [(
+        f"sum by (charge) (rate(fulcrum_gateway_cache_prefix_copies_total{{{SEL}}}[$__rate_interval]))",
+        "{{charge}}")], unit="reqps")
 
     b.row("Expert-parallel load balancer (EPLB)")
     b.panel("moe_lb observed vs predicted by group", [

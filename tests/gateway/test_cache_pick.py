@@ -332,3 +332,130 @@ def test_a_turn_does_not_leave_its_holder_for_a_queue_the_holder_has_since_serve
     assert at_scrape is not None and later is not None
     assert at_scrape.address == fleet.addrs[1]  # 78 ms ahead then: the move pays
     assert later.address == fleet.addrs[0] and later.load_ns == 0.0
+
+
+# -- hot prefixes: a prefix many requests use at once gets a second copy ---------------------
+
+SYSTEM = "You are a helpful assistant. " * 52  # about 375 tokens at 4 characters a token
+
+
+def _burst(share: bool, n: int = 12) -> tuple[list[int], list[str]]:
+    """``n`` requests on one system prompt, each with its own question, picked at the same
+    instant (none answered yet): the engine each went to and its copy label."""
+    from fulcrum.config.cache import CacheSettings
+    from fulcrum.gateway.body import RequestShape
+    from fulcrum.gateway.cache_pick import CachePicker
+
+    fleet = _Fleet()
+    cp = CachePicker(CacheSettings(enabled=True, share_hot_prefixes=share), 4.0, fleet)  # type: ignore[arg-type]
+    where, copies = [], []
+    for i in range(n):
+        text = SYSTEM + f"question {i} " + "tell me about the weather today " * 7
+        shape = RequestShape(len(text) // 4, 8, True, text=text, stream=True)
+        choice = cp.choose(fleet, shape, None, 0)  # type: ignore[arg-type]
+        assert choice is not None
+        cp.placed(f"r{i}", choice, shape.prompt_tokens, 0)
+        where.append(fleet.addrs.index(choice.address))
+        copies.append(choice.copy)
+    return where, copies
+
+
+@pytest.mark.parametrize(
+    ("share", "first_move", "copy"),
+    [
+        # Two requests in flight use the prompt: the copy's charge is a third, and the
+        # idle engine's cold TTFT plus that beats the holder's queue.
+        (True, 2, "shared"),
+        # The whole charge: the request leaves only once the holder's queue is longer
+        # than the cold TTFT by the whole recompute (seen on two real vLLM engines: all
+        # 72 of a run's requests on the holder).
+        (False, 5, "full"),
+    ],
+)
+def test_a_burst_on_one_system_prompt_gets_a_second_copy_sooner_when_requests_share_it(
+    share: bool, first_move: int, copy: str
+) -> None:
+    before = _copies(copy)
+    where, copies = _burst(share)
+    assert where.index(1) == first_move
+    assert copies[first_move] == copy
+    assert [c for c in copies if c] == [copy]  # one copy: then both engines hold it
+    assert _copies(copy) == before + 1
+
+
+def _copies(charge: str) -> float:
+    from fulcrum.metrics import REGISTRY
+
+    got = REGISTRY.get_sample_value("fulcrum_gateway_cache_prefix_copies_total",
+                                    {"charge": charge})
+    return got or 0.0
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_conversations_own_history_pays_the_whole_charge_while_others_share_its_system_prompt(
+    share: bool,
+) -> None:
+    """Seven other requests in flight contain the same system prompt, none the history:
+    the turn's deepest held block is its own, so it stays on its holder. 45 ms are
+    queued there: a full charge keeps it (idle engine: 38 ms cold + 31 ms charged), a
+    charge shared eight ways would not (38 + 4 ms)."""
+    from fulcrum.config.cache import CacheSettings
+    from fulcrum.gateway.body import RequestShape
+    from fulcrum.gateway.cache_pick import CachePicker
+
+    fleet = _Fleet()
+    cp = CachePicker(CacheSettings(enabled=True, share_hot_prefixes=share), 4.0, fleet)  # type: ignore[arg-type]
+    for a in fleet.addrs:
+        cp._slot(a)
+    history = SYSTEM + "my earlier question and your answer " * 20
+    cp.index.record(0, text_blocks(history, cp.block_chars))
+    for i in range(7):
+        other = SYSTEM + f"another user {i} " * 30
+        shape = RequestShape(len(other) // 4, 8, True, text=other, stream=True)
+        choice = cp.choose(fleet, shape, None, 0)  # type: ignore[arg-type]
+        assert choice is not None
+        cp.placed(f"o{i}", choice, shape.prompt_tokens, 0)
+    cp.index.clear(1)  # what the others left there: engine 1 holds nothing
+    cp._busy[:2] = [45e6, 0.0]  # the holder 45 ms behind, the other engine idle
+    text = history + " next question " * 8
+    shape = RequestShape(len(text) // 4, 8, True, text=text, stream=True)
+    choice = cp.choose(fleet, shape, None, 0)  # type: ignore[arg-type]
+    assert choice is not None and choice.address == fleet.addrs[0] and choice.copy == ""
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.integers(0, 3)), max_size=40))
+def test_in_flight_prefix_counts_follow_placements_and_releases(
+    ops: list[tuple[bool, int, int]],
+) -> None:
+    """Random places (one of six prompts over two system prompts; some under an id in
+    flight again) and releases (of any id, known or not, twice or not): the counts are
+    those of the requests still in flight, and nothing is left once every one is
+    released."""
+    from collections import Counter
+
+    from fulcrum.config.cache import CacheSettings
+    from fulcrum.gateway.body import RequestShape
+    from fulcrum.gateway.cache_pick import CachePicker
+
+    fleet = _Fleet()
+    cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
+    live: dict[str, list[int]] = {}
+    for n, (place, prompt, rid) in enumerate(ops):
+        if place:
+            text = ("system one " if prompt % 2 else "system two ") * 40 + f"q{prompt} " * 20
+            shape = RequestShape(len(text) // 4, 8, True, text=text)
+            choice = cp.choose(fleet, shape, None, n)  # type: ignore[arg-type]
+            assert choice is not None
+            name = sorted(live)[0] if rid == 3 and live else f"p{n}"  # or an id again
+            cp.placed(name, choice, shape.prompt_tokens, n)
+            live[name] = choice.blocks
+        else:
+            victim = sorted(live)[rid % len(live)] if live and rid else f"unknown{rid}"
+            cp.released(victim, "done", n)
+            live.pop(victim, None)
+        want = Counter(h for blocks in live.values() for h in blocks)
+        assert cp._inflight == dict(want)
+    for rid in list(live):
+        cp.released(rid, "done", 10**6)
+    assert cp._inflight == {}

@@ -102,6 +102,13 @@ class CacheSettings(Section):
         "ns per ns: 1 = a request leaves the endpoint holding its prefix only when the "
         "wait it saves exceeds the recompute it adds; 0 = least predicted TTFT alone",
     )
+    share_hot_prefixes: bool = Field(
+        True,
+        description="a move's recompute charge is divided by 1 + the requests in flight "
+        "whose prompts contain the prefix the cheapest endpoint holds: a second copy of a "
+        "prefix many requests use at once (a shared system prompt) serves the next ones too; "
+        "a conversation's own history pays the charge whole",
+    )
     emit_scores: bool = Field(
         False,
         description="log one line per pick with every candidate's predicted TTFT and hit "

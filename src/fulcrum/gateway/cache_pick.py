@@ -22,11 +22,16 @@ token (:func:`fulcrum.core.prefix_cost.predicted_ttft_ns`)::
   endpoint (or for all) from the TTFT the gateway observes
   (:mod:`fulcrum.gateway.cost_learn`, :meth:`CachePicker.first_token`).
 
-The pick is scored by ``ttft[e] + recompute_weight x recompute[e]``
+The pick is scored by ``ttft[e] + recompute_weight x recompute[e] / (1 + n)``
 (:func:`fulcrum.core.prefix_cost.recompute_ns`: the prefill work ``e`` adds beyond the
 cheapest endpoint, the prefix it lacks): a request leaves the endpoint holding its
 prefix only when the wait it saves exceeds the work it adds (``recompute_weight`` 1,
-the default; 0 = least predicted TTFT alone). The reported TTFTs stay the predictions.
+the default; 0 = least predicted TTFT alone). ``n`` (``gateway.cache.share_hot_prefixes``,
+on by default; else 0): the requests in flight whose prompts contain the prefix the
+cheapest endpoint holds (its deepest matched block). A copy of a prefix that many
+requests use at once serves the next ones too, so its one recompute is shared among
+them; a conversation's own history (nothing else in flight holds it) pays it whole.
+The reported TTFTs stay the predictions.
 Ties go to fewer requests (the decode view's), then to fewer picks so far. A prompt that
 was not parsed or is empty is picked by load alone (no hits), counted as ``load_only``.
 Event loop only.
@@ -86,6 +91,9 @@ class Choice:
     other_ns: float
     hit_tokens: int
     rule: str
+    #: The pick sends the request where it recomputes a prefix another candidate holds:
+    #: "" (it does not), "shared" (its charge was shared by requests in flight) or "full".
+    copy: str = ""
 
 
 def _emit_scores(
@@ -128,7 +136,10 @@ class CachePicker:
         self._scraped_until = np.zeros(0, dtype=np.float64)
         self._pending = np.zeros(0, dtype=np.int64)  # requests in flight
         self._picks = np.zeros(0, dtype=np.int64)  # picks so far (tie-break)
-        self._requests: dict[str, tuple[int, float]] = {}
+        #: request id -> (index slot, predicted cost ns, prompt blocks), until released.
+        self._requests: dict[str, tuple[int, float, list[int]]] = {}
+        #: block hash -> requests in flight whose prompt contains it (share_hot_prefixes).
+        self._inflight: dict[int, int] = {}
         #: Streamed requests waiting for their first token: (slot, q, c, pick ns, load ns).
         self._first: dict[str, tuple[int, int, int, int, float]] = {}
         self._kv_tokens: dict[str, int] = {}  # scraped KV capacity per address (tokens)
@@ -247,9 +258,10 @@ class CachePicker:
         prompt = shape.prompt_tokens
         if blocks:
             per_block = self.block_chars * prompt / max(len(text), 1)  # tokens per block
-            hits = np.floor(self.index.match(blocks)[isl] * per_block).astype(np.int64)
+            matched = self.index.match(blocks)[isl]
+            hits = np.floor(matched * per_block).astype(np.int64)
         else:
-            hits = np.zeros(len(addrs), dtype=np.int64)
+            matched = hits = np.zeros(len(addrs), dtype=np.int64)
         load = self.outstanding_ns(isl, now_ns)
         co = self._coef[isl]
         coef = Coefficients(co[:, 0], co[:, 1], co[:, 2])
@@ -257,8 +269,7 @@ class CachePicker:
         ttft = predicted_ttft_ns(
             load, hits, prompt, coef, shared_steps=self.settings.shared_steps, cost_ns=cost
         )
-        w = self.settings.recompute_weight
-        extra = recompute_ns(hits, prompt, coef, cost_ns=cost) * w if w > 0 and blocks else None
+        extra, sharers = self._charge(blocks, matched, hits, prompt, coef, cost)
         # Ties: fewer requests, then fewer picks so far (round robin among equals).
         tie = ((keys >> KV_BITS) << KV_BITS) | np.minimum(self._picks[isl], _PICKS_MAX)
         r = rank(ttft if extra is None else ttft + extra, tie)
@@ -276,10 +287,33 @@ class CachePicker:
             other_ns=float(ttft[r.other]) if r.other >= 0 else math.nan,
             hit_tokens=hit,
             rule="ttft" if blocks or (shape.parsed and prompt > 0) else "load_only",
+            copy="" if extra is None or extra[c] <= 0 else ("shared" if sharers else "full"),
         )
         if self.settings.emit_scores:
             _emit_scores(choice, prompt, addrs, ttft, hits, extra)
         return choice
+
+    def _charge(
+        self,
+        blocks: list[int],
+        matched: npt.NDArray[np.int64],
+        hits: npt.NDArray[np.int64],
+        prompt: int,
+        coef: Coefficients,
+        cost: npt.NDArray[np.float64],
+    ) -> tuple[npt.NDArray[np.float64] | None, int]:
+        """The recompute charged on top of each candidate's TTFT (ns, shape ``(n,)``;
+        None without a charge) and ``n``, the requests in flight sharing it (module
+        docstring). ``matched``: blocks each candidate holds; ``hits``: the same in
+        tokens; ``cost``: :func:`request_cost_ns` of the request there (ns)."""
+        w = self.settings.recompute_weight
+        if w <= 0 or not blocks:
+            return None, 0
+        sharers = 0
+        if self.settings.share_hot_prefixes:
+            depth = int(matched[int(np.argmin(cost))])
+            sharers = self._inflight.get(blocks[depth - 1], 0) if depth > 0 else 0
+        return recompute_ns(hits, prompt, coef, cost_ns=cost) * (w / (1 + sharers)), sharers
 
     def placed(
         self,
@@ -304,8 +338,16 @@ class CachePicker:
         self._mean[i] = choice.cost_ns if m == 0 else m + _MEAN_WEIGHT * (choice.cost_ns - m)
         self._pending[i] += 1
         self._picks[i] += 1
-        self._requests[request_id] = (i, choice.cost_ns)
+        old = self._requests.get(request_id)
+        if old is not None:  # placed again under the same id: its earlier blocks end
+            self._unuse(old[2])
+        self._requests[request_id] = (i, choice.cost_ns, choice.blocks)
+        inflight = self._inflight
+        for h in choice.blocks:
+            inflight[h] = inflight.get(h, 0) + 1
         pm.PICKS_BY_RULE[choice.rule].inc()
+        if choice.copy:
+            pm.PREFIX_COPIES[choice.copy].inc()
         pm.HIT_TOKENS.inc(choice.hit_tokens)
         pm.PROMPT_TOKENS.inc(max(prompt_tokens, 0))
         pm.CHOSEN_TTFT.observe(choice.chosen_ns / 1e9)
@@ -320,10 +362,21 @@ class CachePicker:
         if got is None:
             return
         i = got[0]
+        self._unuse(got[2])
         self._pending[i] -= 1
         if self._pending[i] <= 0:
             self._pending[i] = 0
             self._busy[i] = min(self._busy[i], float(now_ns))
+
+    def _unuse(self, blocks: list[int]) -> None:
+        """A request holding ``blocks`` is no longer in flight: count it out."""
+        inflight = self._inflight
+        for h in blocks:
+            n = inflight.get(h, 0) - 1
+            if n > 0:
+                inflight[h] = n
+            else:
+                inflight.pop(h, None)
 
     def first_token(self, request_id: str, now_ns: int) -> None:
         """The first response body chunk of a request passed: one observed TTFT for the

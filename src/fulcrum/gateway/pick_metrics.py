@@ -41,6 +41,15 @@ OTHER_TTFT = Histogram(
     buckets=_TTFT_BUCKETS,
     registry=REGISTRY,
 )
+_PREFIX_COPIES = Counter(
+    "fulcrum_gateway_cache_prefix_copies",
+    "Cache-aware picks that sent a request where it recomputes a prefix another candidate "
+    "held, by charge: shared (requests in flight use that prefix: its recompute charge was "
+    "shared among them, gateway.cache.share_hot_prefixes) or full (the wait saved outweighed "
+    "the whole charge).",
+    ["charge"],
+    registry=REGISTRY,
+)
 INDEX_BLOCKS = Gauge(
     "fulcrum_gateway_prefix_index_blocks",
     "(block, endpoint) entries held by the gateway's prefix index.",
@@ -90,6 +99,8 @@ KV_EVENT_SENDERS = Gauge(
 #: The picks counter's child per rule, bound once (``labels()`` costs a lookup and a lock
 #: per pick).
 PICKS_BY_RULE = {_r: CACHE_PICKS.labels(_r) for _r in RULES}
+#: The prefix-copies counter's child per charge, bound once.
+PREFIX_COPIES = {_c: _PREFIX_COPIES.labels(_c) for _c in ("shared", "full")}
 for _r in ("ok", "garbage", "unknown_engine", "gap"):
     KV_EVENTS.labels(_r)
 for _r in ("reporting", "degraded"):
