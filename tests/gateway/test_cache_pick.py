@@ -286,6 +286,27 @@ def test_recompute_is_zero_at_the_cheapest_and_never_negative(
     assert bool((np.diff(got[order]) <= 1e-6 * max(1.0, float(got.max()))).all())
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    hits=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
+    prompt=st.integers(1, 3000),
+    weight=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    sharers=st.integers(-2, 50),
+)
+def test_the_move_charge_is_the_weighted_recompute_shared_among_the_requests_in_flight(
+    hits: list[int], prompt: int, weight: float, sharers: int
+) -> None:
+    from fulcrum.core.prefix_cost import move_charge_ns, recompute_ns
+
+    co = Coefficients.of(CostModel(a=2.0, b=56e3, k=5e6))
+    whole = recompute_ns(np.array(hits), prompt, co)
+    got = move_charge_ns(np.array(hits), prompt, co, weight, sharers)
+    assert got == pytest.approx(whole * weight / (1 + max(sharers, 0)))
+    # More requests sharing the prefix never charge a copy more.
+    assert bool((move_charge_ns(np.array(hits), prompt, co, weight, max(sharers, 0) + 1)
+                 <= got + 1e-9).all())
+
+
 def test_a_scraped_queue_is_work_ahead_at_the_scrape_and_drains_with_time() -> None:
     """A scrape is a snapshot: its waiting requests are work ahead from the scrape's time
     on, draining as time passes, like the picker's own prediction; a newer scrape

@@ -19,7 +19,8 @@ TTFT (ties: the smaller tie-break key, then the lower index) and the best other 
 prediction the caller reports next to the chosen one. :func:`recompute_ns` is the work a
 choice adds beyond the cheapest engine's (the prefix it recomputes), which a caller may
 charge on top of the TTFT so that a request leaves the engine holding its prefix only
-when the wait it saves is worth the work it adds.
+when the wait it saves is worth the work it adds; :func:`move_charge_ns` is that charge,
+shared among the requests in flight that use the same prefix.
 
 Pure: numpy in, numpy out; no clock, no I/O.
 """
@@ -103,6 +104,25 @@ def recompute_ns(
     cost = request_cost_ns(cached_tokens, prompt_tokens, coefficients) if cost_ns is None \
         else cost_ns
     out: FloatArray = np.maximum(cost - float(cost.min()), 0.0)
+    return out
+
+
+def move_charge_ns(
+    cached_tokens: npt.ArrayLike,
+    prompt_tokens: int,
+    coefficients: Coefficients,
+    weight: float,
+    sharers: int = 0,
+    cost_ns: FloatArray | None = None,
+) -> FloatArray:
+    """What a caller adds to each engine's predicted TTFT for the prefix it would
+    recompute there (ns, float64, shape ``(n,)``, >= 0): ``weight x``
+    :func:`recompute_ns` ``/ (1 + sharers)``. ``sharers``: requests in flight that use the
+    cheapest engine's prefix (>= 0); a second copy of a prefix they use at once serves
+    the requests after them too, so its one recompute is shared among them. ``weight``
+    (ns per ns, >= 0): 1 weighs a ns of added work against a ns of wait."""
+    share = float(weight) / (1 + max(int(sharers), 0))
+    out: FloatArray = recompute_ns(cached_tokens, prompt_tokens, coefficients, cost_ns) * share
     return out
 
 

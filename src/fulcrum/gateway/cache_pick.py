@@ -23,15 +23,15 @@ token (:func:`fulcrum.core.prefix_cost.predicted_ttft_ns`)::
   (:mod:`fulcrum.gateway.cost_learn`, :meth:`CachePicker.first_token`).
 
 The pick is scored by ``ttft[e] + recompute_weight x recompute[e] / (1 + n)``
-(:func:`fulcrum.core.prefix_cost.recompute_ns`: the prefill work ``e`` adds beyond the
-cheapest endpoint, the prefix it lacks): a request leaves the endpoint holding its
-prefix only when the wait it saves exceeds the work it adds (``recompute_weight`` 1,
-the default; 0 = least predicted TTFT alone). ``n`` (``gateway.cache.share_hot_prefixes``,
-on by default; else 0): the requests in flight whose prompts contain the prefix the
-cheapest endpoint holds (its deepest matched block). A copy of a prefix that many
-requests use at once serves the next ones too, so its one recompute is shared among
-them; a conversation's own history (nothing else in flight holds it) pays it whole.
-The reported TTFTs stay the predictions.
+(:func:`fulcrum.core.prefix_cost.move_charge_ns`; ``recompute[e]``: the prefill work
+``e`` adds beyond the cheapest endpoint, the prefix it lacks): a request leaves the
+endpoint holding its prefix only when the wait it saves exceeds the work it adds
+(``recompute_weight`` 1, the default; 0 = least predicted TTFT alone). ``n``
+(``gateway.cache.share_hot_prefixes``, on by default; else 0): the requests in flight
+whose prompts contain the prefix the cheapest endpoint holds (its deepest matched
+block). A copy of a prefix that many requests use at once serves the next ones too, so
+its one recompute is shared among them; a conversation's own history (nothing else in
+flight holds it) pays it whole. The reported TTFTs stay the predictions.
 Ties go to fewer requests (the decode view's), then to fewer picks so far. A prompt that
 was not parsed or is empty is picked by load alone (no hits), counted as ``load_only``.
 Event loop only.
@@ -53,9 +53,9 @@ from fulcrum.core.cost import CostModel
 from fulcrum.core.decode.view import KV_BITS
 from fulcrum.core.prefix_cost import (
     Coefficients,
+    move_charge_ns,
     predicted_ttft_ns,
     rank,
-    recompute_ns,
     request_cost_ns,
 )
 from fulcrum.gateway import pick_metrics as pm
@@ -105,8 +105,8 @@ def _emit_scores(
     extra: npt.NDArray[np.float64] | None = None,
 ) -> None:
     """The debug line of one pick (``emit_scores``): every candidate's predicted TTFT
-    (ns), hit tokens and the recompute charged on top (ns, ``recompute_weight`` x
-    :func:`~fulcrum.core.prefix_cost.recompute_ns`)."""
+    (ns), hit tokens and the recompute charged on top (ns,
+    :func:`~fulcrum.core.prefix_cost.move_charge_ns`)."""
     charged = np.zeros(len(addrs)) if extra is None else extra
     log.info(
         "gateway_endpoint_scores",
@@ -313,7 +313,7 @@ class CachePicker:
         if self.settings.share_hot_prefixes:
             depth = int(matched[int(np.argmin(cost))])
             sharers = self._inflight.get(blocks[depth - 1], 0) if depth > 0 else 0
-        return recompute_ns(hits, prompt, coef, cost_ns=cost) * (w / (1 + sharers)), sharers
+        return move_charge_ns(hits, prompt, coef, w, sharers, cost_ns=cost), sharers
 
     def placed(
         self,
