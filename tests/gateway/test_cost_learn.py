@@ -169,6 +169,7 @@ def test_the_decision_is_exposed_and_its_log_line_switches_on_by_reload(
     assert choice is not None
     (line,) = rec.lines
     assert line["event"] == "gateway_endpoint_scores" and line["chosen"] == choice.address
+    assert line["sharers"] == 0  # x0 was released: nothing in flight uses the prefix
     scores = line["scores"]
     assert isinstance(scores, dict) and set(scores) == set(fake.addrs)
     assert scores[choice.address][1] == choice.hit_tokens > 0  # its blocks held

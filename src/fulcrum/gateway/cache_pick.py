@@ -103,16 +103,19 @@ def _emit_scores(
     ttft: npt.NDArray[np.float64],
     hits: npt.NDArray[np.int64],
     extra: npt.NDArray[np.float64] | None = None,
+    sharers: int = 0,
 ) -> None:
     """The debug line of one pick (``emit_scores``): every candidate's predicted TTFT
     (ns), hit tokens and the recompute charged on top (ns,
-    :func:`~fulcrum.core.prefix_cost.move_charge_ns`)."""
+    :func:`~fulcrum.core.prefix_cost.move_charge_ns`), and the requests in flight that
+    shared the charge."""
     charged = np.zeros(len(addrs)) if extra is None else extra
     log.info(
         "gateway_endpoint_scores",
         chosen=choice.address,
         rule=choice.rule,
         prompt_tokens=prompt,
+        sharers=sharers,
         scores={
             a: [round(float(t)), int(h), round(float(x))]
             for a, t, h, x in zip(addrs, ttft, hits, charged, strict=True)
@@ -290,7 +293,7 @@ class CachePicker:
             copy="" if extra is None or extra[c] <= 0 else ("shared" if sharers else "full"),
         )
         if self.settings.emit_scores:
-            _emit_scores(choice, prompt, addrs, ttft, hits, extra)
+            _emit_scores(choice, prompt, addrs, ttft, hits, extra, sharers)
         return choice
 
     def _charge(
