@@ -10,7 +10,9 @@ Workloads (streaming chat completions, ``max_tokens`` 8):
 
 - ``multi-turn``: C conversations of T turns, conversations concurrent, turns in order;
 - ``shared-system``: N requests with one long system prompt, distinct questions, 8 at once;
-- ``no-reuse``: N requests with distinct prompts, 8 at once.
+- ``no-reuse``: N requests with distinct prompts, 8 at once;
+- ``shared-chats``: C conversations of T turns as ``multi-turn``, all opening with one
+  system prompt (a chat service's): the prompt is shared, each history is private.
 
 Fresh text every run: every text starts with a nonce (16 symbols seeded by router,
 workload and time, 16 tokens for every router), so a cache left warm by a previous router
@@ -193,7 +195,21 @@ def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str
         await batched(port, [[{"role": "user", "content": f"{nonce} {i} " + words(rng, 300)}]
                              for i in range(n)], run)
 
-    return {"multi-turn": multi_turn, "shared-system": shared_system, "no-reuse": no_reuse}
+    async def shared_chats(port: int, nonce: str, seed: str, run: Run) -> None:
+        system = f"{nonce} " + words(random.Random(seed), 400)  # one for every chat
+
+        async def one(c: int) -> None:
+            rng = random.Random(f"{seed}-{c}")
+            chat = [{"role": "system", "content": system}]
+            for _ in range(turns):
+                chat.append({"role": "user", "content": words(rng, 40)})
+                await send(port, chat, run)
+                chat.append({"role": "assistant", "content": words(rng, 2)})
+
+        await asyncio.gather(*(one(c) for c in range(convs)))
+
+    return {"multi-turn": multi_turn, "shared-system": shared_system, "no-reuse": no_reuse,
+            "shared-chats": shared_chats}
 
 
 #: Processes of the router under test whose CPU a run counts (Envoy, the picker).
