@@ -480,3 +480,42 @@ def test_in_flight_prefix_counts_follow_placements_and_releases(
     for rid in list(live):
         cp.released(rid, "done", 10**6)
     assert cp._inflight == {}
+
+
+@pytest.mark.parametrize("http", [False, True], ids=["ext_proc", "http"])
+@pytest.mark.parametrize("share", [True, False], ids=["rule_on", "rule_off"])
+async def test_a_burst_on_one_system_prompt_through_envoy(http: bool, share: bool) -> None:
+    """Six requests on one system prompt, all held open at the stand-in upstreams (in
+    flight together), through a real Envoy: with the rule a second endpoint gets a copy;
+    without it all six stay on the holder. Costs in seconds (k 1 s, 10 ms a token), so
+    that the predicted queue does not drain while the requests pass Envoy."""
+    import asyncio
+
+    from tests.polling import until
+
+    cache = {"cache": {"enabled": True, "block_tokens": 8, "share_hot_prefixes": share,
+                       "cost_model": {"a": 0.0, "b": 1e7, "k": 1e9}}}
+    async with gateway_stack(gateway=cache, http=http) as st_:
+        shared0 = _copies("shared")
+        sends = []
+        for i in range(6):
+            body = {"model": "m", "stream": True, "max_tokens": 8, "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"question {i} " + "about the weather " * 8}]}
+            sends.append(asyncio.ensure_future(
+                st_.post("/v1/chat/completions", body, {"x-test-hold": f"b{i}"})))
+            await until(lambda n=f"b{i}": any(n in u.held_now for u in st_.ups), "held")
+        homes = [p.address for _, p in st_.picks]
+        assert len(homes) == 6
+        if share:
+            assert len(set(homes)) >= 2 and _copies("shared") > shared0
+        else:
+            assert len(set(homes)) == 1
+        for i in range(6):
+            for u in st_.ups:
+                u.release_hold(f"b{i}")
+        assert all(r.status == 200 for r in await asyncio.gather(*sends))
+        for rid, _ in st_.picks:
+            await st_.wait_released(rid)
+        cache_picker = st_.gateway.picker.cache
+        assert cache_picker is not None and cache_picker._inflight == {}
