@@ -1,7 +1,8 @@
 """End to end on REAL engines: client -> real Envoy -> Fulcrum's picker (gateway.cache on,
 scraping the engines) -> two real vLLM servers. Multi-turn chats: the engines' own prefix
 cache hit counters rise, each conversation stays where its prefix is, every placement is
-released."""
+released. One system prompt under concurrent requests: a second engine gets a copy
+(share_hot_prefixes) and both engines then hit it."""
 
 from __future__ import annotations
 
@@ -86,3 +87,50 @@ async def test_multi_turn_chats_hit_the_engines_prefix_caches(vllm_fleet: VllmFl
     after = sum(metric_sum(p, HITS) for p in ports)
     # Turns 2 and 3 of each chat reuse its system prompt and history on the same engine.
     assert after - before >= 4 * 2 * 300
+
+
+async def test_a_system_prompt_in_use_gets_a_copy_on_the_second_engine(
+    vllm_fleet: VllmFleet,
+) -> None:
+    """Sixteen requests on one system prompt, eight at a time. Costs in seconds (k 1 s,
+    10 ms a token) so that the predicted queue stands while the burst passes Envoy: the
+    decision is the rule's, not the CPU engines' timing. (With the rule off, every
+    request stays on the first engine and this test fails.)"""
+    ports = vllm_fleet.ports
+    gw = gateway_settings(ports)
+    gw["cache"] = {"enabled": True, "cost_model": {"a": 0.0, "b": 1e7, "k": 1e9}}
+    settings = with_overrides(base_settings(), {"gateway": gw})
+    rng = random.Random(12)
+    system = "shared prompt: " + words(rng, 400)
+    before = [metric_sum(p, HITS) for p in ports]
+    async with running_server(settings=settings) as daemon:
+        g = daemon.gateway
+        assert g is not None and g.picker.cache is not None
+        picks: list[str] = []
+        released: list[str] = []
+        g.picker.pick_hooks.append(lambda r, p: picks.append(p.address))
+        g.picker.release_hooks.append(lambda r, _why: released.append(r))
+        env = await start_envoy(render_envoy_config(g.port, [*ports, *ports]))
+        sem = asyncio.Semaphore(8)
+
+        async def ask(i: int) -> None:
+            msgs = [{"role": "system", "content": system},
+                    {"role": "user", "content": f"question {i}: " + words(rng, 30)}]
+            body = {"model": MODEL_NAME, "messages": msgs, "max_tokens": 4, "stream": True}
+            async with sem:
+                r = await http_request(
+                    env.port, "POST", "/v1/chat/completions", json.dumps(body).encode()
+                )
+            assert r.status == 200, r.body[:300]
+
+        try:
+            await asyncio.gather(*(ask(i) for i in range(16)))
+            await wait_for(lambda: len(released) == len(picks) == 16, what="every release")
+            assert g.picker.cache._inflight == {}
+        finally:
+            env.stop()
+    per_engine = {f"127.0.0.1:{p}": picks.count(f"127.0.0.1:{p}") for p in ports}
+    assert all(n >= 2 for n in per_engine.values()), per_engine
+    after = [metric_sum(p, HITS) for p in ports]
+    # Both engines served the prompt from their own cache at least once.
+    assert all(a - b >= 100 for a, b in zip(after, before, strict=True)), (before, after)
