@@ -250,9 +250,12 @@ def chaos_settings(port: int) -> Settings:
     )
 
 
-async def start_daemon(port: int, ledger: Ledger) -> Daemon:
+async def start_daemon(port: int, ledger: Ledger, started: list[Daemon]) -> Daemon:
+    """A daemon on ``port`` (0: any) recording outcomes in ``ledger``, appended to
+    ``started`` for the test's final stop."""
     daemon = build(chaos_settings(port))
     await daemon.start()
+    started.append(daemon)
     state = daemon.app.components["prefill"]  # a missing balancer or hook list fails
     assert isinstance(state, PrefillState), state
 
@@ -278,10 +281,26 @@ async def freeze(eng: Engine, daemon: Daemon, ledger: Ledger) -> None:
     )
 
 
+async def stop_all(started: list[Daemon]) -> None:
+    """Stop every daemon a test started, also when a check failed: one left serving is
+    collected after its loop closed, and its gRPC shutdown can hang a later test (seen in
+    CI after a failed check here)."""
+    for daemon in started:
+        await daemon.drain_and_stop()  # idempotent
+
+
 async def test_engines_and_daemon_restart_under_load() -> None:
+    started: list[Daemon] = []
+    try:
+        await restart_under_load(started)
+    finally:
+        await stop_all(started)
+
+
+async def restart_under_load(started: list[Daemon]) -> None:
     rng = random.Random(7)
     ledger = Ledger()
-    daemon = await start_daemon(0, ledger)
+    daemon = await start_daemon(0, ledger, started)
     port = daemon.port
     address = daemon.address
     names = [f"engine-{i}" for i in range(ENGINES)]
@@ -325,7 +344,7 @@ async def test_engines_and_daemon_restart_under_load() -> None:
                 await engines[name].start()
             else:
                 await daemon.drain_and_stop()
-                daemon = await start_daemon(port, ledger)
+                daemon = await start_daemon(port, ledger, started)
                 restarts += 1
         # bring every engine back so that what is queued gets pulled
         for name in down:
@@ -341,7 +360,7 @@ async def test_engines_and_daemon_restart_under_load() -> None:
             freezes += 1
         if restarts == 0:  # the seed did not pick it: restart the daemon once anyway
             await daemon.drain_and_stop()
-            daemon = await start_daemon(port, ledger)
+            daemon = await start_daemon(port, ledger, started)
             restarts += 1
         # engines re-register with the new daemon on their own
         await wait_for(lambda: daemon.app.fleet.count() == len(engines), "members re-registered")
@@ -436,10 +455,18 @@ async def test_reloads_during_load() -> None:
     members heartbeat: every reload ends applied or restart_required (never failed), each
     reloadable key is in effect afterwards and restart-only ones are not, no call ends
     INTERNAL/UNKNOWN, every submit ends exactly once, and the accounting returns to zero."""
+    started: list[Daemon] = []
+    try:
+        await reloads_during_load(started)
+    finally:
+        await stop_all(started)
+
+
+async def reloads_during_load(started: list[Daemon]) -> None:
     from fulcrum.config import with_overrides
 
     ledger = Ledger()
-    daemon = await start_daemon(0, ledger)
+    daemon = await start_daemon(0, ledger, started)
     base = daemon.app.settings
     address = daemon.address
     names = [f"engine-{i}" for i in range(ENGINES)] + ["decode-0", "decode-1"]
