@@ -178,9 +178,9 @@ class PrefillEngine:
                 max_wait_ms=max_wait_ms,
                 max_requests=max_requests,
                 band_rank_loads=[
-                    pb.BandRankLoads(priority=split_band(band)[0],
-                                     boosted=split_band(band)[1], rank_loads_ns=row)
+                    pb.BandRankLoads(priority=prio, boosted=up, rank_loads_ns=row)
                     for band, row in bands.items()
+                    for prio, up in (split_band(band),)
                 ],
             )
         )

@@ -157,4 +157,4 @@ def test_the_fleet_s_ranks_are_counted_as_engines_join_rejoin_and_leave() -> Non
     bal.remove_engine("e1")
     bal.remove_engine("nobody")
     assert bal.fair.ranks == 3
-    assert bal.fair.fair_ns("t", 0.5) == 0.5 * 3 * WINDOW
+    assert bal.fair.fair_ns(0.5) == 0.5 * 3 * WINDOW

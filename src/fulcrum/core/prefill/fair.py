@@ -145,9 +145,10 @@ class FairLedger:
                 del self.used[t]
         self.forget_at = min(self.policy.max_tenants, max(self.SWEEP_AT, 2 * len(self.used)))
 
-    def fair_ns(self, tenant: str, share: float) -> float:
+    def fair_ns(self, share: float) -> float:
         """Served ns over the window (:meth:`usage`'s scale) of a tenant getting
-        ``share`` of the fleet (``ranks`` x ``cap_window_ns``)."""
+        ``share`` of the fleet (``ranks`` x ``cap_window_ns``): a fair share's, or a
+        compute cap's budget."""
         return share * max(1, self.ranks) * self.policy.cap_window_ns
 
     def refund(self, tenant: str, units: float) -> None:
@@ -177,8 +178,7 @@ class FairLedger:
         cap = self.cap(tenant)
         if cap is None:
             return False
-        budget = cap * max(1, self.ranks) * self.policy.cap_window_ns
-        return self.usage(tenant, now_ns) >= budget
+        return self.usage(tenant, now_ns) >= self.fair_ns(cap)
 
     @property
     def any_cap(self) -> bool:
@@ -343,7 +343,7 @@ class TierQueue:
             return False
         led = self.ledger
         share = led.weight(tenant) / self.weights[band]
-        return led.usage(tenant, led.now_ns) < led.fair_ns(tenant, share)
+        return led.usage(tenant, led.now_ns) < led.fair_ns(share)
 
     def served(self, item: Queued, now_ns: int | None) -> None:
         """``item`` was taken at ``now_ns``: its band was served, its flow goes last in
