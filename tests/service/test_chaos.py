@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,20 +281,22 @@ async def freeze(eng: Engine, daemon: Daemon, ledger: Ledger) -> None:
     )
 
 
-async def stopping_daemons(body: Callable[[list[Daemon]], Awaitable[None]]) -> None:
-    """Run ``body(started)``, then stop every daemon it started (:func:`start_daemon`),
-    also when a check failed: one left serving is collected after its loop closed, and
-    its gRPC shutdown can hang a later test (seen in CI after a failed check here)."""
+@contextlib.asynccontextmanager
+async def stopping_daemons() -> AsyncIterator[list[Daemon]]:
+    """A list for :func:`start_daemon`; on exit every daemon in it is stopped, also when
+    a check failed: one left serving is collected after its loop closed, and its gRPC
+    shutdown can hang a later test (seen in CI after a failed check here)."""
     started: list[Daemon] = []
     try:
-        await body(started)
+        yield started
     finally:
         for daemon in started:
             await daemon.drain_and_stop()  # idempotent
 
 
 async def test_engines_and_daemon_restart_under_load() -> None:
-    await stopping_daemons(restart_under_load)
+    async with stopping_daemons() as started:
+        await restart_under_load(started)
 
 
 async def restart_under_load(started: list[Daemon]) -> None:
@@ -455,7 +457,8 @@ async def test_reloads_during_load() -> None:
     members heartbeat: every reload ends applied or restart_required (never failed), each
     reloadable key is in effect afterwards and restart-only ones are not, no call ends
     INTERNAL/UNKNOWN, every submit ends exactly once, and the accounting returns to zero."""
-    await stopping_daemons(reloads_during_load)
+    async with stopping_daemons() as started:
+        await reloads_during_load(started)
 
 
 async def reloads_during_load(started: list[Daemon]) -> None:
