@@ -215,6 +215,8 @@ def build() -> dict[str, Any]:
         (f"sum(fulcrum_gateway_requests_in_flight{{{SEL}}})", "in flight"),
         (f"sum by (outcome) (rate(fulcrum_gateway_access_log_entries_total{{{SEL}}}[$__rate_interval]))",
          "log entries {{outcome}}/s"),
+        (f"sum by (outcome) (rate(fulcrum_gateway_access_log_ttft_total{{{SEL}}}[$__rate_interval]))",
+         "logged TTFT {{outcome}}/s"),
         (f"sum(fulcrum_gateway_authz_http_connections{{{SEL}}})", "HTTP connections")])
     b.panel("Pick time p99 and predicted TTFT p50 of the chosen endpoint", [
         (f"histogram_quantile(0.99, sum by (le) (rate(fulcrum_gateway_pick_seconds_bucket{{{SEL}}}[$__rate_interval])))",

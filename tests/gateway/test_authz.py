@@ -284,3 +284,77 @@ async def test_stop_ends_the_access_log_streams_instead_of_waiting_its_grace() -
             assert isinstance(await call, als_pb2.StreamAccessLogsResponse)  # answered
             assert d.gateway.access_log.open_streams == 0
             never.set()
+
+
+def timed(token: str, ttft_us: str) -> als_pb2.StreamAccessLogsMessage:
+    """One entry naming ``token`` with ``ttft_us`` in the time-to-first-byte tag."""
+    msg = entries(token)
+    msg.http_logs.log_entry[0].common_properties.custom_tags[authz.TTFT_TAG] = ttft_us
+    return msg
+
+
+def chat(stream: bool = True) -> bytes:
+    return json.dumps({"model": "m", "stream": stream, "max_tokens": 8,
+                       "messages": [{"role": "user", "content": "hello there " * 30}]}).encode()
+
+
+def ttft_counts(d: Daemon) -> dict[str, float]:
+    """The access-log TTFT outcomes, the learner's samples and the observed-TTFT
+    histogram's count and buckets (cumulative) at 0.1 and 0.25 s."""
+    m = scrape(d)
+    out = {o: m[("fulcrum_gateway_access_log_ttft_total", (("outcome", o),))]
+           for o in ("read", "missing", "malformed")}
+    for o in ("kept", "dropped"):
+        out[o] = m[("fulcrum_gateway_cost_samples_total", (("result", o),))]
+    h = "fulcrum_gateway_cache_observed_ttft_seconds"
+    out["seen"] = m[(h + "_count", ())]
+    for le in ("0.1", "0.25"):
+        out[le] = m[(h + "_bucket", (("le", le),))]
+    return out
+
+
+async def test_the_access_logs_time_to_first_body_byte_is_a_learner_sample() -> None:
+    # The unary and HTTP modes see no response message: Envoy's entry carries the time
+    # from the first byte sent upstream to the first body byte, and that is the sample.
+    async with running_server(overrides(cache={"enabled": True})) as d:
+        s = Stubs(d)
+        async with s.channel:
+            c0 = ttft_counts(d)
+            token = ok_headers(await s.check(check_request(chat(), "/v1/chat/completions")))[
+                authz.PLACEMENT_HEADER]
+            await s.log(timed(token, "150000"))  # 150 ms
+            assert d.gateway.picker.in_flight == 0  # released as well
+            c1 = ttft_counts(d)
+            delta = {k: c1[k] - c0[k] for k in c0}
+            assert delta["read"] == 1 and delta["seen"] == 1
+            assert delta["kept"] + delta["dropped"] == 1
+            assert delta["0.1"] == 0 and delta["0.25"] == 1  # 0.15 s, not the pick's own time
+            # A non-streamed answer's first body byte is the whole answer: read, no sample.
+            token = ok_headers(await s.check(check_request(chat(False), "/v1/chat/completions")))[
+                authz.PLACEMENT_HEADER]
+            await s.log(timed(token, "150000"))
+            c2 = ttft_counts(d)
+            assert c2["read"] == c1["read"] + 1 and c2["seen"] == c1["seen"]
+
+
+@pytest.mark.parametrize(
+    ("value", "outcome"),
+    [("", "missing"), ("12a", "malformed"), ("-5", "malformed"), ("1.5", "malformed"),
+     ("\uff11\uff12", "malformed"), ("3600000001", "malformed"), ("99999999999", "malformed")],
+)
+async def test_a_bad_time_in_an_entry_is_counted_and_only_the_release_happens(
+    value: str, outcome: str
+) -> None:
+    async with running_server(overrides(cache={"enabled": True})) as d:
+        s = Stubs(d)
+        async with s.channel:
+            token = ok_headers(await s.check(check_request(chat(), "/v1/chat/completions")))[
+                authz.PLACEMENT_HEADER]
+            c0 = ttft_counts(d)
+            await s.log(timed(token, value))
+            assert d.gateway.picker.in_flight == 0
+            c1 = ttft_counts(d)
+            assert {k: c1[k] - c0[k] for k in c0 if c1[k] != c0[k]} == {outcome: 1}
+            # An entry naming no held placement is not read at all.
+            await s.log(timed("gw-1.0", "150000"))
+            assert ttft_counts(d) == c1

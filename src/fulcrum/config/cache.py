@@ -75,7 +75,8 @@ class CacheSettings(Section):
         default_factory=lambda: RefitSettings(period_s=10.0),
         description="online refit of the cost model from the TTFT the gateway observes "
         "(pick to first response body chunk of streamed responses, minus the predicted "
-        "queue); needs the default Envoy mode (the lean mode sends no response message)",
+        "queue; in the unary and HTTP Envoy modes the access log's time to first body "
+        "byte); the lean mode sends no response message and learns nothing",
     )
     learn_per: Literal["endpoint", "engine", "all"] = Field(
         "endpoint",

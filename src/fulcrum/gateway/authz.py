@@ -19,7 +19,10 @@ exactly what the pick and the release need, in the cheapest shape Envoy offers:
   long-lived stream per Envoy worker on which Envoy batches an entry per finished HTTP
   request (``buffer_flush_interval``). Each entry's logged ``x-fulcrum-placement``
   request header releases that placement (reason ``access_log``); an entry without one
-  (a request Envoy answered itself, or one the picker refused) releases nothing.
+  (a request Envoy answered itself, or one the picker refused) releases nothing. The
+  entry's :data:`TTFT_TAG` (Envoy's time from the request sent upstream to the first
+  response body byte) is handed to the picker first: a streamed response's time to first
+  token, the online cost refit's sample, as the full mode's first body chunk is.
 - **what cannot be lost**: a ``Check`` cancelled after its pick (Envoy's timeout, the
   client gone) never put the token on the request, so no entry would release it: the
   call's done callback releases it (reason ``check_cancelled``). An entry Envoy drops
@@ -30,8 +33,8 @@ exactly what the pick and the release need, in the cheapest shape Envoy offers:
 
 Limits (docs/gateway-limits.md): the body is capped by ``with_request_body.
 max_request_bytes`` (Envoy answers 413 above it); no response message reaches the picker,
-so the online cost refit learns nothing and P/D marks its prefill done at the release;
-the release comes up to one access-log flush interval after the response ended.
+so P/D marks its prefill done at the release, and the refit's sample arrives with the
+release; the release comes up to one access-log flush interval after the response ended.
 
 Event loop only: both servicers run on the daemon's loop and touch the picker there.
 """
@@ -75,6 +78,13 @@ ACCESS_LOG_SERVICE: str = als_pb2.DESCRIPTOR.services_by_name["AccessLogService"
 
 #: The request header that carries a placement's token from the pick to the access log.
 PLACEMENT_HEADER = "x-fulcrum-placement"
+#: The access log's custom tag with the time from the first byte sent upstream to the
+#: first response body byte, microseconds (Envoy's formatter, :data:`TTFT_FORMAT`): a
+#: streamed response's time to first token, the sample of the online cost refit.
+TTFT_TAG = "fulcrum_ttft_us"
+TTFT_FORMAT = "%COMMON_DURATION(US_TX_BEG:US_RX_BODY_BEG:us)%"
+#: Largest time to first body byte read from an entry, microseconds (an hour).
+TTFT_MAX_US = 3_600_000_000
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _OK = status_pb2.Status(code=code_pb2.OK)
@@ -109,13 +119,21 @@ class Leases:
         hold_ns = int(self._picker.settings.max_hold_s * 1e9)
         self._due[token] = (now_ns + hold_ns, placement)
 
-    def release(self, token: str, reason: str) -> bool:
-        """Release the placement of ``token`` (False when it is not held here)."""
+    def release(self, token: str, reason: str, ttft_ns: float | None = None) -> bool:
+        """Release the placement of ``token`` (False when it is not held here), first
+        handing the picker its observed time to first body byte (``ttft_ns``, ns) when
+        the access log measured one."""
         got = self._due.pop(token, None)
         if got is None:
             return False
+        if ttft_ns is not None:
+            self._picker.first_chunk(got[1], ttft_ns)
         self._picker.release(got[1], reason)
         return True
+
+    def holds(self, token: str) -> bool:
+        """Whether ``token`` names a placement held here."""
+        return token in self._due
 
     def sweep(self, now_ns: int) -> int:
         """Release every lease past its hold (reason ``expired``); returns how many."""
@@ -345,14 +363,32 @@ def _retrieve(read: asyncio.Future[Any]) -> None:
         read.exception()
 
 
+def entry_ttft_ns(entry: Any) -> float | None:
+    """The entry's time to first response body byte (ns) from its :data:`TTFT_TAG`, or
+    None: absent or empty (counted ``missing``), or not whole microseconds up to
+    :data:`TTFT_MAX_US` (counted ``malformed``)."""
+    raw = entry.common_properties.custom_tags.get(TTFT_TAG, "")
+    if not raw:
+        gm.ACCESS_LOG_TTFT.labels("missing").inc()
+        return None
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 10 or int(raw) > TTFT_MAX_US:
+        gm.ACCESS_LOG_TTFT.labels("malformed").inc()
+        return None
+    gm.ACCESS_LOG_TTFT.labels("read").inc()
+    return int(raw) * 1_000.0
+
+
 def release_entries(leases: Leases, entries: Iterable[Any]) -> int:
     """Release the placement named by each entry's logged ``x-fulcrum-placement``
-    header; returns how many were held. Entries without a held token are counted as
-    ``unknown`` (Envoy's own answers, refusals, a token already released)."""
+    header, handing the picker the entry's time to first body byte on the way
+    (:func:`entry_ttft_ns`); returns how many were held. Entries without a held token
+    are counted as ``unknown`` (Envoy's own answers, refusals, a token already
+    released) and their times are not read."""
     n = unknown = 0
     for entry in entries:
         token = entry.request.request_headers.get(PLACEMENT_HEADER, "")
-        if token and leases.release(token, "access_log"):
+        if token and leases.holds(token):
+            leases.release(token, "access_log", entry_ttft_ns(entry))
             n += 1
         else:
             unknown += 1

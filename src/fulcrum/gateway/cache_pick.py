@@ -143,8 +143,9 @@ class CachePicker:
         self._requests: dict[str, tuple[int, float, list[int]]] = {}
         #: block hash -> requests in flight whose prompt contains it (share_hot_prefixes).
         self._inflight: dict[int, int] = {}
-        #: Streamed requests waiting for their first token: (slot, q, c, pick ns, load ns).
-        self._first: dict[str, tuple[int, int, int, int, float]] = {}
+        #: Streamed requests waiting for their first token: (slot, q, c, pick ns, alone:
+        #: nothing else of ours in flight there and no scraped queue at the pick).
+        self._first: dict[str, tuple[int, int, int, int, bool]] = {}
         self._kv_tokens: dict[str, int] = {}  # scraped KV capacity per address (tokens)
         self.default_kv_tokens = 0
         #: The KV event receiver, once :meth:`kv_sink` made it (gateway.cache.kv_events).
@@ -331,9 +332,8 @@ class CachePicker:
         i = choice.index_slot
         if stream and prompt_tokens > 0:
             c = choice.hit_tokens
-            # The refit's sample is observed - ahead = the whole cost(q, c), k included.
-            ahead = choice.load_ns - choice.shared_ns
-            self._first[request_id] = (i, prompt_tokens - c, c, now_ns, ahead)
+            alone = bool(self._pending[i] == 0 and self._scraped_until[i] <= now_ns)
+            self._first[request_id] = (i, prompt_tokens - c, c, now_ns, alone)
         if choice.blocks:
             self.index.record(i, choice.blocks)
         self._busy[i] = max(self._busy[i], float(now_ns)) + choice.cost_ns
@@ -381,15 +381,18 @@ class CachePicker:
             else:
                 inflight.pop(h, None)
 
-    def first_token(self, request_id: str, now_ns: int) -> None:
+    def first_token(self, request_id: str, now_ns: int, ttft_ns: float | None = None) -> None:
         """The first response body chunk of a request passed: one observed TTFT for the
-        online refit; an adopted model applies to the next picks."""
+        online refit; an adopted model applies to the next picks. ``ttft_ns``: the time
+        to that chunk when it was measured elsewhere (Envoy's access log, ns; None: from
+        the pick to ``now_ns``)."""
         got = self._first.pop(request_id, None)
         if got is None:
             return
-        i, q, c, t0, load = got
+        i, q, c, t0, alone = got
         key = self.learn_key(i)
-        model = self.learner.observe(key, q, c, float(now_ns - t0), load, now_ns)
+        seen = float(now_ns - t0) if ttft_ns is None else ttft_ns
+        model = self.learner.observe(key, q, c, seen, alone, now_ns)
         if model is None:
             return
         for j in range(len(self._addr_of)):

@@ -4,13 +4,20 @@ gateway observes (``gateway.cache.refit``, ``gateway.cache.learn_per``).
 Each streamed request picked by :class:`fulcrum.gateway.cache_pick.CachePicker` gives one
 sample when its first response body chunk passes the ext_proc stream::
 
-    (q, c, ns) = (prompt - hit tokens, hit tokens, observed TTFT - predicted load at pick)
+    (q, c, ns) = (prompt - hit tokens, hit tokens, observed TTFT)
 
-``observed TTFT`` is the time from the pick to the first response body chunk (ns);
-``predicted load`` is the prefill work the picker believed queued ahead of the request
-there (ns). Samples whose remainder is not positive are dropped (the queue was
-over-predicted). Non-streamed responses give no sample: their first body chunk is the
-whole answer. The lean Envoy mode sends no response message, so it learns nothing.
+``observed TTFT`` is the time from the pick to the first response body chunk (ns; in the
+unary and HTTP modes, Envoy's time from the request sent upstream to that chunk, from its
+access log: :data:`fulcrum.gateway.authz.TTFT_TAG`). Only a request picked while it was
+**alone** on its endpoint (no other request of ours in flight there, no queue in the
+last scrape) gives a sample; the others are counted ``queued``. Their wait behind the
+other requests is not known, and subtracting the picker's predicted queue fed the
+model's own error back into it: on two real vLLM engines the refit then learnt a fixed
+cost of 32-131 ms per step against the engines' 15 ms, and the picks that used it sent
+up to 88% of a workload's requests to one engine (BENCHMARKS.md, "Real engines", stop 41).
+A sample of zero or no computed tokens is dropped. Non-streamed responses give no
+sample: their first body chunk is the whole answer. The lean Envoy mode sends no
+response message and no access log, so it learns nothing.
 
 Samples go to one window per key: the endpoint's address (``learn_per: endpoint``), its
 engine (``engine``: a pool entry's id, its DP ranks' ports together: one engine class) or
@@ -75,13 +82,18 @@ class CostLearner:
         return self.models.get(key, self.base)
 
     def observe(
-        self, key: str, q: int, c: int, ttft_ns: float, load_ns: float, now_ns: int
+        self, key: str, q: int, c: int, ttft_ns: float, alone: bool, now_ns: int
     ) -> CostModel | None:
         """One observed first token: ``q`` tokens computed after ``c`` cached (tokens),
-        ``ttft_ns`` from pick to first chunk, ``load_ns`` the predicted queue then (ns).
+        ``ttft_ns`` from pick to first chunk (ns); ``alone``: the request was the only one
+        of ours in flight on its endpoint, with no scraped queue, when picked (else its
+        wait behind the others is unknown: counted ``queued``, not learnt from).
         Returns the model to adopt for the slot's key when a due refit wins."""
         pm.OBSERVED_TTFT.observe(max(ttft_ns, 0.0) / _NS)
-        ns = ttft_ns - load_ns
+        if not alone:
+            pm.TTFT_SAMPLES.labels("queued").inc()
+            return None
+        ns = ttft_ns
         if q <= 0 or ns <= 0:
             pm.TTFT_SAMPLES.labels("dropped").inc()
             return None

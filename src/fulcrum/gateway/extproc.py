@@ -374,10 +374,11 @@ class Picker:
         if self.prefill is not None and placement.prefiller:
             self.prefill.finished(placement.request_id)
 
-    def first_chunk(self, placement: Placement) -> None:
-        """The response's first body chunk passed (a streamed response's first token)."""
+    def first_chunk(self, placement: Placement, ttft_ns: float | None = None) -> None:
+        """The response's first body chunk passed (a streamed response's first token);
+        ``ttft_ns``: its time as Envoy's access log measured it (ns; None: now)."""
         if self.cache is not None:
-            self.cache.first_token(placement.request_id, self._clock())
+            self.cache.first_token(placement.request_id, self._clock(), ttft_ns)
 
     def release(self, placement: Placement, reason: str) -> None:
         """End a request's placement (once per pick)."""

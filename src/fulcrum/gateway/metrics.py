@@ -190,6 +190,15 @@ ACCESS_LOG_ENTRIES = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+ACCESS_LOG_TTFT = Counter(
+    "fulcrum_gateway_access_log_ttft",
+    "Unary and HTTP modes: the time to first response body byte in released entries "
+    "(the fulcrum_ttft_us tag), by outcome (read: handed to the cost-model learner; "
+    "missing: no value, the bootstrap does not log it or no body came; malformed: not "
+    "whole microseconds up to an hour, ignored).",
+    ["outcome"],
+    registry=REGISTRY,
+)
 SCRAPES = Counter(
     "fulcrum_gateway_scrapes",
     "Scrapes of engines' Prometheus endpoints by outcome (ok, error).",
@@ -203,5 +212,7 @@ for _c in IMMEDIATE_CODES:
     IMMEDIATE.labels(_c)
 for _o in ("released", "unknown"):
     ACCESS_LOG_ENTRIES.labels(_o)
+for _o in ("read", "missing", "malformed"):
+    ACCESS_LOG_TTFT.labels(_o)
 for _o in ("ok", "error"):
     SCRAPES.labels(_o)

@@ -65,8 +65,9 @@ OBSERVED_TTFT = Histogram(
 )
 TTFT_SAMPLES = Counter(
     "fulcrum_gateway_cost_samples",
-    "Observed first tokens offered to the online cost-model learner: kept, or dropped "
-    "(observed TTFT not above the predicted queue ahead).",
+    "Observed first tokens offered to the online cost-model learner: kept; queued (the "
+    "request was not alone on its endpoint when picked: not learnt from); dropped (no "
+    "computed tokens, or no time).",
     ["result"],
     registry=REGISTRY,
 )
@@ -105,7 +106,7 @@ for _r in ("ok", "garbage", "unknown_engine", "gap"):
     KV_EVENTS.labels(_r)
 for _r in ("reporting", "degraded"):
     KV_EVENT_SENDERS.labels(_r)
-for _r in ("kept", "dropped"):
+for _r in ("kept", "queued", "dropped"):
     TTFT_SAMPLES.labels(_r)
 for _r in ("adopted", "kept", "skipped"):
     COST_REFITS.labels(_r)

@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fulcrum.gateway import authz
+
 ROOT = Path(__file__).resolve().parents[3]
 ENVOY_TEMPLATE = ROOT / "deploy" / "envoy" / "envoy.yaml"
 
@@ -200,7 +202,9 @@ UNARY_FILTER = """\
 %s"""
 
 #: The unary mode's release: an access-log entry per finished request, batched on one
-#: gRPC stream per Envoy worker, with the placement token the pick added to the request.
+#: gRPC stream per Envoy worker, with the placement token the pick added to the request
+#: and the time to the first response body byte (the online cost refit's sample,
+#: ``authz.TTFT_TAG``; a formatter tag needs Envoy 1.37 or later).
 UNARY_ACCESS_LOG = """\
                 access_log:
                   - name: envoy.access_loggers.http_grpc
@@ -211,6 +215,9 @@ UNARY_ACCESS_LOG = """\
                         transport_api_version: V3
                         grpc_service: { envoy_grpc: { cluster_name: fulcrum_epp } }
                         buffer_flush_interval: 0.02s
+                        custom_tags:
+                          - tag: %s
+                            value: "%s"
                       additional_request_headers_to_log: [x-fulcrum-placement]
 """
 
@@ -231,7 +238,8 @@ def unary_config(cfg: str, headers: tuple[str, ...] = LEAN_HEADERS) -> str:
     start, end = cfg.index(start_anchor), cfg.index(end_anchor)
     rules = "".join(f'                          - exact: "{h}"\n' for h in headers)
     cfg = cfg[:start] + UNARY_FILTER % (_EXT_AUTHZ, rules) + cfg[end:]
-    return cfg.replace(hcm_anchor, hcm_anchor + UNARY_ACCESS_LOG % _GRPC_LOG, 1)
+    log = UNARY_ACCESS_LOG % (_GRPC_LOG, authz.TTFT_TAG, authz.TTFT_FORMAT)
+    return cfg.replace(hcm_anchor, hcm_anchor + log, 1)
 
 
 _HTTP_SERVICE = """\
@@ -416,8 +424,9 @@ class Upstream:
     """A stand-in model server: records each request and answers JSON naming its port.
 
     A request with header ``x-test-hold: NAME`` gets its status line, headers and a first
-    chunk at once, and its last chunk only after ``release_hold(NAME)`` (a long streamed
-    response). ``x-test-status: N`` answers status N.
+    chunk at once (the chunk ``x-test-first-ms`` later when given, as an engine sends
+    its headers before its prefill), and its last chunk only after ``release_hold(NAME)``
+    (a long streamed response). ``x-test-status: N`` answers status N.
     """
 
     port: int = 0
@@ -469,6 +478,9 @@ class Upstream:
                     f"HTTP/1.1 {status} X\r\ncontent-type: text/event-stream\r\n"
                     "transfer-encoding: chunked\r\n\r\n".encode()
                 )
+                if "x-test-first-ms" in headers:  # an engine's prefill after its headers
+                    await writer.drain()
+                    await asyncio.sleep(int(headers["x-test-first-ms"]) / 1e3)
                 first = b"data: first\n\n"
                 writer.write(f"{len(first):x}\r\n".encode() + first + b"\r\n")
                 await writer.drain()
