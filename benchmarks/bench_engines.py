@@ -23,6 +23,10 @@ client side), wall time, requests per engine (deltas of ``vllm:request_success_t
 with each engine's own mean TTFT, and the router's CPU per request (Envoy and picker
 processes, ``/proc/<pid>/stat`` deltas over the workload).
 
+Each round starts a fresh daemon. At the default sizes a round sends about 40 streamed
+requests per engine, under the online refit's 64 samples: ``--size 32,6,96`` passes them
+in the first workload, as a deployment does in its first minute (BENCHMARKS.md, stop 41).
+
 Run: ``.venv/bin/python benchmarks/bench_engines.py [--ports P1,P2] [--quick]
 [--routers Fulcrum,Envoy] [--workloads no-reuse] [--rounds N] [--save FILE]`` (needs
 ``tests/engines/install_vllm.sh`` and ``.venv-peers/bin/pip install smg vllm-router``).

@@ -230,6 +230,11 @@ def build() -> dict[str, Any]:
     b.panel("Picks that copy a prefix another endpoint held, by charge (shared: requests in flight use it)", [(
         f"sum by (charge) (rate(fulcrum_gateway_cache_prefix_copies_total{{{SEL}}}[$__rate_interval]))",
         "{{charge}}")], unit="reqps")
+    b.panel("Cost-model learning: observed first tokens by result (kept: picked alone), refits by result", [
+        (f"sum by (result) (rate(fulcrum_gateway_cost_samples_total{{{SEL}}}[$__rate_interval]))",
+         "samples {{result}}/s"),
+        (f"sum by (result) (increase(fulcrum_gateway_cost_refits_total{{{SEL}}}[$__rate_interval]))",
+         "refits {{result}}")])
 
     b.row("Expert-parallel load balancer (EPLB)")
     b.panel("moe_lb observed vs predicted by group", [
