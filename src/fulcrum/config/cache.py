@@ -74,8 +74,8 @@ class CacheSettings(Section):
     refit: RefitSettings = Field(
         default_factory=lambda: RefitSettings(period_s=10.0),
         description="online refit of the cost model from the TTFT the gateway observes "
-        "(pick to first response body chunk of streamed responses, minus the predicted "
-        "queue; in the unary and HTTP Envoy modes the access log's time to first body "
+        "(pick to first response body chunk of streamed requests picked alone on their "
+        "endpoint; in the unary and HTTP Envoy modes the access log's time to first body "
         "byte); the lean mode sends no response message and learns nothing",
     )
     learn_per: Literal["endpoint", "engine", "all"] = Field(
