@@ -108,6 +108,40 @@ def test_one_model_for_all_endpoints_and_bad_samples_are_dropped() -> None:
     assert pm.TTFT_SAMPLES.labels("queued")._value.get() == queued + 1
 
 
+def test_a_few_engine_stalls_do_not_keep_the_refit_from_learning() -> None:
+    # Requests one at a time (each alone) on an engine of 15 ms + 0.1 ms a token, three
+    # of them stalled to 220-310 ms, two among the first eight samples; the configured
+    # model is far too fast. The refit fits relative errors, the measure it is judged by,
+    # so the stalls do not pull the fit up past the model in force (a real engine's
+    # stalls kept every absolute refit in one CI run).
+    s = CacheSettings(
+        enabled=True, learn_per="all",
+        cost_model={"a": 0.0, "b": 1_000.0, "k": 100_000.0},  # type: ignore[arg-type]
+        refit=RefitSettings(min_samples=8, period_s=0.001),
+    )
+    fake = _Candidates(2)
+    cp = CachePicker(s, 4.0, fake)  # type: ignore[arg-type]
+    true = CostModel(a=0.0, b=100_000.0, k=15_000_000.0)
+    rng = np.random.default_rng(4)
+    now = 0
+    for i in range(24):
+        tokens = int(rng.integers(130, 650))
+        shape = RequestShape(tokens, 8, True, text=f"{i} " * 40, stream=True)
+        choice = cp.choose(fake, shape, None, now)  # type: ignore[arg-type]
+        assert choice is not None
+        cp.placed(f"r{i}", choice, tokens, now, stream=True)
+        jitter = rng.uniform(0.8, 1.25)
+        took = {2: 265e6, 5: 310e6, 17: 220e6}.get(i, true.cost_ns(tokens, 0) * jitter)
+        now += int(took)
+        cp.first_token(f"r{i}", now)
+        cp.released(f"r{i}", "response_end", now)
+        now += 1_000_000
+    learnt = cp.learner.model("")
+    assert learnt != cp.learner.base
+    for q in (150, 400, 650):
+        assert learnt.cost(q, 0) == pytest.approx(true.cost(q, 0), rel=0.25)
+
+
 def test_requests_that_queued_behind_others_do_not_teach_the_model_their_wait() -> None:
     # A FIFO engine 3x slower than the configured model serves bursts of four requests;
     # one request alone follows each burst. The picker's predicted queue comes from the

@@ -246,30 +246,36 @@ def evaluate(
     )
 
 
-def fit(q: npt.ArrayLike, c: npt.ArrayLike, ns: npt.ArrayLike) -> FitResult:
+def fit(
+    q: npt.ArrayLike, c: npt.ArrayLike, ns: npt.ArrayLike, relative: bool = False
+) -> FitResult:
     """Least-squares fit of ``a, b, k`` (all >= 0) to samples.
 
     ``q`` (tokens), ``c`` (tokens) and ``ns`` (measured step time, ns) are arrays of shape
     (n,), n >= 3. Non-negativity is exact: every subset of the three features is solved by
     ordinary least squares (columns scaled for conditioning) and the feasible solution with
-    the smallest residual wins.
+    the smallest residual wins. ``relative``: minimise the squared *relative* residuals
+    (each sample weighted by ``1 / ns``), the measure :func:`evaluate` and
+    :func:`should_adopt` judge by; a sample many times its fitted cost (an engine's stall)
+    then moves the fit far less than in absolute terms.
     """
     qf, cf, nf = _samples(q, c, ns)
     if qf.size < 3:
         raise ValueError(f"samples: need at least 3, got {qf.size}")
     features = np.column_stack([qf * (cf + qf / 2.0), qf, np.ones_like(qf)])
+    w = 1.0 / nf if relative else np.ones_like(nf)
     best: tuple[float, npt.NDArray[np.float64]] | None = None
     for mask in range(1, 8):
         cols = [j for j in range(3) if mask & (1 << j)]
-        x = features[:, cols]
+        x = features[:, cols] * w[:, None]
         scale = np.linalg.norm(x, axis=0)
         scale[scale == 0] = 1.0
-        sol, *_ = np.linalg.lstsq(x / scale, nf, rcond=None)
+        sol, *_ = np.linalg.lstsq(x / scale, nf * w, rcond=None)
         coef = np.zeros(3)
         coef[cols] = sol / scale
         if np.any(coef < 0):
             continue
-        resid = nf - features @ coef
+        resid = (nf - features @ coef) * w
         ss = float(np.dot(resid, resid))
         if best is None or ss < best[0]:
             best = (ss, coef)

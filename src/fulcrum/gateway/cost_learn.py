@@ -24,7 +24,10 @@ engine (``engine``: a pool entry's id, its DP ranks' ports together: one engine 
 one for all (``all``); ``refit.window_samples`` newest kept, in numpy rings (no per-sample Python
 object). At most every ``refit.period_s`` per window, with ``refit.min_samples`` at least,
 the window is refitted with the daemon's one fitter (:func:`fulcrum.core.cost.fit`, the
-same as the prefill refit and ``fulcrum fit-cost``) and the new model is adopted when its
+same as the prefill refit and ``fulcrum fit-cost``), here in relative errors
+(``relative=True``: an engine's stall, a sample many times its cost, would pull an
+absolute fit up past the model in force; in one CI run on real engines it kept every
+refit), and the new model is adopted when its
 p90 relative error on the window beats the model in force by ``refit.adopt_margin``
 (:func:`fulcrum.core.cost.should_adopt`). Every endpoint starts from the configured model
 (``gateway.cache.cost_model``). Event loop only.
@@ -117,7 +120,7 @@ class CostLearner:
         q, c, ns = d[:, 0], d[:, 1], d[:, 2]
         old_model = self.models.get(key, self.base)
         try:
-            new = fit(q, c, ns)
+            new = fit(q, c, ns, relative=True)
             old = evaluate(old_model, q, c, ns)
         except ValueError as err:
             log.warning("gateway_cost_refit_failed", error=str(err))
