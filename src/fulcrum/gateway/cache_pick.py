@@ -76,9 +76,8 @@ _PICKS_MAX: Final = (1 << KV_BITS) - 1
 @dataclass(frozen=True, slots=True)
 class Choice:
     """A cache-aware decision: decode slot to pin, its address and index slot, the
-    request's blocks, its predicted cost there and the load ahead of it (ns), the fixed
-    step overhead it shares with that load (ns; 0 on an idle engine or without
-    ``shared_steps``) and the reported figures."""
+    request's blocks, its predicted cost there and the load ahead of it (ns) and the
+    reported figures."""
 
     slot: int
     address: str
@@ -86,7 +85,6 @@ class Choice:
     blocks: list[int]
     cost_ns: float
     load_ns: float
-    shared_ns: float
     chosen_ns: float
     other_ns: float
     hit_tokens: int
@@ -286,7 +284,6 @@ class CachePicker:
             blocks=blocks,
             cost_ns=float(ttft[c] - load[c]),
             load_ns=float(load[c]),
-            shared_ns=float(co[c, 2]) if self.settings.shared_steps and load[c] > 0 else 0.0,
             chosen_ns=float(ttft[c]),
             other_ns=float(ttft[r.other]) if r.other >= 0 else math.nan,
             hit_tokens=hit,

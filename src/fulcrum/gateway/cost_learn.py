@@ -96,8 +96,7 @@ class CostLearner:
         if not alone:
             pm.TTFT_SAMPLES.labels("queued").inc()
             return None
-        ns = ttft_ns
-        if q <= 0 or ns <= 0:
+        if q <= 0 or ttft_ns <= 0:
             pm.TTFT_SAMPLES.labels("dropped").inc()
             return None
         pm.TTFT_SAMPLES.labels("kept").inc()
@@ -107,7 +106,7 @@ class CostLearner:
             if len(self._windows) >= self.MAX_KEYS:
                 return None
             win = self._windows[key] = _Window(s.window_samples)
-        win.add(float(q), float(c), float(ns))
+        win.add(float(q), float(c), float(ttft_ns))
         if not s.enabled or win.n < s.min_samples:
             return None
         if win.refit_ns is not None and now_ns - win.refit_ns < s.period_s * _NS:
