@@ -1,7 +1,8 @@
 """Real engines: routers in front of the same real vLLM servers (CPU build, tiny MoE).
 
-Routers: **Fulcrum** (Envoy + Fulcrum's picker with ``gateway.cache`` on, scraping the
-engines; ``fulcrum serve`` in its own process), **smg cache_aware** and **smg round_robin**
+Routers: **Fulcrum** (``fulcrum gateway`` as a user runs it, every setting its default;
+and Envoy + Fulcrum's picker, ``fulcrum serve`` in its own process, scraping the engines,
+in each Envoy mode), **smg cache_aware** and **smg round_robin**
 (PyPI ``smg``, its own venv ``.venv-peers``), **vllm-router cache_aware** (PyPI
 ``vllm-router``, same venv), **Envoy round robin** (the example bootstrap
 without the ext_proc filter). All on loopback, one after the other on the same engines.
@@ -244,8 +245,8 @@ async def fulcrum_router(
     ports: list[int], lean: bool = False, unary: bool = False,
     recompute_weight: float | None = None, http: bool = False,
 ) -> AsyncIterator[int]:
-    """``fulcrum serve`` in its own process (not the load generator's loop), gateway.cache on,
-    scraping the engines, every other setting the daemon's default (scrape every 1,000 ms,
+    """``fulcrum serve`` in its own process (not the load generator's loop), scraping the
+    engines, every other setting the daemon's default (``gateway.cache`` on) (scrape every 1,000 ms,
     the KV size each engine's page reports; /metrics on a free port); a real Envoy in front
     (``lean``: the lean processing mode, request headers and buffered body only, release on
     stream close; ``unary``: ext_authz Check with the body, release by the gRPC access log;
@@ -266,7 +267,6 @@ async def fulcrum_router(
             "pool": {"decode": [{"id": f"v{i}", "host": "127.0.0.1", "ports": [p]}
                                 for i, p in enumerate(ports)]},
             "scrape": {"enabled": True},
-            "cache": {"enabled": True},
         },
     }
     if recompute_weight is not None:
@@ -294,6 +294,37 @@ async def fulcrum_router(
             yield env.port
         finally:
             env.stop()
+    finally:
+        ROUTER_PIDS.clear()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@contextlib.asynccontextmanager
+async def fulcrum_gateway_command(ports: list[int]) -> AsyncIterator[int]:
+    """``fulcrum gateway --worker-urls ...`` as a user runs it, every setting its default
+    (the cache-aware pick, scraping, the HTTP Envoy mode; :mod:`fulcrum.gateway.launch`):
+    the daemon in its own process, Envoy its child; both counted."""
+    from fulcrum.gateway.testing import wait_for
+
+    port, grpc_port = free_ports(2)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-engines-"))
+    log = open(tmp / "fulcrum-gateway.log", "wb")  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fulcrum.cli", "gateway", "--worker-urls",
+         *[f"http://127.0.0.1:{p}" for p in ports], "--port", str(port), "--grpc-port",
+         str(grpc_port), "--metrics-port", "0"], stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+
+    def listening() -> bool:
+        assert proc.poll() is None, f"fulcrum gateway exited: {tmp / 'fulcrum-gateway.log'}"
+        return port_open(port)
+
+    try:  # Envoy listens once the daemon is up: the launcher starts them in that order
+        await wait_for(listening, tries=600, interval_s=0.1, what="fulcrum gateway's Envoy")
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ROUTER_PIDS[:] = [proc.pid, *map(int, children)]
+        yield port
     finally:
         ROUTER_PIDS.clear()
         proc.terminate()
@@ -389,6 +420,7 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
                 only_workloads: str = "", rounds: int = 1,
                 size: tuple[int, int, int] | None = None) -> list[Run]:
     routers: dict[str, Callable[[list[int]], contextlib.AbstractAsyncContextManager[int]]] = {
+        "Fulcrum (fulcrum gateway, its defaults)": fulcrum_gateway_command,
         "Fulcrum (gateway.cache)": fulcrum_router,
         "Fulcrum (gateway.cache, lean Envoy mode)": functools.partial(fulcrum_router, lean=True),
         "Fulcrum (gateway.cache, unary Envoy mode)": functools.partial(

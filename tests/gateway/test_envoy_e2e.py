@@ -69,8 +69,10 @@ async def test_each_request_lands_on_the_endpoint_fulcrum_chose() -> None:
 
 async def test_long_requests_go_where_the_dual_policy_says() -> None:
     """dual: a short request goes to the fewest requests, then MOST KV; a long one to the
-    least total KV. One big-KV request on GPU a, small ones on the three others."""
-    async with gateway_stack({"decode": {"policy": "dual"}}) as st:
+    least total KV. One big-KV request on GPU a, small ones on the three others. The
+    decode policy alone picks: the cache-aware pick (on by default) is off here."""
+    async with gateway_stack({"decode": {"policy": "dual"}},
+                             gateway={"cache": {"enabled": False}}) as st:
         clients = [await hold(st, "big", completion(160_000))]  # 40k tokens, short (< 64k)
         big = st.picks[-1][1].address
         for i in range(3):

@@ -52,8 +52,9 @@ async def test_requests_spread_and_a_bad_body_is_the_pickers_400() -> None:
         r = await st.post("/v1/completions", b"[" * 600 + b"]" * 600)
         assert r.status == 400  # JSON nested too deep: the picker's 400, through Envoy
         assert json.loads(r.body)["error"]["type"] == "too_deep"
-        for _ in range(8):
-            r = await st.post("/v1/completions", completion(400))
+        for i in range(8):  # eight prompts that share nothing: picked by load, so spread
+            body = json.dumps({"prompt": f"{i} " * 200, "max_tokens": 10}).encode()
+            r = await st.post("/v1/completions", body)
             assert r.status == 200
         assert len({p.address for _, p in st.picks}) > 1
 

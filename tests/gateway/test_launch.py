@@ -4,6 +4,7 @@ through the printed URL reach the engines; SIGTERM stops Envoy and the daemon.""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fulcrum.config import parse_settings
 from fulcrum.gateway import launch
@@ -23,13 +25,15 @@ ROOT = Path(__file__).resolve().parents[2]
 FULCRUM = [sys.executable, "-m", "fulcrum.cli"]
 
 
-@pytest.mark.parametrize("mode", ["full", "unary", "http"])
-async def test_one_command_routes_requests_and_stops_on_sigterm(mode: str) -> None:
+@pytest.mark.parametrize("mode", ["full", "unary", "http", None])
+async def test_one_command_routes_requests_and_stops_on_sigterm(mode: str | None) -> None:
+    """``mode`` None: no ``--envoy-mode``, the command's default (the HTTP mode)."""
+    flags = [] if mode is None else ["--envoy-mode", mode]
     async with upstreams(2) as ups:
         urls = [f"http://127.0.0.1:{u.port}" for u in ups]
         proc = await asyncio.create_subprocess_exec(
             *FULCRUM, "gateway", "--worker-urls", *urls, "--port", "0", "--grpc-port", "0",
-            "--metrics-port", "0", "--envoy-mode", mode, stdout=asyncio.subprocess.PIPE,
+            "--metrics-port", "0", *flags, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, cwd="/",
         )
         seen: list[str] = []
@@ -54,8 +58,13 @@ async def test_one_command_routes_requests_and_stops_on_sigterm(mode: str) -> No
             # log names it at the end); the ext_proc modes add none. (The HTTP mode runs
             # here on the daemon's own uvloop, as a user runs it.)
             tokens = {rec.headers.get("x-fulcrum-placement") for u in ups for rec in u.received}
-            assert (len(tokens) == 4 and None not in tokens) if mode in ("unary", "http") else (
+            assert (len(tokens) == 4 and None not in tokens) if mode != "full" else (
                 tokens == {None})
+            if mode is None:  # Envoy buffers a body up to gateway.max_body_bytes, not 1 MiB
+                big = json.dumps({"model": "m", "prompt": "w " * (1 << 20), "max_tokens": 1})
+                r = await http_request(port, "POST", "/v1/completions", big.encode())
+                assert r.status == 200, r.body[:200]
+                assert max(len(rec.body) for u in ups for rec in u.received) == len(big)
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
@@ -82,6 +91,30 @@ def test_overrides_make_a_valid_pool_and_scrape_switch() -> None:
                                                 metrics_port=None))
     assert s.gateway.enabled and s.gateway.scrape.enabled
     assert [e.addresses() for e in s.gateway.pool.decode][1] == ["10.0.0.2:8001"]
+
+
+def test_the_commands_defaults_are_the_cache_aware_pick_scraping_in_the_http_mode() -> None:
+    parser = argparse.ArgumentParser()
+    launch.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["gateway", "--worker-urls", "http://127.0.0.1:8000"])
+    assert args.envoy_mode == "http" and args.scrape is True
+    assert parser.parse_args(["gateway", "--worker-urls", "x:1", "--no-scrape"]).scrape is False
+    s = parse_settings(launch.gateway_overrides([("127.0.0.1", 8000)], scrape=args.scrape,
+                                                grpc_port=0, metrics_port=None,
+                                                mode=args.envoy_mode))
+    assert s.gateway.cache.enabled and s.gateway.scrape.enabled
+    assert s.gateway.authz_http_port == 0  # the HTTP picker on a free port
+    addrs = [("127.0.0.1", 8000), ("127.0.0.1", 8001)]
+    doc = yaml.safe_load(launch.envoy_config(9002, addrs, host="127.0.0.1", port=0,
+                                             admin_port=0, http_port=9004,
+                                             max_body_bytes=s.gateway.max_body_bytes))
+    listener = doc["static_resources"]["listeners"][0]
+    assert listener["per_connection_buffer_limit_bytes"] == 16 << 20
+    full = yaml.safe_load(launch.envoy_config(9002, addrs, host="127.0.0.1", port=0,
+                                              admin_port=0, mode="full",
+                                              max_body_bytes=16 << 20))
+    # The full mode streams the body to the picker; Envoy buffers none of it.
+    assert "per_connection_buffer_limit_bytes" not in full["static_resources"]["listeners"][0]
 
 
 def test_envoy_modes_and_a_mode_it_does_not_know() -> None:

