@@ -26,7 +26,8 @@ processes, ``/proc/<pid>/stat`` deltas over the workload).
 
 Each round starts a fresh daemon. At the default sizes a round sends about 40 streamed
 requests per engine, under the online refit's 64 samples: ``--size 32,6,96`` passes them
-in the first workload, as a deployment does in its first minute (BENCHMARKS.md, stop 41).
+in the first workload, as a deployment does in its first minute (BENCHMARKS.md, stop 41;
+only requests picked alone on their engine teach the refit, 9-21 a round at this load).
 
 Run: ``.venv/bin/python benchmarks/bench_engines.py [--ports P1,P2] [--quick]
 [--routers Fulcrum,Envoy] [--workloads no-reuse] [--rounds N] [--save FILE]`` (needs
