@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FULCRUM = [sys.executable, "-m", "fulcrum.cli"]
 
 
-@pytest.mark.parametrize("mode", ["full", "unary", "http", None])
+@pytest.mark.parametrize("mode", ["full", "lean", "unary", "http", None])
 async def test_one_command_routes_requests_and_stops_on_sigterm(mode: str | None) -> None:
     """``mode`` None: no ``--envoy-mode``, the command's default (the HTTP mode)."""
     flags = [] if mode is None else ["--envoy-mode", mode]
@@ -58,13 +58,14 @@ async def test_one_command_routes_requests_and_stops_on_sigterm(mode: str | None
             # log names it at the end); the ext_proc modes add none. (The HTTP mode runs
             # here on the daemon's own uvloop, as a user runs it.)
             tokens = {rec.headers.get("x-fulcrum-placement") for u in ups for rec in u.received}
-            assert (len(tokens) == 4 and None not in tokens) if mode != "full" else (
-                tokens == {None})
-            if mode is None:  # Envoy buffers a body up to gateway.max_body_bytes, not 1 MiB
-                big = json.dumps({"model": "m", "prompt": "w " * (1 << 20), "max_tokens": 1})
-                r = await http_request(port, "POST", "/v1/completions", big.encode())
-                assert r.status == 200, r.body[:200]
-                assert max(len(rec.body) for u in ups for rec in u.received) == len(big)
+            authz = mode in ("unary", "http", None)  # None: the default, the HTTP mode
+            assert (len(tokens) == 4 and None not in tokens) if authz else tokens == {None}
+            # A 2 MiB body in every mode: the full mode streams it to the picker, the
+            # others have Envoy buffer it up to gateway.max_body_bytes, not its 1 MiB.
+            big = json.dumps({"model": "m", "prompt": "w " * (1 << 20), "max_tokens": 1})
+            r = await http_request(port, "POST", "/v1/completions", big.encode())
+            assert r.status == 200, r.body[:200]
+            assert max(len(rec.body) for u in ups for rec in u.received) == len(big)
         finally:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGTERM)
