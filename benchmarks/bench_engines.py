@@ -13,7 +13,10 @@ Workloads (streaming chat completions, ``max_tokens`` 8):
 - ``shared-system``: N requests with one long system prompt, distinct questions, 8 at once;
 - ``no-reuse``: N requests with distinct prompts, 8 at once;
 - ``shared-chats``: C conversations of T turns as ``multi-turn``, all opening with one
-  system prompt (a chat service's): the prompt is shared, each history is private.
+  system prompt (a chat service's): the prompt is shared, each history is private;
+- ``shared-system-arrivals``: N requests as ``shared-system``, arriving one by one at
+  random (Poisson, :data:`ARRIVALS_PER_S`) instead of eight at once: users as a service
+  sees them. Its wall is the arrivals' span: read its TTFT and requests per engine.
 
 Fresh text every run: every text starts with a nonce (16 symbols seeded by router,
 workload and time, 16 tokens for every router), so a cache left warm by a previous router
@@ -149,6 +152,9 @@ def words(rng: random.Random, n: int) -> str:
 
 
 Workload = Callable[[int, str, str, Run], Awaitable[None]]
+#: ``shared-system-arrivals``: requests a second, Poisson (open loop). One engine alone
+#: serves about 30 a second of these prompts; two, about 65 (the 8-at-once rounds).
+ARRIVALS_PER_S = 25.0
 
 
 def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str, Workload]:
@@ -214,8 +220,20 @@ def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str
 
         await asyncio.gather(*(one(c) for c in range(convs)))
 
+    async def shared_system_arrivals(port: int, nonce: str, seed: str, run: Run) -> None:
+        rng = random.Random(seed)
+        system = f"{nonce} " + words(rng, 400)
+        gaps = [rng.expovariate(ARRIVALS_PER_S) for _ in range(n)]  # the same every router
+        tasks = []
+        for gap in gaps:
+            msgs = [{"role": "system", "content": system},
+                    {"role": "user", "content": words(rng, 30)}]
+            tasks.append(asyncio.create_task(send(port, msgs, run)))
+            await asyncio.sleep(gap)
+        await asyncio.gather(*tasks)
+
     return {"multi-turn": multi_turn, "shared-system": shared_system, "no-reuse": no_reuse,
-            "shared-chats": shared_chats}
+            "shared-chats": shared_chats, "shared-system-arrivals": shared_system_arrivals}
 
 
 #: Processes of the router under test whose CPU a run counts (Envoy, the picker).
@@ -271,7 +289,7 @@ async def fulcrum_router(
         },
     }
     if recompute_weight is not None:
-        cfg["gateway"]["cache"]["recompute_weight"] = recompute_weight  # type: ignore[index]
+        cfg["gateway"]["cache"] = {"recompute_weight": recompute_weight}  # type: ignore[index]
     if http:
         cfg["gateway"]["authz_http_port"] = http_port  # type: ignore[index]
     tmp = Path(tempfile.mkdtemp(prefix="bench-engines-"))
