@@ -152,8 +152,9 @@ def words(rng: random.Random, n: int) -> str:
 
 
 Workload = Callable[[int, str, str, Run], Awaitable[None]]
-#: ``shared-system-arrivals``: requests a second, Poisson (open loop). One engine alone
-#: serves about 30 a second of these prompts; two, about 65 (the 8-at-once rounds).
+#: ``shared-system-arrivals``: requests a second, Poisson (open loop). The two CPU engines
+#: serve about 65 a second of these prompts in the 8-at-once rounds; at 25 one engine alone
+#: keeps up, slower (BENCHMARKS.md, "Real engines", stop 42).
 ARRIVALS_PER_S = 25.0
 
 
