@@ -16,7 +16,9 @@ Workloads (streaming chat completions, ``max_tokens`` 8):
   system prompt (a chat service's): the prompt is shared, each history is private;
 - ``shared-system-arrivals``: N requests as ``shared-system``, arriving one by one at
   random (Poisson, :data:`ARRIVALS_PER_S`) instead of eight at once: users as a service
-  sees them. Its wall is the arrivals' span: read its TTFT and requests per engine.
+  sees them. Its wall is the arrivals' span: read its TTFT and requests per engine;
+- ``shared-chats-arrivals``: C conversations as ``shared-chats``, starting one by one at
+  random (:data:`CHATS_PER_S`), the user pausing :data:`THINK_S` between turns.
 
 Fresh text every run: every text starts with a nonce (16 symbols seeded by router,
 workload and time, 16 tokens for every router), so a cache left warm by a previous router
@@ -156,6 +158,10 @@ Workload = Callable[[int, str, str, Run], Awaitable[None]]
 #: serve about 65 a second of these prompts in the 8-at-once rounds; at 25 one engine alone
 #: keeps up, slower (BENCHMARKS.md, "Real engines", stop 42).
 ARRIVALS_PER_S = 25.0
+#: ``shared-chats-arrivals``: conversations starting a second (Poisson), and the user's
+#: pause between an answer and the next turn (s).
+CHATS_PER_S = 8.0
+THINK_S = 0.2
 
 
 def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str, Workload]:
@@ -233,8 +239,28 @@ def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str
             await asyncio.sleep(gap)
         await asyncio.gather(*tasks)
 
+    async def shared_chats_arrivals(port: int, nonce: str, seed: str, run: Run) -> None:
+        system = f"{nonce} " + words(random.Random(seed), 400)  # one for every chat
+        starts = random.Random(f"{seed}-starts")
+
+        async def one(c: int) -> None:
+            rng = random.Random(f"{seed}-{c}")
+            chat = [{"role": "system", "content": system}]
+            for _ in range(turns):
+                chat.append({"role": "user", "content": words(rng, 40)})
+                await send(port, chat, run)
+                chat.append({"role": "assistant", "content": words(rng, 2)})
+                await asyncio.sleep(THINK_S)
+
+        tasks = []
+        for c in range(convs):
+            tasks.append(asyncio.create_task(one(c)))
+            await asyncio.sleep(starts.expovariate(CHATS_PER_S))
+        await asyncio.gather(*tasks)
+
     return {"multi-turn": multi_turn, "shared-system": shared_system, "no-reuse": no_reuse,
-            "shared-chats": shared_chats, "shared-system-arrivals": shared_system_arrivals}
+            "shared-chats": shared_chats, "shared-system-arrivals": shared_system_arrivals,
+            "shared-chats-arrivals": shared_chats_arrivals}
 
 
 #: Processes of the router under test whose CPU a run counts (Envoy, the picker).

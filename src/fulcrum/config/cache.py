@@ -109,7 +109,8 @@ class CacheSettings(Section):
         description="a move's recompute charge is divided by 1 + the requests in flight "
         "whose prompts contain the prefix the cheapest endpoint holds: a second copy of a "
         "prefix many requests use at once (a shared system prompt) serves the next ones too; "
-        "a conversation's own history pays the charge whole",
+        "a conversation's own history pays the charge whole; and a prefix that requests in "
+        "flight go on from with other text counts as held by every candidate",
     )
     emit_scores: bool = Field(
         False,

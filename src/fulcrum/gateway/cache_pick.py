@@ -31,7 +31,9 @@ endpoint holding its prefix only when the wait it saves exceeds the work it adds
 whose prompts contain the prefix the cheapest endpoint holds (its deepest matched
 block). A copy of a prefix that many requests use at once serves the next ones too, so
 its one recompute is shared among them; a conversation's own history (nothing else in
-flight holds it) pays it whole. The reported TTFTs stay the predictions.
+flight holds it) pays it whole. With the same setting, a prefix that requests in flight
+go on from with other text counts as held by every candidate (:meth:`_spread_hot`).
+The reported TTFTs stay the predictions.
 Ties go to fewer requests (the decode view's), then to fewer picks so far. A prompt that
 was not parsed or is empty is picked by load alone (no hits), counted as ``load_only``.
 Event loop only.
@@ -141,6 +143,8 @@ class CachePicker:
         self._requests: dict[str, tuple[int, float, list[int]]] = {}
         #: block hash -> requests in flight whose prompt contains it (share_hot_prefixes).
         self._inflight: dict[int, int] = {}
+        #: block hash -> requests in flight whose prompt's last block it is.
+        self._ends: dict[int, int] = {}
         #: Streamed requests waiting for their first token: (slot, q, c, pick ns, alone:
         #: nothing else of ours in flight there and no scraped queue at the pick).
         self._first: dict[str, tuple[int, int, int, int, bool]] = {}
@@ -260,7 +264,7 @@ class CachePicker:
         prompt = shape.prompt_tokens
         if blocks:
             per_block = self.block_chars * prompt / max(len(text), 1)  # tokens per block
-            matched = self.index.match(blocks)[isl]
+            matched = self._spread_hot(blocks, self.index.match(blocks)[isl])
             hits = np.floor(matched * per_block).astype(np.int64)
         else:
             matched = hits = np.zeros(len(addrs), dtype=np.int64)
@@ -293,6 +297,40 @@ class CachePicker:
         if self.settings.emit_scores:
             _emit_scores(choice, prompt, addrs, ttft, hits, extra, sharers)
         return choice
+
+    def _spread_hot(
+        self, blocks: list[int], matched: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.int64]:
+        """``matched`` (blocks each candidate holds, shape ``(n,)``) with the request's
+        leading blocks that other requests in flight share and the rest of its prompt
+        does not (a service's system prompt, not a conversation's own history) counted
+        as held by every candidate, as far as one of them holds them
+        (``share_hot_prefixes``). Copied once to another engine, such a prefix serves
+        the requests that share it there too; priced as held by its one holder only,
+        every one of them is predicted sooner there, queues there, and the other engines
+        never get a copy (BENCHMARKS.md, "Real engines", stop 42: every request of a
+        shared system prompt on one of two engines when requests arrive one by one)."""
+        if not self.settings.share_hot_prefixes or not len(matched):
+            return matched
+        inflight, ends = self._inflight, self._ends
+        counts = []
+        for h in blocks:
+            n = inflight.get(h, 0)
+            if n <= 0:
+                break
+            counts.append(n)
+        counts.append(0)
+        # Shared: the deepest block after which some request in flight goes on with other
+        # text (the counts only fall along a prompt: a block's hash chains its prefix).
+        # A request in flight whose prompt ends there (this conversation's previous turn,
+        # still in flight) shares nothing with others.
+        hot = 0
+        for j in range(len(counts) - 1, 0, -1):
+            if counts[j - 1] - counts[j] - ends.get(blocks[j - 1], 0) > 0:
+                hot = j
+                break
+        reach = min(hot, int(matched.max()))
+        return matched if reach <= 0 else np.maximum(matched, reach)
 
     def _charge(
         self,
@@ -345,6 +383,9 @@ class CachePicker:
         inflight = self._inflight
         for h in choice.blocks:
             inflight[h] = inflight.get(h, 0) + 1
+        if choice.blocks:
+            last = choice.blocks[-1]
+            self._ends[last] = self._ends.get(last, 0) + 1
         pm.PICKS_BY_RULE[choice.rule].inc()
         if choice.copy:
             pm.PREFIX_COPIES[choice.copy].inc()
@@ -377,6 +418,12 @@ class CachePicker:
                 inflight[h] = n
             else:
                 inflight.pop(h, None)
+        if blocks:
+            n = self._ends.get(blocks[-1], 0) - 1
+            if n > 0:
+                self._ends[blocks[-1]] = n
+            else:
+                self._ends.pop(blocks[-1], None)
 
     def first_token(self, request_id: str, now_ns: int, ttft_ns: float | None = None) -> None:
         """The first response body chunk of a request passed: one observed TTFT for the
