@@ -214,18 +214,21 @@ def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str
         await batched(port, [[{"role": "user", "content": f"{nonce} {i} " + words(rng, 300)}]
                              for i in range(n)], run)
 
+    async def chat_under(port: int, system: str, seed: str, c: int, run: Run,
+                         think_s: float = 0.0) -> None:
+        """Conversation ``c`` under ``system``: ``turns`` turns, ``think_s`` apart."""
+        rng = random.Random(f"{seed}-{c}")
+        chat = [{"role": "system", "content": system}]
+        for _ in range(turns):
+            chat.append({"role": "user", "content": words(rng, 40)})
+            await send(port, chat, run)
+            chat.append({"role": "assistant", "content": words(rng, 2)})
+            if think_s:
+                await asyncio.sleep(think_s)
+
     async def shared_chats(port: int, nonce: str, seed: str, run: Run) -> None:
         system = f"{nonce} " + words(random.Random(seed), 400)  # one for every chat
-
-        async def one(c: int) -> None:
-            rng = random.Random(f"{seed}-{c}")
-            chat = [{"role": "system", "content": system}]
-            for _ in range(turns):
-                chat.append({"role": "user", "content": words(rng, 40)})
-                await send(port, chat, run)
-                chat.append({"role": "assistant", "content": words(rng, 2)})
-
-        await asyncio.gather(*(one(c) for c in range(convs)))
+        await asyncio.gather(*(chat_under(port, system, seed, c, run) for c in range(convs)))
 
     async def shared_system_arrivals(port: int, nonce: str, seed: str, run: Run) -> None:
         rng = random.Random(seed)
@@ -242,19 +245,9 @@ def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str
     async def shared_chats_arrivals(port: int, nonce: str, seed: str, run: Run) -> None:
         system = f"{nonce} " + words(random.Random(seed), 400)  # one for every chat
         starts = random.Random(f"{seed}-starts")
-
-        async def one(c: int) -> None:
-            rng = random.Random(f"{seed}-{c}")
-            chat = [{"role": "system", "content": system}]
-            for _ in range(turns):
-                chat.append({"role": "user", "content": words(rng, 40)})
-                await send(port, chat, run)
-                chat.append({"role": "assistant", "content": words(rng, 2)})
-                await asyncio.sleep(THINK_S)
-
         tasks = []
         for c in range(convs):
-            tasks.append(asyncio.create_task(one(c)))
+            tasks.append(asyncio.create_task(chat_under(port, system, seed, c, run, THINK_S)))
             await asyncio.sleep(starts.expovariate(CHATS_PER_S))
         await asyncio.gather(*tasks)
 
