@@ -29,6 +29,8 @@ FULCRUM = [sys.executable, "-m", "fulcrum.cli"]
 async def test_one_command_routes_requests_and_stops_on_sigterm(mode: str | None) -> None:
     """``mode`` None: no ``--envoy-mode``, the command's default (the HTTP mode)."""
     flags = [] if mode is None else ["--envoy-mode", mode]
+    workers = 2 if mode == "http" else 1  # --envoy-concurrency reaches Envoy; default 1
+    flags += ["--envoy-concurrency", "2"] if workers == 2 else []
     async with upstreams(2) as ups:
         urls = [f"http://127.0.0.1:{u.port}" for u in ups]
         proc = await asyncio.create_subprocess_exec(
@@ -45,6 +47,8 @@ async def test_one_command_routes_requests_and_stops_on_sigterm(mode: str | None
             found_admin = re.search(r"Envoy admin 127\.0\.0\.1:(\d+)", line)
             assert found_admin, line
             admin = int(found_admin.group(1))
+            info = await http_request(admin, "GET", "/server_info")
+            assert json.loads(info.body)["command_line_options"]["concurrency"] == workers
             for i in range(4):
                 body = json.dumps({"model": "m", "prompt": "hi " * (i + 1), "max_tokens": 4})
                 r = await http_request(port, "POST", "/v1/completions", body.encode())
@@ -100,6 +104,10 @@ def test_the_commands_defaults_are_the_cache_aware_pick_scraping_in_the_http_mod
     args = parser.parse_args(["gateway", "--worker-urls", "http://127.0.0.1:8000"])
     assert args.envoy_mode == "http" and args.scrape is True
     assert parser.parse_args(["gateway", "--worker-urls", "x:1", "--no-scrape"]).scrape is False
+    assert args.envoy_concurrency == 1
+    for bad in ("-1", "two", "1025"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["gateway", "--worker-urls", "x:1", "--envoy-concurrency", bad])
     s = parse_settings(launch.gateway_overrides([("127.0.0.1", 8000)], scrape=args.scrape,
                                                 grpc_port=0, metrics_port=None,
                                                 mode=args.envoy_mode))

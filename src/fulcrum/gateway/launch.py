@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -146,8 +147,10 @@ class Launched:
 @contextlib.asynccontextmanager
 async def launched(settings: Settings, addresses: Sequence[tuple[str, int]], *,
                    host: str = "127.0.0.1", port: int = 0,
-                   admin_port: int = 0, mode: str = DEFAULT_MODE) -> AsyncIterator[Launched]:
-    """Start the daemon (``settings`` must enable the gateway) and Envoy; stop both."""
+                   admin_port: int = 0, mode: str = DEFAULT_MODE,
+                   concurrency: int = 1) -> AsyncIterator[Launched]:
+    """Start the daemon (``settings`` must enable the gateway) and Envoy (``concurrency``
+    worker threads); stop both."""
     from fulcrum.service.server import build
 
     daemon = build(settings)
@@ -158,7 +161,7 @@ async def launched(settings: Settings, addresses: Sequence[tuple[str, int]], *,
         cfg = envoy_config(gw.port, addresses, host=host, port=port, admin_port=admin_port,
                            mode=mode, http_port=gw.http_port,
                            max_body_bytes=settings.gateway.max_body_bytes)
-        envoy = await envoy_kit.start_envoy(cfg)
+        envoy = await envoy_kit.start_envoy(cfg, concurrency=concurrency)
         try:
             yield Launched(daemon, envoy, host)
         finally:
@@ -174,7 +177,8 @@ async def _run(settings: Settings, addresses: Sequence[tuple[str, int]],
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with launched(settings, addresses, host=args.host, port=args.port,
-                        admin_port=args.admin_port, mode=args.envoy_mode) as gw:
+                        admin_port=args.admin_port, mode=args.envoy_mode,
+                        concurrency=args.envoy_concurrency or os.cpu_count() or 1) as gw:
         print(f"fulcrum gateway: send requests to {gw.url} (OpenAI-compatible, e.g. POST "
               f"{gw.url}/v1/completions); {len(addresses)} engine(s); picker "
               f"127.0.0.1:{gw.daemon.gateway.port}; Envoy admin "
@@ -218,6 +222,17 @@ def main(args: argparse.Namespace, load: Callable[..., Any],
         return EXIT_USAGE
 
 
+def _workers(text: str) -> int:
+    """``--envoy-concurrency``: an integer from 0 (one per CPU) to 1,024."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer from 0 to 1024")
+    return n
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The ``gateway`` subcommand's parser (``sub``: argparse subparsers)."""
     p: argparse.ArgumentParser = sub.add_parser(
@@ -236,6 +251,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    "HTTP/1.1 + gRPC access log, the least CPU per request), unary (the "
                    "same over gRPC), lean (ext_proc, headers + buffered body) or full "
                    "(ext_proc, every phase; docs/gateway-limits.md)")
+    p.add_argument("--envoy-concurrency", type=_workers, default=1, metavar="N",
+                   help="Envoy's worker threads (default 1, as measured in BENCHMARKS.md; "
+                   "0 = one per CPU, Envoy's own default): raise it where Envoy has cores "
+                   "of its own")
     p.add_argument("--scrape", action=argparse.BooleanOptionalAction, default=True,
                    help="read the engines' load and KV size from their /metrics "
                    "(gateway.scrape; on by default, --no-scrape: off)")
