@@ -18,7 +18,12 @@ Workloads (streaming chat completions, ``max_tokens`` 8):
   random (Poisson, :data:`ARRIVALS_PER_S`) instead of eight at once: users as a service
   sees them. Its wall is the arrivals' span: read its TTFT and requests per engine;
 - ``shared-chats-arrivals``: C conversations as ``shared-chats``, starting one by one at
-  random (:data:`CHATS_PER_S`), the user pausing :data:`THINK_S` between turns.
+  random (:data:`CHATS_PER_S`), the user pausing :data:`THINK_S` between turns;
+- ``mooncake-replay`` (only where Mooncake's synthetic trace is, ``$FULCRUM_TRACES``: not
+  in the repository, a held-out check): the trace's first N requests in order, at its
+  timestamps sped up :data:`REPLAY_SPEEDUP` times, each 512-token hash block as
+  :data:`REPLAY_WORDS` words seeded by its id (requests that share leading blocks share
+  that prefix), at most :data:`REPLAY_BLOCKS` blocks a request.
 
 Fresh text every run: every text starts with a nonce (16 symbols seeded by router,
 workload and time, 16 tokens for every router), so a cache left warm by a previous router
@@ -162,6 +167,34 @@ ARRIVALS_PER_S = 25.0
 #: pause between an answer and the next turn (s).
 CHATS_PER_S = 8.0
 THINK_S = 0.2
+#: ``mooncake-replay``: the trace's 512-token hash blocks as this many words each (about
+#: 4.3 tokens a word for the tiny model's tokenizer, 103 a block), at most this many
+#: leading blocks a request (2,463 tokens; the engines' context is 4,096), arrivals this
+#: many times faster than the trace's timestamps (1: about 3.5 requests a second, 1,350
+#: tokens each on average; at 2 the two CPU engines were saturated, queue time 0.2 s).
+REPLAY_WORDS = 24
+REPLAY_BLOCKS = 24
+REPLAY_SPEEDUP = 1.0
+REPLAY_TRACE = "mooncake_synthetic_trace.jsonl"
+
+
+def replay_rows(n: int) -> list[tuple[float, list[int]]] | None:
+    """The first ``n`` requests of Mooncake's synthetic trace as (arrival s, leading hash
+    ids), or None without the trace (``$FULCRUM_TRACES``, else ``../shared/traces``: it is
+    not in the repository, so users without it get no such workload)."""
+    from fulcrum.sim.workload import traces_dir
+
+    path = traces_dir() / REPLAY_TRACE
+    if not path.exists():
+        return None
+    rows: list[tuple[float, list[int]]] = []
+    with path.open() as f:
+        for line in f:
+            r = json.loads(line)
+            rows.append((r["timestamp"] / 1000.0, [int(h) for h in r["hash_ids"][:REPLAY_BLOCKS]]))
+            if len(rows) == n:
+                break
+    return rows
 
 
 def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str, Workload]:
@@ -251,9 +284,36 @@ def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str
             await asyncio.sleep(starts.expovariate(CHATS_PER_S))
         await asyncio.gather(*tasks)
 
-    return {"multi-turn": multi_turn, "shared-system": shared_system, "no-reuse": no_reuse,
-            "shared-chats": shared_chats, "shared-system-arrivals": shared_system_arrivals,
-            "shared-chats-arrivals": shared_chats_arrivals}
+    out: dict[str, Workload] = {
+        "multi-turn": multi_turn, "shared-system": shared_system, "no-reuse": no_reuse,
+        "shared-chats": shared_chats, "shared-system-arrivals": shared_system_arrivals,
+        "shared-chats-arrivals": shared_chats_arrivals}
+    rows = replay_rows(n)
+    if rows is None:
+        return out
+
+    async def mooncake_replay(port: int, nonce: str, seed: str, run: Run) -> None:
+        blocks: dict[int, str] = {}  # a hash id's text: the same wherever the id recurs
+
+        def text(ids: list[int]) -> str:
+            for h in ids:
+                if h not in blocks:
+                    blocks[h] = words(random.Random(f"{seed}-{h}"), REPLAY_WORDS)
+            return " ".join(blocks[h] for h in ids)
+
+        loop = asyncio.get_running_loop()
+        start, t0 = loop.time(), rows[0][0]
+        tasks = []
+        for ts, ids in rows:
+            delay = (ts - t0) / REPLAY_SPEEDUP - (loop.time() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            msgs = [{"role": "user", "content": f"{nonce} {text(ids)}"}]
+            tasks.append(asyncio.create_task(send(port, msgs, run)))
+        await asyncio.gather(*tasks)
+
+    out["mooncake-replay"] = mooncake_replay
+    return out
 
 
 #: Processes of the router under test whose CPU a run counts (Envoy, the picker).

@@ -102,3 +102,23 @@ def test_saved_rounds_pool_by_run_and_round(tmp_path: Path) -> None:
     assert be.paired(back) == be.paired([*a, *[be.Run(r.router, r.workload, wall_s=r.wall_s,
                                                         round=r.round + 2) for r in b]])
     assert "| w | F | 3 | 1.100 |" in be.paired(back)
+
+
+def test_the_replay_workload_reads_the_traces_leading_blocks_and_is_absent_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mooncake-replay`` exists only where the trace is (it is not in the repository):
+    the first N requests in order, each capped at REPLAY_BLOCKS leading hash ids."""
+    import json
+
+    monkeypatch.setenv("FULCRUM_TRACES", str(tmp_path))
+    assert be.replay_rows(4) is None
+    assert "mooncake-replay" not in be.workloads(False, (1, 1, 4))
+    rows = [{"timestamp": 500 * i, "input_length": 512 * (i + 30), "output_length": 1,
+             "hash_ids": list(range(i, i + 30))} for i in range(6)]
+    (tmp_path / be.REPLAY_TRACE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = be.replay_rows(4)
+    assert got is not None and len(got) == 4
+    assert [t for t, _ in got] == [0.0, 0.5, 1.0, 1.5]
+    assert got[2][1] == list(range(2, 2 + be.REPLAY_BLOCKS))
+    assert "mooncake-replay" in be.workloads(False, (1, 1, 4))
