@@ -80,6 +80,34 @@ def test_a_slower_endpoint_gets_its_own_model_and_loses_picks() -> None:
         assert choice is not None and choice.index_slot == 1
 
 
+def test_before_an_endpoint_has_its_own_refit_it_uses_the_pools_model() -> None:
+    """Per endpoint, every sample also feeds one pooled window: 16 samples in all (8 on
+    each endpoint, below its own min_samples) adopt the pool's model for both at once,
+    so neither looks cheaper for not having learnt yet. An endpoint whose own refit kept
+    the configured model keeps it, whatever the pool's says."""
+    cp, fake = _picker("endpoint")
+    slow = CostModel(a=BASE.a * 2, b=BASE.b * 2, k=BASE.k * 2)
+    _serve(cp, fake, {0: slow, 1: slow}, 16)
+    for i in range(2):
+        assert cp.learner.model(fake.addrs[i]).cost(1500, 0) == pytest.approx(
+            slow.cost(1500, 0), rel=0.02)
+    assert (cp._coef[0] == cp._coef[1]).all()
+    assert fake.addrs[0] not in cp.learner.models  # nothing of their own yet: the pool's
+    # A learner whose key "b" refitted and kept the configured model: the pool is not its.
+    from fulcrum.gateway.cost_learn import CostLearner
+
+    ln = CostLearner(RefitSettings(window_samples=64, min_samples=4, period_s=0.001), BASE)
+    rng = random.Random(3)
+    for t in range(8):
+        q = rng.randrange(100, 3000)
+        ln.observe("a", q, 0, slow.cost_ns(q, 0), True, t)
+    assert ln.model("b") == ln.model("a") != BASE  # b has no samples: the pool's
+    for t in range(8, 16):
+        q = rng.randrange(100, 3000)
+        ln.observe("b", q, 0, BASE.cost_ns(q, 0), True, t)
+    assert ln.model("b") == BASE and ln.model("a") != BASE
+
+
 def test_per_engine_the_dp_ranks_of_a_pool_entry_share_one_model() -> None:
     cp, fake = _picker("engine")
     cp.engine_of = {fake.addrs[0]: "e0", fake.addrs[1]: "e0"}

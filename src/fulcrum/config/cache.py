@@ -82,7 +82,8 @@ class CacheSettings(Section):
     learn_per: Literal["endpoint", "engine", "all"] = Field(
         "endpoint",
         description="refit one cost model per endpoint (ip:port), per engine (a pool entry: "
-        "its DP ranks together, one engine class) or one for all endpoints",
+        "its DP ranks together, one engine class) or one for all endpoints; per endpoint or "
+        "engine, one with no refit of its own yet uses a model refitted on all samples",
         json_schema_extra=RESTART_ONLY,
     )
     kv_events: KvEventsSettings = Field(

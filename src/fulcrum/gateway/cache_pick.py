@@ -436,9 +436,8 @@ class CachePicker:
         i, q, c, t0, alone = got
         key = self.learn_key(i)
         seen = float(now_ns - t0) if ttft_ns is None else ttft_ns
-        model = self.learner.observe(key, q, c, seen, alone, now_ns)
-        if model is None:
+        if self.learner.observe(key, q, c, seen, alone, now_ns) is None:
             return
-        for j in range(len(self._addr_of)):
-            if self.learn_key(j) == key:
-                self._coef[j] = (model.a, model.b, model.k)
+        for j in range(len(self._addr_of)):  # an own model, or the pool's for several keys
+            m = self.learner.model(self.learn_key(j))
+            self._coef[j] = (m.a, m.b, m.k)

@@ -30,7 +30,14 @@ absolute fit up past the model in force; in one CI run on real engines it kept e
 refit), and the new model is adopted when its
 p90 relative error on the window beats the model in force by ``refit.adopt_margin``
 (:func:`fulcrum.core.cost.should_adopt`). Every endpoint starts from the configured model
-(``gateway.cache.cost_model``). Event loop only.
+(``gateway.cache.cost_model``). With ``learn_per`` ``endpoint`` or ``engine``, every sample
+also goes to one pooled window, refitted the same way: a key whose own window has not had
+a refit yet (fewer than ``refit.min_samples`` of its own) uses the pool's model once one
+was adopted. So a fleet of N endpoints leaves the configured model after about
+``min_samples`` requests picked alone in all, not ``min_samples`` on each, and all its
+endpoints leave it together: before, the endpoint that adopted first looked costlier
+than the others until they adopted too (BENCHMARKS.md, "Real engines", stop 43). Event
+loop only.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from fulcrum.gateway import pick_metrics as pm
 log = structlog.get_logger(__name__)
 
 _NS: Final = 1_000_000_000
+#: The pool's key: every key's samples, one model for a key with no refit of its own yet.
+POOL: Final = ""
 
 
 class _Window:
@@ -81,8 +90,16 @@ class CostLearner:
         self.models: dict[str, CostModel] = {}
 
     def model(self, key: str) -> CostModel:
-        """The model in force for a key (the configured one until a refit)."""
-        return self.models.get(key, self.base)
+        """The model in force for a key: its own once its window has had a refit (adopted,
+        or the configured one kept); before that the pool's (key ``""``, every key's
+        samples) when one was adopted, else the configured one."""
+        own = self.models.get(key)
+        if own is not None:
+            return own
+        win = self._windows.get(key)
+        if win is not None and win.refit_ns is not None:
+            return self.base  # its own samples kept the configured model
+        return self.models.get(POOL, self.base)
 
     def observe(
         self, key: str, q: int, c: int, ttft_ns: float, alone: bool, now_ns: int
@@ -91,7 +108,8 @@ class CostLearner:
         ``ttft_ns`` from pick to first chunk (ns); ``alone``: the request was the only one
         of ours in flight on its endpoint, with no scraped queue, when picked (else its
         wait behind the others is unknown: counted ``queued``, not learnt from).
-        Returns the model to adopt for the slot's key when a due refit wins."""
+        Returns a model adopted by this sample's refit (the key's own, else the pool's),
+        or None: after one, every key's :meth:`model` may have changed."""
         pm.OBSERVED_TTFT.observe(max(ttft_ns, 0.0) / _NS)
         if not alone:
             pm.TTFT_SAMPLES.labels("queued").inc()
@@ -100,6 +118,11 @@ class CostLearner:
             pm.TTFT_SAMPLES.labels("dropped").inc()
             return None
         pm.TTFT_SAMPLES.labels("kept").inc()
+        own = self._learn(key, q, c, ttft_ns, now_ns)
+        pool = None if key == POOL else self._learn(POOL, q, c, ttft_ns, now_ns)
+        return own or pool
+
+    def _learn(self, key: str, q: int, c: int, ttft_ns: float, now_ns: int) -> CostModel | None:
         s = self.settings
         win = self._windows.get(key)
         if win is None:
