@@ -380,12 +380,7 @@ class CachePicker:
         if old is not None:  # placed again under the same id: its earlier blocks end
             self._unuse(old[2])
         self._requests[request_id] = (i, choice.cost_ns, choice.blocks)
-        inflight = self._inflight
-        for h in choice.blocks:
-            inflight[h] = inflight.get(h, 0) + 1
-        if choice.blocks:
-            last = choice.blocks[-1]
-            self._ends[last] = self._ends.get(last, 0) + 1
+        self._count(choice.blocks, +1)
         pm.PICKS_BY_RULE[choice.rule].inc()
         if choice.copy:
             pm.PREFIX_COPIES[choice.copy].inc()
@@ -411,19 +406,20 @@ class CachePicker:
 
     def _unuse(self, blocks: list[int]) -> None:
         """A request holding ``blocks`` is no longer in flight: count it out."""
-        inflight = self._inflight
-        for h in blocks:
-            n = inflight.get(h, 0) - 1
-            if n > 0:
-                inflight[h] = n
-            else:
-                inflight.pop(h, None)
-        if blocks:
-            n = self._ends.get(blocks[-1], 0) - 1
-            if n > 0:
-                self._ends[blocks[-1]] = n
-            else:
-                self._ends.pop(blocks[-1], None)
+        self._count(blocks, -1)
+
+    def _count(self, blocks: list[int], delta: int) -> None:
+        """A request in flight with ``blocks`` starts (``delta`` +1) or ends (-1): each
+        block's count in :attr:`_inflight` and its last block's in :attr:`_ends` move by
+        ``delta``; a count that reaches 0 leaves its table (both stay bounded by what is
+        in flight)."""
+        for table, keys in ((self._inflight, blocks), (self._ends, blocks[-1:])):
+            for h in keys:
+                n = table.get(h, 0) + delta
+                if n > 0:
+                    table[h] = n
+                else:
+                    table.pop(h, None)
 
     def first_token(self, request_id: str, now_ns: int, ttft_ns: float | None = None) -> None:
         """The first response body chunk of a request passed: one observed TTFT for the

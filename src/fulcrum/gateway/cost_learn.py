@@ -33,7 +33,9 @@ p90 relative error on the window beats the model in force by ``refit.adopt_margi
 (``gateway.cache.cost_model``). With ``learn_per`` ``endpoint`` or ``engine``, every sample
 also goes to one pooled window, refitted the same way: a key whose own window has not had
 a refit yet (fewer than ``refit.min_samples`` of its own) uses the pool's model once one
-was adopted. So a fleet of N endpoints leaves the configured model after about
+was adopted; its own first refit is judged against the configured model, so from then on
+it runs on a model its own samples chose (its fit, or the configured one kept). So a
+fleet of N endpoints leaves the configured model after about
 ``min_samples`` requests picked alone in all, not ``min_samples`` on each, and all its
 endpoints leave it together: before, the endpoint that adopted first looked costlier
 than the others until they adopted too (BENCHMARKS.md, "Real engines", stop 43). Event
