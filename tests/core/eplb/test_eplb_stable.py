@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fulcrum.core.eplb import (
@@ -66,8 +66,25 @@ def _random_valid_map(layout: GroupLayout, rng: np.random.Generator) -> Placemen
     return PlacementMap.from_phy2log(m, layout.ep_size, layout.n_logical)
 
 
+#: CI found it (stop 43): the from-scratch map, polished and then relabelled to the map in
+#: force, let a rerun find moves the first search's tie-breaks had missed.
+_RELABELLED = (
+    make_layout("prefill", 8, 3, 14, redundant_per_gpu=3, expert_bytes=1 << 20),
+    np.array(
+        [
+            [4, 4, 1, 3, 0, 3, 2, 1, 0, 1, 0, 0, 3, 2],
+            [2, 2, 3, 0, 3, 3, 1, 4, 3, 0, 4, 0, 0, 3],
+            [4, 3, 1, 1, 2, 2, 0, 2, 0, 4, 0, 2, 4, 3],
+        ],
+        dtype=np.float64,
+    ),
+    1268,
+)
+
+
 @settings(max_examples=150, deadline=None)
 @given(cases(), st.sampled_from([0.0, 0.002, 1.0]))
+@example(_RELABELLED, 0.0)
 def test_stable_invariants_and_fixed_point(
     case: tuple[GroupLayout, npt.NDArray[np.float64], int], weight: float
 ) -> None:

@@ -32,7 +32,10 @@ Rule (loads in tokens, the even-split load model of ``metrics``); shapes: ``L`` 
    the same search. It is then *matched* to the base (:func:`match_to`): its GPUs are
    relabelled to the base's GPUs (nodes first under node-limited routing) greedily by
    the number of experts they share, and within each GPU an expert already there keeps
-   its slot, so it moves the fewest copies a relabelling allows.
+   its slot, so it moves the fewest copies a relabelling allows. The search breaks ties
+   by GPU and slot order, so the matched map is polished once more under its final
+   labels. Each polish keeps the moves up to the last that lowers the max
+   (:func:`polished`).
 4. **Choice per layer** (:func:`choose`): the scratch layer replaces the local one when
    it beats what the local search reaches with every move kept by more than
    ``restart_gap`` x the layer's mean GPU load (moves from the map in force cannot get
@@ -106,6 +109,7 @@ __all__ = [
     "local_candidate",
     "match_to",
     "place",
+    "polished",
     "repair",
     "replica_counts",
     "search",
@@ -1041,16 +1045,32 @@ def noise_floor(w: F64, load_var: F64 | None, cnt: I64 | None, n_gpus: int, z: f
     return out
 
 
-def from_scratch(w: F64, layout: GroupLayout, su: _Setup, stop: F64 | None = None) -> I64:
+def polished(w: F64, start: I64, su: _Setup, total_mean: float, stop: F64 | None) -> I64:
+    """``start`` (L', P) after the local search, cut after each layer's last move that
+    lowers its max (by more than float rounding; ``total_mean`` tokens, all layers').
+
+    A rerun from the result starts where the cut moves started, with the same state, so
+    it makes them again and rejects them again: unchanged loads give the unchanged map.
+    The moves the search made after its last drop (a plateau it gave up on) are not
+    kept: kept, a rerun would begin a fresh plateau walk from their end."""
+    _, trace = search(w, start, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom, stop)
+    if not trace.moves:
+        return start
+    return _replay(start, trace, accept_prefixes(trace, w.shape[0], total_mean, 0.0, None))
+
+
+def from_scratch(
+    w: F64, layout: GroupLayout, su: _Setup, total_mean: float, stop: F64 | None = None
+) -> I64:
     """The from-scratch candidate (rule 3) for loads ``w`` (L', E), shape (L', P);
-    ``stop`` (L',) the search's noise floor (tokens) or None."""
+    ``total_mean`` tokens (all layers'); ``stop`` (L',) the search's noise floor (tokens)
+    or None."""
     if su.dom is None:
         start, nodes = greedy_start(w, su.n_gpus, su.spg, su.n_logical), None
     else:
         start, nodes = limited_start(w, layout)
     start = repair(start, w, su.n_gpus, su.spg, nodes, su.dom)
-    out, _ = search(w, start, su.n_gpus, su.spg, su.max_iter, su.floor, su.dom, stop)
-    return out
+    return polished(w, start, su, total_mean, stop)
 
 
 def local_candidate(
@@ -1067,14 +1087,25 @@ def local_candidate(
 
 
 def _scratch(
-    w: F64, layout: GroupLayout, su: _Setup, base: I64, local: I64, need: I64, stop: F64 | None
+    w: F64,
+    layout: GroupLayout,
+    su: _Setup,
+    base: I64,
+    local: I64,
+    need: I64,
+    stop: F64 | None,
+    total_mean: float,
 ) -> I64:
     """``local`` with the layers ``need`` replaced by a from-scratch placement matched to
-    ``base`` (fewest moves)."""
+    ``base`` (fewest moves), then polished again under its final labels: the search
+    breaks ties by GPU and slot order, so from the relabelled map it can find moves it
+    did not find before, and a rerun on unchanged loads would make them."""
     scratch = local.copy()
     if need.size:
-        fresh = from_scratch(w[need], layout, su, None if stop is None else stop[need])
-        scratch[need] = match_to(base[need], fresh, su.n_gpus, su.n_logical, su.dom)
+        cut = None if stop is None else stop[need]
+        fresh = from_scratch(w[need], layout, su, total_mean, cut)
+        matched = match_to(base[need], fresh, su.n_gpus, su.n_logical, su.dom)
+        scratch[need] = polished(w[need], matched, su, total_mean, cut)
     return scratch
 
 
@@ -1102,7 +1133,8 @@ def place(
     total_mean = float(w.sum()) / su.n_gpus
     if previous is None:
         stop = noise_floor(w, var, None, su.n_gpus, params.noise_z)
-        return PlacementMap.from_phy2log(from_scratch(w, layout, su, stop), su.n_gpus, su.n_logical)
+        fresh = from_scratch(w, layout, su, max(total_mean, np.finfo(np.float64).tiny), stop)
+        return PlacementMap.from_phy2log(fresh, su.n_gpus, su.n_logical)
     prev = np.asarray(previous.phy2log, dtype=np.int64)
     b_nodes = expert_nodes(prev, layout) if su.dom is not None else None
     base = repair(prev, w, su.n_gpus, su.spg, b_nodes, su.dom)
@@ -1128,7 +1160,7 @@ def place(
     # a fresh placement cannot beat the mean: only where local moves stay above it by
     # more than the restart gap is it worth computing
     need = np.flatnonzero(very_far | (reach > lim + params.restart_gap * mean))
-    scratch = _scratch(w, layout, su, base, local, need, stop)
+    scratch = _scratch(w, layout, su, base, local, need, stop, total_mean)
     chosen = choose(
         base, local, reach, scratch, w, su.n_gpus, su.per_copy, params.restart_gap,
         su.budget, forced,
