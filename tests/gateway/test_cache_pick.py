@@ -264,9 +264,17 @@ def test_recompute_is_the_work_beyond_the_cheapest_engine() -> None:
     assert got[0] == pytest.approx(model.cost(1000, 0) - model.cost(100, 900))
     assert got[2] == pytest.approx(model.cost(500, 500) - model.cost(100, 900))
     assert recompute_ns(np.array([0, 0]), 1000, Coefficients.of(model)).tolist() == [0.0, 0.0]
-    # Per-engine models: the cheapest whole cost is the reference, k included.
+    # Per-engine models: each engine's recompute is priced on its own model, against the
+    # best holder's hit; a difference between the models alone is no recompute.
     per = Coefficients(np.array([1.0, 1.0]), np.array([100.0, 100.0]), np.array([0.0, 500.0]))
-    assert recompute_ns(np.array([0, 0]), 10, per).tolist() == [0.0, 500.0]
+    assert recompute_ns(np.array([0, 0]), 10, per).tolist() == [0.0, 0.0]
+    slow = Coefficients(np.array([1.0, 3.0]), np.array([100.0, 300.0]), np.array([0.0, 500.0]))
+    got = recompute_ns(np.array([900, 0]), 1000, slow)
+    assert got[0] == 0.0
+    assert got[1] == pytest.approx(
+        CostModel(a=3.0, b=300.0, k=500.0).cost(1000, 0)
+        - CostModel(a=3.0, b=300.0, k=500.0).cost(100, 900)
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -285,6 +293,34 @@ def test_recompute_is_zero_at_the_cheapest_and_never_negative(
     # Holding more of the prompt never costs more recompute.
     order = np.argsort(np.clip(hits, 0, max(prompt - 1, 0)), kind="stable")
     assert bool((np.diff(got[order]) <= 1e-6 * max(1.0, float(got.max()))).all())
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(-5, 5000), st.floats(0.0, 10.0), st.floats(0.0, 1e5),
+                  st.floats(0.0, 1e7)),
+        min_size=1, max_size=8,
+    ),
+    prompt=st.integers(0, 5000),
+)
+def test_recompute_on_per_engine_models_prices_only_the_missing_prefix(
+    rows: list[tuple[int, float, float, float]], prompt: int
+) -> None:
+    from fulcrum.core.prefix_cost import recompute_ns, request_cost_ns
+
+    hits = np.array([r[0] for r in rows])
+    per = Coefficients(*(np.array([r[i] for r in rows]) for i in (1, 2, 3)))
+    got = recompute_ns(hits, prompt, per)
+    assert got.shape == hits.shape and bool((got >= 0).all())
+    # Zero wherever an engine holds as much as the best holder, whatever its model.
+    assert bool((got[hits == hits.max()] == 0.0).all())
+    # Each engine's own model: its recompute is its cost minus its cost at the best hit.
+    for e, (_, a, b, k) in enumerate(rows):
+        one = Coefficients.of(CostModel(a=a, b=b, k=k))
+        mine = request_cost_ns(hits[e : e + 1], prompt, one)[0]
+        best = request_cost_ns(np.array([hits.max()]), prompt, one)[0]
+        assert got[e] == pytest.approx(max(mine - best, 0.0), rel=1e-9, abs=1e-6)
 
 
 @settings(max_examples=100, deadline=None)

@@ -101,14 +101,15 @@ class CacheSettings(Section):
         ge=0.0,
         le=100.0,
         description="a pick is scored by its predicted TTFT plus this weight x the "
-        "prefill work it adds beyond the cheapest endpoint (the prefix it recomputes), "
+        "prefill work it adds for the prefix it recomputes (the best holder's hit, priced on "
+        "that endpoint's own model), "
         "ns per ns: 1 = a request leaves the endpoint holding its prefix only when the "
         "wait it saves exceeds the recompute it adds; 0 = least predicted TTFT alone",
     )
     share_hot_prefixes: bool = Field(
         True,
         description="a move's recompute charge is divided by 1 + the requests in flight "
-        "whose prompts contain the prefix the cheapest endpoint holds: a second copy of a "
+        "whose prompts contain the prefix the best holder holds: a second copy of a "
         "prefix many requests use at once (a shared system prompt) serves the next ones too; "
         "a conversation's own history pays the charge whole; and a prefix that requests in "
         "flight go on from with other text counts as held by every candidate",

@@ -17,7 +17,7 @@ prefill and decode, and the prefill pull's affinity)::
 :func:`rank` turns the predictions into a decision: the engine with the least predicted
 TTFT (ties: the smaller tie-break key, then the lower index) and the best other one, whose
 prediction the caller reports next to the chosen one. :func:`recompute_ns` is the work a
-choice adds beyond the cheapest engine's (the prefix it recomputes), which a caller may
+choice adds for the prefix it recomputes (beyond the best holder's hit), which a caller may
 charge on top of the TTFT so that a request leaves the engine holding its prefix only
 when the wait it saves is worth the work it adds; :func:`move_charge_ns` is that charge,
 shared among the requests in flight that use the same prefix.
@@ -94,16 +94,22 @@ def recompute_ns(
     coefficients: Coefficients,
     cost_ns: FloatArray | None = None,
 ) -> FloatArray:
-    """The prefill work the request adds on each engine beyond its cheapest engine
-    (ns, float64, shape ``(n,)``, >= 0; 0 on the cheapest): ``cost_e(q_e, c_e) -
-    min_j cost_j(q_j, c_j)``, whole costs (``k`` included). With one model for all
-    engines it is the cost of the prefix engine ``e`` lacks and the best holder has:
-    the recompute a move there causes, GPU time every request queued behind it waits.
-    ``cached_tokens``: shape ``(n,)``, n >= 1 (tokens); ``cost_ns``: the
-    :func:`request_cost_ns` of the same arguments, when the caller has it."""
-    cost = request_cost_ns(cached_tokens, prompt_tokens, coefficients) if cost_ns is None \
-        else cost_ns
-    out: FloatArray = np.maximum(cost - float(cost.min()), 0.0)
+    """The prefill work the request adds on each engine for the prefix it lacks there
+    (ns, float64, shape ``(n,)``, >= 0; 0 on the engines holding the most):
+    ``cost_e(q_e, c_e) - cost_e(q*, c*)``, with ``c*`` the most leading tokens any of the
+    engines holds, each engine priced on its own model. It is the recompute a move there
+    causes, GPU time every request queued behind it waits. Engines' models differ (a
+    model learnt per engine); that difference is in the TTFT already, and a charge
+    counting it again made identical engines look several times apart while one had
+    adopted its learnt model and the other not (BENCHMARKS.md, "Real engines", stop 43).
+    With one model for all engines it is ``cost_e - min_j cost_j`` (the cost falls as
+    the cached part grows). ``cached_tokens``: shape ``(n,)``, n >= 1 (tokens);
+    ``cost_ns``: the :func:`request_cost_ns` of the same arguments, when the caller has
+    it."""
+    hit = np.asarray(cached_tokens, dtype=np.int64)
+    cost = request_cost_ns(hit, prompt_tokens, coefficients) if cost_ns is None else cost_ns
+    best = request_cost_ns(np.full(hit.shape, int(hit.max())), prompt_tokens, coefficients)
+    out: FloatArray = np.maximum(cost - best, 0.0)
     return out
 
 
@@ -118,7 +124,7 @@ def move_charge_ns(
     """What a caller adds to each engine's predicted TTFT for the prefix it would
     recompute there (ns, float64, shape ``(n,)``, >= 0): ``weight x``
     :func:`recompute_ns` ``/ (1 + sharers)``. ``sharers``: requests in flight that use the
-    cheapest engine's prefix (>= 0); a second copy of a prefix they use at once serves
+    best holder's prefix (>= 0); a second copy of a prefix they use at once serves
     the requests after them too, so its one recompute is shared among them. ``weight``
     (ns per ns, >= 0): 1 weighs a ns of added work against a ns of wait."""
     share = float(weight) / (1 + max(int(sharers), 0))

@@ -24,11 +24,12 @@ token (:func:`fulcrum.core.prefix_cost.predicted_ttft_ns`)::
 
 The pick is scored by ``ttft[e] + recompute_weight x recompute[e] / (1 + n)``
 (:func:`fulcrum.core.prefix_cost.move_charge_ns`; ``recompute[e]``: the prefill work
-``e`` adds beyond the cheapest endpoint, the prefix it lacks): a request leaves the
+``e`` adds for the prefix it lacks and the best holder has, on ``e``'s own model): a
+request leaves the
 endpoint holding its prefix only when the wait it saves exceeds the work it adds
 (``recompute_weight`` 1, the default; 0 = least predicted TTFT alone). ``n``
 (``gateway.cache.share_hot_prefixes``, on by default; else 0): the requests in flight
-whose prompts contain the prefix the cheapest endpoint holds (its deepest matched
+whose prompts contain the prefix the best holder holds (its deepest matched
 block). A copy of a prefix that many requests use at once serves the next ones too, so
 its one recompute is shared among them; a conversation's own history (nothing else in
 flight holds it) pays it whole. With the same setting, a prefix that requests in flight
@@ -350,7 +351,7 @@ class CachePicker:
             return None, 0
         sharers = 0
         if self.settings.share_hot_prefixes:
-            depth = int(matched[int(np.argmin(cost))])
+            depth = int(matched.max())
             sharers = self._inflight.get(blocks[depth - 1], 0) if depth > 0 else 0
         return move_charge_ns(hits, prompt, coef, w, sharers, cost_ns=cost), sharers
 
