@@ -182,19 +182,13 @@ def replay_rows(n: int) -> list[tuple[float, list[int]]] | None:
     """The first ``n`` requests of Mooncake's synthetic trace as (arrival s, leading hash
     ids), or None without the trace (``$FULCRUM_TRACES``, else ``../shared/traces``: it is
     not in the repository, so users without it get no such workload)."""
-    from fulcrum.sim.workload import traces_dir
+    from fulcrum.sim.workload import read_mooncake, traces_dir
 
     path = traces_dir() / REPLAY_TRACE
     if not path.exists():
         return None
-    rows: list[tuple[float, list[int]]] = []
-    with path.open() as f:
-        for line in f:
-            r = json.loads(line)
-            rows.append((r["timestamp"] / 1000.0, [int(h) for h in r["hash_ids"][:REPLAY_BLOCKS]]))
-            if len(rows) == n:
-                break
-    return rows
+    return [(r.arrival_ns / 1e9, list(r.hash_ids[:REPLAY_BLOCKS]))
+            for r in read_mooncake(path, limit=n)]
 
 
 def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str, Workload]:
