@@ -176,6 +176,16 @@ REPLAY_WORDS = 24
 REPLAY_BLOCKS = 24
 REPLAY_SPEEDUP = 1.0
 REPLAY_TRACE = "mooncake_synthetic_trace.jsonl"
+#: ``many-docs``: documents of this many words (about 600 tokens each), questions about
+#: them drawn uniformly, ``MANY_DOCS_PER_REQUEST`` x the size's requests in all, 8 at once.
+#: Meant for engines whose KV cache holds fewer than all of them and more than half
+#: (``--kv-blocks 256``: 8,192 tokens an engine, 20 documents of about 600 tokens): the
+#: deployment where a cache-aware router doubles the cache by splitting the documents.
+MANY_DOCS = 20
+MANY_DOCS_WORDS = 140
+MANY_DOCS_PER_REQUEST = 8
+#: Workloads run only when ``--workloads`` names them (they need engines set up for them).
+OPT_IN = frozenset({"many-docs"})
 
 
 def replay_rows(n: int) -> list[tuple[float, list[int]]] | None:
@@ -278,10 +288,17 @@ def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str
             await asyncio.sleep(starts.expovariate(CHATS_PER_S))
         await asyncio.gather(*tasks)
 
+    async def many_docs(port: int, nonce: str, seed: str, run: Run) -> None:
+        rng = random.Random(seed)
+        docs = [f"{nonce} doc {d} " + words(rng, MANY_DOCS_WORDS) for d in range(MANY_DOCS)]
+        await batched(port, [[{"role": "system", "content": rng.choice(docs)},
+                              {"role": "user", "content": words(rng, 20)}]
+                             for _ in range(MANY_DOCS_PER_REQUEST * n)], run)
+
     out: dict[str, Workload] = {
         "multi-turn": multi_turn, "shared-system": shared_system, "no-reuse": no_reuse,
         "shared-chats": shared_chats, "shared-system-arrivals": shared_system_arrivals,
-        "shared-chats-arrivals": shared_chats_arrivals}
+        "shared-chats-arrivals": shared_chats_arrivals, "many-docs": many_docs}
     rows = replay_rows(n)
     if rows is None:
         return out
@@ -543,7 +560,8 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
     for rnd, (name, router) in [(i, pair) for i in range(rounds) for pair in chosen]:
         async with router(ports) as port:
             for wname, work in workloads(quick, size).items():
-                if only_workloads and wname not in only_workloads.split(","):
+                if (wname not in only_workloads.split(",")
+                        and (only_workloads or wname in OPT_IN)):
                     continue
                 run = Run(name, wname, round=rnd)
                 f0 = engine_figures(ports)
@@ -753,6 +771,9 @@ def main() -> None:
     ap.add_argument("--size", default="", help="conversations,turns,requests: the "
                     "multi-turn workload's conversations and turns, and the other "
                     "workloads' requests (default 8,4,24)")
+    ap.add_argument("--kv-blocks", type=int, default=0, help="the bench's own engines "
+                    "get this many KV blocks of 32 tokens each (vLLM's "
+                    "--num-gpu-blocks-override; default: 1 GiB, about 2 million tokens)")
     ap.add_argument("--save", default="", help="append every round's walls to this JSON "
                     "lines file (labelled with the start time)")
     ap.add_argument("--pool", default="", help="no bench: the paired table over the rounds "
@@ -771,8 +792,9 @@ def main() -> None:
     if args.ports:
         ports = [int(p) for p in args.ports.split(",")]
     else:
+        blocks = ["--num-gpu-blocks-override", str(args.kv_blocks)] if args.kv_blocks else []
         fleet = VllmFleet(make_model(Path(tempfile.mkdtemp(prefix="tiny-moe-"))), n=2,
-                      pin_processes=True, nice=10)
+                          pin_processes=True, nice=10, extra_args=lambda i, port: blocks)
         fleet.start()
         fleet.wait_ready(600)
         ports = fleet.ports
