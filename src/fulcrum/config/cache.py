@@ -112,7 +112,8 @@ class CacheSettings(Section):
         "whose prompts contain the prefix the best holder holds: a second copy of a "
         "prefix many requests use at once (a shared system prompt) serves the next ones too; "
         "a conversation's own history pays the charge whole; and a prefix that requests in "
-        "flight go on from with other text counts as held by every candidate",
+        "flight go on from with other text counts as held by every candidate, when those "
+        "requests (the new one too) exceed its holders' share of all in flight",
     )
     emit_scores: bool = Field(
         False,

@@ -33,7 +33,9 @@ whose prompts contain the prefix the best holder holds (its deepest matched
 block). A copy of a prefix that many requests use at once serves the next ones too, so
 its one recompute is shared among them; a conversation's own history (nothing else in
 flight holds it) pays it whole. With the same setting, a prefix that requests in flight
-go on from with other text counts as held by every candidate (:meth:`_spread_hot`).
+go on from with other text counts as held by every candidate (:meth:`_spread_hot`)
+when its requests in flight, this one too, are more than its holders' share of all the
+requests in flight (an engine's share: all of them over the candidates).
 The reported TTFTs stay the predictions.
 Ties go to fewer requests (the decode view's), then to fewer picks so far. A prompt that
 was not parsed or is empty is picked by load alone (no hits), counted as ``load_only``.
@@ -265,7 +267,8 @@ class CachePicker:
         prompt = shape.prompt_tokens
         if blocks:
             per_block = self.block_chars * prompt / max(len(text), 1)  # tokens per block
-            matched = self._spread_hot(blocks, self.index.match(blocks)[isl])
+            in_flight = int(self._pending[isl].sum())
+            matched = self._spread_hot(blocks, self.index.match(blocks)[isl], in_flight)
             hits = np.floor(matched * per_block).astype(np.int64)
         else:
             matched = hits = np.zeros(len(addrs), dtype=np.int64)
@@ -300,7 +303,7 @@ class CachePicker:
         return choice
 
     def _spread_hot(
-        self, blocks: list[int], matched: npt.NDArray[np.int64]
+        self, blocks: list[int], matched: npt.NDArray[np.int64], in_flight: int
     ) -> npt.NDArray[np.int64]:
         """``matched`` (blocks each candidate holds, shape ``(n,)``) with the request's
         leading blocks that other requests in flight share and the rest of its prompt
@@ -310,7 +313,14 @@ class CachePicker:
         the requests that share it there too; priced as held by its one holder only,
         every one of them is predicted sooner there, queues there, and the other engines
         never get a copy (BENCHMARKS.md, "Real engines", stop 42: every request of a
-        shared system prompt on one of two engines when requests arrive one by one)."""
+        shared system prompt on one of two engines when requests arrive one by one).
+
+        Only a prefix that needs more than its holders is spread: its requests in flight,
+        this one too, more than the holders' share of the ``in_flight`` requests on the
+        candidates (plus this one; an engine's share is that over the candidates).
+        Below it, the requests of other prefixes keep the other engines busy, and a copy
+        would take cache room from them (many documents over the fleet's cache: every
+        one copied to both engines, "Real engines", stop 45)."""
         if not self.settings.share_hot_prefixes or not len(matched):
             return matched
         inflight, ends = self._inflight, self._ends
@@ -331,7 +341,12 @@ class CachePicker:
                 hot = j
                 break
         reach = min(hot, int(matched.max()))
-        return matched if reach <= 0 else np.maximum(matched, reach)
+        if reach <= 0:
+            return matched
+        holders = int(np.count_nonzero(matched >= reach))
+        if (counts[reach - 1] + 1) * len(matched) <= holders * (in_flight + 1):
+            return matched
+        return np.maximum(matched, reach)
 
     def _charge(
         self,
