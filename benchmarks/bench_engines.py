@@ -560,8 +560,7 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
     for rnd, (name, router) in [(i, pair) for i in range(rounds) for pair in chosen]:
         async with router(ports) as port:
             for wname, work in workloads(quick, size).items():
-                if (wname not in only_workloads.split(",")
-                        and (only_workloads or wname in OPT_IN)):
+                if not wanted(wname, only_workloads):
                     continue
                 run = Run(name, wname, round=rnd)
                 f0 = engine_figures(ports)
@@ -578,6 +577,14 @@ async def bench(ports: list[int], quick: bool, only_routers: str = "",
                 runs.append(run)
                 print(table([run]).splitlines()[-1], flush=True)
     return runs
+
+
+def wanted(workload: str, only: str) -> bool:
+    """Whether a run with ``--workloads only`` (comma-separated; "" = the default set)
+    runs ``workload``: a named one always, an :data:`OPT_IN` one only when named."""
+    if only:
+        return workload in only.split(",")
+    return workload not in OPT_IN
 
 
 def balanced(per_engine: list[int], within: float = 0.10) -> bool:

@@ -122,3 +122,11 @@ def test_the_replay_workload_reads_the_traces_leading_blocks_and_is_absent_witho
     assert [t for t, _ in got] == [0.0, 0.5, 1.0, 1.5]
     assert got[2][1] == list(range(2, 2 + be.REPLAY_BLOCKS))
     assert "mooncake-replay" in be.workloads(False, (1, 1, 4))
+
+
+def test_opt_in_workloads_run_only_when_named() -> None:
+    """``many-docs`` needs engines with a small KV cache (``--kv-blocks``): the default
+    set leaves it out; ``--workloads`` runs exactly what it names."""
+    assert be.wanted("multi-turn", "") and not be.wanted("many-docs", "")
+    assert be.wanted("many-docs", "many-docs,multi-turn")
+    assert not be.wanted("no-reuse", "many-docs,multi-turn")
