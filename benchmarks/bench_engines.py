@@ -470,7 +470,9 @@ async def noop_unary(ports: list[int], http: bool = False) -> AsyncIterator[int]
 async def envoy_rr(ports: list[int]) -> AsyncIterator[int]:
     from fulcrum.gateway.testing import render_envoy_config, start_envoy
 
-    text = render_envoy_config(9002, [*ports, *ports])
+    if 4 % len(ports):  # the template's four upstream slots, each engine as often
+        raise ValueError(f"Envoy round robin: 1, 2 or 4 engines, got {len(ports)}")
+    text = render_envoy_config(9002, ports * (4 // len(ports)))
     start = text.index("                  # 2. Ask the picker.\n")
     end = text.index("                  - name: envoy.filters.http.router\n")
     env = await start_envoy(text[:start] + text[end:], concurrency=1, log_level="error")
@@ -778,6 +780,8 @@ def main() -> None:
     ap.add_argument("--size", default="", help="conversations,turns,requests: the "
                     "multi-turn workload's conversations and turns, and the other "
                     "workloads' requests (default 8,4,24)")
+    ap.add_argument("--engines", type=int, default=2, help="how many engines the bench "
+                    "starts (one core each, in turn)")
     ap.add_argument("--kv-blocks", type=int, default=0, help="the bench's own engines "
                     "get this many KV blocks of 32 tokens each (vLLM's "
                     "--num-gpu-blocks-override; default: 1 GiB, about 2 million tokens)")
@@ -792,6 +796,8 @@ def main() -> None:
     size = tuple(int(x) for x in args.size.split(",")) if args.size else None
     if size is not None and (len(size) != 3 or min(size) < 1):
         ap.error("--size: three positive integers, conversations,turns,requests")
+    if args.engines < 1:
+        ap.error("--engines: at least 1")
     if args.pick:
         print(pick_micro())
         return
@@ -800,8 +806,9 @@ def main() -> None:
         ports = [int(p) for p in args.ports.split(",")]
     else:
         blocks = ["--num-gpu-blocks-override", str(args.kv_blocks)] if args.kv_blocks else []
-        fleet = VllmFleet(make_model(Path(tempfile.mkdtemp(prefix="tiny-moe-"))), n=2,
-                          pin_processes=True, nice=10, extra_args=lambda i, port: blocks)
+        fleet = VllmFleet(make_model(Path(tempfile.mkdtemp(prefix="tiny-moe-"))),
+                          n=args.engines, pin_processes=True, nice=10,
+                          extra_args=lambda i, port: blocks)
         fleet.start()
         fleet.wait_ready(600)
         ports = fleet.ports
