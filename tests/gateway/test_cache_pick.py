@@ -365,6 +365,35 @@ def test_a_scraped_queue_is_work_ahead_at_the_scrape_and_drains_with_time() -> N
     assert cp.outstanding_ns(slots, at[3])[0] == 13e6
 
 
+def test_a_restart_clears_only_that_engines_index_and_its_pending_ttft_samples() -> None:
+    """A changed process start is a restart: that engine's blocks and the TTFT samples of
+    requests picked there (priced with hits it lost) go; the other engine's stay."""
+    from fulcrum.config.cache import CacheSettings
+    from fulcrum.gateway.body import RequestShape
+    from fulcrum.gateway.cache_pick import CachePicker
+
+    fleet = _Fleet()
+    cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
+    for a in fleet.addrs:
+        cp.scraped(a, 0, 0, 0, 100.0)
+    text = "a long shared document " * 40
+    for i in range(2):
+        shape = RequestShape(len(text) // 4, 8, True, text=text + f" q{i}", stream=True)
+        choice = cp.choose(fleet, shape, None, i)  # type: ignore[arg-type]
+        assert choice is not None
+        cp.placed(f"r{i}", choice, shape.prompt_tokens, i, stream=True)
+        cp.index.record(1 - choice.index_slot, choice.blocks)  # both engines hold it
+    held = [cp.index.held(0), cp.index.held(1)]
+    assert min(held) > 0 and set(cp._first) == {"r0", "r1"}
+    first_slot = {r: f[0] for r, f in cp._first.items()}
+    assert sorted(first_slot.values()) == [0, 1]  # one picked on each (ties alternate)
+    cp.scraped(fleet.addrs[0], 0, 0, 10, 100.0)  # the same process: nothing changes
+    assert [cp.index.held(0), cp.index.held(1)] == held
+    cp.scraped(fleet.addrs[0], 0, 0, 20, 250.0)
+    assert cp.index.held(0) == 0 and cp.index.held(1) == held[1]
+    assert set(cp._first) == {r for r, s in first_slot.items() if s == 1}
+
+
 def test_a_turn_does_not_leave_its_holder_for_a_queue_the_holder_has_since_served() -> None:
     """Caught on two real vLLM engines (unary mode, emit_scores): a scrape saw the holder
     with waiting turns (52 ms predicted ahead there); up to 235 ms later, when the next

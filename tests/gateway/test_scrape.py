@@ -44,13 +44,26 @@ def test_parse_vllm_and_sglang() -> None:
     assert parse_metrics("# nothing\nother_metric 1\n") is None
     old = VLLM.replace("kv_cache_usage_perc", "gpu_cache_usage_perc")
     assert parse_metrics(old) == RankLoad(3, 2, 0.25)
+    started = VLLM + STARTED.format(1.7966e9)
+    assert parse_metrics(started) == RankLoad(3, 2, 0.25, 0, 1.7966e9)
+    assert parse_metrics(VLLM + STARTED.format("NaN")) == RankLoad(3, 2, 0.25)
+
+
+#: prometheus_client's process collector, as vLLM's page has it (s since the epoch).
+STARTED = """# HELP process_start_time_seconds Start time of the process since unix epoch.
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds {}
+"""
 
 
 @contextlib.asynccontextmanager
-async def metrics_server(text: str) -> AsyncIterator[int]:
+async def metrics_server(text: str | list[str]) -> AsyncIterator[int]:
+    """A metrics page on loopback; a list holds one page that the caller may replace."""
+    page = text if isinstance(text, list) else [text]
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        body = text.encode()
+        body = page[0].encode()
         writer.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nconnection: close\r\n"
             + f"content-length: {len(body)}\r\n\r\n".encode()
@@ -92,6 +105,43 @@ async def test_scrape_replaces_the_ranks_figures_and_skips_a_failed_engine() -> 
             assert state.gpu_load("b", 0) == (0, 0)  # port 1 refuses: no report applied
 
 
+async def test_an_engine_seen_restarted_has_its_prefix_index_cleared() -> None:
+    """The scrape reads the engine's process start (``process_start_time_seconds``): a
+    change between two pages is a restart, whose prefix cache is empty, so the picker
+    forgets what it routed there (one counter, one log line); the same start, or a
+    page without one, changes nothing. Through the daemon's own scraper."""
+    from fulcrum.gateway import pick_metrics as pm
+
+    page = [VLLM + STARTED.format(1000.0)]
+    async with metrics_server(page) as p0:
+        ov = {
+            "gateway": {
+                "enabled": True, "port": 0, "health_port": 0,
+                "cache": {"enabled": True},
+                "scrape": {"enabled": True, "interval_ms": 600_000, "timeout_ms": 2000},
+                "pool": {"decode": [{"id": "a", "host": "127.0.0.1", "ports": [p0],
+                                     "max_kv_tokens": 1000}]},
+            }
+        }
+        async with running_server(ov) as d:
+            cache = d.gateway.picker.cache
+            assert cache is not None
+            scraper = d.gateway.scraper
+            assert scraper is not None
+            await scraper.scrape_once()
+            slot = cache._slots[f"127.0.0.1:{p0}"]
+            cache.index.record(slot, [11, 12, 13])
+            before = pm.ENGINE_RESTARTS._value.get()
+            await scraper.scrape_once()  # the same process
+            page[0] = VLLM  # a page without the start: unknown, not a restart
+            await scraper.scrape_once()
+            assert cache.index.held(slot) == 3
+            page[0] = VLLM + STARTED.format(2000.0)
+            await scraper.scrape_once()
+            assert cache.index.held(slot) == 0
+            assert pm.ENGINE_RESTARTS._value.get() == before + 1
+
+
 # Families a page may hold: the wanted gauges, look-alikes whose names start with a
 # wanted name, an info gauge, histograms and counters (the bulk of a vLLM page).
 _FAMILIES = [
@@ -110,6 +160,7 @@ _FAMILIES = [
     "vllm:e2e_request_latency_seconds_count 2.0\nvllm:e2e_request_latency_seconds_sum 0.3\n",
     "# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total 12.0\n",
     "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 7\n",
+    "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.5e9\n",
 ]
 
 

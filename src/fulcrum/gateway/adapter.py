@@ -100,8 +100,9 @@ class DecodeAdapter:
         self._addressed = 0  # of which with an address
         self._masks: dict[frozenset[str], I64] = {}
         #: Called by the scraper per endpoint: (ip:port, requests waiting, KV cache
-        #: capacity in tokens or 0 when the page does not say, the scrape's time in ns).
-        self.scrape_listeners: list[Callable[[str, int, int, int], None]] = []
+        #: capacity in tokens or 0 when the page does not say, the scrape's time in ns,
+        #: the engine process's start in s since the epoch or 0 when the page does not say).
+        self.scrape_listeners: list[Callable[[str, int, int, int, float], None]] = []
         self._rebuild()
         state.add_slot_listener(self)
         if registered is not None:

@@ -152,6 +152,7 @@ class CachePicker:
         #: nothing else of ours in flight there and no scraped queue at the pick).
         self._first: dict[str, tuple[int, int, int, int, bool]] = {}
         self._kv_tokens: dict[str, int] = {}  # scraped KV capacity per address (tokens)
+        self._started: dict[str, float] = {}  # scraped process start per address (s)
         self.default_kv_tokens = 0
         #: The KV event receiver, once :meth:`kv_sink` made it (gateway.cache.kv_events).
         self.kv: KvEventSink | None = None
@@ -206,17 +207,39 @@ class CachePicker:
         addr = self._addr_of[slot]
         return self.engine_of.get(addr, addr) if per == "engine" else addr
 
-    def scraped(self, address: str, waiting: int, kv_capacity_tokens: int, now_ns: int) -> None:
+    def scraped(self, address: str, waiting: int, kv_capacity_tokens: int, now_ns: int,
+                started_s: float = 0.0) -> None:
         """The scraper's figures of one endpoint, seen at ``now_ns``: requests waiting,
-        KV cache (tokens). The waiting requests are work ahead *at the scrape*:
-        ``waiting x`` the endpoint's mean predicted cost from ``now_ns`` on, which drains
-        as time passes, as the picker's own prediction does (the engine works on after
-        the page was read; until the next scrape, up to ``scrape.interval_ms`` later)."""
+        KV cache (tokens), the engine process's start (s since the epoch; 0: unknown).
+        The waiting requests are work ahead *at the scrape*: ``waiting x`` the
+        endpoint's mean predicted cost from ``now_ns`` on, which drains as time passes,
+        as the picker's own prediction does (the engine works on after the page was
+        read; until the next scrape, up to ``scrape.interval_ms`` later). A start that
+        differs from the last one seen is a restart: :meth:`restarted`."""
         slot = self._slot(address)
+        if started_s > 0:
+            before = self._started.get(address)
+            self._started[address] = started_s
+            if before is not None and before != started_s:
+                self.restarted(address)
         self._scraped_until[slot] = float(now_ns) + max(0, waiting) * float(self._mean[slot])
         if kv_capacity_tokens > 0 and self._kv_tokens.get(address) != kv_capacity_tokens:
             self._kv_tokens[address] = kv_capacity_tokens
             self.index.set_capacity(slot, self._capacity(address))
+
+    def restarted(self, address: str) -> None:
+        """The engine at ``address`` restarted (its process start changed between two
+        scrapes): its prefix cache is empty, so its index is cleared, and the requests
+        picked there before are no TTFT samples (they were priced with hits it lost).
+        One info line and ``fulcrum_gateway_engine_restarts_total``."""
+        slot = self._slot(address)
+        dropped = self.index.held(slot)
+        self.index.clear(slot)
+        for rid in [r for r, f in self._first.items() if f[0] == slot]:
+            del self._first[rid]
+        pm.ENGINE_RESTARTS.inc()
+        pm.INDEX_BLOCKS.set(self.index.size())
+        log.info("gateway_engine_restarted", address=address, index_blocks_dropped=dropped)
 
     def apply_settings(self, settings: CacheSettings) -> None:
         """Reload: ``emit_scores``, ``refit.*``, ``max_index_blocks`` / ``index_blocks``

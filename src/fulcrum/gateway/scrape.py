@@ -11,7 +11,10 @@ engine whose ranks all answered gets a heartbeat on its behalf with, per rank:
   ``sglang:num_queue_reqs``), summed over the samples of the page;
 - KV tokens = KV cache usage (``vllm:kv_cache_usage_perc``, older
   ``vllm:gpu_cache_usage_perc``, SGLang ``sglang:token_usage``; a fraction in [0, 1])
-  times the rank's configured ``max_kv_tokens``.
+  times the rank's configured ``max_kv_tokens``;
+- the process's start time (``process_start_time_seconds``, prometheus_client's own):
+  when it changes, the engine restarted and its prefix cache is empty
+  (:meth:`fulcrum.gateway.cache_pick.CachePicker.scraped`).
 
 The report replaces the rank's figures in the decode view like an engine's own heartbeat
 (placements made since are the engine's to count from then on; releases lower the view).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +44,8 @@ WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 #: vLLM's info gauge whose labels give the KV cache size (num_gpu_blocks x block_size).
 CACHE_INFO = "vllm:cache_config_info"
+#: prometheus_client's process collector: the engine process's start (s since the epoch).
+STARTED = "process_start_time_seconds"
 _KIND_PREFIX = {"vllm": "vllm:", "sglang": "sglang:", "auto": ""}
 #: Largest metrics page read, bytes (a vLLM page is ~100 KiB).
 MAX_PAGE_BYTES = 8 << 20
@@ -54,6 +60,8 @@ class RankLoad:
     kv_usage: float
     #: KV cache capacity the engine reports (tokens; 0 when the page does not say).
     kv_capacity_tokens: int = 0
+    #: The engine process's start time (s since the epoch; 0 when the page does not say).
+    started_s: float = 0.0
 
 
 def _capacity(labels: dict[str, str]) -> int:
@@ -64,7 +72,7 @@ def _capacity(labels: dict[str, str]) -> int:
 
 
 #: The families read from a page (every other line is dropped before parsing).
-WANTED: tuple[str, ...] = (*RUNNING, *WAITING, *KV_USAGE, CACHE_INFO)
+WANTED: tuple[str, ...] = (*RUNNING, *WAITING, *KV_USAGE, CACHE_INFO, STARTED)
 
 
 def wanted_lines(text: str) -> str:
@@ -92,11 +100,14 @@ def parse_metrics(text: str, kind: str = "auto") -> RankLoad | None:
     """Figures of one engine metrics page; None when it has none of the known gauges."""
     prefix = _KIND_PREFIX[kind]
     sums: dict[str, float] = {}
-    capacity = 0
+    capacity, started = 0, 0.0
     for family in text_string_to_metric_families(wanted_lines(text)):
         name = family.name
         if name == CACHE_INFO:
             capacity = max((_capacity(x.labels) for x in family.samples), default=0)
+            continue
+        if name == STARTED:
+            started = max((float(x.value) for x in family.samples), default=0.0)
             continue
         if name not in RUNNING and name not in WAITING and name not in KV_USAGE:
             continue
@@ -117,7 +128,8 @@ def parse_metrics(text: str, kind: str = "auto") -> RankLoad | None:
     running = max(0, round(first(RUNNING)))
     waiting = max(0, round(first(WAITING)))
     usage = min(max(first(KV_USAGE), 0.0), 1.0)
-    return RankLoad(running, waiting, usage, capacity)
+    return RankLoad(running, waiting, usage, capacity,
+                    started if math.isfinite(started) and started > 0 else 0.0)
 
 
 class Connections:
@@ -242,14 +254,14 @@ class Scraper:
         self.rounds += 1
 
     def _tell(self, engine: PoolEngine, ranks: list[RankLoad], now_ns: int) -> None:
-        """Hand each rank's queue depth and KV capacity, seen at ``now_ns``, to the
-        adapter's listeners."""
+        """Hand each rank's queue depth, KV capacity and process start, seen at
+        ``now_ns``, to the adapter's listeners."""
         adapter = self._pool.adapter
         listeners = [] if adapter is None else adapter.scrape_listeners
         if listeners:
             for address, r in zip(engine.addresses(), ranks, strict=True):
                 for fn in listeners:
-                    fn(address, r.waiting, r.kv_capacity_tokens, now_ns)
+                    fn(address, r.waiting, r.kv_capacity_tokens, now_ns, r.started_s)
 
     async def run(self) -> None:
         try:
