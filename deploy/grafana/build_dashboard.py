@@ -235,6 +235,10 @@ def build() -> dict[str, Any]:
          "samples {{result}}/s"),
         (f"sum by (result) (increase(fulcrum_gateway_cost_refits_total{{{SEL}}}[$__rate_interval]))",
          "refits {{result}}")])
+    b.panel("Prefix index entries, and engines seen restarted (their index cleared)", [
+        (f"sum(fulcrum_gateway_prefix_index_blocks{{{SEL}}})", "index blocks"),
+        (f"sum(increase(fulcrum_gateway_engine_restarts_total{{{SEL}}}[$__rate_interval]))",
+         "engine restarts")])
 
     b.row("Expert-parallel load balancer (EPLB)")
     b.panel("moe_lb observed vs predicted by group", [
