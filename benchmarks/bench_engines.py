@@ -184,8 +184,11 @@ REPLAY_TRACE = "mooncake_synthetic_trace.jsonl"
 MANY_DOCS = 20
 MANY_DOCS_WORDS = 140
 MANY_DOCS_PER_REQUEST = 8
+#: ``many-docs-arrivals``: the same questions arriving one by one, Poisson, this many a
+#: second (the two CPU engines at 256 blocks answered about 24 a second 8 at once).
+DOCS_PER_S = 16.0
 #: Workloads run only when ``--workloads`` names them (they need engines set up for them).
-OPT_IN = frozenset({"many-docs"})
+OPT_IN = frozenset({"many-docs", "many-docs-arrivals"})
 
 
 def replay_rows(n: int) -> list[tuple[float, list[int]]] | None:
@@ -288,17 +291,28 @@ def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str
             await asyncio.sleep(starts.expovariate(CHATS_PER_S))
         await asyncio.gather(*tasks)
 
-    async def many_docs(port: int, nonce: str, seed: str, run: Run) -> None:
-        rng = random.Random(seed)
+    def doc_questions(nonce: str, rng: random.Random) -> list[list[dict[str, str]]]:
         docs = [f"{nonce} doc {d} " + words(rng, MANY_DOCS_WORDS) for d in range(MANY_DOCS)]
-        await batched(port, [[{"role": "system", "content": rng.choice(docs)},
-                              {"role": "user", "content": words(rng, 20)}]
-                             for _ in range(MANY_DOCS_PER_REQUEST * n)], run)
+        return [[{"role": "system", "content": rng.choice(docs)},
+                 {"role": "user", "content": words(rng, 20)}]
+                for _ in range(MANY_DOCS_PER_REQUEST * n)]
+
+    async def many_docs(port: int, nonce: str, seed: str, run: Run) -> None:
+        await batched(port, doc_questions(nonce, random.Random(seed)), run)
+
+    async def many_docs_arrivals(port: int, nonce: str, seed: str, run: Run) -> None:
+        rng = random.Random(seed)
+        tasks = []
+        for msgs in doc_questions(nonce, rng):
+            tasks.append(asyncio.create_task(send(port, msgs, run)))
+            await asyncio.sleep(rng.expovariate(DOCS_PER_S))
+        await asyncio.gather(*tasks)
 
     out: dict[str, Workload] = {
         "multi-turn": multi_turn, "shared-system": shared_system, "no-reuse": no_reuse,
         "shared-chats": shared_chats, "shared-system-arrivals": shared_system_arrivals,
-        "shared-chats-arrivals": shared_chats_arrivals, "many-docs": many_docs}
+        "shared-chats-arrivals": shared_chats_arrivals, "many-docs": many_docs,
+        "many-docs-arrivals": many_docs_arrivals}
     rows = replay_rows(n)
     if rows is None:
         return out

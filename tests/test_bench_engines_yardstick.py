@@ -128,5 +128,6 @@ def test_opt_in_workloads_run_only_when_named() -> None:
     """``many-docs`` needs engines with a small KV cache (``--kv-blocks``): the default
     set leaves it out; ``--workloads`` runs exactly what it names."""
     assert be.wanted("multi-turn", "") and not be.wanted("many-docs", "")
+    assert not be.wanted("many-docs-arrivals", "")
     assert be.wanted("many-docs", "many-docs,multi-turn")
     assert not be.wanted("no-reuse", "many-docs,multi-turn")
