@@ -40,7 +40,8 @@ in the first workload, as a deployment does in its first minute (BENCHMARKS.md, 
 only requests picked alone on their engine teach the refit, 9-21 a round at this load).
 
 Run: ``.venv/bin/python benchmarks/bench_engines.py [--ports P1,P2] [--quick]
-[--routers Fulcrum,Envoy] [--workloads no-reuse] [--rounds N] [--save FILE]`` (needs
+[--routers Fulcrum,Envoy] [--workloads no-reuse] [--rounds N] [--save FILE]
+[--engines N] [--kv-blocks N]`` (needs
 ``tests/engines/install_vllm.sh`` and ``.venv-peers/bin/pip install smg vllm-router``).
 ``--save`` appends every round's walls to a JSON lines file; ``--pool FILE[,FILE]``
 prints the paired table over every round saved there, runs apart
@@ -810,8 +811,8 @@ def main() -> None:
     size = tuple(int(x) for x in args.size.split(",")) if args.size else None
     if size is not None and (len(size) != 3 or min(size) < 1):
         ap.error("--size: three positive integers, conversations,turns,requests")
-    if args.engines < 1:
-        ap.error("--engines: at least 1")
+    if args.engines < 1 or args.kv_blocks < 0:
+        ap.error("--engines: at least 1; --kv-blocks: 0 (vLLM's own) or more")
     if args.pick:
         print(pick_micro())
         return

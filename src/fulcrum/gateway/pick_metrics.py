@@ -97,8 +97,6 @@ KV_EVENT_SENDERS = Gauge(
     registry=REGISTRY,
 )
 
-#: The picks counter's child per rule, bound once (``labels()`` costs a lookup and a lock
-#: per pick).
 ENGINE_RESTARTS = Counter(
     "fulcrum_gateway_engine_restarts_total",
     "Engines seen restarted by the scrape (process_start_time_seconds changed): their "
@@ -106,6 +104,8 @@ ENGINE_RESTARTS = Counter(
     registry=REGISTRY,
 )
 
+#: The picks counter's child per rule, bound once (``labels()`` costs a lookup and a lock
+#: per pick).
 PICKS_BY_RULE = {_r: CACHE_PICKS.labels(_r) for _r in RULES}
 #: The prefix-copies counter's child per charge, bound once.
 PREFIX_COPIES = {_c: _PREFIX_COPIES.labels(_c) for _c in ("shared", "full")}
