@@ -67,8 +67,10 @@ def miss_tokens(prompt_tokens: int, cached_tokens: npt.ArrayLike) -> tuple[IntAr
     return q, c
 
 
-def _cost(qf: FloatArray, cf: FloatArray, co: Coefficients) -> FloatArray:
-    """``cost_e(q, c)`` per engine (ns): ``a*q*(c + q/2) + b*q + k``."""
+def _cost(qf: FloatArray | np.float64, cf: FloatArray | np.float64,
+          co: Coefficients) -> FloatArray:
+    """``cost_e(q, c)`` per engine (ns): ``a*q*(c + q/2) + b*q + k`` (``q``, ``c``:
+    tokens per engine, or one split for all)."""
     out: FloatArray = (
         np.asarray(co.a) * qf * (cf + qf / 2.0) + np.asarray(co.b) * qf + np.asarray(co.k)
     )
@@ -108,7 +110,10 @@ def recompute_ns(
     it."""
     hit = np.asarray(cached_tokens, dtype=np.int64)
     cost = request_cost_ns(hit, prompt_tokens, coefficients) if cost_ns is None else cost_ns
-    best = request_cost_ns(np.full(hit.shape, int(hit.max())), prompt_tokens, coefficients)
+    top = max(int(prompt_tokens) - 1, 0)  # the split of miss_tokens, for one hit
+    c_best = min(max(int(hit.max()), 0), top)
+    q_best = max(int(prompt_tokens) - c_best, 0)
+    best = _cost(np.float64(q_best), np.float64(c_best), coefficients)  # per engine
     out: FloatArray = np.maximum(cost - best, 0.0)
     return out
 

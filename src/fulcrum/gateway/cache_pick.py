@@ -290,7 +290,8 @@ class CachePicker:
         prompt = shape.prompt_tokens
         if blocks:
             per_block = self.block_chars * prompt / max(len(text), 1)  # tokens per block
-            in_flight = int(self._pending[isl].sum())
+            # Requests in flight on the candidates: only read when one shares a block.
+            in_flight = int(self._pending[isl].sum()) if blocks[0] in self._inflight else 0
             matched = self._spread_hot(blocks, self.index.match(blocks)[isl], in_flight)
             hits = np.floor(matched * per_block).astype(np.int64)
         else:
@@ -385,8 +386,8 @@ class CachePicker:
         docstring). ``matched``: blocks each candidate holds; ``hits``: the same in
         tokens; ``cost``: :func:`request_cost_ns` of the request there (ns)."""
         w = self.settings.recompute_weight
-        if w <= 0 or not blocks:
-            return None, 0
+        if w <= 0 or not blocks or int(matched.min()) == int(matched.max()):
+            return None, 0  # every candidate holds as much: nothing to recompute anywhere
         sharers = 0
         if self.settings.share_hot_prefixes:
             depth = int(matched.max())
