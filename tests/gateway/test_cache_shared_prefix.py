@@ -132,7 +132,7 @@ def test_many_documents_over_the_cache_stay_each_on_one_engine(seed: int) -> Non
     is not spread: its requests are fewer than its holder's share of all in flight, so
     the other documents keep the other engine busy. Spreading every such document
     copied each to both engines, and both caches churned (real vLLM engines: hit ratio
-    0.44-0.54, now 0.69-0.70; BENCHMARKS.md, "Real engines", stop 45). Here: 0.73-0.77
+    0.41-0.49, now 0.66-0.71; BENCHMARKS.md, "Real engines", stop 45). Here: 0.73-0.77
     of the prompt tokens were hits then, 0.85-0.86 now."""
     rng = random.Random(seed)
     docs = [f"document {d}: " + " ".join(f"w{rng.randrange(5000)}" for _ in range(400))
