@@ -271,17 +271,23 @@ def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str
         system = f"{nonce} " + words(random.Random(seed), 400)  # one for every chat
         await asyncio.gather(*(chat_under(port, system, seed, c, run) for c in range(convs)))
 
-    async def shared_system_arrivals(port: int, nonce: str, seed: str, run: Run) -> None:
-        rng = random.Random(seed)
-        system = f"{nonce} " + words(rng, 400)
-        gaps = [rng.expovariate(ARRIVALS_PER_S) for _ in range(n)]  # the same every router
+    async def open_loop(port: int, prompts: list[list[dict[str, str]]], gaps: list[float],
+                        run: Run) -> None:
+        """Each prompt sent without waiting for the ones before, ``gaps`` s apart (the
+        same gaps for every router: drawn from the round's seed)."""
         tasks = []
-        for gap in gaps:
-            msgs = [{"role": "system", "content": system},
-                    {"role": "user", "content": words(rng, 30)}]
+        for msgs, gap in zip(prompts, gaps, strict=True):
             tasks.append(asyncio.create_task(send(port, msgs, run)))
             await asyncio.sleep(gap)
         await asyncio.gather(*tasks)
+
+    async def shared_system_arrivals(port: int, nonce: str, seed: str, run: Run) -> None:
+        rng = random.Random(seed)
+        system = f"{nonce} " + words(rng, 400)
+        gaps = [rng.expovariate(ARRIVALS_PER_S) for _ in range(n)]
+        await open_loop(port, [[{"role": "system", "content": system},
+                                {"role": "user", "content": words(rng, 30)}] for _ in gaps],
+                        gaps, run)
 
     async def shared_chats_arrivals(port: int, nonce: str, seed: str, run: Run) -> None:
         system = f"{nonce} " + words(random.Random(seed), 400)  # one for every chat
@@ -303,11 +309,8 @@ def workloads(quick: bool, size: tuple[int, int, int] | None = None) -> dict[str
 
     async def many_docs_arrivals(port: int, nonce: str, seed: str, run: Run) -> None:
         rng = random.Random(seed)
-        tasks = []
-        for msgs in doc_questions(nonce, rng):
-            tasks.append(asyncio.create_task(send(port, msgs, run)))
-            await asyncio.sleep(rng.expovariate(DOCS_PER_S))
-        await asyncio.gather(*tasks)
+        prompts = doc_questions(nonce, rng)
+        await open_loop(port, prompts, [rng.expovariate(DOCS_PER_S) for _ in prompts], run)
 
     out: dict[str, Workload] = {
         "multi-turn": multi_turn, "shared-system": shared_system, "no-reuse": no_reuse,
