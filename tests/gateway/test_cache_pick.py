@@ -49,13 +49,21 @@ async def test_each_turn_of_a_chat_goes_where_its_prefix_is() -> None:
         assert st_.gateway.picker.in_flight == 0
 
 
+def _load_only() -> float:
+    """``fulcrum_gateway_cache_picks_total{rule="load_only"}`` as the scrape reads it."""
+    from fulcrum.metrics import REGISTRY
+
+    got = REGISTRY.get_sample_value("fulcrum_gateway_cache_picks_total", {"rule": "load_only"})
+    return got or 0.0
+
+
 async def test_unparsed_and_empty_prompts_are_picked_by_load_and_counted() -> None:
     async with gateway_stack(gateway=CACHE) as st_:
-        before = pm.CACHE_PICKS.labels("load_only")._value.get()
+        before = _load_only()
         r1 = await st_.post("/v1/completions", b"not json at all")
         r2 = await st_.post("/v1/completions", {"model": "m", "prompt": "", "max_tokens": 4})
         assert (r1.status, r2.status) == (200, 200)
-        assert pm.CACHE_PICKS.labels("load_only")._value.get() == before + 2
+        assert _load_only() == before + 2
         for rid, _ in st_.picks:
             await st_.wait_released(rid)
 
@@ -76,14 +84,18 @@ def test_index_at_its_bound_evicts_and_never_grows() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 6)), max_size=40))
-def test_match_is_each_engines_longest_held_leading_run(ops: list[tuple[int, int, int]]) -> None:
-    """Property: the bitset walk equals a per-engine LRU scan (the reference)."""
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 6), st.booleans()),
+                max_size=40))
+def test_match_is_each_engines_longest_held_leading_run(
+    ops: list[tuple[int, int, int, bool]],
+) -> None:
+    """Property: the bitset walk equals a per-engine LRU scan (the reference), also when
+    a request repeats a block (the last occurrence counts) or every block is held."""
     idx = PrefixIndex()
     slots = [idx.add(12) for _ in range(4)]
     ref: list[list[int]] = [[] for _ in slots]
-    for engine, seed, n in ops:
-        blocks = [hash((seed, j)) for j in range(n)]
+    for engine, seed, n, repeat in ops:
+        blocks = [hash((seed, j % 2 if repeat else j)) for j in range(n)]
         idx.record(slots[engine], blocks)
         lru = ref[engine]
         for h in blocks:
@@ -590,3 +602,29 @@ async def test_a_burst_on_one_system_prompt_through_envoy(http: bool, share: boo
             await st_.wait_released(rid)
         cache_picker = st_.gateway.picker.cache
         assert cache_picker is not None and cache_picker._inflight == {}
+
+
+def test_the_cache_figures_are_plain_counts_that_the_scrape_reads() -> None:
+    """Per pick a few writes; the scrape's families carry them (rules, copies, tokens and
+    both predicted-TTFT histograms; no best other without a second candidate)."""
+    counts = pm.CacheCounts()
+    counts.picked("ttft", "shared", 100, 300, 0.02, 0.04)
+    counts.picked("load_only", "", 0, -1, 40.0, float("nan"))
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in pm.CACHE_FIGURES._families(counts.publisher.fresh())
+        for s in fam.samples
+    }
+    assert samples[("fulcrum_gateway_cache_picks_total", (("rule", "ttft"),))] == 1
+    assert samples[("fulcrum_gateway_cache_picks_total", (("rule", "load_only"),))] == 1
+    assert samples[("fulcrum_gateway_cache_prefix_copies_total", (("charge", "shared"),))] == 1
+    assert samples[("fulcrum_gateway_cache_prefix_copies_total", (("charge", "full"),))] == 0
+    assert samples[("fulcrum_gateway_cache_hit_tokens_total", ())] == 100
+    assert samples[("fulcrum_gateway_cache_prompt_tokens_total", ())] == 300
+    chosen = "fulcrum_gateway_cache_predicted_ttft_seconds"
+    assert samples[(f"{chosen}_bucket", (("le", "0.025"),))] == 1
+    assert samples[(f"{chosen}_bucket", (("le", "+Inf"),))] == 2
+    assert samples[(f"{chosen}_sum", ())] == pytest.approx(40.02)
+    other = "fulcrum_gateway_cache_best_other_ttft_seconds"
+    assert samples[(f"{other}_count", ())] == 1
+    assert samples[(f"{other}_sum", ())] == pytest.approx(0.04)

@@ -76,6 +76,8 @@ log = structlog.get_logger(__name__)
 _MEAN_WEIGHT: Final = 0.1
 _GROW: Final = 64
 _PICKS_MAX: Final = (1 << KV_BITS) - 1
+#: The decode view's ``order_conc`` key without its KV bits (the request count part).
+_CONC_MASK: Final = ~_PICKS_MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +137,10 @@ class CachePicker:
         self.settings = settings
         self.block_chars = max(1, round(settings.block_tokens * chars_per_token))
         self.index = PrefixIndex()
+        self._size_shown = -1  # the index size last set on its gauge
+        #: The per-pick figures (the scrape reads them, :mod:`~fulcrum.gateway.pick_metrics`).
+        self.counts = pm.CacheCounts()
+        pm.CACHE_FIGURES.set_source(self.counts)
         self._slots: dict[str, int] = {}
         self._busy = np.zeros(0, dtype=np.float64)  # prefill busy until (ns)
         self._mean = np.zeros(0, dtype=np.float64)  # mean predicted cost (ns)
@@ -238,7 +244,8 @@ class CachePicker:
         for rid in [r for r, f in self._first.items() if f[0] == slot]:
             del self._first[rid]
         pm.ENGINE_RESTARTS.inc()
-        pm.INDEX_BLOCKS.set(self.index.size())
+        self._size_shown = self.index.size()
+        pm.INDEX_BLOCKS.set(self._size_shown)
         log.info("gateway_engine_restarted", address=address, index_blocks_dropped=dropped)
 
     def apply_settings(self, settings: CacheSettings) -> None:
@@ -264,8 +271,9 @@ class CachePicker:
 
     def outstanding_ns(self, slots: npt.NDArray[np.int64], now_ns: int) -> npt.NDArray[np.float64]:
         """Outstanding prefill work of index slots (ns, shape of ``slots``)."""
-        ahead = np.maximum(self._busy[slots], self._scraped_until[slots]) - float(now_ns)
-        out: npt.NDArray[np.float64] = np.maximum(ahead, 0.0)
+        out: npt.NDArray[np.float64] = np.maximum(self._busy[slots], self._scraped_until[slots])
+        out -= float(now_ns)
+        np.maximum(out, 0.0, out=out)
         return out
 
     def choose(
@@ -304,8 +312,9 @@ class CachePicker:
             load, hits, prompt, coef, shared_steps=self.settings.shared_steps, cost_ns=cost
         )
         extra, sharers = self._charge(blocks, matched, hits, prompt, coef, cost)
-        # Ties: fewer requests, then fewer picks so far (round robin among equals).
-        tie = ((keys >> KV_BITS) << KV_BITS) | np.minimum(self._picks[isl], _PICKS_MAX)
+        # Ties: fewer requests, then fewer picks so far (round robin among equals; the
+        # count stays below 2**KV_BITS, :meth:`placed`).
+        tie = (keys & _CONC_MASK) | self._picks[isl]
         r = rank(ttft if extra is None else ttft + extra, tie)
         c = r.chosen
         hit = int(min(hits[c], max(prompt - 1, 0)))
@@ -364,13 +373,15 @@ class CachePicker:
             if counts[j - 1] - counts[j] - ends.get(blocks[j - 1], 0) > 0:
                 hot = j
                 break
-        reach = min(hot, int(matched.max()))
+        held: list[int] = matched.tolist()  # a few endpoints: Python beats numpy here
+        reach = min(hot, max(held))
         if reach <= 0:
             return matched
-        holders = int(np.count_nonzero(matched >= reach))
+        holders = sum(1 for m in held if m >= reach)
         if (counts[reach - 1] + 1) * len(matched) <= holders * (in_flight + 1):
             return matched
-        return np.maximum(matched, reach)
+        out: npt.NDArray[np.int64] = np.maximum(matched, reach)
+        return out
 
     def _charge(
         self,
@@ -386,11 +397,12 @@ class CachePicker:
         docstring). ``matched``: blocks each candidate holds; ``hits``: the same in
         tokens; ``cost``: :func:`request_cost_ns` of the request there (ns)."""
         w = self.settings.recompute_weight
-        if w <= 0 or not blocks or int(matched.min()) == int(matched.max()):
+        held = matched.tolist()  # a few endpoints: Python beats numpy's reductions here
+        depth = max(held, default=0)
+        if w <= 0 or not blocks or min(held, default=0) == depth:
             return None, 0  # every candidate holds as much: nothing to recompute anywhere
         sharers = 0
         if self.settings.share_hot_prefixes:
-            depth = int(matched.max())
             sharers = self._inflight.get(blocks[depth - 1], 0) if depth > 0 else 0
         return move_charge_ns(hits, prompt, coef, w, sharers, cost_ns=cost), sharers
 
@@ -415,21 +427,18 @@ class CachePicker:
         m = self._mean[i]
         self._mean[i] = choice.cost_ns if m == 0 else m + _MEAN_WEIGHT * (choice.cost_ns - m)
         self._pending[i] += 1
-        self._picks[i] += 1
+        self._picks[i] = min(int(self._picks[i]) + 1, _PICKS_MAX)
         old = self._requests.get(request_id)
         if old is not None:  # placed again under the same id: its earlier blocks end
             self._unuse(old[2])
         self._requests[request_id] = (i, choice.cost_ns, choice.blocks)
         self._count(choice.blocks, +1)
-        pm.PICKS_BY_RULE[choice.rule].inc()
-        if choice.copy:
-            pm.PREFIX_COPIES[choice.copy].inc()
-        pm.HIT_TOKENS.inc(choice.hit_tokens)
-        pm.PROMPT_TOKENS.inc(max(prompt_tokens, 0))
-        pm.CHOSEN_TTFT.observe(choice.chosen_ns / 1e9)
-        if not math.isnan(choice.other_ns):
-            pm.OTHER_TTFT.observe(choice.other_ns / 1e9)
-        pm.INDEX_BLOCKS.set(self.index.size())
+        self.counts.picked(choice.rule, choice.copy, choice.hit_tokens, prompt_tokens,
+                           choice.chosen_ns / 1e9, choice.other_ns / 1e9)
+        size = self.index.size()
+        if size != self._size_shown:  # unchanged when every block was held already
+            self._size_shown = size
+            pm.INDEX_BLOCKS.set(size)
 
     def released(self, request_id: str, _reason: str, now_ns: int) -> None:
         """A request ended: with none left in flight there, the endpoint's queue is empty."""

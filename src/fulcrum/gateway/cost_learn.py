@@ -114,12 +114,12 @@ class CostLearner:
         or None: after one, every key's :meth:`model` may have changed."""
         pm.OBSERVED_TTFT.observe(max(ttft_ns, 0.0) / _NS)
         if not alone:
-            pm.TTFT_SAMPLES.labels("queued").inc()
+            pm.SAMPLES_BY_RESULT["queued"].inc()
             return None
         if q <= 0 or ttft_ns <= 0:
-            pm.TTFT_SAMPLES.labels("dropped").inc()
+            pm.SAMPLES_BY_RESULT["dropped"].inc()
             return None
-        pm.TTFT_SAMPLES.labels("kept").inc()
+        pm.SAMPLES_BY_RESULT["kept"].inc()
         own = self._learn(key, q, c, ttft_ns, now_ns)
         pool = None if key == POOL else self._learn(POOL, q, c, ttft_ns, now_ns)
         return own or pool

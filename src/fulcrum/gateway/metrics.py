@@ -146,16 +146,23 @@ class _PickCollector(Collector):
         released = dict(f.releases) if f is not None else {}
         for reason in RELEASE_REASONS:
             releases.add_metric([reason], float(released.get(reason, 0)))
-        upper = [*map(str, PICK_BUCKETS), "+Inf"]
-        cumulative, total = [], 0
-        for le, n in zip(upper, buckets, strict=True):
-            total += n
-            cumulative.append((le, float(total)))
-        seconds = HistogramMetricFamily(
-            "fulcrum_gateway_pick_seconds", _SECONDS_HELP, buckets=cumulative,
-            sum_value=f.seconds if f is not None else 0.0,
-        )
+        seconds = histogram_family("fulcrum_gateway_pick_seconds", _SECONDS_HELP,
+                                   PICK_BUCKETS, buckets, f.seconds if f is not None else 0.0)
         yield from (picks, releases, seconds)
+
+
+def histogram_family(
+    name: str, doc: str, bounds: tuple[float, ...], counts: tuple[int, ...], total: float
+) -> HistogramMetricFamily:
+    """A histogram family from plain counts: ``counts[i]`` observations in bucket ``i`` of
+    ``bounds`` (upper bounds; not cumulative), then those above the last; ``total``
+    their sum."""
+    upper = [*map(str, bounds), "+Inf"]
+    cumulative, seen = [], 0
+    for le, n in zip(upper, counts, strict=True):
+        seen += n
+        cumulative.append((le, float(seen)))
+    return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=total)
 
 
 PICK_FIGURES = _PickCollector()

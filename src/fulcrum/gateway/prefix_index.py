@@ -256,12 +256,21 @@ class PrefixIndex:
             return
         if len(blocks) > lru.cap:  # the first ones would be evicted by the last ones
             blocks = blocks[-lru.cap :]
-        order = dict(zip(blocks, range(len(blocks)), strict=False))  # last occurrence
         t0 = self._tick
         self._tick += len(blocks)
         pos = lru.pos
-        got = np.array([pos.get(h, -1) for h in order], dtype=np.int64)
-        ticks = t0 + np.fromiter(order.values(), dtype=np.int64, count=len(order))
+        if len(set(blocks)) == len(blocks):  # the hashes chain: a repeat is a collision
+            order: Sequence[int] = blocks
+            ticks = np.arange(t0, t0 + len(blocks), dtype=np.int64)
+        else:
+            last = dict(zip(blocks, range(len(blocks)), strict=False))  # last occurrence
+            order = list(last)
+            ticks = t0 + np.fromiter(last.values(), dtype=np.int64, count=len(order))
+        where_at = [pos.get(h, -1) for h in order]
+        if min(where_at) >= 0:  # every block held (a conversation's next turn): touch
+            lru.tick[where_at] = ticks
+            return
+        got = np.array(where_at, dtype=np.int64)
         held = got >= 0
         lru.tick[got[held]] = ticks[held]
         new = [h for h, s in zip(order, got.tolist(), strict=True) if s < 0]

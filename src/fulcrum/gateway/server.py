@@ -69,7 +69,10 @@ class Gateway:
         app = self.app
         now = app.clock()
         # The scrape asks the loop for the picker's counts (built then, not per request).
-        self.picker.counts.publisher.set_schedule(asyncio.get_running_loop().call_soon_threadsafe)
+        schedule = asyncio.get_running_loop().call_soon_threadsafe
+        self.picker.counts.publisher.set_schedule(schedule)
+        if self.picker.cache is not None:
+            self.picker.cache.counts.publisher.set_schedule(schedule)
         self.pool.start(now)
         interval = app.settings.fleet.heartbeat_timeout_ms / 2000
         app.every(interval, self.pool.keep_alive, "gateway-pool-keepalive")
