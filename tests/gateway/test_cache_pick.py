@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from fulcrum.core.cost import CostModel
 from fulcrum.core.prefix_cost import Coefficients, predicted_ttft_ns, rank
-from fulcrum.gateway import pick_metrics as pm
 from fulcrum.gateway.prefix_index import PrefixIndex, text_blocks
 from tests.gateway.helpers import gateway_stack
 
@@ -603,28 +602,3 @@ async def test_a_burst_on_one_system_prompt_through_envoy(http: bool, share: boo
         cache_picker = st_.gateway.picker.cache
         assert cache_picker is not None and cache_picker._inflight == {}
 
-
-def test_the_cache_figures_are_plain_counts_that_the_scrape_reads() -> None:
-    """Per pick a few writes; the scrape's families carry them (rules, copies, tokens and
-    both predicted-TTFT histograms; no best other without a second candidate)."""
-    counts = pm.CacheCounts()
-    counts.picked("ttft", "shared", 100, 300, 0.02, 0.04)
-    counts.picked("load_only", "", 0, -1, 40.0, float("nan"))
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in pm.CACHE_FIGURES._families(counts.publisher.fresh())
-        for s in fam.samples
-    }
-    assert samples[("fulcrum_gateway_cache_picks_total", (("rule", "ttft"),))] == 1
-    assert samples[("fulcrum_gateway_cache_picks_total", (("rule", "load_only"),))] == 1
-    assert samples[("fulcrum_gateway_cache_prefix_copies_total", (("charge", "shared"),))] == 1
-    assert samples[("fulcrum_gateway_cache_prefix_copies_total", (("charge", "full"),))] == 0
-    assert samples[("fulcrum_gateway_cache_hit_tokens_total", ())] == 100
-    assert samples[("fulcrum_gateway_cache_prompt_tokens_total", ())] == 300
-    chosen = "fulcrum_gateway_cache_predicted_ttft_seconds"
-    assert samples[(f"{chosen}_bucket", (("le", "0.025"),))] == 1
-    assert samples[(f"{chosen}_bucket", (("le", "+Inf"),))] == 2
-    assert samples[(f"{chosen}_sum", ())] == pytest.approx(40.02)
-    other = "fulcrum_gateway_cache_best_other_ttft_seconds"
-    assert samples[(f"{other}_count", ())] == 1
-    assert samples[(f"{other}_sum", ())] == pytest.approx(0.04)

@@ -140,7 +140,7 @@ class CachePicker:
         self._size_shown = -1  # the index size last set on its gauge
         #: The per-pick figures (the scrape reads them, :mod:`~fulcrum.gateway.pick_metrics`).
         self.counts = pm.CacheCounts()
-        pm.CACHE_FIGURES.set_source(self.counts)
+        pm.CACHE_FIGURES.set_source(self.counts.publisher)
         self._slots: dict[str, int] = {}
         self._busy = np.zeros(0, dtype=np.float64)  # prefill busy until (ns)
         self._mean = np.zeros(0, dtype=np.float64)  # mean predicted cost (ns)

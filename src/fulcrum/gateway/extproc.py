@@ -191,7 +191,7 @@ class Picker:
         self.pending_bytes = 0
         #: Picks, releases and pick times (plain counts; the scrape reads a snapshot).
         self.counts = counts = gm.PickCounts()
-        gm.PICK_FIGURES.set_source(counts)
+        gm.PICK_FIGURES.set_source(counts.publisher)
         self._answers: dict[tuple[str, str, str], ep.ProcessingResponse] = {}
         #: Test hook: called with (request_id, Placement) after each pick.
         self.pick_hooks: list[Callable[[str, Placement], None]] = []

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Generic, NamedTuple, TypeVar
 
 from prometheus_client import Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -21,6 +21,8 @@ from prometheus_client.registry import Collector
 
 from fulcrum.metrics import REGISTRY
 from fulcrum.state.placement import Publisher
+
+F = TypeVar("F")
 
 #: Outcomes of a pick (label values of ``fulcrum_gateway_picks``).
 PICK_OUTCOMES = ("picked", "no_endpoint", "shed", "bad_request", "too_large")
@@ -117,38 +119,41 @@ class PickCounts:
                            tuple(self.buckets), self.seconds)
 
 
-class _PickCollector(Collector):
-    """``fulcrum_gateway_picks``, ``_releases`` and ``_pick_seconds`` from the current
-    picker's published figures (in the scrape thread; the picker is held weakly)."""
+class FiguresCollector(Collector, Generic[F]):
+    """Families built by ``families`` from the figures the current source publishes (a
+    :class:`~fulcrum.state.placement.Publisher`, read in the scrape thread; held weakly:
+    once its owner is gone, ``families(None)``, every count zero)."""
 
-    def __init__(self) -> None:
-        self._source: weakref.ReferenceType[PickCounts] | None = None
+    def __init__(self, families: Callable[[F | None], Iterator[Metric]]) -> None:
+        self.families = families
+        self._source: weakref.ReferenceType[Publisher[F]] | None = None
 
-    def set_source(self, counts: PickCounts) -> None:
-        self._source = weakref.ref(counts)
+    def set_source(self, publisher: Publisher[F]) -> None:
+        self._source = weakref.ref(publisher)
 
     def describe(self) -> Iterator[Metric]:
-        return self._families(None)
+        return self.families(None)
 
     def collect(self) -> Iterator[Metric]:
-        counts = self._source() if self._source is not None else None
-        return self._families(None if counts is None else counts.publisher.fresh())
+        publisher = self._source() if self._source is not None else None
+        return self.families(None if publisher is None else publisher.fresh())
 
-    @staticmethod
-    def _families(f: PickFigures | None) -> Iterator[Metric]:
-        picks = CounterMetricFamily("fulcrum_gateway_picks", _PICKS_HELP,
-                                    labels=("policy", "outcome"))
-        releases = CounterMetricFamily("fulcrum_gateway_releases", _RELEASES_HELP,
-                                       labels=("reason",))
-        buckets = f.buckets if f is not None else (0,) * (len(PICK_BUCKETS) + 1)
-        for (policy, outcome), n in sorted(f.picks if f is not None else ()):
-            picks.add_metric([policy, outcome], float(n))
-        released = dict(f.releases) if f is not None else {}
-        for reason in RELEASE_REASONS:
-            releases.add_metric([reason], float(released.get(reason, 0)))
-        seconds = histogram_family("fulcrum_gateway_pick_seconds", _SECONDS_HELP,
-                                   PICK_BUCKETS, buckets, f.seconds if f is not None else 0.0)
-        yield from (picks, releases, seconds)
+
+def _pick_families(f: PickFigures | None) -> Iterator[Metric]:
+    """``fulcrum_gateway_picks``, ``_releases`` and ``_pick_seconds``."""
+    picks = CounterMetricFamily("fulcrum_gateway_picks", _PICKS_HELP,
+                                labels=("policy", "outcome"))
+    releases = CounterMetricFamily("fulcrum_gateway_releases", _RELEASES_HELP,
+                                   labels=("reason",))
+    buckets = f.buckets if f is not None else (0,) * (len(PICK_BUCKETS) + 1)
+    for (policy, outcome), n in sorted(f.picks if f is not None else ()):
+        picks.add_metric([policy, outcome], float(n))
+    released = dict(f.releases) if f is not None else {}
+    for reason in RELEASE_REASONS:
+        releases.add_metric([reason], float(released.get(reason, 0)))
+    seconds = histogram_family("fulcrum_gateway_pick_seconds", _SECONDS_HELP,
+                               PICK_BUCKETS, buckets, f.seconds if f is not None else 0.0)
+    yield from (picks, releases, seconds)
 
 
 def histogram_family(
@@ -165,7 +170,7 @@ def histogram_family(
     return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=total)
 
 
-PICK_FIGURES = _PickCollector()
+PICK_FIGURES: FiguresCollector[PickFigures] = FiguresCollector(_pick_families)
 REGISTRY.register(PICK_FIGURES)
 
 IN_FLIGHT = Gauge(

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import bisect
 import math
-import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from fulcrum.gateway.metrics import histogram_family
+from fulcrum.gateway.metrics import FiguresCollector, histogram_family
 from fulcrum.metrics import REGISTRY
 from fulcrum.state.placement import Publisher
 
@@ -103,48 +101,31 @@ class CacheCounts:
         )
 
 
-class _CacheCollector(Collector):
-    """The cache-aware picks' families from the current picker's published figures (in
-    the scrape thread; the picker's counts are held weakly)."""
-
-    def __init__(self) -> None:
-        self._source: weakref.ReferenceType[CacheCounts] | None = None
-
-    def set_source(self, counts: CacheCounts) -> None:
-        self._source = weakref.ref(counts)
-
-    def describe(self) -> Iterator[Metric]:
-        return self._families(None)
-
-    def collect(self) -> Iterator[Metric]:
-        counts = self._source() if self._source is not None else None
-        return self._families(None if counts is None else counts.publisher.fresh())
-
-    @staticmethod
-    def _families(f: CacheFigures | None) -> Iterator[Metric]:
-        f = f if f is not None else CacheCounts()._figures()
-        picks = CounterMetricFamily("fulcrum_gateway_cache_picks", _PICKS_HELP, labels=["rule"])
-        for rule, n in zip(RULES, f.rules, strict=True):
-            picks.add_metric([rule], float(n))
-        copies = CounterMetricFamily("fulcrum_gateway_cache_prefix_copies", _COPIES_HELP,
-                                     labels=["charge"])
-        for charge, n in zip(COPY_CHARGES, f.copies, strict=True):
-            copies.add_metric([charge], float(n))
-        yield from (
-            picks,
-            CounterMetricFamily("fulcrum_gateway_cache_hit_tokens", _HIT_HELP,
-                                value=float(f.hit_tokens)),
-            CounterMetricFamily("fulcrum_gateway_cache_prompt_tokens", _PROMPT_HELP,
-                                value=float(f.prompt_tokens)),
-            histogram_family("fulcrum_gateway_cache_predicted_ttft_seconds", _CHOSEN_HELP,
-                             TTFT_BUCKETS, f.chosen, f.chosen_s),
-            histogram_family("fulcrum_gateway_cache_best_other_ttft_seconds", _OTHER_HELP,
-                             TTFT_BUCKETS, f.other, f.other_s),
-            copies,
-        )
+def _cache_families(f: CacheFigures | None) -> Iterator[Metric]:
+    """The cache-aware picks' families (every count zero without figures)."""
+    f = f if f is not None else CacheCounts()._figures()
+    picks = CounterMetricFamily("fulcrum_gateway_cache_picks", _PICKS_HELP, labels=["rule"])
+    for rule, n in zip(RULES, f.rules, strict=True):
+        picks.add_metric([rule], float(n))
+    copies = CounterMetricFamily("fulcrum_gateway_cache_prefix_copies", _COPIES_HELP,
+                                 labels=["charge"])
+    for charge, n in zip(COPY_CHARGES, f.copies, strict=True):
+        copies.add_metric([charge], float(n))
+    yield from (
+        picks,
+        CounterMetricFamily("fulcrum_gateway_cache_hit_tokens", _HIT_HELP,
+                            value=float(f.hit_tokens)),
+        CounterMetricFamily("fulcrum_gateway_cache_prompt_tokens", _PROMPT_HELP,
+                            value=float(f.prompt_tokens)),
+        histogram_family("fulcrum_gateway_cache_predicted_ttft_seconds", _CHOSEN_HELP,
+                         TTFT_BUCKETS, f.chosen, f.chosen_s),
+        histogram_family("fulcrum_gateway_cache_best_other_ttft_seconds", _OTHER_HELP,
+                         TTFT_BUCKETS, f.other, f.other_s),
+        copies,
+    )
 
 
-CACHE_FIGURES = _CacheCollector()
+CACHE_FIGURES: FiguresCollector[CacheFigures] = FiguresCollector(_cache_families)
 REGISTRY.register(CACHE_FIGURES)
 
 INDEX_BLOCKS = Gauge(
