@@ -83,12 +83,6 @@ def _cost(qf: FloatArray | np.float64, cf: FloatArray | np.float64,
     return out
 
 
-def _imax(a: npt.NDArray[np.int64]) -> int:
-    """The largest element of a non-empty int array; in Python below 64 elements, where
-    numpy's reduction costs several times the work (the pick's few endpoints)."""
-    return max(a.tolist()) if a.shape[0] < 64 else int(a.max())
-
-
 def request_cost_ns(
     cached_tokens: npt.ArrayLike, prompt_tokens: int, coefficients: Coefficients
 ) -> FloatArray:
@@ -127,7 +121,7 @@ def recompute_ns(
     hit = np.asarray(cached_tokens, dtype=np.int64)
     cost = request_cost_ns(hit, prompt_tokens, coefficients) if cost_ns is None else cost_ns
     top = max(int(prompt_tokens) - 1, 0)  # the split of miss_tokens, for one hit
-    c_best = min(max(_imax(hit), 0), top)
+    c_best = min(max(max(hit.tolist()), 0), top)  # Python: a few endpoints
     q_best = max(int(prompt_tokens) - c_best, 0)
     best = _cost(np.float64(q_best), np.float64(c_best), coefficients)  # per engine
     out: FloatArray = np.maximum(cost - best, 0.0)

@@ -244,8 +244,7 @@ class CachePicker:
         for rid in [r for r, f in self._first.items() if f[0] == slot]:
             del self._first[rid]
         pm.ENGINE_RESTARTS.inc()
-        self._size_shown = self.index.size()
-        pm.INDEX_BLOCKS.set(self._size_shown)
+        self._show_size()
         log.info("gateway_engine_restarted", address=address, index_blocks_dropped=dropped)
 
     def apply_settings(self, settings: CacheSettings) -> None:
@@ -435,8 +434,13 @@ class CachePicker:
         self._count(choice.blocks, +1)
         self.counts.picked(choice.rule, choice.copy, choice.hit_tokens, prompt_tokens,
                            choice.chosen_ns / 1e9, choice.other_ns / 1e9)
+        self._show_size()
+
+    def _show_size(self) -> None:
+        """The index's size on its gauge, set only when it changed (a pick whose blocks
+        were all held already leaves it as it was)."""
         size = self.index.size()
-        if size != self._size_shown:  # unchanged when every block was held already
+        if size != self._size_shown:
             self._size_shown = size
             pm.INDEX_BLOCKS.set(size)
 
