@@ -73,6 +73,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -705,22 +706,32 @@ def table(runs: list[Run]) -> str:
     return "\n".join(out)
 
 
-class _Candidates:
-    """Stand-in for the decode adapter's filter: every endpoint a candidate."""
+def _decode_pool(engines: int) -> tuple[Any, Any]:
+    """A decode table and its gateway adapter over ``engines`` endpoints (8 DP ranks per
+    engine, the last engine fewer), as the daemon builds them for a static pool."""
+    from fulcrum.config.decode import DecodeSettings
+    from fulcrum.config.server import FleetSettings
+    from fulcrum.core.types import DecodeInstanceShape, MemberKind
+    from fulcrum.gateway.adapter import DecodeAdapter
+    from fulcrum.state.decode import DecodeState
+    from fulcrum.state.fleet import Fleet
 
-    def __init__(self, n: int) -> None:
-        self.slots = np.arange(n, dtype=np.int64)
-        self.addrs = [f"10.0.0.{i}:8000" for i in range(n)]
-        self.keys = np.zeros(n, dtype=np.int64)
-        self.scrape_listeners: list[object] = []
-
-    def candidates(self, _kv: int, _subset: object) -> tuple[object, list[str], object]:
-        return self.slots, self.addrs, self.keys
+    fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
+    state = DecodeState(DecodeSettings(), np.random.default_rng(0))
+    fleet.add_listener(MemberKind.DECODE_INSTANCE, state)
+    addresses = {}
+    for i, start in enumerate(range(0, engines, 8)):
+        ranks = min(8, engines - start)
+        fleet.register(f"e{i}", DecodeInstanceShape((256,) * ranks, (10**6,) * ranks), 0)
+        for g in range(ranks):
+            addresses[(f"e{i}", g)] = f"10.{i // 250}.{i % 250}.1:{8000 + g}"
+    return state, DecodeAdapter(state, addresses)
 
 
 def pick_micro(engines: int = 64, blocks: int = 20_000, picks: int = 2000) -> str:
-    """Time of one cache-aware decision (CachePicker.choose + placed) with ``engines``
-    endpoints whose indexes hold ``blocks`` blocks each; a 3,000-token chat prompt.
+    """Time of one cache-aware decision (CachePicker.choose, the decode table's pinned
+    placement, CachePicker.placed) with ``engines`` endpoints of a real decode table
+    whose indexes hold ``blocks`` blocks each; a 3,000-token chat prompt.
 
     Reports wall time and the thread's CPU time per pick (on a shared machine the wall
     p99 is mostly preemption), and the pause of a full cycle collection with the index
@@ -738,24 +749,26 @@ def pick_micro(engines: int = 64, blocks: int = 20_000, picks: int = 2000) -> st
         return (time.perf_counter() - t0) * 1e3
 
     gc_before = full_gc_ms()
-    fake = _Candidates(engines)
-    cp = CachePicker(CacheSettings(enabled=True, index_blocks=blocks), 4.0, fake)  # type: ignore[arg-type]
+    state, adapter = _decode_pool(engines)
+    cp = CachePicker(CacheSettings(enabled=True, index_blocks=blocks), 4.0, adapter)
     rng = random.Random(5)
     texts = [words(rng, 2500) for _ in range(64)]
-    for e in range(engines):  # fill every index to its bound
-        cp._slot(fake.addrs[e])
+    for address in adapter.candidates(1)[1]:  # fill every index to its bound
+        slot = cp._slot(address)
         for j in range(blocks // 100 + 1):
-            cp.index.record(e, [hash((e, j, k)) for k in range(100)])
+            cp.index.record(slot, [hash((slot, j, k)) for k in range(100)])
     gc_after = full_gc_ms()
     shape_of = [RequestShape(3000, 8, True, text=t) for t in texts]
     wall, cpu = [], []
     for i in range(picks):
         t0, c0 = time.perf_counter(), time.thread_time()
-        choice = cp.choose(fake, shape_of[i % len(texts)], None, i * 1000)  # type: ignore[arg-type]
+        choice = cp.choose(adapter, shape_of[i % len(texts)], None, i * 1000)
         assert choice is not None
+        adapter.place(f"r{i}", 3008, i * 1000, pin=choice.slot)
         cp.placed(f"r{i}", choice, 3000, i * 1000)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
+        state.release(f"r{i}", i * 1000)
         cp.released(f"r{i}", "response_end", i * 1000)
     w, c = np.array(wall) * 1e6, np.array(cpu) * 1e6
     return (f"pick at {engines} endpoints x {cp.index.held(0)} indexed blocks each: "
@@ -769,7 +782,7 @@ def run(quick: bool) -> str:
     smg venvs present) the real-engine table."""
     from tests.engines.vllm_fleet import vllm_python
 
-    out = [pick_micro()]
+    out = [pick_micro(), pick_micro(engines=4096, blocks=200, picks=500)]
     if quick or vllm_python() is None or not PEERS.exists():
         out.append("(real-engine table skipped: --quick, or no .venv-vllm / .venv-peers)")
         return "\n\n".join(out)
@@ -818,6 +831,7 @@ def main() -> None:
         ap.error("--engines: at least 1; --kv-blocks: 0 (vLLM's own) or more")
     if args.pick:
         print(pick_micro())
+        print(pick_micro(engines=4096, blocks=200, picks=500))
         return
     fleet = None
     if args.ports:

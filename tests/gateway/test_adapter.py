@@ -110,6 +110,7 @@ def test_slot_addresses_follow_joins_leaves_and_registrations(
     )
     members: dict[int, Member] = {}
     inc = 1
+    last: tuple[int, dict[int, str]] = (-1, {})
     for kind, i, gpus in events:
         if kind == "join" and i not in members:
             inc += 1
@@ -128,6 +129,11 @@ def test_slot_addresses_follow_joins_leaves_and_registrations(
         want = fresh_table(state, adapter)
         got = {s: a for s, a in enumerate(adapter._slot_addr) if a is not None}
         assert got == want
+        # A table kept by decode slot is valid for one generation (the cache-aware
+        # picker's index slots): the slots' addresses never change within one.
+        if adapter.generation == last[0]:
+            assert got == last[1]
+        last = (adapter.generation, got)
         for s, a in want.items():
             assert adapter.known(a) and adapter._addr_slot[a] == s
         # The "addressed GPUs only" set, through the cache, is the fresh one.

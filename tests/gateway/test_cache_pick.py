@@ -112,6 +112,24 @@ def test_match_is_each_engines_longest_held_leading_run(
         assert idx.match(probe).tolist() == want
 
 
+@pytest.mark.parametrize("engines", [3, 9, 64, 1000])
+def test_match_over_many_engines_reads_every_engines_run(engines: int) -> None:
+    """Many engines holding the same prefix to different depths (each depth's set is
+    past the bit-by-bit walk's size from 9 engines on): every engine gets its own run,
+    engines holding nothing get 0, and a removed slot reads 0."""
+    idx = PrefixIndex()
+    slots = [idx.add(64) for _ in range(engines)]
+    prompt = [hash(("system", j)) for j in range(6)]
+    for e in slots:
+        idx.record(e, prompt[: e % 7])  # depths 0..6
+    idx.remove(slots[-1])
+    want = [e % 7 for e in slots]
+    want[-1] = 0
+    assert idx.match(prompt).tolist() == want
+    assert idx.match(prompt[:3]).tolist() == [min(w, 3) for w in want]
+    assert idx.match([hash("other"), *prompt]).tolist() == [0] * engines
+
+
 def test_predicted_ttft_prices_misses_and_adds_the_queue() -> None:
     model = CostModel(a=1.0, b=100.0, k=1000.0)
     ttft = predicted_ttft_ns(
@@ -168,6 +186,7 @@ class _Fleet:
         self.addrs = ["10.0.0.1:8000", "10.0.0.2:8000"]
         self.keys = np.zeros(2, dtype=np.int64)
         self.scrape_listeners: list[object] = []
+        self.generation = 0
 
     def candidates(self, _kv: int, _subset: object) -> tuple[object, list[str], object]:
         return self.slots, self.addrs, self.keys
@@ -201,6 +220,33 @@ def test_a_conversation_stays_with_its_busy_holder_when_steps_are_shared(
         cp.placed(f"r{i}", choice, prompt, 0, stream=True)
         chosen.append(choice.address)
     assert (chosen == [fleet.addrs[0]] * 4) is stays
+
+
+@pytest.mark.parametrize("bump", [True, False])
+def test_a_pick_follows_an_endpoint_to_its_new_decode_slot(bump: bool) -> None:
+    """The picker reads index slots from a table by decode slot, kept per generation of
+    the adapter's layout: after two endpoints swap decode slots (a new generation), the
+    prefix is still found where it was sent. Without the bump the table would be stale:
+    the test's control that the table is what is read."""
+    from fulcrum.config.cache import CacheSettings
+    from fulcrum.gateway.body import RequestShape
+    from fulcrum.gateway.cache_pick import CachePicker
+
+    fleet = _Fleet()
+    cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
+    text = "lorem ipsum dolor sit amet " * 60
+    shape = RequestShape(len(text) // 4, 8, True, text=text)
+    first = cp.choose(fleet, shape, None, 0)  # type: ignore[arg-type]
+    assert first is not None
+    cp.placed("r0", first, shape.prompt_tokens, 0)
+    cp.released("r0", "response_end", 1)
+    fleet.addrs.reverse()  # the same endpoints, each on the other decode slot
+    fleet.generation += bump
+    again = cp.choose(fleet, shape, None, 2)  # type: ignore[arg-type]
+    assert again is not None
+    # Stale, the other endpoint is sent there with the first one's hits.
+    assert (again.address == first.address) is bump
+    assert again.hit_tokens > 0
 
 
 def test_only_a_request_alone_on_its_endpoint_is_a_refit_sample() -> None:

@@ -32,6 +32,7 @@ class _Candidates:
         self.addrs = [f"10.0.0.{i}:8000" for i in range(n)]
         self.keys = np.zeros(n, dtype=np.int64)
         self.scrape_listeners: list[object] = []
+        self.generation = 0
 
     def candidates(self, _kv: int, _subset: object) -> tuple[object, list[str], object]:
         return self.slots, self.addrs, self.keys

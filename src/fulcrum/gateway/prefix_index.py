@@ -87,6 +87,31 @@ _FREE: Final = np.iinfo(np.int64).max
 """Tick of a free entry slot (larger than any use, so never chosen for eviction)."""
 
 
+_SPARSE_BITS: Final = 8
+"""A bitset of at most this many engines is decoded bit by bit (about 1 us per engine);
+a larger one is unpacked by numpy (a few us, whatever its size)."""
+
+
+def _depths(depths: list[int], drops: list[int], n: int) -> IntArray:
+    """``out[e] = depths[j]`` for every engine slot ``e`` in bitset ``drops[j]`` (the
+    bitsets are disjoint), else 0: int64, shape ``(n,)``. A sparse bitset is walked bit
+    by bit; a dense one is unpacked from its little-endian bytes, so that a match over
+    thousands of engines costs a few numpy calls per depth, not a Python step per
+    engine."""
+    out = np.zeros(n, dtype=np.int64)
+    width = (n + 7) // 8
+    for d, bits in zip(depths, drops, strict=True):
+        if bits.bit_count() > _SPARSE_BITS:
+            raw = np.frombuffer(bits.to_bytes(width, "little"), dtype=np.uint8)
+            out[np.unpackbits(raw, count=n, bitorder="little").view(np.bool_)] = d
+            continue
+        while bits:
+            low = bits & -bits
+            out[low.bit_length() - 1] = d
+            bits ^= low
+    return out
+
+
 class _Lru:
     """One engine's blocks: ``pos`` block hash -> entry slot; per entry slot (arrays of
     the same length, grown by doubling up to ``cap``) its hash and last-use tick
@@ -222,29 +247,29 @@ class PrefixIndex:
 
     def match(self, blocks: Sequence[int]) -> IntArray:
         """Leading blocks of ``blocks`` each engine slot holds: int64 array of shape
-        ``(slots,)`` (0 for removed slots). O(len(blocks) + slots)."""
+        ``(slots,)`` (0 for removed slots). O(len(blocks) + slots): the walk intersects
+        bitsets, and the engines that drop out at each depth are spread into the answer by
+        :func:`_depths` (a Python step per engine cost 4 ms at 4,096 engines)."""
         n = len(self._lru)
-        out = np.zeros(n, dtype=np.int64)
         if n == 0 or not blocks:
-            return out
+            return np.zeros(n, dtype=np.int64)
         where = self._where
         alive = (1 << n) - 1
+        depths: list[int] = []
+        drops: list[int] = []  # the engines whose run ends at each depth (bitsets)
         for i, h in enumerate(blocks):
             now = alive & where.get(h, 0)
-            gone = alive ^ now
-            while gone:
-                low = gone & -gone
-                out[low.bit_length() - 1] = i
-                gone ^= low
-            alive = now
-            if not alive:
-                return out
-        full = len(blocks)
-        while alive:
-            low = alive & -alive
-            out[low.bit_length() - 1] = full
-            alive ^= low
-        return out
+            if now != alive:
+                if i:  # a run of 0 blocks is the answer's default
+                    depths.append(i)
+                    drops.append(alive ^ now)
+                alive = now
+                if not alive:
+                    break
+        if alive:
+            depths.append(len(blocks))
+            drops.append(alive)
+        return _depths(depths, drops, n)
 
     # -- updates -----------------------------------------------------------------------------
 
