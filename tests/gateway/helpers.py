@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fulcrum.config import with_overrides
 from fulcrum.gateway.adapter import Placement
 from fulcrum.gateway.server import Gateway
@@ -26,6 +28,27 @@ from fulcrum.gateway.testing import (
 from fulcrum.service.server import Daemon
 from fulcrum.state.decode import DecodeState
 from fulcrum.testing import running_server, test_settings
+
+
+class Candidates:
+    """Stand-in for the decode adapter (:class:`fulcrum.gateway.adapter.DecodeAdapter`)
+    as the cache-aware picker sees it: ``n`` endpoints ``10.0.0.1:8000``, ... on decode
+    slots ``0..n-1``, every one a candidate at equal load. Tests move endpoints by
+    changing ``addrs`` and bumping ``generation``."""
+
+    def __init__(self, n: int) -> None:
+        self.slots = np.arange(n, dtype=np.int64)
+        self.addrs = [f"10.0.0.{i + 1}:8000" for i in range(n)]
+        self.keys = np.zeros(n, dtype=np.int64)
+        self.scrape_listeners: list[object] = []
+        self.address_listeners: list[object] = []
+        self.generation = 0
+
+    def candidates(self, _kv: int, _subset: object) -> tuple[object, list[str], object]:
+        return self.slots, self.addrs, self.keys
+
+    def addresses(self) -> list[str]:
+        return list(self.addrs)
 
 
 @dataclass

@@ -105,6 +105,8 @@ def test_slot_addresses_follow_joins_leaves_and_registrations(
     book = AddressBook()
     pool = {("p0", 0): "10.9.0.1:9000", ("p0", 1): "10.9.0.1:9001"}
     adapter = DecodeAdapter(state, pool, book)
+    told: set[str] = set()  # what the address listeners heard (the cache picker's slots)
+    adapter.address_listeners.append(told.update)
     state.on_join(
         Member("p0", MemberKind.DECODE_INSTANCE, 1, DecodeInstanceShape((4, 4), (99, 99)), 0), 0
     )
@@ -134,6 +136,7 @@ def test_slot_addresses_follow_joins_leaves_and_registrations(
         if adapter.generation == last[0]:
             assert got == last[1]
         last = (adapter.generation, got)
+        assert set(got.values()) <= told
         for s, a in want.items():
             assert adapter.known(a) and adapter._addr_slot[a] == s
         # The "addressed GPUs only" set, through the cache, is the fresh one.

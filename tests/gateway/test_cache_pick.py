@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fulcrum.core.cost import CostModel
 from fulcrum.core.prefix_cost import Coefficients, predicted_ttft_ns, rank
 from fulcrum.gateway.prefix_index import PrefixIndex, text_blocks
-from tests.gateway.helpers import gateway_stack
+from tests.gateway.helpers import Candidates, gateway_stack
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,6 +29,11 @@ def chat(system: str, turns: list[str]) -> dict[str, object]:
 
 async def test_each_turn_of_a_chat_goes_where_its_prefix_is() -> None:
     async with gateway_stack(gateway=CACHE) as st_:
+        cache = st_.gateway.picker.cache
+        assert cache is not None
+        # The pool's endpoints have their index slots before the first pick (made as
+        # the adapter learnt their addresses, not on a request's path).
+        assert cache.index.slots == len(st_.ups)
         homes: dict[int, str] = {}
         for turn in range(3):
             for conv in range(4):
@@ -178,20 +183,6 @@ def test_behind_queued_work_a_request_shares_the_step_overhead() -> None:
     assert got.tolist() == pytest.approx([1057.0, 1057.0])
 
 
-class _Fleet:
-    """Stand-in for the decode adapter's filter: two endpoints, both candidates."""
-
-    def __init__(self) -> None:
-        self.slots = np.arange(2, dtype=np.int64)
-        self.addrs = ["10.0.0.1:8000", "10.0.0.2:8000"]
-        self.keys = np.zeros(2, dtype=np.int64)
-        self.scrape_listeners: list[object] = []
-        self.generation = 0
-
-    def candidates(self, _kv: int, _subset: object) -> tuple[object, list[str], object]:
-        return self.slots, self.addrs, self.keys
-
-
 @pytest.mark.parametrize(("shared", "stays"), [(True, True), (False, False)])
 def test_a_conversation_stays_with_its_busy_holder_when_steps_are_shared(
     shared: bool, stays: bool
@@ -203,7 +194,7 @@ def test_a_conversation_stays_with_its_busy_holder_when_steps_are_shared(
     from fulcrum.gateway.body import RequestShape
     from fulcrum.gateway.cache_pick import CachePicker
 
-    fleet = _Fleet()
+    fleet = Candidates(2)
     # The step overhead alone (the recompute charge would keep the fourth turn too).
     settings = CacheSettings(enabled=True, shared_steps=shared, recompute_weight=0.0)
     cp = CachePicker(settings, 4.0, fleet)  # type: ignore[arg-type]
@@ -232,7 +223,7 @@ def test_a_pick_follows_an_endpoint_to_its_new_decode_slot(bump: bool) -> None:
     from fulcrum.gateway.body import RequestShape
     from fulcrum.gateway.cache_pick import CachePicker
 
-    fleet = _Fleet()
+    fleet = Candidates(2)
     cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
     text = "lorem ipsum dolor sit amet " * 60
     shape = RequestShape(len(text) // 4, 8, True, text=text)
@@ -256,7 +247,7 @@ def test_only_a_request_alone_on_its_endpoint_is_a_refit_sample() -> None:
     from fulcrum.gateway.body import RequestShape
     from fulcrum.gateway.cache_pick import CachePicker
 
-    fleet = _Fleet()
+    fleet = Candidates(2)
     cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
     seen: list[tuple[float, bool]] = []
     cp.learner.observe = lambda key, q, c, ttft, alone, now: seen.append((ttft, alone))  # type: ignore[method-assign]
@@ -278,7 +269,7 @@ def _holder_and_idle(weight: float, holder_load_ns: float) -> tuple[str, object]
     from fulcrum.gateway.body import RequestShape
     from fulcrum.gateway.cache_pick import CachePicker
 
-    fleet = _Fleet()
+    fleet = Candidates(2)
     cp = CachePicker(CacheSettings(enabled=True, recompute_weight=weight), 4.0, fleet)  # type: ignore[arg-type]
     text = "system prompt " + "lorem ipsum dolor sit amet " * 70
     for a in fleet.addrs:
@@ -408,7 +399,7 @@ def test_a_scraped_queue_is_work_ahead_at_the_scrape_and_drains_with_time() -> N
     from fulcrum.config.cache import CacheSettings
     from fulcrum.gateway.cache_pick import CachePicker
 
-    fleet = _Fleet()
+    fleet = Candidates(2)
     cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
     for a in fleet.addrs:
         cp._slot(a)
@@ -429,7 +420,7 @@ def test_a_restart_clears_only_that_engines_index_and_its_pending_ttft_samples()
     from fulcrum.gateway.body import RequestShape
     from fulcrum.gateway.cache_pick import CachePicker
 
-    fleet = _Fleet()
+    fleet = Candidates(2)
     cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
     for a in fleet.addrs:
         cp.scraped(a, 0, 0, 0, 100.0)
@@ -461,7 +452,7 @@ def test_a_turn_does_not_leave_its_holder_for_a_queue_the_holder_has_since_serve
     from fulcrum.gateway.body import RequestShape
     from fulcrum.gateway.cache_pick import CachePicker
 
-    fleet = _Fleet()
+    fleet = Candidates(2)
     cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
     text = "system prompt " + "lorem ipsum dolor sit amet " * 70
     for a in fleet.addrs:
@@ -490,7 +481,7 @@ def _burst(share: bool, n: int = 12) -> tuple[list[int], list[str]]:
     from fulcrum.gateway.body import RequestShape
     from fulcrum.gateway.cache_pick import CachePicker
 
-    fleet = _Fleet()
+    fleet = Candidates(2)
     cp = CachePicker(CacheSettings(enabled=True, share_hot_prefixes=share), 4.0, fleet)  # type: ignore[arg-type]
     where, copies = [], []
     for i in range(n):
@@ -550,7 +541,7 @@ def test_a_conversations_own_history_pays_the_whole_charge_while_others_share_it
     from fulcrum.gateway.body import RequestShape
     from fulcrum.gateway.cache_pick import CachePicker
 
-    fleet = _Fleet()
+    fleet = Candidates(2)
     cp = CachePicker(CacheSettings(enabled=True, share_hot_prefixes=share), 4.0, fleet)  # type: ignore[arg-type]
     for a in fleet.addrs:
         cp._slot(a)
@@ -585,7 +576,7 @@ def test_in_flight_prefix_counts_follow_placements_and_releases(
     from fulcrum.gateway.body import RequestShape
     from fulcrum.gateway.cache_pick import CachePicker
 
-    fleet = _Fleet()
+    fleet = Candidates(2)
     cp = CachePicker(CacheSettings(enabled=True), 4.0, fleet)  # type: ignore[arg-type]
     live: dict[str, list[int]] = {}
     for n, (place, prompt, rid) in enumerate(ops):

@@ -18,15 +18,15 @@ from fulcrum.core.cost import CostModel
 from fulcrum.gateway.body import RequestShape
 from fulcrum.gateway.cache_pick import CachePicker
 from fulcrum.gateway.prefix_index import text_blocks
-from tests.gateway.test_cost_learn import _Candidates
+from tests.gateway.helpers import Candidates
 
 MS = 1_000_000
 BASE = CostModel(a=2.0, b=56_000.0, k=5_000_000.0)  # the configured model (the default)
 SYSTEM = "You are a helpful assistant. " * 80  # about 580 tokens at 4 characters a token
 
 
-def _picker(share: bool = True, blocks: int | None = None) -> tuple[CachePicker, _Candidates]:
-    fake = _Candidates(2)
+def _picker(share: bool = True, blocks: int | None = None) -> tuple[CachePicker, Candidates]:
+    fake = Candidates(2)
     s = CacheSettings(enabled=True, share_hot_prefixes=share, index_blocks=blocks)
     return CachePicker(s, 4.0, fake), fake  # type: ignore[arg-type]
 
@@ -35,7 +35,7 @@ def _question(i: int) -> str:
     return f"{SYSTEM} question {i}: " + "why " * 40
 
 
-def _serve(cp: CachePicker, fake: _Candidates, clients: int = 8, n: int = 240,
+def _serve(cp: CachePicker, fake: Candidates, clients: int = 8, n: int = 240,
            prompt: Callable[[int], str] = _question, hits: list[int] | None = None) -> list[int]:
     """Requests per endpoint when ``clients`` users, arriving 10 ms apart, each send
     questions one after the other (``prompt(i)``: the i-th request's text; by default

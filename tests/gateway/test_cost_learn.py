@@ -16,7 +16,7 @@ from fulcrum.core.cost import CostModel
 from fulcrum.gateway import pick_metrics as pm
 from fulcrum.gateway.body import RequestShape
 from fulcrum.gateway.cache_pick import CachePicker
-from tests.gateway.helpers import gateway_stack
+from tests.gateway.helpers import Candidates, gateway_stack
 from tests.polling import until
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,22 +24,8 @@ pytestmark = pytest.mark.timeout(120)
 BASE = CostModel(a=2.0, b=56_000.0, k=5_000_000.0)
 
 
-class _Candidates:
-    """Stand-in for the decode adapter's filter: every endpoint a candidate, equal load."""
-
-    def __init__(self, n: int) -> None:
-        self.slots = np.arange(n, dtype=np.int64)
-        self.addrs = [f"10.0.0.{i}:8000" for i in range(n)]
-        self.keys = np.zeros(n, dtype=np.int64)
-        self.scrape_listeners: list[object] = []
-        self.generation = 0
-
-    def candidates(self, _kv: int, _subset: object) -> tuple[object, list[str], object]:
-        return self.slots, self.addrs, self.keys
-
-
-def _picker(per: str) -> tuple[CachePicker, _Candidates]:
-    fake = _Candidates(2)
+def _picker(per: str) -> tuple[CachePicker, Candidates]:
+    fake = Candidates(2)
     s = CacheSettings(
         enabled=True, learn_per=per,
         refit=RefitSettings(window_samples=64, min_samples=16, period_s=0.001),
@@ -47,7 +33,7 @@ def _picker(per: str) -> tuple[CachePicker, _Candidates]:
     return CachePicker(s, 4.0, fake), fake  # type: ignore[arg-type]
 
 
-def _serve(cp: CachePicker, fake: _Candidates, true: dict[int, CostModel], n: int) -> None:
+def _serve(cp: CachePicker, fake: Candidates, true: dict[int, CostModel], n: int) -> None:
     """``n`` streamed requests, one at a time, each answered after its true cost."""
     rng = random.Random(7)
     now = 0
@@ -148,7 +134,7 @@ def test_a_few_engine_stalls_do_not_keep_the_refit_from_learning() -> None:
         cost_model={"a": 0.0, "b": 1_000.0, "k": 100_000.0},  # type: ignore[arg-type]
         refit=RefitSettings(min_samples=8, period_s=0.001),
     )
-    fake = _Candidates(2)
+    fake = Candidates(2)
     cp = CachePicker(s, 4.0, fake)  # type: ignore[arg-type]
     true = CostModel(a=0.0, b=100_000.0, k=15_000_000.0)
     rng = np.random.default_rng(4)

@@ -106,6 +106,9 @@ class DecodeAdapter:
         #: capacity in tokens or 0 when the page does not say, the scrape's time in ns,
         #: the engine process's start in s since the epoch or 0 when the page does not say).
         self.scrape_listeners: list[Callable[[str, int, int, int, float], None]] = []
+        #: Called with the addresses an instance's GPUs got (a join, a registration, a
+        #: rebuild of the tables), so that per-endpoint state is made off a request's path.
+        self.address_listeners: list[Callable[[list[str]], None]] = []
         self._rebuild()
         state.add_slot_listener(self)
         if registered is not None:
@@ -146,8 +149,13 @@ class DecodeAdapter:
             self._addressed += 1
 
     def _fill(self, instance_id: str, start: int, gpus: int) -> None:
-        for g in range(gpus):
-            self._set(start + g, self._lookup((instance_id, g)))
+        got = [self._lookup((instance_id, g)) for g in range(gpus)]
+        for g, address in enumerate(got):
+            self._set(start + g, address)
+        named = [a for a in got if a is not None]
+        if named:
+            for tell in self.address_listeners:
+                tell(named)
 
     def _changed(self) -> None:
         self._masks.clear()
@@ -202,6 +210,10 @@ class DecodeAdapter:
             self._rebuild()
         else:
             self._member_changed(instance_id)
+
+    def addresses(self) -> list[str]:
+        """Every decode address the gateway may route to now (``ip:port``)."""
+        return list(self._addr_slot)
 
     def known(self, address: str) -> bool:
         """Whether ``address`` is a decode GPU the gateway may route to now."""

@@ -208,10 +208,8 @@ class Picker:
         gm.IN_FLIGHT.set_function(lambda: _read(me, lambda p: p.in_flight))
         gm.STREAMS.set_function(lambda: _read(me, lambda p: p.streams))
         if settings.cache.enabled and prefill is None:
-            cache = CachePicker(settings.cache, settings.chars_per_token, adapter)
-            cache.default_kv_tokens = max(
-                (e.max_kv_tokens for e in settings.pool.decode), default=0
-            )
+            kv = max((e.max_kv_tokens for e in settings.pool.decode), default=0)
+            cache = CachePicker(settings.cache, settings.chars_per_token, adapter, kv)
             self.cache = cache
             self.release_hooks.append(lambda rid, why: cache.released(rid, why, clock()))
 
