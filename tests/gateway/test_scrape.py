@@ -14,6 +14,7 @@ from fulcrum.gateway import scrape
 from fulcrum.gateway.scrape import RankLoad, parse_metrics
 from fulcrum.state.decode import DecodeState
 from fulcrum.testing import running_server
+from tests.polling import until
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -103,6 +104,54 @@ async def test_scrape_replaces_the_ranks_figures_and_skips_a_failed_engine() -> 
             assert state.gpu_load("a", 0) == (5, 250)
             assert state.gpu_load("a", 1) == (8, 500)
             assert state.gpu_load("b", 0) == (0, 0)  # port 1 refuses: no report applied
+
+
+@contextlib.asynccontextmanager
+async def held_metrics_server(text: str, go: asyncio.Event) -> AsyncIterator[int]:
+    """A metrics page on loopback that answers only once ``go`` is set (a slow engine)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await go.wait()
+        body = text.encode()
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n"
+                     + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        go.set()
+        server.close()
+
+
+async def test_each_engines_figures_apply_as_they_come_not_at_the_rounds_end() -> None:
+    """A slow engine does not hold back the others' figures: each engine's report is
+    applied on the loop when its pages are read, while the round goes on (applying the
+    whole pool at the round's end held the loop 30-80 ms at 4,096 ranks)."""
+    go = asyncio.Event()
+    async with metrics_server(VLLM) as fast, held_metrics_server(VLLM, go) as slow:
+        engines = [{"id": "a", "host": "127.0.0.1", "ports": [fast], "max_kv_tokens": 1000},
+                   {"id": "b", "host": "127.0.0.1", "ports": [slow], "max_kv_tokens": 1000}]
+        ov = {"gateway": {"enabled": True, "port": 0, "health_port": 0,
+                          "scrape": {"enabled": True, "interval_ms": 600_000,
+                                     "timeout_ms": 10_000},
+                          "pool": {"decode": engines}}}
+        async with running_server(ov) as d:
+            state: DecodeState = d.app.components["decode"]
+            scraper = d.gateway.scraper
+            assert scraper is not None
+            rounds = scraper.rounds
+            task = asyncio.ensure_future(scraper.scrape_once())
+            await until(lambda: state.gpu_load("a", 0) == (5, 250), "engine a applied")
+            assert not task.done() and scraper.rounds == rounds  # b still being read
+            assert state.gpu_load("b", 0) == (0, 0)
+            go.set()
+            await task
+            assert state.gpu_load("b", 0) == (5, 250)
+            assert scraper.rounds == rounds + 1
 
 
 async def test_an_engine_seen_restarted_has_its_prefix_index_cleared() -> None:

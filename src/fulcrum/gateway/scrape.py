@@ -1,10 +1,11 @@
 """Correct the decode view from the engines' own Prometheus metrics (vLLM, SGLang).
 
-Every ``gateway.scrape.interval_ms`` the scraper fetches ``http://host:port/metrics`` of
-every DP rank of every pool engine (over one kept-alive HTTP/1.1 connection per rank)
-and parses it with prometheus_client's parser, both in worker threads (never on the
-event loop). The figures come back to the loop, where an
-engine whose ranks all answered gets a heartbeat on its behalf with, per rank:
+After every pause of ``gateway.scrape.interval_ms`` the scraper fetches
+``http://host:port/metrics`` of every DP rank of every pool engine (over one kept-alive HTTP/1.1 connection per rank)
+and parses it with prometheus_client's parser, both in a worker thread (never on the
+event loop), engine after engine. Each engine's figures come back to the loop as they
+come, where an engine whose ranks all answered gets a heartbeat on its behalf with, per
+rank:
 
 - requests = running + waiting (``vllm:num_requests_running`` +
   ``vllm:num_requests_waiting``; SGLang ``sglang:num_running_reqs`` +
@@ -28,6 +29,7 @@ import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Final
 
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
@@ -47,6 +49,11 @@ CACHE_INFO = "vllm:cache_config_info"
 #: prometheus_client's process collector: the engine process's start (s since the epoch).
 STARTED = "process_start_time_seconds"
 _KIND_PREFIX = {"vllm": "vllm:", "sglang": "sglang:", "auto": ""}
+#: Worker threads fetching and parsing pages. The parse holds the GIL (about 1 ms of CPU
+#: per vLLM page), and the event loop waits for it behind every busy thread: at 1,024
+#: ranks, pick p99 27 ms with 4 threads, 12 ms with 2, 6 ms with 1 (BENCHMARKS.md, "The
+#: cache-aware pick against the pool's size"). One: engine after engine.
+SCRAPE_THREADS: Final = 1
 #: Largest metrics page read, bytes (a vLLM page is ~100 KiB).
 MAX_PAGE_BYTES = 8 << 20
 
@@ -222,7 +229,7 @@ class Scraper:
         self._settings = settings
         self._pool = pool
         self._clock = clock
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gw-scrape")
+        self._executor = ThreadPoolExecutor(SCRAPE_THREADS, thread_name_prefix="gw-scrape")
         self._conns = Connections()
         self.rounds = 0
 
@@ -230,28 +237,34 @@ class Scraper:
         self._settings = settings
 
     async def scrape_once(self) -> None:
-        """One round: every engine, results applied on the loop."""
+        """One round: every engine once, fetched and parsed in the worker threads (one
+        engine per thread at a time), each engine's figures applied on the loop as they
+        come: O(its ranks) at a time, where applying the whole pool at the end of the
+        round held the loop for 30-80 ms at 4,096 ranks."""
         loop = asyncio.get_running_loop()
         s = self._settings
-        engines = self._pool.engines
         timeout = s.scrape.timeout_ms / 1000
-        results = await asyncio.gather(
-            *(
-                loop.run_in_executor(
-                    self._executor, scrape_engine, e, timeout, s.engine_kind, self._conns
+        engines = iter(self._pool.engines)
+
+        async def worker() -> None:
+            for engine in engines:  # shared: each engine goes to one worker
+                ranks = await loop.run_in_executor(
+                    self._executor, scrape_engine, engine, timeout, s.engine_kind, self._conns
                 )
-                for e in engines
-            )
-        )
-        now = self._clock()
-        for engine, ranks in zip(engines, results, strict=True):
-            if ranks is None:
-                gm.SCRAPES.labels("error").inc()
-                continue
-            gm.SCRAPES.labels("ok").inc()
-            self._pool.report(engine.id, to_load(engine, ranks), now)
-            self._tell(engine, ranks, now)
+                self._apply(engine, ranks)
+
+        await asyncio.gather(*(worker() for _ in range(SCRAPE_THREADS)))
         self.rounds += 1
+
+    def _apply(self, engine: PoolEngine, ranks: list[RankLoad] | None) -> None:
+        """One engine's figures (None: a rank failed) into the pool and the listeners."""
+        if ranks is None:
+            gm.SCRAPES.labels("error").inc()
+            return
+        gm.SCRAPES.labels("ok").inc()
+        now = self._clock()
+        self._pool.report(engine.id, to_load(engine, ranks), now)
+        self._tell(engine, ranks, now)
 
     def _tell(self, engine: PoolEngine, ranks: list[RankLoad], now_ns: int) -> None:
         """Hand each rank's queue depth, KV capacity and process start, seen at
