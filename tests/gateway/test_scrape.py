@@ -213,6 +213,18 @@ _FAMILIES = [
 ]
 
 
+def test_the_kv_capacity_follows_the_info_lines_text() -> None:
+    """The capacity info line is parsed once per distinct text (it is a thousand
+    characters of labels on vLLM 0.32, the same on every scrape): a page whose line
+    changed (a restarted engine with another cache) gives the new capacity."""
+    head = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1\n"
+    info = 'vllm:cache_config_info{{block_size="32",num_gpu_blocks="{}"}} 1.0\n'
+    for blocks in (100, 200, 100, 7):
+        got = parse_metrics(head + info.format(blocks))
+        assert got is not None
+        assert got.kv_capacity_tokens == 32 * blocks
+
+
 @given(st.lists(st.sampled_from(range(len(_FAMILIES))), unique=True),
        st.sampled_from(["auto", "vllm", "sglang"]))
 def test_parsing_only_the_wanted_lines_reads_what_the_whole_page_says(
