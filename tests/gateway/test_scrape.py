@@ -58,12 +58,17 @@ process_start_time_seconds {}
 
 
 @contextlib.asynccontextmanager
-async def metrics_server(text: str | list[str]) -> AsyncIterator[int]:
-    """A metrics page on loopback; a list holds one page that the caller may replace."""
+async def metrics_server(
+    text: str | list[str], go: asyncio.Event | None = None
+) -> AsyncIterator[int]:
+    """A metrics page on loopback; a list holds one page that the caller may replace.
+    ``go``: the page is answered only once it is set (a slow engine)."""
     page = text if isinstance(text, list) else [text]
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
+        if go is not None:
+            await go.wait()
         body = page[0].encode()
         writer.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nconnection: close\r\n"
@@ -77,6 +82,8 @@ async def metrics_server(text: str | list[str]) -> AsyncIterator[int]:
     try:
         yield server.sockets[0].getsockname()[1]
     finally:
+        if go is not None:
+            go.set()
         server.close()
 
 
@@ -106,33 +113,12 @@ async def test_scrape_replaces_the_ranks_figures_and_skips_a_failed_engine() -> 
             assert state.gpu_load("b", 0) == (0, 0)  # port 1 refuses: no report applied
 
 
-@contextlib.asynccontextmanager
-async def held_metrics_server(text: str, go: asyncio.Event) -> AsyncIterator[int]:
-    """A metrics page on loopback that answers only once ``go`` is set (a slow engine)."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        await go.wait()
-        body = text.encode()
-        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n"
-                     + f"content-length: {len(body)}\r\n\r\n".encode() + body)
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        go.set()
-        server.close()
-
-
 async def test_each_engines_figures_apply_as_they_come_not_at_the_rounds_end() -> None:
     """A slow engine does not hold back the others' figures: each engine's report is
     applied on the loop when its pages are read, while the round goes on (applying the
     whole pool at the round's end held the loop 30-80 ms at 4,096 ranks)."""
     go = asyncio.Event()
-    async with metrics_server(VLLM) as fast, held_metrics_server(VLLM, go) as slow:
+    async with metrics_server(VLLM) as fast, metrics_server(VLLM, go) as slow:
         engines = [{"id": "a", "host": "127.0.0.1", "ports": [fast], "max_kv_tokens": 1000},
                    {"id": "b", "host": "127.0.0.1", "ports": [slow], "max_kv_tokens": 1000}]
         ov = {"gateway": {"enabled": True, "port": 0, "health_port": 0,
