@@ -93,10 +93,18 @@ async def test_multi_turn_chats_hit_the_engines_prefix_caches(vllm_fleet: VllmFl
 async def test_a_system_prompt_in_use_gets_a_copy_on_the_second_engine(
     vllm_fleet: VllmFleet,
 ) -> None:
-    """Sixteen requests on one system prompt, eight at a time. Costs in seconds (k 1 s,
-    10 ms a token) so that the predicted queue stands while the burst passes Envoy: the
-    decision is the rule's, not the CPU engines' timing. (With the rule off, every
-    request stays on the first engine and this test fails.)"""
+    """Requests on one system prompt while one of them is in flight. Costs in seconds
+    (k 1 s, 10 ms a token) so that the predicted queue stands while requests pass Envoy:
+    the decision is the rule's, not the CPU engines' timing. (With the rule off, every
+    request stays on the first engine and this test fails.)
+
+    The overlap is made certain, not hoped for: the first request asks for 256 tokens
+    (``ignore_eos``), and the seven others of the first wave are sent once it is picked,
+    so they are picked while it is in flight (a burst of short requests on a loaded
+    machine once came one after the other, each done before the next was picked, and
+    rightly stayed on the first engine). The second wave starts with both engines idle
+    (every request released, a scrape since): the engine with fewer picks so far gets
+    its turn, so both engines serve the prompt from their cache."""
     ports = vllm_fleet.ports
     gw = gateway_settings(ports)
     gw["cache"] = {"enabled": True, "cost_model": {"a": 0.0, "b": 1e7, "k": 1e9}}
@@ -107,31 +115,42 @@ async def test_a_system_prompt_in_use_gets_a_copy_on_the_second_engine(
     async with running_server(settings=settings) as daemon:
         g = daemon.gateway
         assert g is not None and g.picker.cache is not None
+        cp = g.picker.cache
         picks: list[str] = []
         released: list[str] = []
         g.picker.pick_hooks.append(lambda r, p: picks.append(p.address))
         g.picker.release_hooks.append(lambda r, _why: released.append(r))
         env = await start_envoy(render_envoy_config(g.port, [*ports, *ports]))
-        sem = asyncio.Semaphore(8)
 
-        async def ask(i: int) -> None:
+        async def ask(i: int, max_tokens: int = 4) -> None:
             msgs = [{"role": "system", "content": system},
                     {"role": "user", "content": f"question {i}: " + words(rng, 30)}]
-            body = {"model": MODEL_NAME, "messages": msgs, "max_tokens": 4, "stream": True}
-            async with sem:
-                r = await http_request(
-                    env.port, "POST", "/v1/chat/completions", json.dumps(body).encode()
-                )
+            body = {"model": MODEL_NAME, "messages": msgs, "max_tokens": max_tokens,
+                    "ignore_eos": True, "stream": True}
+            r = await http_request(
+                env.port, "POST", "/v1/chat/completions", json.dumps(body).encode()
+            )
             assert r.status == 200, r.body[:300]
 
+        def idle() -> bool:
+            return len(released) == len(picks) and bool(
+                (cp._scraped_until[: len(cp._addr_of)] <= g.app.clock()).all()
+            )
+
         try:
-            await asyncio.gather(*(ask(i) for i in range(16)))
+            first = asyncio.ensure_future(ask(0, max_tokens=256))
+            await wait_for(lambda: len(picks) == 1, what="the first pick")
+            await asyncio.gather(first, *(ask(i) for i in range(1, 8)))
+            # The first wave was picked while the long request was in flight.
+            assert len(picks) == 8 and len(set(picks)) == 2, picks
+            await wait_for(idle, what="both engines idle")
+            await asyncio.gather(*(ask(i) for i in range(8, 16)))
             await wait_for(lambda: len(released) == len(picks) == 16, what="every release")
-            assert g.picker.cache._inflight == {}
+            assert cp._inflight == {}
         finally:
             env.stop()
     per_engine = {f"127.0.0.1:{p}": picks.count(f"127.0.0.1:{p}") for p in ports}
-    assert all(n >= 2 for n in per_engine.values()), per_engine
+    assert all(n >= 2 for n in per_engine.values()), (per_engine, picks)
     after = [metric_sum(p, HITS) for p in ports]
     # Both engines served the prompt from their own cache at least once.
     assert all(a - b >= 100 for a, b in zip(after, before, strict=True)), (before, after)

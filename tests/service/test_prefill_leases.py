@@ -66,9 +66,12 @@ async def test_expired_lease_goes_to_the_head_and_elsewhere_late_ack_refused() -
         inc2 = await register(c, "e2", dp_ranks=2)
         tier0 = [e for e in ("e1", "e2") if st.engine_tier(e) == 0]
         assert tier0, st.engines_per_tier()
-        subs = [asyncio.ensure_future(c.prefill.Submit(submit_request(f"r{i}", 1000)))
-                for i in range(2)]
-        await until(lambda: st.queue_depths()[0] == 2)
+        # One at a time, so the queue's order is certain (two calls in flight at once may
+        # reach the daemon in either order).
+        subs = []
+        for i in range(2):
+            subs.append(asyncio.ensure_future(c.prefill.Submit(submit_request(f"r{i}", 1000))))
+            await until(lambda i=i: st.queue_depths()[0] == i + 1)
         # The frozen engine pulls both, then says nothing.
         frozen = tier0[0]
         other = "e2" if frozen == "e1" else "e1"
