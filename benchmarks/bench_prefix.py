@@ -17,7 +17,14 @@ from __future__ import annotations
 import time
 
 from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
-from fulcrum.core.prefill.balancer import BalancerConfig, Offer, PrefillBalancer, Queued
+from fulcrum.core.prefill.balancer import (
+    DEFAULT,
+    BalancerConfig,
+    Offer,
+    PrefillBalancer,
+    Queued,
+    rules_by_name,
+)
 
 ENGINES = [f"e{i}" for i in range(8)]
 
@@ -70,6 +77,53 @@ def decision_ms(blocks: int, affinity: bool, reps: int = 20,
     return first * 1e3, nxt * 1e3
 
 
+def build_tiers(blocks: int) -> tuple[PrefillBalancer, str]:
+    """Four tiers, two engines each (the default rules: engines help other tiers), 64
+    requests queued in every tier, each held to ``blocks - 1`` blocks by every engine (a
+    tie: no engine holds any best, so the check of the other tiers reads every window to
+    its end). Returns the balancer and an engine of the shortest tier."""
+    bal = PrefillBalancer(BalancerConfig(
+        (16_384, 65_536, 262_144), (8 * 10**9, 32 * 10**9, 128 * 10**9, 512 * 10**9), 8.0,
+        1.0, 8, rules_by_name(DEFAULT),
+    ))
+    aff = Affinity(PrefixIndex(), cost, max_wait_ns=10**15)
+    bal.affinity = aff
+    for e in ENGINES:
+        aff.index.add_engine(e, 1 << 20)
+        bal.add_engine(e, 8)
+    bal.last_demand_ns = [10**9] * 4
+    bal.redistribute("join")
+    for t, tokens in enumerate((8_000, 32_000, 128_000, 300_000)):
+        for i in range(64):
+            bl = tuple(range((t * 64 + i) * 1_000, (t * 64 + i) * 1_000 + blocks))
+            for e in ENGINES:
+                aff.index.stored(e, bl[: blocks - 1])
+            bal.enqueue(Queued(f"t{t}r{i}", tokens, 0, t, cost(tokens, 0), 0, bl))
+    return bal, next(e for e in ENGINES if bal.engine_tier(e) == 0)
+
+
+def tiers_ms(blocks: int, reps: int = 20) -> tuple[float, float]:
+    """Best of ``reps``: one take by a shortest-tier engine with the check of the other
+    tiers for a request it alone holds best (:func:`fulcrum.core.prefill.balancer.
+    _held_tier`) and without it (the source rule's tier alone), fresh queues."""
+    from fulcrum.core.prefill import balancer as B
+
+    keep = B._held_tier
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(reps):
+        for on in (True, False):
+            bal, eng = build_tiers(blocks)
+            if not on:
+                B._held_tier = lambda *a: a[3]  # type: ignore[assignment]
+            try:
+                t0 = time.perf_counter()
+                bal.take(eng, 10**12, [0] * 8, now_ns=1)
+                best[on] = min(best[on], time.perf_counter() - t0)
+            finally:
+                B._held_tier = keep
+    return best[True] * 1e3, best[False] * 1e3
+
+
 def table(quick: bool = False) -> str:
     """The decision-cost table (markdown)."""
     rows = ["| prefix blocks | without affinity (ms) | with affinity, fresh queue (ms) | "
@@ -82,6 +136,11 @@ def table(quick: bool = False) -> str:
         w_first, w_nxt = decision_ms(blocks, True, reps, one_holder=True)
         rows.append(f"| {blocks} | {base:.3f} | {first:.3f} ({first / base:.1f}x) | "
                     f"{nxt:.3f} ({nxt / base:.1f}x) | {w_first:.3f} / {w_nxt:.3f} |")
+    rows += ["", "| prefix blocks | four tiers, a take with the check of the other tiers (ms) | "
+             "without it (ms) |", "|---:|---:|---:|"]
+    for blocks in (8, 32, 200):
+        on, off = tiers_ms(blocks, 3 if quick else 20)
+        rows.append(f"| {blocks} | {on:.3f} ({on / off:.1f}x) | {off:.3f} |")
     return "\n".join(rows)
 
 

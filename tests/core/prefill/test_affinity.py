@@ -32,6 +32,42 @@ def test_match_is_the_leading_run() -> None:
     assert idx.cached_tokens(3, 12) == 11  # the last token is always computed
 
 
+@pytest.mark.parametrize(
+    ("stored", "blocks", "want"),
+    [
+        ((1, 2, 3), (1, 2, 3, 4), 3),
+        ((1, 2, 3, 4), (1, 2, 3, 4), 4),
+        ((), (1, 2), 0),
+        ((9,), (1, 2), 0),
+        ((1,), (1, 2, 3, 4, 5, 6, 7), 1),
+    ],
+)
+def test_held_depth_bisects_the_last_block_held(
+    stored: tuple[int, ...], blocks: tuple[int, ...], want: int
+) -> None:
+    idx = PrefixIndex(block_tokens=4)
+    idx.add_engine("a", 100)
+    idx.stored("a", stored)
+    assert idx.held_depth("a", blocks) == idx.match("a", blocks) == want
+    assert idx.held_depth("unknown", blocks) == 0
+    assert idx.holds("a", 1) == (1 in stored) and not idx.holds("unknown", 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 40), k=st.integers(0, 40), hole=st.integers(0, 40))
+def test_held_depth_equals_the_match_without_holes_and_never_falls_short(
+    n: int, k: int, hole: int
+) -> None:
+    blocks = tuple(range(100, 100 + n))
+    idx = PrefixIndex()
+    idx.add_engine("a", 1000)
+    idx.stored("a", (*blocks[: min(k, n)], 7, 8))  # a prefix, and blocks of other prompts
+    assert idx.held_depth("a", blocks) == idx.match("a", blocks) == min(k, n)
+    if hole < min(k, n):  # an eviction report inside the prefix
+        idx.evicted("a", [blocks[hole]])
+        assert idx.match("a", blocks) == hole <= idx.held_depth("a", blocks) <= min(k, n)
+
+
 def test_lru_bounded_by_capacity() -> None:
     idx = PrefixIndex()
     idx.add_engine("a", 3)

@@ -135,6 +135,28 @@ class PrefixIndex:
             n += 1
         return n
 
+    def held_depth(self, engine_id: str, blocks: Sequence[int]) -> int:
+        """Leading blocks of ``blocks`` ``engine_id`` holds, found by bisection on the last
+        one it holds (O(log n) look-ups, not :meth:`match`'s walk): a block's hash chains
+        its prefix, and a prefix's blocks are touched together. It can exceed
+        :meth:`match` only where an eviction report left a hole inside a prefix."""
+        c = self._engines.get(engine_id)
+        if c is None or not c.blocks:
+            return 0
+        held, lo, hi = c.blocks, 0, len(blocks)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if blocks[mid - 1] in held:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def holds(self, engine_id: str, block: int) -> bool:
+        """True when ``engine_id`` holds the block ``block`` (one look-up)."""
+        c = self._engines.get(engine_id)
+        return c is not None and block in c.blocks
+
     def best_match(self, blocks: Sequence[int], engines: Iterable[str] | None = None) -> int:
         """Longest leading run of ``blocks`` any of ``engines`` (default: all) holds."""
         ids = self._engines if engines is None else engines

@@ -36,8 +36,9 @@ for its tier's scale); see BENCHMARKS.md.
 Prefix affinity (:mod:`fulcrum.core.prefill.affinity`, optional: ``affinity``): a
 request carrying chained block hashes costs each engine its own miss tokens
 (:meth:`PrefillBalancer.cost_for`), its queued cost is the expected one (at the longest
-prefix any engine holds, set by the shell), and a pull takes the requests the engine holds
-the longest prefixes for first, unless the tier's head waited past the fairness bound.
+prefix any engine holds, set by the shell), a pull takes the requests the engine holds
+the longest prefixes for first, unless the tier's head waited past the fairness bound,
+and an engine with room goes to a tier with a request it alone holds best (``_held_tier``).
 
 Extension points (later issues): a leased batch returns to the head of its tier with
 :meth:`requeue_front`; shells keep their own per-request data (futures, leases) keyed by
@@ -46,6 +47,7 @@ request id.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -453,18 +455,18 @@ class PrefillBalancer:
     def source_tier(self, engine_id: str, rank_loads_ns: Sequence[int],
                     now_ns: int | None = None) -> int:
         """The tier ``engine_id`` (with these rank loads, ns) takes work from now (-1: none
-        or unknown), as the rule set's source rule decides (see
-        :mod:`fulcrum.core.prefill.rules.source`: its own tier; ``shorter_tiers``: an
-        engine with room whose own tier has nothing queued takes from the nearest shorter
-        tier with work; ``urgency``, given ``now_ns``: the tier whose head waited longest
-        for its tier's scale, a longer tier only within :meth:`helping_bound_ns`)."""
+        or unknown): the source rule's (:mod:`fulcrum.core.prefill.rules.source`; the
+        default, ``urgency``, given ``now_ns``: the tier whose head waited longest for its
+        tier's scale, a longer tier only within :meth:`helping_bound_ns`); under prefix
+        affinity a tier with a request it alone holds best first (:func:`_held_tier`)."""
         if now_ns is not None:
             self.fair.now_ns = max(self.fair.now_ns, now_ns)  # the clock of the order
         eng = self._engines.get(engine_id)
         if eng is None or eng.tier < 0:
             return -1
         room = self.has_room(rank_loads_ns)
-        return self.config.rules.source.source(self, engine_id, eng.tier, room, now_ns)
+        best = self.config.rules.source.source(self, engine_id, eng.tier, room, now_ns)
+        return _held_tier(self, engine_id, eng.tier, best, now_ns) if room else best
 
     def helping_bound_ns(self, tier: int) -> int:
         """Longest predicted cost (ns) of a longer tier's request that an engine of
@@ -666,6 +668,46 @@ def _affinity_window(
     caps = bal.config.batch_cap_ns
     bound = aff.max_wait_ns * caps[tier] // caps[0]
     return aff_order.window(aff, bal.queued(tier, now_ns), serving, now_ns, alive, dead, bound)
+
+
+def _held_tier(bal: PrefillBalancer, engine_id: str, own: int, best: int,
+               now_ns: int | None) -> int:
+    """The tier an engine with room on tier ``own`` takes from under prefix affinity: a
+    tier other than ``best`` (its source rule's choice) it may serve, within that tier's
+    fairness bound, whose first ``affinity.scan`` requests include one this engine alone
+    holds the longest prefix of, first in tier order; else ``best``. Such a request waits
+    for this engine (while it is predicted sooner), and an engine of another tier comes
+    to that tier only when the source rule sends it there: before, a conversation whose
+    last turn an engine of a longer tier took as a helper waited for that engine while it
+    served its own tier, and often ended on another engine with a miss after all (issue
+    21; BENCHMARKS.md, "Prefix affinity: a holder of another tier"). A longer tier's
+    request only within the helping bound, never one of a lower priority band than
+    ``best``'s head. Look-ups per request: O(log blocks) for this engine's depth
+    (:meth:`PrefixIndex.held_depth`), one per other engine for the block that ends it."""
+    aff = bal.affinity
+    src = bal.config.rules.source
+    if aff is None or now_ns is None or not src.helps:
+        return best
+    head = bal.head(best) if best >= 0 else None
+    floor = head.cls.priority if head is not None else None
+    idx, caps = aff.index, bal.config.batch_cap_ns
+    for t in range(len(caps)):
+        first = bal.head(t)
+        if t == best or first is None or not src.serves(own, t):
+            continue
+        if now_ns - first.enqueued_ns >= aff.max_wait_ns * caps[t] // caps[0]:
+            continue  # past the fairness bound: FIFO there, nobody waits for a holder
+        others = [e for e in bal.engine_ids()
+                  if e != engine_id and src.serves(bal.engine_tier(e), t)]
+        for item in itertools.islice(bal.queued(t, now_ns), aff.scan):
+            if not item.blocks or (floor is not None and item.cls.priority < floor):
+                continue
+            m = idx.held_depth(engine_id, item.blocks)
+            if m == 0 or any(idx.holds(e, item.blocks[m - 1]) for e in others):
+                continue
+            if t <= own or aff_order.matched_cost(aff, item, m) <= bal.helping_bound_ns(own):
+                return t
+    return best
 
 
 def _affinity_order(

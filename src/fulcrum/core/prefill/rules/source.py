@@ -12,7 +12,9 @@
   minutes-long prompt. Without the time it is ``shorter_tiers``. On under prefix
   affinity too (issue 21): a held request waits for its holder only while the holder is
   predicted to finish it sooner, so a helper never idles for a busy holder; since
-  urgency crosses tiers both ways, every engine with a tier may hold a tier's prefixes.
+  urgency crosses tiers both ways, every engine with a tier may hold a tier's prefixes,
+  and an engine with room goes first to a tier with a request it alone holds best
+  (``balancer._held_tier``, for every rule that helps other tiers).
 """
 
 from __future__ import annotations
