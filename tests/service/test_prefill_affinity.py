@@ -228,3 +228,44 @@ async def test_simulator_and_daemon_make_the_same_affinity_decisions() -> None:
     finally:
         for task in tasks.values():
             task.cancel()
+
+
+async def test_a_holder_of_the_longer_tier_comes_back_for_the_next_turn() -> None:
+    """Issue 21: the long tier's engine took a conversation's first turn while helping the
+    short tier; its next turn waits for that engine, which goes to the short tier for it
+    even though its own tier's head waited longer for its tier's scale."""
+    async with prefill_daemon(CONFIG) as (d, c, state):
+        now = [d.app.clock()]
+        state._clock = lambda: now[0]
+        inc = {e: await register(c, e, dp_ranks=1) for e in ("a", "b")}
+        state.last_demand_ns = [1.0, 1.0, 0.0, 0.0]
+        state.rebalance(now[0], reason="join")
+        tiers = {e: state.engine_tier(e) for e in ("a", "b")}
+        assert sorted(tiers.values()) == [0, 1], tiers
+        long = next(e for e, t in tiers.items() if t == 1)
+
+        def pull(engine: str) -> prefill_pb2.PullRequest:
+            return pull_request(engine, inc[engine], 100 * S, [0], wait_ms=0)
+
+        conv = list(range(2_100))
+        turn1 = asyncio.ensure_future(c.prefill.Submit(_submit("t1", conv)))
+        await until(lambda: state.is_queued("t1"))
+        got = await c.prefill.Pull(pull(long))  # its own tier is empty: it helps
+        assert [r.request_id for r in got.requests] == ["t1"]
+        assert (await turn1).engine_id == long
+        now[0] += state.model_cost_ns(2_100, 0)
+        # A long prompt of its own tier, then the conversation's next turn 990 ms later:
+        # at the pull the long head waited 1 s of its 32 s scale, the turn 10 ms of 8 s.
+        mid = asyncio.ensure_future(c.prefill.Submit(_submit("mid", [9] * 20_000)))
+        await until(lambda: state.is_queued("mid"))
+        now[0] += 990_000_000
+        turn2 = asyncio.ensure_future(c.prefill.Submit(_submit("t2", conv + [7] * 600)))
+        await until(lambda: state.is_queued("t2"))
+        now[0] += 10_000_000
+        got = await c.prefill.Pull(pull(long))
+        assert [r.request_id for r in got.requests] == ["t2"]
+        reply = await turn2
+        assert reply.predicted_cost_ns == state.model_cost_ns(2_700 - 2_048, 2_048)
+        got = await c.prefill.Pull(pull(long))
+        assert [r.request_id for r in got.requests] == ["mid"]
+        assert (await mid).engine_id == long
