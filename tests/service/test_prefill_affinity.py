@@ -262,8 +262,11 @@ async def test_a_holder_of_the_longer_tier_comes_back_for_the_next_turn() -> Non
         turn2 = asyncio.ensure_future(c.prefill.Submit(_submit("t2", conv + [7] * 600)))
         await until(lambda: state.is_queued("t2"))
         now[0] += 10_000_000
+        moved0 = _metric("fulcrum_prefill_affinity_decisions_total", decision="holder_tier")
         got = await c.prefill.Pull(pull(long))
         assert [r.request_id for r in got.requests] == ["t2"]
+        await until(lambda: _metric("fulcrum_prefill_affinity_decisions_total",
+                                    decision="holder_tier") == moved0 + 1)
         reply = await turn2
         assert reply.predicted_cost_ns == state.model_cost_ns(2_700 - 2_048, 2_048)
         got = await c.prefill.Pull(pull(long))

@@ -42,8 +42,9 @@ TIER_LOOKUP_BLOCKS = Counter(
 DECISIONS = Counter(
     "fulcrum_prefill_affinity_decisions",
     "Prefix affinity decisions: requests taken by an engine holding part of their prefix "
-    "(affinity_hit) and pulls that went FIFO because the head waited past the fairness "
-    "bound (fairness_override).",
+    "(affinity_hit), pulls that went FIFO because the head waited past the fairness "
+    "bound (fairness_override) and pulls that went to another tier than the source "
+    "rule's for a request the engine alone holds the longest prefix of (holder_tier).",
     ["decision"],
     registry=REGISTRY,
 )

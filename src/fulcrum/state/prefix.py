@@ -34,6 +34,7 @@ class PrefixWiring:
         self._seen_tier: dict[int, tuple[int, int]] = {}
         self._seen_hits = 0
         self._seen_overrides = 0
+        self._seen_holder_tiers = 0
         #: Prefix-cache capacity each engine registered (blocks; absent: the default).
         self._registered: dict[str, int] = {}
         self.settings = settings
@@ -56,7 +57,7 @@ class PrefixWiring:
             aff = Affinity(PrefixIndex(s.block_tokens), lambda q, c: self._cost(q, c))
             self._bal.affinity = aff
             # a new affinity counts from zero: so do the deltas the metrics are fed
-            self._seen_hits = self._seen_overrides = 0
+            self._seen_hits = self._seen_overrides = self._seen_holder_tiers = 0
             self._seen_engine.clear()
             self._seen_tier.clear()
         aff.max_wait_ns = s.affinity_max_wait_ms * (NS_PER_S // 1000)
@@ -153,5 +154,8 @@ class PrefixWiring:
             pm.DECISIONS.labels("affinity_hit").inc(aff.hits - self._seen_hits)
         if aff.overrides > self._seen_overrides:
             pm.DECISIONS.labels("fairness_override").inc(aff.overrides - self._seen_overrides)
+        if aff.holder_tiers > self._seen_holder_tiers:
+            pm.DECISIONS.labels("holder_tier").inc(aff.holder_tiers - self._seen_holder_tiers)
         self._seen_hits, self._seen_overrides = aff.hits, aff.overrides
+        self._seen_holder_tiers = aff.holder_tiers
         pm.INDEX_BLOCKS.set(aff.index.size())

@@ -87,10 +87,11 @@ def test_a_holder_of_another_tier_goes_to_its_request(
     bal.enqueue(_req(bal, "mid", 20, 5_000, 0, mid_priority))
     bal.enqueue(_req(bal, "turn", 10, 100, S, turn_priority))
     assert bal.source_tier(long, [0, 0], now_ns=S) == want
-    if want == 0:
-        taken = bal.take(long, 100 * S, [0, 0], now_ns=S)
-        assert [i.request_id for i in taken.items] == ["turn"]
-        assert aff.hits == 1
+    assert aff.holder_tiers == 0  # choosing counts nothing: a take does
+    taken = bal.take(long, 100 * S, [0, 0], now_ns=S)
+    assert [i.request_id for i in taken.items] == ["turn" if want == 0 else "mid"]
+    # Counted only where the source rule alone would have picked the long tier.
+    assert aff.holder_tiers == (1 if want == 0 and turn_priority <= mid_priority else 0)
 
 
 def test_no_room_or_no_time_keeps_the_rule_s_choice() -> None:

@@ -233,6 +233,8 @@ class Affinity:
     mode, the engines' KV events alone update the index).
     ``hits`` counts requests taken under affinity by an engine holding part of their
     prefix; ``overrides`` pulls that went FIFO because the head waited past the bound;
+    ``holder_tiers`` pulls that went to another tier than the source rule's for a request
+    the engine alone holds best (``balancer._held_tier``);
     ``tier_blocks[t]`` = [hit blocks, looked-up blocks] of the requests taken from tier
     ``t`` (the block hit ratio per tier; per engine: ``index.cache(e)``)."""
 
@@ -243,6 +245,7 @@ class Affinity:
     approximate: bool = True
     hits: int = 0
     overrides: int = 0
+    holder_tiers: int = 0
     tier_blocks: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

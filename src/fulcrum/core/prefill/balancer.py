@@ -459,14 +459,7 @@ class PrefillBalancer:
         default, ``urgency``, given ``now_ns``: the tier whose head waited longest for its
         tier's scale, a longer tier only within :meth:`helping_bound_ns`); under prefix
         affinity a tier with a request it alone holds best first (:func:`_held_tier`)."""
-        if now_ns is not None:
-            self.fair.now_ns = max(self.fair.now_ns, now_ns)  # the clock of the order
-        eng = self._engines.get(engine_id)
-        if eng is None or eng.tier < 0:
-            return -1
-        room = self.has_room(rank_loads_ns)
-        best = self.config.rules.source.source(self, engine_id, eng.tier, room, now_ns)
-        return _held_tier(self, engine_id, eng.tier, best, now_ns) if room else best
+        return _source(self, engine_id, rank_loads_ns, now_ns)[0]
 
     def helping_bound_ns(self, tier: int) -> int:
         """Longest predicted cost (ns) of a longer tier's request that an engine of
@@ -560,9 +553,11 @@ class PrefillBalancer:
             raise ValueError(f"rank_loads_ns: must have {eng.dp_ranks} entries")
         eng.load_ns = sum(loads)
         aff_order.seen(eng, loads, (), (), now_ns)  # its own finish is priced from these
-        tier = self.source_tier(engine_id, loads, now_ns)
+        tier, held = _source(self, engine_id, loads, now_ns)
         if tier < 0:
             return Taken(tier=tier)
+        if held and self.affinity is not None:
+            self.affinity.holder_tiers += 1
         top = _top_band(self, tier) if band_loads else None
         first = band_pass(top, loads, band_loads, remaining_ns, lambda ahead, left, band:
                           self._pass(eng, tier, ahead, left, limit, alive, now_ns, band))
@@ -668,6 +663,21 @@ def _affinity_window(
     caps = bal.config.batch_cap_ns
     bound = aff.max_wait_ns * caps[tier] // caps[0]
     return aff_order.window(aff, bal.queued(tier, now_ns), serving, now_ns, alive, dead, bound)
+
+
+def _source(bal: PrefillBalancer, engine_id: str, rank_loads_ns: Sequence[int],
+            now_ns: int | None) -> tuple[int, bool]:
+    """:meth:`PrefillBalancer.source_tier`, and whether the tier is :func:`_held_tier`'s
+    rather than the source rule's (the shell counts those takes)."""
+    if now_ns is not None:
+        bal.fair.now_ns = max(bal.fair.now_ns, now_ns)  # the clock of the order
+    eng = bal._engines.get(engine_id)
+    if eng is None or eng.tier < 0:
+        return -1, False
+    room = bal.has_room(rank_loads_ns)
+    best = bal.config.rules.source.source(bal, engine_id, eng.tier, room, now_ns)
+    tier = _held_tier(bal, engine_id, eng.tier, best, now_ns) if room else best
+    return tier, tier != best
 
 
 def _held_tier(bal: PrefillBalancer, engine_id: str, own: int, best: int,
