@@ -24,6 +24,7 @@ The report replaces the rank's figures in the decode view like an engine's own h
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.client
 import math
 from collections.abc import Callable
@@ -103,25 +104,16 @@ def _name(line: str) -> str:
     return line.split("{", 1)[0].split(" ", 1)[0]
 
 
-#: KV capacity (tokens) by the exact text of a page's :data:`CACHE_INFO` lines: an info
-#: gauge of the engine's configuration, the same on every scrape and every rank of a
-#: model, whose thousand characters of labels were 90% of a page's parse (0.6 ms).
-_CAPACITY_OF: dict[str, int] = {}
-_CAPACITY_KEPT: Final = 1024
-
-
-def _capacity_lines(lines: list[str]) -> int:
-    """The KV capacity the :data:`CACHE_INFO` sample lines say (tokens; 0: none)."""
-    key = "\n".join(lines)
-    got = _CAPACITY_OF.get(key)
-    if got is None:
-        got = 0
-        for family in text_string_to_metric_families(key + "\n"):
-            if family.name == CACHE_INFO:
-                got = max((_capacity(x.labels) for x in family.samples), default=0)
-        if len(_CAPACITY_OF) >= _CAPACITY_KEPT:
-            _CAPACITY_OF.clear()
-        _CAPACITY_OF[key] = got
+@functools.lru_cache(maxsize=1024)
+def _capacity_text(lines: str) -> int:
+    """The KV capacity (tokens; 0: none) the :data:`CACHE_INFO` sample ``lines`` say,
+    remembered by their exact text: an info gauge of the engine's configuration, the
+    same on every scrape and every rank of a model, whose thousand characters of labels
+    were 90% of a page's parse (0.6 ms)."""
+    got = 0
+    for family in text_string_to_metric_families(lines + "\n"):
+        if family.name == CACHE_INFO:
+            got = max((_capacity(x.labels) for x in family.samples), default=0)
     return got
 
 
@@ -132,7 +124,7 @@ def parse_metrics(text: str, kind: str = "auto") -> RankLoad | None:
     started = 0.0
     kept = wanted_lines(text).splitlines()
     info = [x for x in kept if x.startswith(CACHE_INFO) and _name(x) == CACHE_INFO]
-    capacity = _capacity_lines(info) if info else 0
+    capacity = _capacity_text("\n".join(info)) if info else 0
     rest = "\n".join(x for x in kept if not x.startswith(CACHE_INFO)) + "\n"
     for family in text_string_to_metric_families(rest):
         name = family.name

@@ -32,9 +32,8 @@ class PrefixWiring:
         self._labels = tuple(labels)
         self._seen_engine: dict[str, tuple[int, int]] = {}
         self._seen_tier: dict[int, tuple[int, int]] = {}
-        self._seen_hits = 0
-        self._seen_overrides = 0
-        self._seen_holder_tiers = 0
+        #: Decision label -> the affinity's count already fed to the metric.
+        self._seen_decisions: dict[str, int] = {}
         #: Prefix-cache capacity each engine registered (blocks; absent: the default).
         self._registered: dict[str, int] = {}
         self.settings = settings
@@ -57,7 +56,7 @@ class PrefixWiring:
             aff = Affinity(PrefixIndex(s.block_tokens), lambda q, c: self._cost(q, c))
             self._bal.affinity = aff
             # a new affinity counts from zero: so do the deltas the metrics are fed
-            self._seen_hits = self._seen_overrides = self._seen_holder_tiers = 0
+            self._seen_decisions.clear()
             self._seen_engine.clear()
             self._seen_tier.clear()
         aff.max_wait_ns = s.affinity_max_wait_ms * (NS_PER_S // 1000)
@@ -150,12 +149,10 @@ class PrefixWiring:
                 pm.TIER_HIT_BLOCKS.labels(self._labels[t]).inc(hit - h0)
                 pm.TIER_LOOKUP_BLOCKS.labels(self._labels[t]).inc(look - l0)
                 self._seen_tier[t] = (hit, look)
-        if aff.hits > self._seen_hits:
-            pm.DECISIONS.labels("affinity_hit").inc(aff.hits - self._seen_hits)
-        if aff.overrides > self._seen_overrides:
-            pm.DECISIONS.labels("fairness_override").inc(aff.overrides - self._seen_overrides)
-        if aff.holder_tiers > self._seen_holder_tiers:
-            pm.DECISIONS.labels("holder_tier").inc(aff.holder_tiers - self._seen_holder_tiers)
-        self._seen_hits, self._seen_overrides = aff.hits, aff.overrides
-        self._seen_holder_tiers = aff.holder_tiers
+        for label, n in (("affinity_hit", aff.hits), ("fairness_override", aff.overrides),
+                         ("holder_tier", aff.holder_tiers)):
+            seen = self._seen_decisions.get(label, 0)
+            if n > seen:
+                pm.DECISIONS.labels(label).inc(n - seen)
+            self._seen_decisions[label] = n
         pm.INDEX_BLOCKS.set(aff.index.size())
