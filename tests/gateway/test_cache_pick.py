@@ -87,14 +87,29 @@ def test_index_at_its_bound_evicts_and_never_grows() -> None:
     assert idx.size() == 0 and idx.match(last).tolist() == [0]
 
 
+def test_a_prefix_loses_its_tail_first_and_a_long_prompt_keeps_its_head() -> None:
+    # As an engine's own cache: vLLM frees a request's blocks last first, so under
+    # pressure an older conversation still hits on its head (its system prompt).
+    idx = PrefixIndex()
+    slot = idx.add(10)
+    old, new = [hash(("old", i)) for i in range(6)], [hash(("new", i)) for i in range(6)]
+    idx.record(slot, old)
+    idx.record(slot, new)  # 2 of old's blocks go: its last two
+    assert idx.match(old).tolist() == [4] and idx.match(new).tolist() == [6]
+    long = [hash(("long", i)) for i in range(25)]
+    idx.record(slot, long)  # longer than the capacity: its first 10 blocks are held
+    assert idx.match(long).tolist() == [10] and idx.held(slot) == 10
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 6), st.booleans()),
                 max_size=40))
 def test_match_is_each_engines_longest_held_leading_run(
     ops: list[tuple[int, int, int, bool]],
 ) -> None:
-    """Property: the bitset walk equals a per-engine LRU scan (the reference), also when
-    a request repeats a block (the last occurrence counts) or every block is held."""
+    """Property: the bitset walk equals a per-engine LRU scan (the reference: a request
+    touches its blocks last first, so its head is the most recent), also when a request
+    repeats a block (its first occurrence counts) or every block is held."""
     idx = PrefixIndex()
     slots = [idx.add(12) for _ in range(4)]
     ref: list[list[int]] = [[] for _ in slots]
@@ -102,7 +117,7 @@ def test_match_is_each_engines_longest_held_leading_run(
         blocks = [hash((seed, j % 2 if repeat else j)) for j in range(n)]
         idx.record(slots[engine], blocks)
         lru = ref[engine]
-        for h in blocks:
+        for h in reversed(blocks):
             if h in lru:
                 lru.remove(h)
             lru.append(h)

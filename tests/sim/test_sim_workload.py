@@ -78,9 +78,14 @@ def test_block_cache_prefix_hits_and_lru() -> None:
     assert c.lookup_and_insert((1, 2, 3), 1500) == 1024
     # A full hit still computes the last token.
     assert c.lookup_and_insert((1, 2, 3), 1536) == 1535
-    c.lookup_and_insert((4,), 512)  # evicts block 1 (least recently used)
-    assert 1 not in c and 4 in c
-    assert c.lookup_and_insert((1, 2), 1024) == 0  # prefix broken at block 1
+    # A prefix loses its tail first (its head is touched last), as vLLM frees a request's
+    # blocks last block first: block 3 goes, and 1, 2 still make a hit.
+    c.lookup_and_insert((4,), 512)
+    assert 3 not in c and 4 in c
+    assert c.lookup_and_insert((1, 2), 1024) == 1023
+    c.lookup_and_insert((5, 6), 1024)  # evicts 4, then the tail 2 of the older prefix
+    assert 2 not in c and 1 in c
+    assert c.lookup_and_insert((1, 2), 1024) == 512  # the head still hits
     assert BlockCache(0).lookup_and_insert((1,), 512) == 0
     with pytest.raises(ValueError):
         BlockCache(-1)

@@ -14,7 +14,8 @@ to Python's cycle collector, so that a full collection never walks millions of e
 * one exact LRU per engine (:class:`_Lru`) of at most ``capacity`` blocks: a plain
   ``dict`` block hash -> entry slot, and numpy arrays per entry slot of the hash and its
   last use (a tick of the index, bumped per block recorded). Recording a request touches
-  its held blocks and inserts the others as most recent; when that goes past the
+  its held blocks and inserts the others as most recent, its first block last (so a
+  prefix loses its tail first, as an engine's own cache does); when that goes past the
   capacity, the least recently used are evicted, with a margin of 1/64 of the capacity
   (``np.argpartition`` over the engine's ticks: O(capacity) numpy work, ~30 us at 20,000
   blocks, once per capacity/64 inserts) -- the eviction an engine's own LRU prefix
@@ -275,22 +276,27 @@ class PrefixIndex:
 
     def record(self, slot: int, blocks: Sequence[int]) -> None:
         """Engine ``slot`` was sent a request with these blocks: they become its most
-        recent ones (in order); the least recently used beyond its capacity are evicted."""
+        recent ones, the first block the most recent of all (a prefix loses its tail
+        first, as vLLM frees a request's blocks last block first and SGLang evicts radix
+        leaves); the least recently used beyond its capacity are evicted."""
         lru = self._lru[slot]
         if lru is None or lru.cap == 0 or not blocks:
             return
-        if len(blocks) > lru.cap:  # the first ones would be evicted by the last ones
-            blocks = blocks[-lru.cap :]
+        if len(blocks) > lru.cap:  # a tail without its head is never a hit: keep the head
+            blocks = blocks[: lru.cap]
         t0 = self._tick
         self._tick += len(blocks)
+        top = t0 + len(blocks) - 1
         pos = lru.pos
         if len(set(blocks)) == len(blocks):  # the hashes chain: a repeat is a collision
             order: Sequence[int] = blocks
-            ticks = np.arange(t0, t0 + len(blocks), dtype=np.int64)
+            ticks = np.arange(top, t0 - 1, -1, dtype=np.int64)
         else:
-            last = dict(zip(blocks, range(len(blocks)), strict=False))  # last occurrence
-            order = list(last)
-            ticks = t0 + np.fromiter(last.values(), dtype=np.int64, count=len(order))
+            first: dict[int, int] = {}
+            for i, h in enumerate(blocks):
+                first.setdefault(h, i)  # a repeated block is as recent as its first use
+            order = list(first)
+            ticks = top - np.fromiter(first.values(), dtype=np.int64, count=len(order))
         where_at = [pos.get(h, -1) for h in order]
         if min(where_at) >= 0:  # every block held (a conversation's next turn): touch
             lru.tick[where_at] = ticks

@@ -60,7 +60,7 @@ class BlockCache:
                 hits += 1
             else:
                 break
-        for h in hash_ids:
+        for h in reversed(hash_ids):  # the head most recent: the tail is evicted first
             if h in blocks:
                 blocks.move_to_end(h)
             else:

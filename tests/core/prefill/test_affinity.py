@@ -20,13 +20,22 @@ def cost(q: int, c: int) -> int:
 # -- index ---------------------------------------------------------------------------------
 
 
+def _chains(paths: list[list[int]]) -> list[tuple[int, ...]]:
+    """Chained block hashes of prompts given as paths of choices: block i's hash stands
+    for the whole path up to i (the same prefix, the same hash), as the protocol's
+    chained hashes do."""
+    ids: dict[tuple[int, ...], int] = {}
+    return [tuple(ids.setdefault(tuple(p[: i + 1]), len(ids) + 1) for i in range(len(p)))
+            for p in paths]
+
+
 def test_match_is_the_leading_run() -> None:
     idx = PrefixIndex(block_tokens=4)
     idx.add_engine("a", 100)
     idx.record("a", [1, 2, 3])
     assert idx.match("a", [1, 2, 3, 4]) == 3
-    assert idx.match("a", [1, 9, 3]) == 1
-    assert idx.match("a", [9, 1, 2]) == 0
+    assert idx.match("a", [1, 9, 10]) == 1  # the prompt differs after block 1
+    assert idx.match("a", [9, 10, 11]) == 0  # another prompt
     assert idx.match("unknown", [1]) == 0
     assert idx.cached_tokens(3, 100) == 12
     assert idx.cached_tokens(3, 12) == 11  # the last token is always computed
@@ -42,30 +51,61 @@ def test_match_is_the_leading_run() -> None:
         ((1,), (1, 2, 3, 4, 5, 6, 7), 1),
     ],
 )
-def test_held_depth_bisects_the_last_block_held(
+def test_match_bisects_to_the_last_block_held(
     stored: tuple[int, ...], blocks: tuple[int, ...], want: int
 ) -> None:
     idx = PrefixIndex(block_tokens=4)
     idx.add_engine("a", 100)
     idx.stored("a", stored)
-    assert idx.held_depth("a", blocks) == idx.match("a", blocks) == want
-    assert idx.held_depth("unknown", blocks) == 0
+    assert idx.match("a", blocks) == want
+    assert idx.match("unknown", blocks) == 0
     assert idx.holds("a", 1) == (1 in stored) and not idx.holds("unknown", 1)
 
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 40), k=st.integers(0, 40), hole=st.integers(0, 40))
-def test_held_depth_equals_the_match_without_holes_and_never_falls_short(
+def test_match_is_the_held_prefix_and_a_lost_eviction_never_makes_it_fall_short(
     n: int, k: int, hole: int
 ) -> None:
     blocks = tuple(range(100, 100 + n))
     idx = PrefixIndex()
     idx.add_engine("a", 1000)
     idx.stored("a", (*blocks[: min(k, n)], 7, 8))  # a prefix, and blocks of other prompts
-    assert idx.held_depth("a", blocks) == idx.match("a", blocks) == min(k, n)
-    if hole < min(k, n):  # an eviction report inside the prefix
+    assert idx.match("a", blocks) == min(k, n)
+    if hole < min(k, n):  # an eviction report inside the prefix (its tail's were lost)
         idx.evicted("a", [blocks[hole]])
-        assert idx.match("a", blocks) == hole <= idx.held_depth("a", blocks) <= min(k, n)
+        assert hole <= idx.match("a", blocks) <= min(k, n)
+
+
+def _walk(held: object, blocks: tuple[int, ...]) -> int:
+    n = 0
+    while n < len(blocks) and blocks[n] in held:  # type: ignore[operator]
+        n += 1
+    return n
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    cap=st.integers(0, 12),
+    paths=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=8), max_size=40),
+)
+def test_held_blocks_stay_prefix_closed_so_bisection_is_the_walk(
+    cap: int, paths: list[list[int]]
+) -> None:
+    """Whatever the capacity, an engine never holds a block without its whole prefix
+    (a request's head is touched last, so its tail is evicted first): the bisection
+    :meth:`PrefixIndex.match` does equals the walk of the leading run."""
+    chains = _chains(paths)
+    parent = {c[i]: c[i - 1] for c in chains for i in range(1, len(c))}
+    idx = PrefixIndex()
+    idx.add_engine("a", cap)
+    for blocks in chains:
+        c = idx.cache("a")
+        assert c is not None
+        assert idx.match("a", blocks) == _walk(c.blocks, blocks)
+        idx.record("a", blocks)
+        assert all(parent[b] in c.blocks for b in c.blocks if b in parent)
+        assert len(c.blocks) <= cap
 
 
 def test_lru_bounded_by_capacity() -> None:
@@ -117,12 +157,12 @@ def test_capacity_validated() -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     cap=st.integers(0, 8),
-    reqs=st.lists(st.lists(st.integers(0, 12), max_size=6), max_size=40),
+    paths=st.lists(st.lists(st.integers(0, 3), max_size=6), max_size=40),
 )
-def test_index_never_exceeds_capacity_and_hits_are_held(cap: int, reqs: list[list[int]]) -> None:
+def test_index_never_exceeds_capacity_and_hits_are_held(cap: int, paths: list[list[int]]) -> None:
     idx = PrefixIndex()
     idx.add_engine("a", cap)
-    for blocks in reqs:
+    for blocks in _chains(paths):
         m = idx.match("a", blocks)
         c = idx.cache("a")
         assert c is not None

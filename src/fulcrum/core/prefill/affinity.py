@@ -12,10 +12,18 @@ is the longest leading run of the request's blocks that the engine holds.
 
 * **approximate** (default): the blocks of every request the balancer handed an engine
   (:meth:`PrefixIndex.record`), as an LRU bounded by the engine's registered cache
-  capacity (blocks) -- the same eviction an engine's own LRU prefix cache does;
+  capacity (blocks) -- the same eviction an engine's own prefix cache does: a request's
+  blocks are touched last block first, so its head is the most recent and a prefix
+  loses its tail first (vLLM frees a request's blocks in reverse order for that reason;
+  SGLang's radix tree evicts leaves);
 * **exact** (optional): blocks an engine reports stored / evicted
   (:meth:`PrefixIndex.stored`, :meth:`PrefixIndex.evicted`, as vLLM's and SGLang's KV
   events do).
+
+Held blocks are therefore *prefix-closed*: a block is held only with its whole prefix
+(its parent is touched after it on every insert, and evicted after it), and the engines'
+own evictions keep that too. So the leading run a request's blocks an engine holds is
+found by bisection (:meth:`PrefixIndex.match`, O(log blocks) look-ups), not a walk.
 
 Memory is bounded: at most ``capacity_blocks`` entries per engine (``MAX_CAPACITY_BLOCKS``
 at most), one ``OrderedDict`` entry of a 64-bit hash each, about 100 bytes per block and
@@ -123,23 +131,10 @@ class PrefixIndex:
     # -- queries --------------------------------------------------------------------------
 
     def match(self, engine_id: str, blocks: Sequence[int]) -> int:
-        """Leading blocks of ``blocks`` that ``engine_id`` holds (0 for an unknown engine)."""
-        c = self._engines.get(engine_id)
-        if c is None or not c.blocks:
-            return 0
-        held = c.blocks
-        n = 0
-        for h in blocks:
-            if h not in held:
-                break
-            n += 1
-        return n
-
-    def held_depth(self, engine_id: str, blocks: Sequence[int]) -> int:
-        """Leading blocks of ``blocks`` ``engine_id`` holds, found by bisection on the last
-        one it holds (O(log n) look-ups, not :meth:`match`'s walk): a block's hash chains
-        its prefix, and a prefix's blocks are touched together. It can exceed
-        :meth:`match` only where an eviction report left a hole inside a prefix."""
+        """Leading blocks of ``blocks`` that ``engine_id`` holds (0 for an unknown engine),
+        by bisection on the last one it holds: O(log len(blocks)) look-ups, since held
+        blocks are prefix-closed (module docstring). Only where an engine's eviction
+        report left a hole inside a prefix (a lost event) can it exceed the leading run."""
         c = self._engines.get(engine_id)
         if c is None or not c.blocks:
             return 0
@@ -216,7 +211,7 @@ class PrefixIndex:
     def _insert(c: EngineCache, blocks: Iterable[int]) -> None:
         c.version += 1
         held = c.blocks
-        for h in blocks:
+        for h in reversed(tuple(blocks)):  # the head most recent: the tail goes first
             if h in held:
                 held.move_to_end(h)
             else:

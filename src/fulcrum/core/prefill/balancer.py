@@ -693,7 +693,7 @@ def _held_tier(bal: PrefillBalancer, engine_id: str, own: int, best: int,
     21; BENCHMARKS.md, "Prefix affinity: a holder of another tier"). A longer tier's
     request only within the helping bound, never one of a lower priority band than
     ``best``'s head. Look-ups per request: O(log blocks) for this engine's depth
-    (:meth:`PrefixIndex.held_depth`), one per other engine for the block that ends it."""
+    (:meth:`PrefixIndex.match`), one per other engine for the block that ends it."""
     aff = bal.affinity
     src = bal.config.rules.source
     if aff is None or now_ns is None or not src.helps:
@@ -712,7 +712,7 @@ def _held_tier(bal: PrefillBalancer, engine_id: str, own: int, best: int,
         for item in itertools.islice(bal.queued(t, now_ns), aff.scan):
             if not item.blocks or (floor is not None and item.cls.priority < floor):
                 continue
-            m = idx.held_depth(engine_id, item.blocks)
+            m = idx.match(engine_id, item.blocks)
             if m == 0 or any(idx.holds(e, item.blocks[m - 1]) for e in others):
                 continue
             if t <= own or aff_order.matched_cost(aff, item, m) <= bal.helping_bound_ns(own):
