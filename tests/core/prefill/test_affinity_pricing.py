@@ -137,14 +137,14 @@ def test_the_pullers_own_finish_uses_its_current_rank_loads() -> None:
 def test_the_decisions_pricer_is_finish_ns(min_rank_ms: int, step_ms: int, seen_ms: int,
                                            now_ms: int, ranks: int, matched: int,
                                            ahead_ms: int, pulling: bool, known: bool) -> None:
-    """``pricer`` (one decision's cached form) predicts what :func:`finish_ns` does."""
+    """``Pricer`` (one decision's cached form) predicts what :func:`finish_ns` does."""
     aff = Affinity(PrefixIndex(block_tokens=100), cost, max_wait_ns=100 * S)
     item = Queued("r", 350, 0, 0, cost(350, 0), 0, (7, 8, 9))
     eng = EngineEntry("e", ranks, tier=0, min_rank_ns=min_rank_ms * MS, seen_ns=seen_ms * MS,
                       step_ns=step_ms * MS) if known else None
     w = aff_order.Window([item], ["e"], aff.index, 100 * S)
     now = now_ms * MS
-    price = aff_order.pricer(aff, w, lambda e: eng, now, lambda e: pulling)
+    price = aff_order.Pricer(aff, w, lambda e: eng, now, lambda e: pulling)
     for _ in range(2):  # the second call reads the cached parts
         assert price("e", item, matched, ahead_ms * MS) == aff_order.finish_ns(
             aff, eng, item, matched, now, pulling, ahead_ms * MS)

@@ -511,7 +511,7 @@ class PrefillBalancer:
             offering = {o.engine_id for o in offers}
             able = aff_order.able(aff, offers, now_ns, w,
                                   lambda o, it: self._can_take_item(tier, o, it),
-                                  aff_order.pricer(aff, w, self.engine, now_ns,
+                                  aff_order.Pricer(aff, w, self.engine, now_ns,
                                                    offering.__contains__),
                                   aff_order.grace_ns(self.config.step_floor_ns))
         if not able:
@@ -734,5 +734,5 @@ def _affinity_order(
     assert aff is not None
     return aff_order.order_for(
         aff, engine_id, now_ns, w,
-        aff_order.pricer(aff, w, bal.engine, now_ns, lambda e: e == engine_id),
+        aff_order.Pricer(aff, w, bal.engine, now_ns, lambda e: e == engine_id),
         aff_order.grace_ns(bal.config.step_floor_ns))

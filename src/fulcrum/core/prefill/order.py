@@ -63,6 +63,10 @@ class Window:
     _held: list[dict[str, int]] = field(default_factory=list)
     _costs: dict[tuple[int, int], int] = field(default_factory=dict)
     _tops: dict[int, tuple[int, str | None]] = field(default_factory=dict)
+    #: Take orders of engines holding none of the requests they read, by
+    #: (load part, now, grace): the same for every such engine (:func:`order_for`).
+    _orders: dict[tuple[int, int, int], tuple[list[Queued], set[str]]] = field(
+        default_factory=dict)
 
     def held(self, i: int) -> dict[str, int]:
         """Engine -> leading blocks held of ``items[i]`` (engines holding none left out)."""
@@ -82,6 +86,17 @@ class Window:
         if got is None:
             got = self._costs[key] = matched_cost(aff, item, matched)
         return got
+
+    def order(self, key: tuple[int, int, int], engine_id: str) -> list[Queued] | None:
+        """A take order kept under ``key`` that holds for ``engine_id`` (it holds none
+        of the requests that order read), or None."""
+        got = self._orders.get(key)
+        return None if got is None or engine_id in got[1] else list(got[0])
+
+    def keep(self, key: tuple[int, int, int], order: list[Queued], holders: set[str]) -> None:
+        """Keep the take order of an engine holding none of the requests it read
+        (``holders``: the engines holding any of them)."""
+        self._orders[key] = (list(order), holders)
 
     def top(self, i: int) -> tuple[int, str | None]:
         """The longest prefix any engine holds of ``items[i]`` (blocks) and the one engine
@@ -158,12 +173,31 @@ def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window,
     it or that it alone holds the longest prefix of (it takes those first; issue 21);
     without, whenever one exists. It ends once it holds ``aff.scan`` requests: the ones
     waiting for another engine do not count (the window runs up to ``SCAN_CAP`` times
-    ``aff.scan``)."""
+    ``aff.scan``). Engines holding none of the requests they read, with the same load
+    part (:meth:`Pricer.load_ns`), have the same order: it is walked once per window (an
+    idle fleet pulling on a cold queue walks it once, not once per engine)."""
+    key = None
+    if isinstance(finish, Pricer):
+        key = (finish.load_ns(engine_id), now_ns, grace_ns)
+        kept = w.order(key, engine_id)
+        if kept is not None:
+            return kept
+    order, holders = _walk(aff, engine_id, now_ns, w, finish, grace_ns)
+    if key is not None and engine_id not in holders:
+        w.keep(key, order, holders)
+    return order
+
+
+def _walk(aff: Affinity, engine_id: str, now_ns: int, w: Window, finish: Finish | None,
+          grace_ns: int) -> tuple[list[Queued], set[str]]:
+    """:func:`order_for`'s walk: the take order, and the engines holding any request read."""
     ranked: list[tuple[int, int, Queued]] = []
     ahead: dict[str, int] = {}
     bound, scan, cost = w.bound_ns, aff.scan, w.cost
+    holders: set[str] = set()
     for i, item in enumerate(w.items):
         h = w.held(i)
+        holders.update(h)
         mine = h.get(engine_id, 0)
         top_m, top = w.top(i)
         e = None
@@ -187,7 +221,7 @@ def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window,
         if len(ranked) >= scan:  # requests waiting for another engine do not count
             break
     ranked.sort(key=lambda x: (x[0], x[1]))
-    return [x[2] for x in ranked]
+    return [x[2] for x in ranked], holders
 
 
 def seen(eng: EngineEntry, loads: Sequence[int], ranks: Sequence[int],
@@ -249,21 +283,34 @@ def finish_ns(aff: Affinity, eng: EngineEntry | None, item: Queued, matched: int
     return load + ahead_ns // ranks + cost
 
 
-def pricer(aff: Affinity, w: Window, engine: Callable[[str], EngineEntry | None],
-           now_ns: int, pulling: Callable[[str], bool]) -> Finish:
+class Pricer:
     """:func:`finish_ns` over the window ``w`` for one decision at ``now_ns`` (``engine``:
     engine id -> its entry; ``pulling``: the engines at a step boundary now), with each
     engine's load part computed once and each request's cost once per window: the take
-    orders of every offering engine price the same engines and requests again."""
-    bases: dict[str, tuple[int, int]] = {}
+    orders of every offering engine price the same engines and requests again. A
+    :data:`Finish`; :meth:`load_ns` is the part that depends on the engine alone."""
 
-    def finish(e: str, it: Queued, m: int, ahead: int) -> int:
-        b = bases.get(e)
+    __slots__ = ("_aff", "_bases", "_engine", "_now", "_pulling", "_w")
+
+    def __init__(self, aff: Affinity, w: Window, engine: Callable[[str], EngineEntry | None],
+                 now_ns: int, pulling: Callable[[str], bool]) -> None:
+        self._aff, self._w, self._engine = aff, w, engine
+        self._now, self._pulling = now_ns, pulling
+        self._bases: dict[str, tuple[int, int]] = {}
+
+    def _base(self, e: str) -> tuple[int, int]:
+        b = self._bases.get(e)
         if b is None:
-            b = bases[e] = _base(engine(e), now_ns, pulling(e))
-        return b[0] + ahead // b[1] + w.cost(aff, it, m)
+            b = self._bases[e] = _base(self._engine(e), self._now, self._pulling(e))
+        return b
 
-    return finish
+    def load_ns(self, e: str) -> int:
+        """Engine ``e``'s load part (ns): when it could start a request with nothing ahead."""
+        return self._base(e)[0]
+
+    def __call__(self, e: str, it: Queued, m: int, ahead: int) -> int:
+        load, ranks = self._base(e)
+        return load + ahead // ranks + self._w.cost(self._aff, it, m)
 
 
 def _base(eng: EngineEntry | None, now_ns: int, pulling: bool) -> tuple[int, int]:
