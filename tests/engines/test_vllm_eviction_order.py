@@ -10,44 +10,13 @@ predict no hit at all."""
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from fulcrum.core.prefill.affinity import PrefixIndex
 from fulcrum.gateway.prefix_index import PrefixIndex as GatewayIndex
-from tests.engines.vllm_fleet import (
-    BLOCK_SIZE,
-    MODEL_NAME,
-    VllmFleet,
-    make_model,
-    metric_sum,
-    vllm_python,
-)
+from tests.engines.vllm_fleet import BLOCK_SIZE, MODEL_NAME, metric_sum
 
-CACHE_BLOCKS = 48
 PROMPT_BLOCKS = 20
-
-
-@pytest.fixture(scope="module")
-def small_cache_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    if vllm_python() is None:
-        msg = "vLLM venv absent: run tests/engines/install_vllm.sh"
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg + " (a skip in CI is a failure)")
-        pytest.skip(msg)
-    model = make_model(Path(tmp_path_factory.mktemp("tiny-moe-small-cache")))
-    fleet = VllmFleet(model, n=1, extra_args=lambda _i, _p: [
-        "--num-gpu-blocks-override", str(CACHE_BLOCKS), "--max-model-len", "1024"])
-    fleet.start()
-    try:
-        fleet.wait_ready()
-        yield fleet.ports[0]
-    finally:
-        fleet.stop()
 
 
 def _complete(port: int, ids: list[int]) -> None:
@@ -66,9 +35,9 @@ def _hit_blocks(port: int, ids: list[int]) -> int:
 
 
 def test_the_engine_keeps_a_prompts_head_and_the_indexes_predict_it(
-    small_cache_engine: int,
+    small_cache_engine: tuple[int, int],
 ) -> None:
-    port = small_cache_engine
+    port, cache_blocks = small_cache_engine
     n = PROMPT_BLOCKS * BLOCK_SIZE
     prompts = {name: [base + i % 300 for i in range(n)]
                for name, base in (("A", 100), ("B1", 700), ("B2", 1100))}
@@ -81,13 +50,13 @@ def test_the_engine_keeps_a_prompts_head_and_the_indexes_predict_it(
     # The same requests through both indexes, one block hash per block of each prompt.
     blocks = {name: [hash((name, b)) for b in range(PROMPT_BLOCKS)] for name in prompts}
     core, gateway = PrefixIndex(BLOCK_SIZE), GatewayIndex()
-    core.add_engine("e", CACHE_BLOCKS)
-    slot = gateway.add(CACHE_BLOCKS)
+    core.add_engine("e", cache_blocks)
+    slot = gateway.add(cache_blocks)
     for name in ("A", "B1", "B2"):
         core.record("e", blocks[name])
         gateway.record(slot, blocks[name])
     predicted = core.match("e", blocks["A"])
-    assert predicted == int(gateway.match(blocks["A"])[slot]) == CACHE_BLOCKS - 2 * PROMPT_BLOCKS
+    assert predicted == int(gateway.match(blocks["A"])[slot]) == cache_blocks - 2 * PROMPT_BLOCKS
     # The engine kept A's head (a head-first index predicts 0); it counts one block fewer
     # (the block its first run's output token took).
     assert engine_kept > 0 and abs(engine_kept - predicted) <= 1

@@ -219,7 +219,9 @@ async def test_oversize_request_is_served_alone_to_idle_engine() -> None:
     async with prefill_daemon() as (_, c, st):
         inc = await register(c, "e1", dp_ranks=2)
         st.rebalance(0, reason="round")
+        # One at a time: two calls in flight at once may reach the daemon in either order.
         big = asyncio.ensure_future(c.prefill.Submit(submit_request("huge", 2_000_000)))
+        await until(lambda: st.queue_depths()[3] == 1)
         small = asyncio.ensure_future(c.prefill.Submit(submit_request("after", 300_000)))
         await until(lambda: st.queue_depths()[3] == 2)
         await until(lambda: st.engine_tier("e1") == 3)

@@ -22,7 +22,7 @@ is the longest leading run of the request's blocks that the engine holds.
 
 Held blocks are therefore *prefix-closed*: a block is held only with its whole prefix
 (its parent is touched after it on every insert, and evicted after it), and the engines'
-own evictions keep that too. So the leading run a request's blocks an engine holds is
+own evictions keep that too. So the leading run of a request's blocks an engine holds is
 found by bisection (:meth:`PrefixIndex.match`, O(log blocks) look-ups), not a walk.
 
 Memory is bounded: at most ``capacity_blocks`` entries per engine (``MAX_CAPACITY_BLOCKS``
