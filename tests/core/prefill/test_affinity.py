@@ -400,3 +400,30 @@ def test_urgency_is_on_under_prefix_affinity() -> None:
     assert bal.source_tier(long_engine, [0], now_ns=10 * S) == 0
     bal.affinity = None
     assert bal.source_tier(long_engine, [0], now_ns=10 * S) == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["record", "evicted", "add", "keep", "remove"]),
+                              st.integers(0, 2), st.lists(st.integers(0, 9), max_size=5),
+                              st.integers(0, 6)), max_size=40))
+def test_holders_counts_the_engines_holding_each_block(
+    ops: list[tuple[str, int, list[int], int]]
+) -> None:
+    """:meth:`PrefixIndex.holders` (kept in step by every insert, eviction, report,
+    re-registration and removal) equals a count over the engines' caches."""
+    idx = PrefixIndex()
+    for e in ("a", "b", "c"):
+        idx.add_engine(e, 4)
+    for op, k, blocks, cap in ops:
+        e = "abc"[k]
+        if op == "record":
+            idx.record(e, blocks)
+        elif op == "evicted":
+            idx.evicted(e, blocks)
+        elif op in ("add", "keep"):
+            idx.add_engine(e, cap, keep=op == "keep")
+        else:
+            idx.remove_engine(e)
+        for b in range(10):
+            want = sum(1 for x in idx.engine_ids() if idx.holds(x, b))
+            assert idx.holders(b) == want

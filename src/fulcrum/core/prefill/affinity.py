@@ -77,13 +77,23 @@ class EngineCache:
     version: int = 0
     #: Unique per cache object of an index (a re-registered engine gets a new one).
     uid: int = 0
+    #: The index's count of engines holding each block (shared by its caches).
+    counts: dict[int, int] = field(default_factory=dict)
 
     def evict_to(self, cap: int) -> None:
         """Drop least recently used blocks until at most ``cap`` remain."""
         b = self.blocks
         while len(b) > cap:
-            b.popitem(last=False)
+            self.drop(b.popitem(last=False)[0])
             self.version += 1
+
+    def drop(self, block: int) -> None:
+        """Count ``block`` as no longer held here (it left :attr:`blocks`)."""
+        n = self.counts[block] - 1
+        if n:
+            self.counts[block] = n
+        else:
+            del self.counts[block]
 
 
 class PrefixIndex:
@@ -94,6 +104,8 @@ class PrefixIndex:
             raise ValueError("block_tokens: must be >= 1")
         self.block_tokens = block_tokens
         self._engines: dict[str, EngineCache] = {}
+        #: Block -> engines holding it (for :meth:`holders`; one entry per distinct block).
+        self._counts: dict[int, int] = {}
         self._uids = 0
 
     # -- engines --------------------------------------------------------------------------
@@ -109,12 +121,17 @@ class PrefixIndex:
             old.capacity_blocks = capacity_blocks
             old.evict_to(capacity_blocks)
             return
+        self.remove_engine(engine_id)
         self._uids += 1
-        self._engines[engine_id] = EngineCache(capacity_blocks, uid=self._uids)
+        self._engines[engine_id] = EngineCache(capacity_blocks, uid=self._uids,
+                                               counts=self._counts)
 
     def remove_engine(self, engine_id: str) -> None:
         """Forget an engine (it left)."""
-        self._engines.pop(engine_id, None)
+        c = self._engines.pop(engine_id, None)
+        if c is not None:
+            for h in c.blocks:
+                c.drop(h)
 
     def engine_ids(self) -> list[str]:
         """Engines known to the index."""
@@ -146,6 +163,10 @@ class PrefixIndex:
             else:
                 hi = mid - 1
         return lo
+
+    def holders(self, block: int) -> int:
+        """How many engines hold ``block`` (one look-up)."""
+        return self._counts.get(block, 0)
 
     def holds(self, engine_id: str, block: int) -> bool:
         """True when ``engine_id`` holds the block ``block`` (one look-up)."""
@@ -190,7 +211,9 @@ class PrefixIndex:
         c = self._engines.get(engine_id)
         if c is not None:
             for h in blocks:
-                c.blocks.pop(h, None)
+                if h in c.blocks:
+                    del c.blocks[h]
+                    c.drop(h)
             c.version += 1
 
     def match_memo(self, engine_id: str, blocks: Sequence[int],
@@ -216,6 +239,7 @@ class PrefixIndex:
                 held.move_to_end(h)
             else:
                 held[h] = None
+                c.counts[h] = c.counts.get(h, 0) + 1
         c.evict_to(c.capacity_blocks)
 
 

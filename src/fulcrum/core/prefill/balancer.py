@@ -692,8 +692,11 @@ def _held_tier(bal: PrefillBalancer, engine_id: str, own: int, best: int,
     served its own tier, and often ended on another engine with a miss after all (issue
     21; BENCHMARKS.md, "Prefix affinity: a holder of another tier"). A longer tier's
     request only within the helping bound, never one of a lower priority band than
-    ``best``'s head. Look-ups per request: O(log blocks) for this engine's depth
-    (:meth:`PrefixIndex.match`), one per other engine for the block that ends it."""
+    ``best``'s head. Look-ups per request: one when this engine holds none of it (the
+    common case: every offering engine runs this on every dispatch, so nothing here may
+    cost per engine squared); else O(log blocks) for its depth (:meth:`PrefixIndex.match`)
+    and one for how many engines hold the block that ends it; only when another does, a
+    look-up per other engine until one serving the tier holds it."""
     aff = bal.affinity
     src = bal.config.rules.source
     if aff is None or now_ns is None or not src.helps:
@@ -707,13 +710,15 @@ def _held_tier(bal: PrefillBalancer, engine_id: str, own: int, best: int,
             continue
         if now_ns - first.enqueued_ns >= aff.max_wait_ns * caps[t] // caps[0]:
             continue  # past the fairness bound: FIFO there, nobody waits for a holder
-        others = [e for e in bal.engine_ids()
-                  if e != engine_id and src.serves(bal.engine_tier(e), t)]
         for item in itertools.islice(bal.queued(t, now_ns), aff.scan):
-            if not item.blocks or (floor is not None and item.cls.priority < floor):
-                continue
+            if (not item.blocks or (floor is not None and item.cls.priority < floor)
+                    or not idx.holds(engine_id, item.blocks[0])):
+                continue  # (one look-up: most engines hold nothing of most requests)
             m = idx.match(engine_id, item.blocks)
-            if m == 0 or any(idx.holds(e, item.blocks[m - 1]) for e in others):
+            end = item.blocks[m - 1]
+            if idx.holders(end) > 1 and any(
+                    idx.holds(e, end) for e in bal.engine_ids()
+                    if e != engine_id and src.serves(bal.engine_tier(e), t)):
                 continue
             if t <= own or aff_order.matched_cost(aff, item, m) <= bal.helping_bound_ns(own):
                 return t
