@@ -124,6 +124,53 @@ def tiers_ms(blocks: int, reps: int = 20) -> tuple[float, float]:
     return best[True] * 1e3, best[False] * 1e3
 
 
+def build_fleet(engines: int) -> PrefillBalancer:
+    """``engines`` engines over four tiers (the default rules), 64 requests queued in each
+    tier, each conversation held by one engine alone (round robin)."""
+    bal = PrefillBalancer(BalancerConfig(
+        (16_384, 65_536, 262_144), (8 * 10**9, 32 * 10**9, 128 * 10**9, 512 * 10**9), 8.0,
+        1.0, 8, rules_by_name(DEFAULT),
+    ))
+    aff = Affinity(PrefixIndex(), cost, max_wait_ns=10**15)
+    bal.affinity = aff
+    ids = [f"e{i}" for i in range(engines)]
+    for e in ids:
+        aff.index.add_engine(e, 1 << 16)
+        bal.add_engine(e, 8)
+    bal.last_demand_ns = [10**9] * 4
+    bal.redistribute("join")
+    for t, tokens in enumerate((8_000, 32_000, 128_000, 300_000)):
+        for i in range(64):
+            k = t * 64 + i
+            bl = tuple(range(k * 1_000, k * 1_000 + tokens // 512))
+            aff.index.stored(ids[k % engines], bl[:-1])
+            bal.enqueue(Queued(f"t{t}r{i}", tokens, 0, t, cost(tokens, 0), 0, bl))
+    return bal
+
+
+def dispatch_ms(engines: int, reps: int = 3) -> tuple[float, float]:
+    """Best of ``reps``: the source tier of every engine, as one dispatch offers them all
+    (:func:`fulcrum.core.prefill.dispatch.pick_puller`), with the check of the other tiers
+    for a request the engine alone holds best and without it (ms)."""
+    from fulcrum.core.prefill import balancer as B
+
+    bal = build_fleet(engines)
+    keep = B._held_tier
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(reps):
+        for on in (True, False):
+            if not on:
+                B._held_tier = lambda *a: a[3]  # type: ignore[assignment]
+            try:
+                t0 = time.perf_counter()
+                for e in bal.engine_ids():
+                    bal.source_tier(e, [0] * 8, now_ns=1)
+                best[on] = min(best[on], time.perf_counter() - t0)
+            finally:
+                B._held_tier = keep
+    return best[True] * 1e3, best[False] * 1e3
+
+
 def table(quick: bool = False) -> str:
     """The decision-cost table (markdown)."""
     rows = ["| prefix blocks | without affinity (ms) | with affinity, fresh queue (ms) | "
@@ -141,6 +188,11 @@ def table(quick: bool = False) -> str:
     for blocks in (8, 32, 200):
         on, off = tiers_ms(blocks, 3 if quick else 20)
         rows.append(f"| {blocks} | {on:.3f} ({on / off:.1f}x) | {off:.3f} |")
+    rows += ["", "| engines (all offering) | one dispatch's source tiers, with the check (ms) | "
+             "without it (ms) |", "|---:|---:|---:|"]
+    for engines in (64, 1024):
+        on, off = dispatch_ms(engines, 1 if quick else 3)
+        rows.append(f"| {engines} | {on:.1f} ({on / off:.1f}x) | {off:.1f} |")
     return "\n".join(rows)
 
 
