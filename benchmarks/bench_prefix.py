@@ -77,22 +77,30 @@ def decision_ms(blocks: int, affinity: bool, reps: int = 20,
     return first * 1e3, nxt * 1e3
 
 
-def build_tiers(blocks: int) -> tuple[PrefillBalancer, str]:
-    """Four tiers, two engines each (the default rules: engines help other tiers), 64
-    requests queued in every tier, each held to ``blocks - 1`` blocks by every engine (a
-    tie: no engine holds any best, so the check of the other tiers reads every window to
-    its end). Returns the balancer and an engine of the shortest tier."""
+def _four_tiers(ids: list[str], capacity_blocks: int) -> tuple[PrefillBalancer, Affinity]:
+    """A balancer of four tiers (the default rules: engines help other tiers) with
+    prefix affinity, engines ``ids`` (8 ranks, ``capacity_blocks`` each) joined and
+    spread over the tiers by an equal demand."""
     bal = PrefillBalancer(BalancerConfig(
         (16_384, 65_536, 262_144), (8 * 10**9, 32 * 10**9, 128 * 10**9, 512 * 10**9), 8.0,
         1.0, 8, rules_by_name(DEFAULT),
     ))
     aff = Affinity(PrefixIndex(), cost, max_wait_ns=10**15)
     bal.affinity = aff
-    for e in ENGINES:
-        aff.index.add_engine(e, 1 << 20)
+    for e in ids:
+        aff.index.add_engine(e, capacity_blocks)
         bal.add_engine(e, 8)
     bal.last_demand_ns = [10**9] * 4
     bal.redistribute("join")
+    return bal, aff
+
+
+def build_tiers(blocks: int) -> tuple[PrefillBalancer, str]:
+    """Four tiers, two engines each (the default rules: engines help other tiers), 64
+    requests queued in every tier, each held to ``blocks - 1`` blocks by every engine (a
+    tie: no engine holds any best, so the check of the other tiers reads every window to
+    its end). Returns the balancer and an engine of the shortest tier."""
+    bal, aff = _four_tiers(ENGINES, 1 << 20)
     for t, tokens in enumerate((8_000, 32_000, 128_000, 300_000)):
         for i in range(64):
             bl = tuple(range((t * 64 + i) * 1_000, (t * 64 + i) * 1_000 + blocks))
@@ -127,18 +135,8 @@ def tiers_ms(blocks: int, reps: int = 20) -> tuple[float, float]:
 def build_fleet(engines: int) -> PrefillBalancer:
     """``engines`` engines over four tiers (the default rules), 64 requests queued in each
     tier, each conversation held by one engine alone (round robin)."""
-    bal = PrefillBalancer(BalancerConfig(
-        (16_384, 65_536, 262_144), (8 * 10**9, 32 * 10**9, 128 * 10**9, 512 * 10**9), 8.0,
-        1.0, 8, rules_by_name(DEFAULT),
-    ))
-    aff = Affinity(PrefixIndex(), cost, max_wait_ns=10**15)
-    bal.affinity = aff
     ids = [f"e{i}" for i in range(engines)]
-    for e in ids:
-        aff.index.add_engine(e, 1 << 16)
-        bal.add_engine(e, 8)
-    bal.last_demand_ns = [10**9] * 4
-    bal.redistribute("join")
+    bal, aff = _four_tiers(ids, 1 << 16)
     for t, tokens in enumerate((8_000, 32_000, 128_000, 300_000)):
         for i in range(64):
             k = t * 64 + i
