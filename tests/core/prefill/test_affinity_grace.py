@@ -1,7 +1,8 @@
 """The grace of the prefix-aware pull (issue 21): a request may wait for a holder
 predicted later than the puller by the recompute the holder saves, at most
 ``GRACE_FLOORS`` step floors, only while nobody else waits for that holder, and less
-the longer it has waited; the take order reads past the requests left to a holder."""
+the longer it has waited, and never past its tier's tail (the unloaded cost of the
+tier's largest prompt); the take order reads past the requests left to a holder."""
 
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ def _item(aff: Affinity, n: int, held: bool = True, t_ms: int = 0) -> Queued:
 
 
 def _idle_order(aff: Affinity, items: list[Queued], holder_load_ms: int, now_ms: int = 0,
-                grace_ns: int = GRACE) -> list[str]:
+                grace_ns: int = GRACE, tail_ms: int | None = None) -> list[str]:
     now = now_ms * MS
     engines = {
         "holder": EngineEntry("holder", 1, tier=0, min_rank_ns=holder_load_ms * MS, seen_ns=now),
         "idle": EngineEntry("idle", 1, tier=0, min_rank_ns=0, seen_ns=now),
     }
-    w = aff_order.window(aff, items, ["holder", "idle"], now)
+    tail = None if tail_ms is None else tail_ms * MS
+    w = aff_order.window(aff, items, ["holder", "idle"], now, tail_ns=tail)
     assert w is not None
 
     def finish(e: str, it: Queued, m: int, ahead: int) -> int:
@@ -108,17 +110,48 @@ def test_the_window_matches_only_as_far_as_an_order_reads() -> None:
     assert len(w._held) == 2  # the requests after r2 are never matched
 
 
+@pytest.mark.parametrize(
+    ("holder_load_ms", "now_ms", "tail_ms", "want_idle"),
+    [
+        # 100 ms later than the idle engine, within the grace; its first token there at
+        # 0 + 1,000 + 101 ms: within a 1,200 ms tail, it waits.
+        (1_000, 0, 1_200, []),
+        # The same past a 1,050 ms tail: the grace would make it one of the tier's
+        # slowest requests, the idle engine takes it.
+        (1_000, 0, 1_050, ["r1"]),
+        # Exactly at the tail: still within it.
+        (999, 0, 1_100, []),
+        # Waited 150 ms: 150 + 950 + 101 = 1,201 ms, past a 1,200 ms tail.
+        (950, 150, 1_200, ["r1"]),
+        # A holder predicted sooner is waited for whatever the tail (no grace involved):
+        # 800 + 101 < 1,001 ms, even though 901 ms is past a 500 ms tail.
+        (800, 0, 500, []),
+        # The last tier has no tail: the grace alone decides.
+        (1_000, 0, None, []),
+    ],
+)
+def test_the_grace_stays_within_the_tiers_tail(holder_load_ms: int, now_ms: int,
+                                               tail_ms: int | None,
+                                               want_idle: list[str]) -> None:
+    aff = _aff()
+    got = _idle_order(aff, [_item(aff, 1)], holder_load_ms, now_ms, tail_ms=tail_ms)
+    assert got == want_idle
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(load_ms=st.integers(0, 3_000), waited_ms=st.integers(0, 1_000),
-       grace_ms=st.integers(0, 500))
+       grace_ms=st.integers(0, 500), tail_ms=st.none() | st.integers(0, 4_000))
 def test_a_request_never_waits_past_the_grace(load_ms: int, waited_ms: int,
-                                              grace_ms: int) -> None:
-    """Whatever the load and wait: r1 waits for the holder only if the holder is
+                                              grace_ms: int, tail_ms: int | None) -> None:
+    """Whatever the load, wait and tail: r1 waits for the holder only if the holder is
     predicted sooner, or later by less than min(saved recompute, the grace cap
-    shrinking with the wait)."""
+    shrinking with the wait) with its first token there within the tail."""
     aff = _aff()
     item = _item(aff, 1, t_ms=0)
-    got = _idle_order(aff, [item], load_ms, waited_ms, grace_ms * MS)
-    late_ms = (load_ms + 101) - 1_001
+    got = _idle_order(aff, [item], load_ms, waited_ms, grace_ms * MS, tail_ms)
+    at_holder_ms = load_ms + 101
+    late_ms = at_holder_ms - 1_001
     left_ms = max(0, min(grace_ms, 2 * grace_ms - waited_ms, 900))
+    if tail_ms is not None and waited_ms + at_holder_ms > tail_ms:
+        left_ms = 0
     assert got == ([] if late_ms < left_ms else ["r1"])

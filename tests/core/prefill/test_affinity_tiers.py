@@ -15,6 +15,7 @@ from fulcrum.core.prefill.balancer import (
     BalancerConfig,
     PrefillBalancer,
     Queued,
+    _affinity_window,
     rules_by_name,
 )
 from fulcrum.core.tenants import RequestClass
@@ -123,3 +124,17 @@ def test_a_short_engine_helps_a_longer_tier_only_within_the_helping_bound(
     bal.enqueue(_req(bal, "long", 50, 100, S))
     assert bal.helping_bound_ns(0) == 2 * S
     assert bal.source_tier(short, [0, 0], now_ns=S) == want
+
+
+def test_a_tiers_grace_ends_at_the_unloaded_cost_of_its_largest_prompt() -> None:
+    """The grace's tail (``Window.tail_ns``) is a prompt at the tier's upper bound with
+    nothing cached (16K tokens: 0.83 s here); the last tier has no upper bound, no tail."""
+    bal, _, _, _ = _fleet()
+    bal.enqueue(_req(bal, "chat", 2, 100, 0))
+    bal.enqueue(_req(bal, "book", 300, 1_000, 0))
+    tails = {}
+    for tier in (0, 3):
+        w = _affinity_window(bal, tier, S)
+        assert w is not None and len(w.items) == 1
+        tails[tier] = w.tail_ns
+    assert tails == {0: cost(BOUNDS[0], 0), 3: None}

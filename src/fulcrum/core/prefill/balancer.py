@@ -77,6 +77,7 @@ from fulcrum.core.prefill.tiers import (
     tier_of,
     validate_bounds,
 )
+from fulcrum.core.prefix_cost import predicted_ttft_one_ns
 from fulcrum.core.tenants import TenantPolicy
 
 __all__ = [
@@ -654,7 +655,9 @@ def _affinity_window(
     not apply (off, nothing queued, or the head waited past the fairness bound: FIFO).
     The bound is ``affinity.max_wait_ns`` in the shortest tier and scales with the tier's
     time scale, its batch cap: a long tier's requests wait (and are served) on that
-    scale, so its head passes a short tier's bound long before any SLO of its own."""
+    scale, so its head passes a short tier's bound long before any SLO of its own.
+    Its tail is the unloaded cost of a prompt at the tier's upper bound (none for the
+    last tier): a grace never predicts a request's first token past it."""
     aff = bal.affinity
     if aff is None:
         return None
@@ -662,7 +665,11 @@ def _affinity_window(
     serving = [e for e in bal.engine_ids() if src.serves(bal.engine_tier(e), tier)]
     caps = bal.config.batch_cap_ns
     bound = aff.max_wait_ns * caps[tier] // caps[0]
-    return aff_order.window(aff, bal.queued(tier, now_ns), serving, now_ns, alive, dead, bound)
+    bounds = bal.config.bounds
+    tail = (predicted_ttft_one_ns(0, 0, bounds[tier], aff.cost_ns)
+            if tier < len(bounds) else None)
+    return aff_order.window(aff, bal.queued(tier, now_ns), serving, now_ns, alive, dead,
+                            bound, tail)
 
 
 def _source(bal: PrefillBalancer, engine_id: str, rank_loads_ns: Sequence[int],

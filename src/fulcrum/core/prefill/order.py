@@ -12,11 +12,14 @@ engine's; issue 21), and never past the bound. A holder nobody else waits for ma
 be later by the recompute it saves, capped at :data:`GRACE_FLOORS` step floors, a cap
 that shrinks to none as the request's wait grows from one cap to two (the *grace*: an
 engine's own finish is not the fleet's; the recompute is GPU time every later request
-waits for). The rest go longest held prefix first, FIFO among equals; the order ends at
-``affinity.scan`` requests, not counting those left to a holder (so the window runs to
-at most :data:`SCAN_CAP` x ``scan`` requests, matched only as far as the order reads).
-Past the bound, pulls are FIFO (a fairness override). Pure functions over queued
-records.
+waits for), and only while the request's predicted first token there (its wait so far
+plus that holder's finish) stays within the unloaded cost of its tier's largest prompt
+(:attr:`Window.tail_ns`): a grace trades the request's own latency for the fleet's GPU
+time, and must not make it one of its tier's slowest requests. The rest go longest
+held prefix first, FIFO among equals; the order ends at ``affinity.scan`` requests, not
+counting those left to a holder (so the window runs to at most :data:`SCAN_CAP` x
+``scan`` requests, matched only as far as the order reads). Past the bound, pulls are
+FIFO (a fairness override). Pure functions over queued records.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class Window:
     index: PrefixIndex
     #: The tier's fairness bound (ns): a request waits for a holder at most this long.
     bound_ns: int
+    #: The unloaded cost (ns) of the tier's largest prompt (None: no upper bound): a
+    #: request waits on a grace only while its predicted first token stays within it.
+    tail_ns: int | None = None
     _held: list[dict[str, int]] = field(default_factory=list)
     _costs: dict[tuple[int, int], int] = field(default_factory=dict)
     _tops: dict[int, tuple[int, str | None]] = field(default_factory=dict)
@@ -113,11 +119,12 @@ class Window:
 def window(
     aff: Affinity, queue: Iterable[Queued], serving: list[str], now_ns: int,
     alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
-    bound_ns: int | None = None,
+    bound_ns: int | None = None, tail_ns: int | None = None,
 ) -> Window | None:
     """The affinity window of a tier (``queue`` head first; ``serving``: engines that may
     serve it); None when affinity does not apply (nothing queued, or the head waited past
-    the fairness bound: FIFO). Dead requests met (``alive`` false) go to ``dead``."""
+    the fairness bound: FIFO). Dead requests met (``alive`` false) go to ``dead``.
+    ``tail_ns``: :attr:`Window.tail_ns` (None: the tier has no upper bound)."""
     items: list[Queued] = []
     for item in queue:
         if alive is not None and not alive(item):
@@ -130,7 +137,7 @@ def window(
     bound = aff.max_wait_ns if bound_ns is None else bound_ns
     if not items or now_ns - items[0].enqueued_ns >= bound:
         return None
-    return Window(items, serving, aff.index, bound)
+    return Window(items, serving, aff.index, bound, tail_ns)
 
 
 #: Predicted finish (ns from now) of a request on an engine holding ``matched`` of its
@@ -141,15 +148,17 @@ Finish = Callable[[str, Queued, int, int], int]
 
 def sooner_holder(finish: Finish, engine_id: str, item: Queued, held: dict[str, int],
                   mine: int, ahead: dict[str, int] | None = None,
-                  cost: Callable[[int], int] | None = None, grace_ns: int = 0) -> str | None:
+                  cost: Callable[[int], int] | None = None, grace_ns: int = 0,
+                  until_ns: int | None = None) -> str | None:
     """The engine holding more of ``item``'s prefix than ``engine_id`` (``mine`` blocks;
     ``held``: engine -> leading blocks held) predicted to finish it first, after
     ``ahead[e]`` ns of earlier requests waiting for it; None when ``engine_id`` is
     predicted no later than every such holder. With ``cost`` (matched blocks -> ns) and
     ``grace_ns``, a holder with nothing ``ahead`` counts as sooner while it is predicted
     later by less than the recompute it saves (``cost(mine) - cost(its blocks)``), at
-    most ``grace_ns`` (one request at a time waits on a grace: no pile-up on a holder).
-    O(holders), no index look-up."""
+    most ``grace_ns`` (one request at a time waits on a grace: no pile-up on a holder),
+    and only when that holder's finish is at most ``until_ns`` (ns from now; None: no
+    limit). O(holders), no index look-up."""
     at = finish(engine_id, item, mine, 0)
     best, bt = None, None
     for e, m in held.items():
@@ -157,6 +166,7 @@ def sooner_holder(finish: Finish, engine_id: str, item: Queued, held: dict[str, 
             before = 0 if ahead is None else ahead.get(e, 0)
             t = finish(e, item, m, before)
             g = 0 if cost is None or grace_ns <= 0 or before > 0 \
+                or (until_ns is not None and t > until_ns) \
                 else max(0, min(cost(mine) - cost(m), grace_ns))
             if t < at + g and (bt is None or t < bt):
                 best, bt = e, t
@@ -207,7 +217,8 @@ def _walk(aff: Affinity, engine_id: str, now_ns: int, w: Window, finish: Finish 
                 continue  # it waits for its holder
             e = sooner_holder(finish, engine_id, item, h, mine, ahead,
                               functools.partial(cost, aff, item),
-                              max(0, min(grace_ns, 2 * grace_ns - age)))
+                              max(0, min(grace_ns, 2 * grace_ns - age)),
+                              None if w.tail_ns is None else w.tail_ns - age)
             if e is not None:  # its holder is predicted to finish it sooner
                 ahead[e] = ahead.get(e, 0) + cost(aff, item, h[e])
                 if top is None or top in (e, engine_id):
