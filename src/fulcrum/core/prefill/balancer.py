@@ -77,7 +77,6 @@ from fulcrum.core.prefill.tiers import (
     tier_of,
     validate_bounds,
 )
-from fulcrum.core.prefix_cost import predicted_ttft_one_ns
 from fulcrum.core.tenants import TenantPolicy
 
 __all__ = [
@@ -666,8 +665,7 @@ def _affinity_window(
     caps = bal.config.batch_cap_ns
     bound = aff.max_wait_ns * caps[tier] // caps[0]
     bounds = bal.config.bounds
-    tail = (predicted_ttft_one_ns(0, 0, bounds[tier], aff.cost_ns)
-            if tier < len(bounds) else None)
+    tail = aff.cost_ns(bounds[tier], 0) if tier < len(bounds) else None
     return aff_order.window(aff, bal.queued(tier, now_ns), serving, now_ns, alive, dead,
                             bound, tail)
 
