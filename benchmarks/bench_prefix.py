@@ -25,6 +25,7 @@ from fulcrum.core.prefill.balancer import (
     Queued,
     rules_by_name,
 )
+from fulcrum.core.prefill.source_view import SourceView
 
 ENGINES = [f"e{i}" for i in range(8)]
 
@@ -122,7 +123,7 @@ def tiers_ms(blocks: int, reps: int = 20) -> tuple[float, float]:
         for on in (True, False):
             bal, eng = build_tiers(blocks)
             if not on:
-                B._held_tier = lambda *a: a[3]  # type: ignore[assignment]
+                B._held_tier = lambda *a: a[4]  # type: ignore[assignment]
             try:
                 t0 = time.perf_counter()
                 bal.take(eng, 10**12, [0] * 8, now_ns=1)
@@ -158,11 +159,12 @@ def dispatch_ms(engines: int, reps: int = 3) -> tuple[float, float]:
     for _ in range(reps):
         for on in (True, False):
             if not on:
-                B._held_tier = lambda *a: a[3]  # type: ignore[assignment]
+                B._held_tier = lambda *a: a[4]  # type: ignore[assignment]
             try:
                 t0 = time.perf_counter()
+                view = SourceView(bal, 1)  # read once per dispatch, as pick_puller does
                 for e in bal.engine_ids():
-                    bal.source_tier(e, [0] * 8, now_ns=1)
+                    bal.source_tier(e, [0] * 8, now_ns=1, view=view)
                 best[on] = min(best[on], time.perf_counter() - t0)
             finally:
                 B._held_tier = keep

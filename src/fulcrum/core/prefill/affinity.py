@@ -171,6 +171,12 @@ class PrefixIndex:
         """How many engines hold ``block`` (one look-up)."""
         return self._counts.get(block, 0)
 
+    def holds_any(self, engine_id: str, blocks: frozenset[int]) -> bool:
+        """True when ``engine_id`` holds any of ``blocks`` (one C-level pass over the
+        smaller of the two sets)."""
+        c = self._engines.get(engine_id)
+        return c is not None and not c.blocks.keys().isdisjoint(blocks)
+
     def holds(self, engine_id: str, block: int) -> bool:
         """True when ``engine_id`` holds the block ``block`` (one look-up)."""
         c = self._engines.get(engine_id)

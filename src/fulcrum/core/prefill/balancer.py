@@ -47,7 +47,6 @@ request id.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +68,7 @@ from fulcrum.core.prefill.rules import (
     Rules,
     rules_by_name,
 )
+from fulcrum.core.prefill.source_view import SourceView
 from fulcrum.core.prefill.tiers import (
     Assignment,
     allocate,
@@ -453,13 +453,15 @@ class PrefillBalancer:
         return self.config.rules.binding.has_room(rank_loads_ns, self.config.step_quota_ns)
 
     def source_tier(self, engine_id: str, rank_loads_ns: Sequence[int],
-                    now_ns: int | None = None) -> int:
+                    now_ns: int | None = None, view: SourceView | None = None) -> int:
         """The tier ``engine_id`` (with these rank loads, ns) takes work from now (-1: none
         or unknown): the source rule's (:mod:`fulcrum.core.prefill.rules.source`; the
         default, ``urgency``, given ``now_ns``: the tier whose head waited longest for its
         tier's scale, a longer tier only within :meth:`helping_bound_ns`); under prefix
-        affinity a tier with a request it alone holds best first (:func:`_held_tier`)."""
-        return _source(self, engine_id, rank_loads_ns, now_ns)[0]
+        affinity a tier with a request it alone holds best first (:func:`_held_tier`).
+        ``view``: the queue as one dispatch reads it for every engine (same ``now_ns``;
+        :class:`fulcrum.core.prefill.source_view.SourceView`), else read for this call."""
+        return _source(self, engine_id, rank_loads_ns, now_ns, view)[0]
 
     def helping_bound_ns(self, tier: int) -> int:
         """Longest predicted cost (ns) of a longer tier's request that an engine of
@@ -671,7 +673,7 @@ def _affinity_window(
 
 
 def _source(bal: PrefillBalancer, engine_id: str, rank_loads_ns: Sequence[int],
-            now_ns: int | None) -> tuple[int, bool]:
+            now_ns: int | None, view: SourceView | None = None) -> tuple[int, bool]:
     """:meth:`PrefillBalancer.source_tier`, and whether the tier is :func:`_held_tier`'s
     rather than the source rule's (the shell counts those takes)."""
     if now_ns is not None:
@@ -680,13 +682,14 @@ def _source(bal: PrefillBalancer, engine_id: str, rank_loads_ns: Sequence[int],
     if eng is None or eng.tier < 0:
         return -1, False
     room = bal.has_room(rank_loads_ns)
-    best = bal.config.rules.source.source(bal, engine_id, eng.tier, room, now_ns)
-    tier = _held_tier(bal, engine_id, eng.tier, best, now_ns) if room else best
+    view = SourceView(bal, now_ns) if view is None else view
+    best = bal.config.rules.source.source(view, engine_id, eng.tier, room, now_ns)
+    tier = _held_tier(bal, view, engine_id, eng.tier, best, now_ns) if room else best
     return tier, tier != best
 
 
-def _held_tier(bal: PrefillBalancer, engine_id: str, own: int, best: int,
-               now_ns: int | None) -> int:
+def _held_tier(bal: PrefillBalancer, view: SourceView, engine_id: str, own: int,
+               best: int, now_ns: int | None) -> int:
     """The tier an engine with room on tier ``own`` takes from under prefix affinity: a
     tier other than ``best`` (its source rule's choice) it may serve, within that tier's
     fairness bound, whose first ``affinity.scan`` requests include one this engine alone
@@ -697,25 +700,29 @@ def _held_tier(bal: PrefillBalancer, engine_id: str, own: int, best: int,
     served its own tier, and often ended on another engine with a miss after all (issue
     21; BENCHMARKS.md, "Prefix affinity: a holder of another tier"). A longer tier's
     request only within the helping bound, never one of a lower priority band than
-    ``best``'s head. Look-ups per request: one when this engine holds none of it (the
-    common case: every offering engine runs this on every dispatch, so nothing here may
-    cost per engine squared); else O(log blocks) for its depth (:meth:`PrefixIndex.match`)
+    ``best``'s head. Every offering engine runs this on every dispatch, so nothing here may
+    cost per engine squared, and what it reads of the queue comes from ``view`` (read once
+    per dispatch). Per tier: one C-level check that this engine holds the first block of
+    any of those requests (the common case: it holds none); else per request one look-up
+    when it holds none of it, else O(log blocks) for its depth (:meth:`PrefixIndex.match`)
     and one for how many engines hold the block that ends it; only when another does, a
     look-up per other engine until one serving the tier holds it."""
     aff = bal.affinity
     src = bal.config.rules.source
     if aff is None or now_ns is None or not src.helps:
         return best
-    head = bal.head(best) if best >= 0 else None
+    head = view.head(best) if best >= 0 else None
     floor = head.cls.priority if head is not None else None
     idx, caps = aff.index, bal.config.batch_cap_ns
     for t in range(len(caps)):
-        first = bal.head(t)
+        first = view.head(t)
         if t == best or first is None or not src.serves(own, t):
             continue
         if now_ns - first.enqueued_ns >= aff.max_wait_ns * caps[t] // caps[0]:
             continue  # past the fairness bound: FIFO there, nobody waits for a holder
-        for item in itertools.islice(bal.queued(t, now_ns), aff.scan):
+        if not idx.holds_any(engine_id, view.firsts(t, aff.scan)):
+            continue  # holds no prefix of any of them (most engines, most tiers)
+        for item in view.scan(t, aff.scan):
             if (not item.blocks or (floor is not None and item.cls.priority < floor)
                     or not idx.holds(engine_id, item.blocks[0])):
                 continue  # (one look-up: most engines hold nothing of most requests)

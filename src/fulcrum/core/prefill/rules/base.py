@@ -22,8 +22,8 @@ registers itself in :data:`RULES`. Pure: no clock, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 from fulcrum.core.registry import Registry
 
@@ -32,9 +32,12 @@ if TYPE_CHECKING:
     from fulcrum.core.prefill.fair import FairLedger, TierQueue
     from fulcrum.core.prefill.items import Offer, Queued
 
+T = TypeVar("T")
+
 
 class TierView(Protocol):
-    """What a source rule reads of the balancer (``PrefillBalancer`` satisfies it)."""
+    """What a source rule reads of the balancer: the balancer as one dispatch reads it
+    (:class:`fulcrum.core.prefill.source_view.SourceView` satisfies it)."""
 
     n_tiers: int
     affinity: Affinity | None
@@ -49,6 +52,11 @@ class TierView(Protocol):
     def helping_bound_ns(self, tier: int) -> int: ...
 
     def tier_scale_ns(self, tier: int) -> int: ...
+
+    def once(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()`` once per dispatch under ``key``: what a rule reads of the queue
+        the same way for every engine (``key`` names the rule and what it reads)."""
+        ...
 
 
 class Rule:

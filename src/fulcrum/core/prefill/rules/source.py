@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from fulcrum.core.prefill.rules.base import RULES, SourceRule, TierView
 from fulcrum.core.registry import NoParams
+
+if TYPE_CHECKING:
+    from fulcrum.core.prefill.items import Queued
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,20 +98,37 @@ class Urgency(SourceRule):
         if now_ns is None:
             return _nearest_shorter(view, own)
         bound = view.helping_bound_ns(own)
+        keys = view.once(("urgency", now_ns), lambda: _urgencies(view, now_ns))
         best, most = own, None  # most: (band, -virtual time, wait / scale)
         for t in (own, *range(view.n_tiers)):
-            head = view.head(t)
-            if head is None:
+            got = keys[t]
+            if got is None:
                 continue
+            head, key = got
             if t > own and view.cost_for(head, engine_id) > bound:
                 continue  # a long prompt would hold this engine's rank too long
-            waited = max(0, now_ns - head.enqueued_ns) / max(1, view.tier_scale_ns(t))
-            band = head.cls.priority
-            owed = band < max(view.tier_queue(t).bands, default=band)
-            key = (math.inf if owed else band, -view.fair.vt(head.cls.tenant), waited)
             if most is None or key > most:
                 best, most = t, key
         return best
+
+
+def _urgencies(view: TierView, now_ns: int
+               ) -> list[tuple[Queued, tuple[float, float, float]] | None]:
+    """Per tier, its head and urgency key (band, or infinity while a higher band is
+    owed; minus the head tenant's virtual time; its wait over the tier's time scale),
+    None for an empty tier: the same for every engine, read once per dispatch."""
+    out: list[tuple[Queued, tuple[float, float, float]] | None] = []
+    for t in range(view.n_tiers):
+        head = view.head(t)
+        if head is None:
+            out.append(None)
+            continue
+        waited = max(0, now_ns - head.enqueued_ns) / max(1, view.tier_scale_ns(t))
+        band = head.cls.priority
+        owed = band < max(view.tier_queue(t).bands, default=band)
+        out.append((head, (math.inf if owed else band, -view.fair.vt(head.cls.tenant),
+                           waited)))
+    return out
 
 
 RULES.register(OwnTier.name, lambda p: OwnTier(), NoParams, kind=OwnTier.kind)
