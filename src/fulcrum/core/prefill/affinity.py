@@ -153,10 +153,11 @@ class PrefixIndex:
     def match(self, engine_id: str, blocks: Sequence[int]) -> int:
         """Leading blocks of ``blocks`` that ``engine_id`` holds (0 for an unknown engine),
         by bisection on the last one it holds: O(log len(blocks)) look-ups, since held
-        blocks are prefix-closed (module docstring). Only where an engine's eviction
+        blocks are prefix-closed (module docstring). 0 whenever the first block is not
+        held (an engine reuses no prefix without it); only where an engine's eviction
         report left a hole inside a prefix (a lost event) can it exceed the leading run."""
         c = self._engines.get(engine_id)
-        if c is None or not c.blocks:
+        if c is None or not blocks or blocks[0] not in c.blocks:
             return 0
         held, lo, hi = c.blocks, 0, len(blocks)
         while lo < hi:
@@ -170,6 +171,18 @@ class PrefixIndex:
     def holders(self, block: int) -> int:
         """How many engines hold ``block`` (one look-up)."""
         return self._counts.get(block, 0)
+
+    def starts(self, engines: Iterable[str], firsts: frozenset[int]) -> dict[int, list[str]]:
+        """Block of ``firsts`` -> the ``engines`` holding it, in ``engines``' order: one
+        C-level pass per engine over the smaller of its cache and ``firsts``. Only these
+        engines can hold a prefix starting with that block (:meth:`match`)."""
+        out: dict[int, list[str]] = {}
+        for e in engines:
+            c = self._engines.get(e)
+            if c is not None and c.blocks:
+                for h in c.blocks.keys() & firsts:
+                    out.setdefault(h, []).append(e)
+        return out
 
     def holds_any(self, engine_id: str, blocks: frozenset[int]) -> bool:
         """True when ``engine_id`` holds any of ``blocks`` (one C-level pass over the

@@ -67,6 +67,7 @@ class Window:
     #: request waits on a grace only while its predicted first token stays within it.
     tail_ns: int | None = None
     _held: list[dict[str, int]] = field(default_factory=list)
+    _first: list[dict[int, list[str]]] = field(default_factory=list)
     _costs: dict[tuple[int, int], int] = field(default_factory=dict)
     _tops: dict[int, tuple[int, str | None]] = field(default_factory=dict)
     #: Take orders of engines holding none of the requests they read, by
@@ -75,14 +76,24 @@ class Window:
         default_factory=dict)
 
     def held(self, i: int) -> dict[str, int]:
-        """Engine -> leading blocks held of ``items[i]`` (engines holding none left out)."""
+        """Engine -> leading blocks held of ``items[i]`` (engines holding none left out,
+        the rest in :attr:`serving`'s order). Only the engines holding its first block
+        are matched (:meth:`PrefixIndex.starts`, one pass over the serving engines per
+        window, not one per request)."""
         got = self._held
         while len(got) <= i:
             it = self.items[len(got)]
-            got.append({e: m for e in self.serving
+            got.append({e: m for e in self._starts().get(it.blocks[0], ())
                         if (m := self.index.match_memo(e, it.blocks, it.held))}
                        if it.blocks else {})
         return got[i]
+
+    def _starts(self) -> dict[int, list[str]]:
+        """First block of a window request -> the serving engines holding it."""
+        if not self._first:
+            firsts = frozenset(it.blocks[0] for it in self.items if it.blocks)
+            self._first.append(self.index.starts(self.serving, firsts))
+        return self._first[0]
 
     def cost(self, aff: Affinity, item: Queued, matched: int) -> int:
         """:func:`matched_cost` of ``item`` at ``matched`` blocks, computed once per
