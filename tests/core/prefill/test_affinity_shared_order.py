@@ -1,6 +1,7 @@
 """One take order walked per window for the engines holding none of what they read
 (issue 21, aim 5: an idle fleet pulling on a cold queue walks the window once, not once
-per engine), and never given to an engine it does not hold for."""
+per engine); a holder resumes it at its first held request, and a dispatch's walk for an
+engine's first request ends early: each the order the engine would walk alone."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from fulcrum.core.prefill import order as aff_order
 from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
 from fulcrum.core.prefill.balancer import Queued
-from fulcrum.core.prefill.items import EngineEntry
+from fulcrum.core.prefill.items import EngineEntry, Offer
 
 S = 1_000_000_000
 MS = 1_000_000
@@ -40,33 +41,48 @@ def _setup(paths: list[list[int]], holds: list[tuple[int, int]], loads_ms: list[
 
 
 def _orders(aff: Affinity, items: list[Queued], engines: dict[str, EngineEntry],
-            shared: bool) -> dict[str, list[str]]:
+            shared: bool, first: bool = False) -> dict[str, list[str]]:
     """Every engine's take order at 1 ms, all offering: one window and pricer for all of
-    them (``shared``, as a decision does), or a fresh one for each (no order kept)."""
+    them (``shared``, as a decision does: walks shared by load part and resumed), or
+    each engine's whole walk alone (a fresh window, the pricer behind a plain function:
+    nothing shared). ``first``: the first request only, as :func:`able` asks."""
     got: dict[str, list[str]] = {}
     w = p = None
     for e in ENGINES:
         if w is None or not shared:
             w = aff_order.Window(items, ENGINES, aff.index, aff.max_wait_ns)
             p = aff_order.Pricer(aff, w, engines.get, MS, lambda _: True)
-        order = aff_order.order_for(aff, e, MS, w, p, 200 * MS)
-        got[e] = [it.request_id for it in order]
+        assert p is not None
+        finish = p if shared else (lambda *a, p=p: p(*a))  # type: ignore[misc]
+        order = aff_order.order_for(aff, e, MS, w, finish, 200 * MS, first=first)
+        got[e] = [it.request_id for it in order][: 1 if first else None]
     return got
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+#: Request prompts as block paths (shared paths share leading blocks), who holds which
+#: request's prompt, and each engine's load (ms).
+PATHS = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5), min_size=1,
+                 max_size=12)
+HOLDS = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 11)), max_size=8)
+LOADS = st.lists(st.sampled_from([0, 0, 0, 5, 400]), min_size=6, max_size=6)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(
-    paths=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5), min_size=1,
-                   max_size=12),
-    holds=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 11)), max_size=8),
-    loads_ms=st.lists(st.sampled_from([0, 0, 0, 5, 400]), min_size=6, max_size=6),
+    paths=PATHS, holds=HOLDS, loads_ms=LOADS,
+    scan=st.sampled_from([2, 3, 16]),
 )
-def test_a_kept_order_is_the_order_the_engine_would_walk(
-    paths: list[list[int]], holds: list[tuple[int, int]], loads_ms: list[int]
+def test_a_shared_walk_resumed_is_the_walk_the_engine_would_make_alone(
+    paths: list[list[int]], holds: list[tuple[int, int]], loads_ms: list[int], scan: int
 ) -> None:
     aff, items, engines = _setup(paths, holds, loads_ms)
-    assert _orders(aff, items, engines, shared=True) == _orders(aff, items, engines,
-                                                                 shared=False)
+    aff.scan = scan
+    alone = _orders(aff, items, engines, shared=False)
+    assert _orders(aff, items, engines, shared=True) == alone
+    # The first request, as a dispatch asks it (the walk ends early), is the order's.
+    firsts = {e: o[:1] for e, o in alone.items()}
+    assert _orders(aff, items, engines, shared=True, first=True) == firsts
+    assert _orders(aff, items, engines, shared=False, first=True) == firsts
 
 
 def test_idle_engines_holding_nothing_share_one_walk_and_a_holder_walks_its_own() -> None:
@@ -77,9 +93,91 @@ def test_idle_engines_holding_nothing_share_one_walk_and_a_holder_walks_its_own(
     p = aff_order.Pricer(aff, w, engines.get, MS, lambda _: True)
     first = aff_order.order_for(aff, "e1", MS, w, p, 0)
     assert [it.request_id for it in first] == ["r0", "r1"]
-    key = (p.load_ns("e1"), MS, 0)
-    assert w.order(key, "e2") == first  # kept: e2 holds nothing it read
-    assert w.order(key, "e0") is None  # e0 holds r0: never handed e1's order
+    shared = w.shared((p.load_ns("e1"), MS, 0), "e2")
+    assert shared.done and shared.rep == "e1"  # walked once, for e1; e2 reuses it
+    assert aff_order.order_for(aff, "e2", MS, w, p, 0) == first
+    assert w.mine("e0") == [0] and w.mine("e2") == []
     assert [it.request_id for it in aff_order.order_for(aff, "e0", MS, w, p, 0)] == [
         "r0", "r1"]
     assert p.load_ns("e0") == 2 * S - MS and p.load_ns("e1") == 0  # drained 1 ms
+
+
+def test_a_holder_resumes_the_shared_walk_at_its_first_held_request() -> None:
+    # e1 holds r2 only; the idle engines' walk reads r0, r1 before it. e1's order is the
+    # shared walk's state before r2 (r0, r1 ranked) walked on from r2 by e1: r2 first.
+    aff, items, engines = _setup([[0], [1], [2], [0, 0]], [(1, 2)], [0] * 6)
+    w = aff_order.Window(items, ENGINES, aff.index, aff.max_wait_ns)
+    p = aff_order.Pricer(aff, w, engines.get, MS, lambda _: True)
+    assert [it.request_id for it in aff_order.order_for(aff, "e0", MS, w, p, 0)] == [
+        "r0", "r1", "r3"]  # r2 waits for e1, idle and holding it
+    assert w.mine("e1") == [2]
+    got = aff_order.order_for(aff, "e1", MS, w, p, 0)
+    assert [it.request_id for it in got] == ["r2", "r0", "r1", "r3"]
+    assert [it.request_id for it in aff_order.order_for(aff, "e1", MS, w, p, 0,
+                                                        first=True)] == ["r2", "r0", "r1"]
+
+
+def _able_alone(aff: Affinity, items: list[Queued], engines: dict[str, EngineEntry],
+                offers: list[Offer], can_take) -> list[int]:  # type: ignore[no-untyped-def]
+    """:func:`able` as its docstring says, each engine's whole walk alone: every offer
+    asked, then narrowed to those holding the longest prefix of their first request."""
+    held = {}
+    for i, o in enumerate(offers):
+        w = aff_order.Window(items, ENGINES, aff.index, aff.max_wait_ns)
+        p = aff_order.Pricer(aff, w, engines.get, MS, lambda _: True)
+        order = aff_order.order_for(aff, o.engine_id, MS, w, lambda *a, p=p: p(*a),
+                                    200 * MS)
+        if order and can_take(o, order[0]):
+            held[i] = aff.index.match(o.engine_id, order[0].blocks)
+    top = max(held.values(), default=0)
+    return [i for i in held if held[i] == top] if top > 0 else list(held)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    paths=PATHS, holds=HOLDS, loads_ms=LOADS,
+    quota_ms=st.lists(st.sampled_from([0, 1, 3, 100]), min_size=6, max_size=6),
+)
+def test_a_dispatch_asks_the_holders_first_and_finds_whom_asking_all_finds(
+    paths: list[list[int]], holds: list[tuple[int, int]], loads_ms: list[int],
+    quota_ms: list[int],
+) -> None:
+    aff, items, engines = _setup(paths, holds, loads_ms)
+    offers = [Offer(e, quota_ms[k] * MS, (0, 0)) for k, e in enumerate(ENGINES)]
+
+    def can_take(o: Offer, it: Queued) -> bool:  # the quota must cover its cost
+        return o.remaining_ns >= it.cost_ns // 2
+
+    w = aff_order.Window(items, ENGINES, aff.index, aff.max_wait_ns)
+    p = aff_order.Pricer(aff, w, engines.get, MS, lambda _: True)
+    got = aff_order.able(aff, offers, MS, w, can_take, p, 200 * MS)
+    assert got == _able_alone(aff, items, engines, offers, can_take)
+
+
+def test_when_no_able_engine_holds_its_first_request_every_able_engine_is_found_in_order(
+) -> None:
+    # e1 holds r0's first block, e2 all of r0; e2 is idle (r0 waits for it at e1) but has
+    # no quota left: nobody able holds a prefix of its first request, so the holder e1
+    # and the engines holding nothing are all found, in offer order.
+    aff, items, engines = _setup([[0, 1, 2], [1]], [(2, 0)], [0] * 6)
+    aff.index.record("e1", items[0].blocks[:1])
+    offers = [Offer(e, 0 if e == "e2" else 100 * MS, (0, 0)) for e in ENGINES]
+    w = aff_order.Window(items, ENGINES, aff.index, aff.max_wait_ns)
+    p = aff_order.Pricer(aff, w, engines.get, MS, lambda _: True)
+    assert w.mine("e1") == [0] and w.mine("e2") == [0]
+    got = aff_order.able(aff, offers, MS, w, lambda o, it: o.remaining_ns > 0, p, 200 * MS)
+    assert got == [0, 1, 3, 4, 5]
+
+
+def test_a_window_prices_a_request_on_an_engine_as_the_balancer_does() -> None:
+    # e0 holds 2 of r0's 3 blocks, e1 one, e2 none; r1 has no blocks: its own cost.
+    aff, items, _ = _setup([[0, 1, 2], [1]], [], [0] * 6)
+    aff.index.record("e0", items[0].blocks[:2])
+    aff.index.record("e1", items[0].blocks[:1])
+    items.append(Queued("bare", 550, 0, 0, 7 * MS, 9))
+    w = aff_order.Window(items, ENGINES, aff.index, aff.max_wait_ns)
+    for e, m in (("e0", 2), ("e1", 1), ("e2", 0)):
+        assert w.cost_for(aff, items[0], e) == aff_order.matched_cost(aff, items[0], m)
+    assert w.cost_for(aff, items[0], "e0") < w.cost_for(aff, items[0], "e1") \
+        < w.cost_for(aff, items[0], "e2")
+    assert w.cost_for(aff, items[2], "e0") == 7 * MS

@@ -1,7 +1,8 @@
 """One dispatch reads the queue once (issue 21): every waiting engine's source tier is
 read through one :class:`SourceView`, and the answers are the ones each engine gets
-alone. The C-level "holds none of the first blocks" check only skips what the
-per-request loop of ``_held_tier`` would skip (checked with it forced off)."""
+alone (engines holding none of what it reads share one answer per tier and room). The
+C-level "holds none of the first blocks" check only skips what the per-request loop of
+``_held_tier`` would skip (checked with it forced off)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ fleets = st.tuples(
     st.lists(st.integers(0, 4), min_size=4, max_size=4).map(lambda d: [x * S for x in d]),
     st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3_000), st.integers(0, 1),
                        st.integers(0, 12), st.integers(1, 300)), max_size=40),
-    st.lists(st.integers(0, 400), min_size=12, max_size=12),
+    st.lists(st.sampled_from([0, 5, 400, 3_000, 9_000]), min_size=24, max_size=24),
     st.integers(0, 12_000),
 )
 
@@ -86,7 +87,8 @@ def test_one_view_per_dispatch_answers_as_each_engine_alone(
     bal, ids = _fleet(engines, demand)
     _queue(bal, ids, reqs)
     now = now_ms * MS
-    loads = {e: [loads_ms[i] * MS, 0] for i, e in enumerate(ids)}
+    # Both ranks loaded past the binding horizon: no room (then its own tier).
+    loads = {e: [loads_ms[i] * MS, loads_ms[12 + i] * MS] for i, e in enumerate(ids)}
     view = SourceView(bal, now)
     shared = [bal.source_tier(e, loads[e], now, view) for e in ids]
     alone = [bal.source_tier(e, loads[e], now) for e in ids]

@@ -175,8 +175,12 @@ class PrefixIndex:
     def starts(self, engines: Iterable[str], firsts: frozenset[int]) -> dict[int, list[str]]:
         """Block of ``firsts`` -> the ``engines`` holding it, in ``engines``' order: one
         C-level pass per engine over the smaller of its cache and ``firsts``. Only these
-        engines can hold a prefix starting with that block (:meth:`match`)."""
+        engines can hold a prefix starting with that block (:meth:`match`). No pass at
+        all when no engine holds any of them (a cold queue): one count look-up each."""
         out: dict[int, list[str]] = {}
+        firsts = frozenset(h for h in firsts if self._counts.get(h, 0) > 0)
+        if not firsts:
+            return out
         for e in engines:
             c = self._engines.get(e)
             if c is not None and c.blocks:

@@ -47,6 +47,7 @@ request id.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -485,14 +486,16 @@ class PrefillBalancer:
                 head = order[0]
         return self._can_take_item(tier, offer, head)
 
-    def _can_take_item(self, tier: int, offer: Offer, head: Queued) -> bool:
+    def _can_take_item(self, tier: int, offer: Offer, head: Queued,
+                       cost: Callable[[Queued, str], int] | None = None) -> bool:
+        """``cost``: :meth:`cost_for` as the caller computes it (a window's memo)."""
         loads, remaining = offer_for(offer, band_of(self, tier, head))  # the work ahead of it
         full = self.config.rules.binding.full(loads, self.config.step_quota_ns)
         if full:
             return False
         cap = self.config.batch_cap_ns[tier]
-        cost = self.cost_for(head, offer.engine_id)
-        return select_batch((cost,), remaining, cap, idle=not any(loads)) >= 1
+        ns = (cost or self.cost_for)(head, offer.engine_id)
+        return select_batch((ns,), remaining, cap, idle=not any(loads)) >= 1
 
     def choose_puller(self, tier: int, offers: Sequence[Offer],
                       now_ns: int | None = None) -> int:
@@ -511,8 +514,9 @@ class PrefillBalancer:
             assert now_ns is not None and self.affinity is not None
             aff = self.affinity
             offering = {o.engine_id for o in offers}
+            cost = functools.partial(w.cost_for, aff)
             able = aff_order.able(aff, offers, now_ns, w,
-                                  lambda o, it: self._can_take_item(tier, o, it),
+                                  lambda o, it: self._can_take_item(tier, o, it, cost),
                                   aff_order.Pricer(aff, w, self.engine, now_ns,
                                                    offering.__contains__),
                                   aff_order.grace_ns(self.config.step_floor_ns))
@@ -682,9 +686,14 @@ def _source(bal: PrefillBalancer, engine_id: str, rank_loads_ns: Sequence[int],
     if eng is None or eng.tier < 0:
         return -1, False
     room = bal.has_room(rank_loads_ns)
+    shared = view is not None  # one view for every engine of a dispatch
     view = SourceView(bal, now_ns) if view is None else view
-    best = bal.config.rules.source.source(view, engine_id, eng.tier, room, now_ns)
-    tier = _held_tier(bal, view, engine_id, eng.tier, best, now_ns) if room else best
+    src, own, v = bal.config.rules.source, eng.tier, view
+    if shared and view.plain(engine_id):  # priced as every engine holding none: once
+        return view.once(("source", own, room),
+                         lambda: src.source(v, engine_id, own, room, now_ns)), False
+    best = src.source(view, engine_id, own, room, now_ns)
+    tier = _held_tier(bal, view, engine_id, own, best, now_ns) if room else best
     return tier, tier != best
 
 

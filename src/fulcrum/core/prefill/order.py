@@ -70,10 +70,10 @@ class Window:
     _first: list[dict[int, list[str]]] = field(default_factory=list)
     _costs: dict[tuple[int, int], int] = field(default_factory=dict)
     _tops: dict[int, tuple[int, str | None]] = field(default_factory=dict)
-    #: Take orders of engines holding none of the requests they read, by
-    #: (load part, now, grace): the same for every such engine (:func:`order_for`).
-    _orders: dict[tuple[int, int, int], tuple[list[Queued], set[str]]] = field(
-        default_factory=dict)
+    #: The shared walk per (load part, now, grace) (:func:`order_for`).
+    _walks: dict[tuple[int, int, int], _Walk] = field(default_factory=dict)
+    #: Engine -> positions of the requests it holds a prefix of (:meth:`mine`; built once).
+    _mine: list[dict[str, list[int]]] = field(default_factory=list)
 
     def held(self, i: int) -> dict[str, int]:
         """Engine -> leading blocks held of ``items[i]`` (engines holding none left out,
@@ -104,16 +104,36 @@ class Window:
             got = self._costs[key] = matched_cost(aff, item, matched)
         return got
 
-    def order(self, key: tuple[int, int, int], engine_id: str) -> list[Queued] | None:
-        """A take order kept under ``key`` that holds for ``engine_id`` (it holds none
-        of the requests that order read), or None."""
-        got = self._orders.get(key)
-        return None if got is None or engine_id in got[1] else list(got[0])
+    def cost_for(self, aff: Affinity, item: Queued, engine_id: str) -> int:
+        """:meth:`PrefillBalancer.cost_for` (quota, ns) of ``item`` on ``engine_id``: its
+        :meth:`cost` at the blocks that engine holds of it (one look-up when it holds
+        none), computed once per window and depth, not once per engine."""
+        if not item.blocks:
+            return item.cost_ns
+        return self.cost(aff, item, self.index.match(engine_id, item.blocks))
 
-    def keep(self, key: tuple[int, int, int], order: list[Queued], holders: set[str]) -> None:
-        """Keep the take order of an engine holding none of the requests it read
-        (``holders``: the engines holding any of them)."""
-        self._orders[key] = (list(order), holders)
+    def shared(self, key: tuple[int, int, int], engine_id: str) -> _Walk:
+        """The walk of an engine holding none of the window's requests whose load part,
+        decision time and grace are ``key`` (started for ``engine_id``, one of them, on
+        first use): every engine with that key walks the same way up to the first
+        request it holds (:func:`order_for`)."""
+        got = self._walks.get(key)
+        if got is None:
+            got = self._walks[key] = _Walk(rep=engine_id, adds=[])
+        return got
+
+    def mine(self, engine_id: str) -> list[int]:
+        """Positions in :attr:`items` of the requests ``engine_id`` holds a prefix of
+        (ascending): those whose first block it holds (:meth:`PrefixIndex.match`), so
+        nothing is matched."""
+        if not self._mine:
+            got: dict[str, list[int]] = {}
+            starts = self._starts()
+            for i, it in enumerate(self.items):
+                for e in starts.get(it.blocks[0], ()) if it.blocks else ():
+                    got.setdefault(e, []).append(i)
+            self._mine.append(got)
+        return self._mine[0].get(engine_id, [])
 
     def top(self, i: int) -> tuple[int, str | None]:
         """The longest prefix any engine holds of ``items[i]`` (blocks) and the one engine
@@ -157,10 +177,10 @@ def window(
 Finish = Callable[[str, Queued, int, int], int]
 
 
-def sooner_holder(finish: Finish, engine_id: str, item: Queued, held: dict[str, int],
-                  mine: int, ahead: dict[str, int] | None = None,
+def sooner_holder(finish: Finish, engine_id: str | None, item: Queued,
+                  held: dict[str, int], mine: int, ahead: dict[str, int] | None = None,
                   cost: Callable[[int], int] | None = None, grace_ns: int = 0,
-                  until_ns: int | None = None) -> str | None:
+                  until_ns: int | None = None, at_ns: int | None = None) -> str | None:
     """The engine holding more of ``item``'s prefix than ``engine_id`` (``mine`` blocks;
     ``held``: engine -> leading blocks held) predicted to finish it first, after
     ``ahead[e]`` ns of earlier requests waiting for it; None when ``engine_id`` is
@@ -169,8 +189,14 @@ def sooner_holder(finish: Finish, engine_id: str, item: Queued, held: dict[str, 
     later by less than the recompute it saves (``cost(mine) - cost(its blocks)``), at
     most ``grace_ns`` (one request at a time waits on a grace: no pile-up on a holder),
     and only when that holder's finish is at most ``until_ns`` (ns from now; None: no
-    limit). O(holders), no index look-up."""
-    at = finish(engine_id, item, mine, 0)
+    limit). ``at_ns``: ``engine_id``'s own finish when the caller has it (None:
+    ``finish``; an ``engine_id`` of None, an engine holding none of it, must give it).
+    O(holders), no index look-up."""
+    if at_ns is not None:
+        at = at_ns
+    else:
+        assert engine_id is not None
+        at = finish(engine_id, item, mine, 0)
     best, bt = None, None
     for e, m in held.items():
         if m > mine and e != engine_id:
@@ -185,7 +211,8 @@ def sooner_holder(finish: Finish, engine_id: str, item: Queued, held: dict[str, 
 
 
 def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window,
-              finish: Finish | None = None, grace_ns: int = 0) -> list[Queued]:
+              finish: Finish | None = None, grace_ns: int = 0,
+              first: bool = False) -> list[Queued]:
     """``engine_id``'s take order over the window ``w`` (see the module docstring). With
     ``finish``, a request waits for a holder of a longer prefix only while that holder is
     predicted to finish it sooner (or later by less than the recompute it saves, at most
@@ -194,33 +221,88 @@ def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window,
     it or that it alone holds the longest prefix of (it takes those first; issue 21);
     without, whenever one exists. It ends once it holds ``aff.scan`` requests: the ones
     waiting for another engine do not count (the window runs up to ``SCAN_CAP`` times
-    ``aff.scan``). Engines holding none of the requests they read, with the same load
-    part (:meth:`Pricer.load_ns`), have the same order: it is walked once per window (an
-    idle fleet pulling on a cold queue walks it once, not once per engine)."""
-    key = None
-    if isinstance(finish, Pricer):
-        key = (finish.load_ns(engine_id), now_ns, grace_ns)
-        kept = w.order(key, engine_id)
-        if kept is not None:
-            return kept
-    order, holders = _walk(aff, engine_id, now_ns, w, finish, grace_ns)
-    if key is not None and engine_id not in holders:
-        w.keep(key, order, holders)
-    return order
+    ``aff.scan``). With ``first``, only its first request is exact (what :func:`able`
+    reads): the walk ends once it has one and has passed every request the engine holds.
+
+    With a :class:`Pricer`, engines with the same load part (:meth:`Pricer.load_ns`) walk
+    alike up to the first request they hold: that part is walked once per window
+    (:meth:`Window.shared`), and each engine walks on from there (an idle fleet pulling
+    on a cold queue walks the window once, not once per engine; a holder walks only from
+    its first held request)."""
+    mine = w.mine(engine_id)
+    stop = (mine[-1] + 1 if mine else 0) if first else len(w.items)
+    if not isinstance(finish, Pricer):
+        st = _Walk()
+    else:
+        shared = w.shared((finish.load_ns(engine_id), now_ns, grace_ns), engine_id)
+        p = mine[0] if mine else len(w.items)
+        _advance(aff, None, now_ns, w, finish, grace_ns, shared, p)
+        if shared.done and shared.at <= p:  # complete before the first request it holds
+            return shared.order()
+        st = shared.before(p)
+    _advance(aff, engine_id, now_ns, w, finish, grace_ns, st, stop, first)
+    return st.order()
 
 
-def _walk(aff: Affinity, engine_id: str, now_ns: int, w: Window, finish: Finish | None,
-          grace_ns: int) -> tuple[list[Queued], set[str]]:
-    """:func:`order_for`'s walk: the take order, and the engines holding any request read."""
-    ranked: list[tuple[int, int, Queued]] = []
-    ahead: dict[str, int] = {}
-    bound, scan, cost = w.bound_ns, aff.scan, w.cost
-    holders: set[str] = set()
-    for i, item in enumerate(w.items):
-        h = w.held(i)
-        holders.update(h)
-        mine = h.get(engine_id, 0)
-        top_m, top = w.top(i)
+@dataclass(slots=True)
+class _Walk:
+    """A take order being walked over a window (:func:`order_for`): the requests ranked
+    so far as (-blocks held, position, request); ns of the window's earlier requests each
+    holder takes first (``ahead``); the next position to read (``at``); whether the order
+    is complete (``done``: ``scan`` ranked, or the window read to its end). A shared walk
+    (for engines holding none of what it reads, priced as ``rep``) keeps each addition to
+    ``ahead`` as (position, engine, ns) in ``adds``: it can be resumed from any position
+    it has read (:meth:`before`)."""
+
+    rep: str = ""
+    adds: list[tuple[int, str, int]] | None = None
+    ranked: list[tuple[int, int, Queued]] = field(default_factory=list)
+    ahead: dict[str, int] = field(default_factory=dict)
+    at: int = 0
+    done: bool = False
+    sorted: list[Queued] | None = None
+
+    def order(self) -> list[Queued]:
+        """The take order: most blocks held first, then window order (a new list; sorted
+        once when the walk is complete)."""
+        if self.done and self.sorted is not None:
+            return list(self.sorted)
+        got = [x[2] for x in sorted(self.ranked, key=lambda x: (x[0], x[1]))]
+        if self.done:
+            self.sorted = got
+        return list(got)
+
+    def add(self, pos: int, engine_id: str, ns: int) -> None:
+        """``engine_id`` takes ``ns`` more of the window's work first (read at ``pos``)."""
+        self.ahead[engine_id] = self.ahead.get(engine_id, 0) + ns
+        if self.adds is not None:
+            self.adds.append((pos, engine_id, ns))
+
+    def before(self, p: int) -> _Walk:
+        """A walk of its own from this shared walk's state before position ``p`` (read)."""
+        ahead: dict[str, int] = {}
+        for i, e, ns in self.adds or ():
+            if i >= p:
+                break
+            ahead[e] = ahead.get(e, 0) + ns
+        return _Walk(ranked=[x for x in self.ranked if x[1] < p], ahead=ahead, at=p)
+
+
+def _advance(aff: Affinity, engine_id: str | None, now_ns: int, w: Window,
+             finish: Finish | None, grace_ns: int, st: _Walk, to: int,
+             one: bool = False) -> None:
+    """Walk ``st`` on for ``engine_id`` (None: the shared walk, priced as ``st.rep``, what
+    it holds ignored) up to position ``to`` (exclusive; with ``one``, on until a request
+    is ranked), or until the order is complete."""
+    items, bound, scan, cost = w.items, w.bound_ns, aff.scan, w.cost
+    ranked, ahead = st.ranked, st.ahead
+    i = st.at
+    while not st.done and i < len(items) and (i < to or (one and not ranked)):
+        item, pos = items[i], i
+        i += 1
+        h = w.held(pos)
+        mine = 0 if engine_id is None else h.get(engine_id, 0)
+        top_m, top = w.top(pos)
         e = None
         age = now_ns - item.enqueued_ns
         if age < bound and top_m > mine:
@@ -229,21 +311,21 @@ def _walk(aff: Affinity, engine_id: str, now_ns: int, w: Window, finish: Finish 
             e = sooner_holder(finish, engine_id, item, h, mine, ahead,
                               functools.partial(cost, aff, item),
                               max(0, min(grace_ns, 2 * grace_ns - age)),
-                              None if w.tail_ns is None else w.tail_ns - age)
+                              None if w.tail_ns is None else w.tail_ns - age,
+                              None if engine_id is not None else finish(st.rep, item, 0, 0))
             if e is not None:  # its holder is predicted to finish it sooner
-                ahead[e] = ahead.get(e, 0) + cost(aff, item, h[e])
-                if top is None or top in (e, engine_id):
-                    continue
+                st.add(pos, e, cost(aff, item, h[e]))
         # Held longest by one other engine alone: it takes this one before later ones.
         if top is not None and top != engine_id and top != e and age < bound:
-            ahead[top] = ahead.get(top, 0) + cost(aff, item, top_m)
+            st.add(pos, top, cost(aff, item, top_m))
         if e is not None:
             continue
-        ranked.append((-mine, i, item))
+        ranked.append((-mine, pos, item))
         if len(ranked) >= scan:  # requests waiting for another engine do not count
-            break
-    ranked.sort(key=lambda x: (x[0], x[1]))
-    return [x[2] for x in ranked], holders
+            st.done = True
+    st.at = i
+    if i >= len(items):
+        st.done = True
 
 
 def seen(eng: EngineEntry, loads: Sequence[int], ranks: Sequence[int],
@@ -351,19 +433,27 @@ def able(aff: Affinity, offers: Sequence[Offer], now_ns: int, w: Window,
          finish: Finish | None = None, grace_ns: int = 0) -> list[int]:
     """Indices of the ``offers`` able (``can_take``) to take the first request of their
     take order over ``w`` (:func:`order_for`, with ``finish`` as the pull's own order
-    uses it), narrowed to those holding the longest prefix of it (when any holds one)."""
-    firsts: dict[int, Queued] = {}
-    for i, o in enumerate(offers):
-        order = order_for(aff, o.engine_id, now_ns, w, finish, grace_ns)
-        if order and can_take(o, order[0]):
-            firsts[i] = order[0]
-    found = list(firsts)
+    uses it), narrowed to those holding the longest prefix of it (when any holds one).
+    The engines holding a prefix of any of the window's requests (:meth:`Window.mine`)
+    are asked first: when one of them is able and holds a prefix of its first request,
+    the others (who hold none) cannot be among those, and are not asked (a dispatch over
+    a large fleet costs the holders, not every engine)."""
     pos = {id(it): j for j, it in enumerate(w.items)}
-    held = {i: w.held(pos[id(firsts[i])]).get(offers[i].engine_id, 0) for i in found}
-    top = max(held.values(), default=0)
-    if top > 0:
-        found = [i for i in found if held[i] == top]
-    return found
+    held: dict[int, int] = {}  # offer index -> blocks held of its first request
+    holders: list[int] = []
+    others: list[int] = []
+    for i, o in enumerate(offers):
+        (holders if w.mine(o.engine_id) else others).append(i)
+    for group in (holders, others):
+        for i in group:
+            o = offers[i]
+            order = order_for(aff, o.engine_id, now_ns, w, finish, grace_ns, first=True)
+            if order and can_take(o, order[0]):
+                held[i] = w.held(pos[id(order[0])]).get(o.engine_id, 0)
+        top = max(held.values(), default=0)
+        if top > 0:
+            return sorted(i for i, m in held.items() if m == top)
+    return sorted(held)
 
 
 def holder_tier(aff: Affinity, engines: Iterable[EngineEntry], bounds: Sequence[int],

@@ -35,6 +35,8 @@ class Queues(Protocol):
 
     def head(self, tier: int) -> Queued | None: ...
 
+    def engine_ids(self) -> list[str]: ...
+
     def queued(self, tier: int, now_ns: int | None = None) -> Iterator[Queued]: ...
 
     def tier_queue(self, tier: int) -> TierQueue: ...
@@ -50,8 +52,8 @@ class SourceView:
     """The balancer ``bal`` as the source rules and the held-tier check read it at
     ``now_ns`` (a ``TierView``), each tier's head and first requests read once."""
 
-    __slots__ = ("_bal", "_firsts", "_heads", "_now", "_once", "_scans", "affinity",
-                 "fair", "n_tiers")
+    __slots__ = ("_bal", "_firsts", "_heads", "_holders", "_now", "_once", "_scans",
+                 "affinity", "fair", "n_tiers")
 
     def __init__(self, bal: Queues, now_ns: int | None) -> None:
         self._bal, self._now = bal, now_ns
@@ -62,6 +64,7 @@ class SourceView:
         self._scans: dict[tuple[int, int], list[Queued]] = {}
         self._firsts: dict[tuple[int, int], frozenset[int]] = {}
         self._once: dict[Hashable, object] = {}
+        self._holders: frozenset[str] | None = None
 
     def head(self, tier: int) -> Queued | None:
         """:meth:`PrefillBalancer.head`, read once."""
@@ -88,6 +91,25 @@ class SourceView:
             got = self._firsts[key] = frozenset(
                 it.blocks[0] for it in self.scan(tier, n) if it.blocks)
         return got
+
+    def plain(self, engine_id: str) -> bool:
+        """True when ``engine_id`` holds the first block of none of the requests this view
+        reads (each tier's head and first ``affinity.scan`` requests; every engine without
+        prefix affinity): it prices each of them as every such engine does (at no prefix
+        held), so its source tier depends on its tier and room alone. One set look-up
+        (the engines holding any of those first blocks: one C-level pass per engine, once
+        per view)."""
+        aff = self.affinity
+        if aff is None:
+            return True
+        if self._holders is None:
+            firsts = frozenset().union(
+                *(self.firsts(t, aff.scan) for t in range(self.n_tiers)),
+                (h.blocks[0] for t in range(self.n_tiers)
+                 if (h := self.head(t)) is not None and h.blocks))
+            self._holders = frozenset(itertools.chain.from_iterable(
+                aff.index.starts(self._bal.engine_ids(), firsts).values()))
+        return engine_id not in self._holders
 
     def once(self, key: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, computed once per view under ``key`` (what a source rule reads

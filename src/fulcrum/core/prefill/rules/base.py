@@ -77,7 +77,10 @@ class SourceRule(Rule):
     def source(self, view: TierView, engine_id: str, own: int, room: bool,
                now_ns: int | None) -> int:
         """The tier ``engine_id`` (on tier ``own``; ``room``: it may take more work now)
-        takes from; ``now_ns`` is the time when the shell gives it."""
+        takes from; ``now_ns`` is the time when the shell gives it. It reads the engine
+        only through ``view.cost_for`` of tier heads: engines pricing every head alike
+        (holding none of them) on the same tier with the same room get the same answer,
+        which a dispatch computes once (:meth:`SourceView.plain`)."""
         raise NotImplementedError
 
     def serves(self, engine_tier: int, tier: int) -> bool:
