@@ -174,9 +174,11 @@ class PrefixIndex:
 
     def starts(self, engines: Iterable[str], firsts: frozenset[int]) -> dict[int, list[str]]:
         """Block of ``firsts`` -> the ``engines`` holding it, in ``engines``' order: one
-        C-level pass per engine over the smaller of its cache and ``firsts``. Only these
-        engines can hold a prefix starting with that block (:meth:`match`). No pass at
-        all when no engine holds any of them (a cold queue): one count look-up each."""
+        C-level pass over ``firsts`` (a window's or a dispatch's, a few hundred blocks at
+        most) per engine with a non-empty cache; ``dict_keys & frozenset`` walks the
+        frozenset whatever the cache's size. Only these engines can hold a prefix
+        starting with that block (:meth:`match`). Only the blocks some engine holds are
+        walked (one count look-up each): none at all on a cold queue."""
         out: dict[int, list[str]] = {}
         firsts = frozenset(h for h in firsts if self._counts.get(h, 0) > 0)
         if not firsts:
