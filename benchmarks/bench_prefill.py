@@ -37,10 +37,12 @@ from fulcrum.config.prefill import PrefillSettings
 from fulcrum.config.server import FleetSettings
 from fulcrum.core.cost import DEFAULT_COST_MODEL, DEFAULT_STEP_BUDGET_NS
 from fulcrum.core.prefill.balancer import BalancerConfig, PrefillBalancer, Queued
-from fulcrum.core.prefill.batch import pick_engine, select_batch
+from fulcrum.core.prefill.batch import select_batch
 from fulcrum.core.prefill.chunks import PrefillTask, plan_step
+from fulcrum.core.prefill.items import Offer
 from fulcrum.core.prefill.ranks import assign_ranks
 from fulcrum.core.prefill.rules import RULE_SETS
+from fulcrum.core.prefill.rules.puller import MostQuota
 from fulcrum.core.prefill.tiers import allocate, assign_engines, tier_of
 from fulcrum.core.tenants import RequestClass, TenantPolicy
 from fulcrum.core.types import MemberKind, PrefillEngineShape
@@ -74,6 +76,8 @@ def core_table(quick: bool) -> str:
     costs = [model.cost_ns(t - c, c) for t, c in zip(totals, cached, strict=True)]
     loads = rng.integers(0, 2 * S, size=RANKS).tolist()
     remaining = [int(x) for x in rng.integers(0, 20 * S, size=ENGINES // TIERS)]
+    waiting = [Offer(f"e{i}", r, (0,) * RANKS) for i, r in enumerate(remaining)]
+    most_quota = MostQuota()
     demand = rng.random(TIERS) * 1e12
     engines = [f"engine-{i:03d}" for i in range(ENGINES)]
     prev_counts = allocate(ENGINES, rng.random(TIERS) * 1e12, hysteresis=0.0)
@@ -100,7 +104,8 @@ def core_table(quick: bool) -> str:
         (f"pull decision: FIFO batch ({batch_n} requests) + least-loaded of {RANKS} ranks",
          pull_s),
         (f"waiting engine with most quota ({ENGINES // TIERS} waiting)",
-         best_of(lambda: pick_engine(remaining), number=2000, repeat=repeat)),
+         best_of(lambda: min(range(len(waiting)), key=lambda i: most_quota.key(waiting[i], i)),
+                 number=2000, repeat=repeat)),
         (f"redistribution round ({ENGINES} engines, {TIERS} tiers)",
          best_of(lambda: assign_engines(
              engines, previous, allocate(ENGINES, demand, prev_counts, 1.0)),

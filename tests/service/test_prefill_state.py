@@ -277,6 +277,30 @@ def test_long_poll_woken_for_most_quota_and_passes_wake_on() -> None:
     asyncio.run(scenario())
 
 
+def test_parked_pulls_are_offered_by_engine_id_whatever_order_they_parked_in() -> None:
+    async def scenario() -> None:
+        ticks = itertools.count(1, 1)
+        fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
+        state = PrefillState(PrefillSettings(), fleet, lambda: next(ticks))
+        fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
+        for e in ENGINES:
+            fleet.register(e, PrefillEngineShape(dp_ranks=1), 0)
+        state.last_demand_ns = [1, 0, 0, 0]
+        state.rebalance(0, reason="join")
+        pulls = []
+        for e in ("e2", "e0", "e1"):  # parked out of order, all alike: ties
+            pulls.append(asyncio.ensure_future(state.pull(e, 0, S, [], 3600 * S, 1)))
+            await asyncio.sleep(0)
+        assert [w.engine.member_id for w in state.dispatcher.waiters] == ["e0", "e1", "e2"]
+        subs = [asyncio.ensure_future(state.submit(f"r{i}", 1000, 0, 3600 * S)) for i in range(3)]
+        done = await asyncio.gather(*subs)
+        assert [d.engine_id for d in done] == ["e0", "e1", "e2"]  # ties: first by id
+        for task in pulls:
+            assert len((await task).items) == 1
+
+    asyncio.run(scenario())
+
+
 def test_orphan_tiers_do_not_thrash_when_engines_are_scarce() -> None:
     async def scenario() -> None:
         fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))

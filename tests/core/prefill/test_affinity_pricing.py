@@ -89,7 +89,7 @@ def _held_request(bal: PrefillBalancer) -> Queued:
     return Queued("r", 350, 0, 0, aff.expected_cost(350, blocks), 1, blocks)
 
 
-def test_able_uses_the_predicted_finish() -> None:
+def test_pick_uses_the_predicted_finish() -> None:
     # Order level: with the prediction, b (idle) is able to take r, since a finishes it
     # later; without it, r waits for its holder whenever one exists.
     bal = _bal()
@@ -103,8 +103,11 @@ def test_able_uses_the_predicted_finish() -> None:
     def finish(e: str, it: Queued, m: int, ahead: int) -> int:
         return aff_order.finish_ns(aff, bal.engine(e), it, m, 1, ahead_ns=ahead)
 
-    assert aff_order.able(aff, offers, 1, w, lambda o, it: True, finish) == [0]
-    assert aff_order.able(aff, offers, 1, w, lambda o, it: True) == []
+    def first(o: Offer, i: int) -> tuple[int, ...]:
+        return (i,)
+
+    assert aff_order.pick(aff, offers, 1, w, lambda o, it: True, first, finish) == 0
+    assert aff_order.pick(aff, offers, 1, w, lambda o, it: True, first) == -1
 
 
 def test_choose_puller_and_take_agree_on_a_held_request() -> None:

@@ -5,6 +5,7 @@ engine's first request ends early: each the order the engine would walk alone.""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -45,7 +46,7 @@ def _orders(aff: Affinity, items: list[Queued], engines: dict[str, EngineEntry],
     """Every engine's take order at 1 ms, all offering: one window and pricer for all of
     them (``shared``, as a decision does: walks shared by load part and resumed), or
     each engine's whole walk alone (a fresh window, the pricer behind a plain function:
-    nothing shared). ``first``: the first request only, as :func:`able` asks."""
+    nothing shared). ``first``: the first request only, as :func:`pick` asks."""
     got: dict[str, list[str]] = {}
     w = p = None
     for e in ENGINES:
@@ -117,9 +118,18 @@ def test_a_holder_resumes_the_shared_walk_at_its_first_held_request() -> None:
                                                         first=True)] == ["r2", "r0", "r1"]
 
 
+#: Puller orders: offer order, reversed, by quota then reversed (ties broken as rules do).
+KEYS = (
+    lambda o, i: (i,),
+    lambda o, i: (-i,),
+    lambda o, i: (-o.remaining_ns, -i),
+)
+
+
 def _able_alone(aff: Affinity, items: list[Queued], engines: dict[str, EngineEntry],
                 offers: list[Offer], can_take) -> list[int]:  # type: ignore[no-untyped-def]
-    """:func:`able` as its docstring says, each engine's whole walk alone: every offer
+    """The engines :func:`pick` chooses among, as its docstring says, each engine's whole
+    walk alone: every offer
     asked, then narrowed to those holding the longest prefix of their first request."""
     held = {}
     for i, o in enumerate(offers):
@@ -148,25 +158,41 @@ def test_a_dispatch_asks_the_holders_first_and_finds_whom_asking_all_finds(
     def can_take(o: Offer, it: Queued) -> bool:  # the quota must cover its cost
         return o.remaining_ns >= it.cost_ns // 2
 
-    w = aff_order.Window(items, ENGINES, aff.index, aff.max_wait_ns)
-    p = aff_order.Pricer(aff, w, engines.get, MS, lambda _: True)
-    got = aff_order.able(aff, offers, MS, w, can_take, p, 200 * MS)
-    assert got == _able_alone(aff, items, engines, offers, can_take)
+    able = _able_alone(aff, items, engines, offers, can_take)
+    for key in KEYS:  # whatever the puller rule's order
+        w = aff_order.Window(items, ENGINES, aff.index, aff.max_wait_ns)
+        p = aff_order.Pricer(aff, w, engines.get, MS, lambda _: True)
+        got = aff_order.pick(aff, offers, MS, w, can_take, key, p, 200 * MS)
+        assert got == min(able, key=lambda i: key(offers[i], i), default=-1)
 
 
-def test_when_no_able_engine_holds_its_first_request_every_able_engine_is_found_in_order(
-) -> None:
+@pytest.mark.parametrize(
+    ("first", "want"),
+    [
+        ([0], 0),
+        ([2, 1], 1),  # e2 (no quota) is not able: the holder e1 next in the rule's order
+        ([2, 5], 5),  # an engine holding nothing, next in the rule's order
+        ([2], 0),  # then offer order
+    ],
+)
+def test_when_no_able_engine_holds_its_first_request_the_rule_s_first_able_one_takes(
+        first: list[int], want: int) -> None:
     # e1 holds r0's first block, e2 all of r0; e2 is idle (r0 waits for it at e1) but has
     # no quota left: nobody able holds a prefix of its first request, so the holder e1
-    # and the engines holding nothing are all found, in offer order.
+    # and the engines holding nothing are all able (not e2), asked in the rule's order.
     aff, items, engines = _setup([[0, 1, 2], [1]], [(2, 0)], [0] * 6)
     aff.index.record("e1", items[0].blocks[:1])
     offers = [Offer(e, 0 if e == "e2" else 100 * MS, (0, 0)) for e in ENGINES]
     w = aff_order.Window(items, ENGINES, aff.index, aff.max_wait_ns)
     p = aff_order.Pricer(aff, w, engines.get, MS, lambda _: True)
     assert w.mine("e1") == [0] and w.mine("e2") == [0]
-    got = aff_order.able(aff, offers, MS, w, lambda o, it: o.remaining_ns > 0, p, 200 * MS)
-    assert got == [0, 1, 3, 4, 5]
+
+    def key(o: Offer, i: int) -> tuple[int, ...]:  # ``first`` in that order, then the rest
+        return (first.index(i) if i in first else len(first), i)
+
+    got = aff_order.pick(aff, offers, MS, w, lambda o, it: o.remaining_ns > 0, key, p,
+                         200 * MS)
+    assert got == want
 
 
 def test_a_window_prices_a_request_on_an_engine_as_the_balancer_does() -> None:

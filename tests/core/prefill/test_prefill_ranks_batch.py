@@ -7,8 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fulcrum.core.prefill import ENGINE_POLICIES, RANK_POLICIES, lookup
-from fulcrum.core.prefill.batch import BatchFill, pick_engine, select_batch
+from fulcrum.core.prefill.batch import BatchFill, select_batch
+from fulcrum.core.prefill.items import Offer
 from fulcrum.core.prefill.ranks import assign_ranks
+from fulcrum.core.prefill.rules.puller import EmptiestRank, MostQuota
 
 
 @pytest.mark.parametrize(
@@ -105,13 +107,23 @@ def test_select_batch_invariants(costs: list[int], remaining: int, cap: int, idl
     ("remaining", "index"),
     [([5], 0), ([1, 9, 3], 1), ([4, 9, 9], 1), ([0, 0], 0)],
 )
-def test_pick_engine(remaining: list[int], index: int) -> None:
-    assert pick_engine(remaining) == index
+def test_most_quota_prefers_the_most_remaining_quota_then_the_first(
+        remaining: list[int], index: int) -> None:
+    rule = MostQuota()
+    offers = [Offer(f"e{i}", r, (0,)) for i, r in enumerate(remaining)]
+    assert min(range(len(offers)), key=lambda i: rule.key(offers[i], i)) == index
 
 
-def test_pick_engine_empty() -> None:
-    with pytest.raises(ValueError, match="remaining_ns"):
-        pick_engine([])
+@pytest.mark.parametrize(
+    ("loads", "remaining", "index"),
+    [([[5], [0]], [9, 1], 1), ([[0], [0]], [1, 9], 1), ([[3, 0], [0, 1]], [5, 5], 0)],
+)
+def test_emptiest_rank_prefers_the_emptiest_rank_then_quota_then_the_first(
+        loads: list[list[int]], remaining: list[int], index: int) -> None:
+    rule = EmptiestRank()
+    offers = [Offer(f"e{i}", r, tuple(x)) for i, (x, r) in enumerate(zip(loads, remaining,
+                                                                         strict=True))]
+    assert min(range(len(offers)), key=lambda i: rule.key(offers[i], i)) == index
 
 
 @given(

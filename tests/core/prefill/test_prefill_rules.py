@@ -104,8 +104,8 @@ def test_custom_rules_change_decisions_by_strategy_only() -> None:
 class _LastOffered(PullerRule):
     name = "last_offered"
 
-    def choose(self, able, offers):  # type: ignore[no-untyped-def]
-        return able[-1]
+    def key(self, offer, i):  # type: ignore[no-untyped-def]
+        return (-i,)
 
 
 def test_a_new_rule_is_one_class_and_one_registry_line() -> None:

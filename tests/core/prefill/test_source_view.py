@@ -20,9 +20,9 @@ from fulcrum.core.prefill.balancer import (
     PrefillBalancer,
     Queued,
     rules_by_name,
+    source_tiers,
 )
 from fulcrum.core.prefill.dispatch import pick_puller
-from fulcrum.core.prefill.source_view import SourceView
 from fulcrum.core.tenants import RequestClass
 
 S = 1_000_000_000
@@ -89,8 +89,7 @@ def test_one_view_per_dispatch_answers_as_each_engine_alone(
     now = now_ms * MS
     # Both ranks loaded past the binding horizon: no room (then its own tier).
     loads = {e: [loads_ms[i] * MS, loads_ms[12 + i] * MS] for i, e in enumerate(ids)}
-    view = SourceView(bal, now)
-    shared = [bal.source_tier(e, loads[e], now, view) for e in ids]
+    shared = source_tiers(bal, [Offer(e, 10**12, loads[e]) for e in ids], now)
     alone = [bal.source_tier(e, loads[e], now) for e in ids]
     assert shared == alone
     with mock.patch.object(PrefixIndex, "holds_any", lambda self, e, blocks: True):
@@ -116,8 +115,7 @@ def test_a_dispatch_reads_each_tier_s_queue_once(monkeypatch: pytest.MonkeyPatch
         return real(self, tier, now_ns)
 
     monkeypatch.setattr(PrefillBalancer, "queued", counted)
-    view = SourceView(bal, 500 * MS)
-    tiers = [bal.source_tier(e, [0, 0], 500 * MS, view) for e in ids]
+    tiers = source_tiers(bal, [Offer(e, 10**12, [0, 0]) for e in ids], 500 * MS)
     assert set(tiers) <= {0, 1, 2, 3}
     # A head and a window per tier at most, for 64 engines (one per engine each, before).
     assert len(calls) <= 2 * bal.n_tiers
@@ -152,6 +150,7 @@ def test_a_longer_tier_s_head_is_priced_per_engine_in_one_view(
     short = [e for e in ids if bal.engine_tier(e) == 0]
     assert len(short) == 2
     _queue(bal, ids, [(2, 0, 0, ids.index(short[0]), 90)])
-    view = SourceView(bal, 100 * MS)
-    got = {short[i]: bal.source_tier(short[i], [0, 0], 100 * MS, view) for i in order}
+    asked = [short[i] for i in order]
+    got = dict(zip(asked, source_tiers(bal, [Offer(e, 10**12, [0, 0]) for e in asked],
+                                       100 * MS), strict=True))
     assert got == {short[0]: 2, short[1]: 0}

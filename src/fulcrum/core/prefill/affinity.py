@@ -29,7 +29,9 @@ Memory is bounded: at most ``capacity_blocks`` entries per engine (``MAX_CAPACIT
 at most), one ``OrderedDict`` entry of a 64-bit hash each, about 100 bytes per block and
 engine in CPython (dict slot, ordering link, the int) -- 20,000 blocks x 8 engines is
 about 16 MB; plus one count per distinct block held anywhere (how many engines hold it,
-:meth:`PrefixIndex.holders`), at most as many entries again. An engine that re-registers
+:meth:`PrefixIndex.holders`), at most as many entries again; and for the requests' first
+blocks it tracks (:meth:`PrefixIndex.starts`), the engines holding each, one entry per
+engine and such block, dropped when nobody holds it. An engine that re-registers
 starts empty unless it says its cache survived (``keep=True`` in
 :meth:`PrefixIndex.add_engine`); forgetting an engine's blocks walks them once (2.8 ms
 at 20,000 blocks, the default capacity).
@@ -45,7 +47,7 @@ Pure: no clock, no I/O; every time is passed in (ns).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -82,6 +84,10 @@ class EngineCache:
     uid: int = 0
     #: The index's count of engines holding each block (shared by its caches).
     counts: dict[int, int] = field(default_factory=dict)
+    #: The index's engines holding each block it tracks (shared; :meth:`PrefixIndex.starts`).
+    where: dict[int, dict[str, None]] = field(default_factory=dict)
+    #: The engine this cache is (its key in ``where``).
+    engine_id: str = ""
 
     def evict_to(self, cap: int) -> None:
         """Drop least recently used blocks until at most ``cap`` remain."""
@@ -95,8 +101,23 @@ class EngineCache:
         n = self.counts[block] - 1
         if n:
             self.counts[block] = n
+            w = self.where.get(block)
+            if w is not None:
+                del w[self.engine_id]
         else:
             del self.counts[block]
+            self.where.pop(block, None)  # nobody holds it: no longer tracked
+
+    def add(self, block: int, first: bool) -> None:
+        """Count ``block`` as held here (it joined :attr:`blocks`); a request's ``first``
+        block that nobody held is tracked from now on (who holds it is known: only this)."""
+        n = self.counts.get(block, 0)
+        self.counts[block] = n + 1
+        w = self.where.get(block)
+        if w is not None:
+            w[self.engine_id] = None
+        elif first and not n:
+            self.where[block] = {self.engine_id: None}
 
 
 class PrefixIndex:
@@ -109,6 +130,9 @@ class PrefixIndex:
         self._engines: dict[str, EngineCache] = {}
         #: Block -> engines holding it (for :meth:`holders`; one entry per distinct block).
         self._counts: dict[int, int] = {}
+        #: Block -> the engines holding it, for the blocks tracked (requests' first blocks
+        #: asked for by :meth:`starts`, or recorded when nobody held them), while held.
+        self._where: dict[int, dict[str, None]] = {}
         self._uids = 0
 
     # -- engines --------------------------------------------------------------------------
@@ -127,7 +151,8 @@ class PrefixIndex:
         self.remove_engine(engine_id)
         self._uids += 1
         self._engines[engine_id] = EngineCache(capacity_blocks, uid=self._uids,
-                                               counts=self._counts)
+                                               counts=self._counts, where=self._where,
+                                               engine_id=engine_id)
 
     def remove_engine(self, engine_id: str) -> None:
         """Forget an engine (it left)."""
@@ -172,23 +197,40 @@ class PrefixIndex:
         """How many engines hold ``block`` (one look-up)."""
         return self._counts.get(block, 0)
 
-    def starts(self, engines: Iterable[str], firsts: frozenset[int]) -> dict[int, list[str]]:
-        """Block of ``firsts`` -> the ``engines`` holding it, in ``engines``' order: one
-        C-level pass over ``firsts`` (a window's or a dispatch's, a few hundred blocks at
-        most) per engine with a non-empty cache; ``dict_keys & frozenset`` walks the
-        frozenset whatever the cache's size. Only these engines can hold a prefix
-        starting with that block (:meth:`match`). Only the blocks some engine holds are
-        walked (one count look-up each): none at all on a cold queue."""
+    def starts(self, engines: Sequence[str] | Mapping[str, int],
+               firsts: Iterable[int]) -> dict[int, list[str]]:
+        """Block of ``firsts`` -> the ``engines`` holding it, in ``engines``' order (a
+        sequence, or engine -> position: what a caller keeps across calls). Only these
+        engines can hold a prefix starting with that block (:meth:`match`). It costs the
+        holders, not every engine: a block nobody holds is one count look-up; the engines
+        holding a block are tracked once it has been asked for (one pass over the engines
+        then) or recorded as a request's first block while nobody held it, until nobody
+        holds it. A dispatch's or a window's first blocks, a few hundred at most."""
         out: dict[int, list[str]] = {}
-        firsts = frozenset(h for h in firsts if self._counts.get(h, 0) > 0)
-        if not firsts:
-            return out
-        for e in engines:
-            c = self._engines.get(e)
-            if c is not None and c.blocks:
-                for h in c.blocks.keys() & firsts:
-                    out.setdefault(h, []).append(e)
+        order = engines if isinstance(engines, Mapping) else {
+            e: i for i, e in enumerate(engines)}
+        counts, where = self._counts, self._where
+        for h in firsts:
+            if h not in counts:
+                continue  # nobody holds it (most first blocks of a cold queue)
+            w = where.get(h)
+            got = [e for e in (self.holding(h) if w is None else w) if e in order]
+            if len(got) > 1:
+                got.sort(key=order.__getitem__)
+            if got:
+                out[h] = got
         return out
+
+    def holding(self, block: int) -> Collection[str]:
+        """The engines holding ``block`` (any order; the tracked set, see :meth:`starts`:
+        do not change it)."""
+        if not self._counts.get(block, 0):
+            return ()
+        w = self._where.get(block)
+        if w is None:
+            w = self._where[block] = {
+                e: None for e, c in self._engines.items() if block in c.blocks}
+        return w.keys()
 
     def holds_any(self, engine_id: str, blocks: frozenset[int]) -> bool:
         """True when ``engine_id`` holds any of ``blocks`` (one C-level pass over the
@@ -225,7 +267,7 @@ class PrefixIndex:
         c.lookup_blocks += len(blocks)
         if c.capacity_blocks == 0:
             return hit
-        self._insert(c, blocks)
+        self._insert(c, blocks, first=True)
         return hit
 
     def stored(self, engine_id: str, blocks: Iterable[int]) -> None:
@@ -259,15 +301,17 @@ class PrefixIndex:
         return m
 
     @staticmethod
-    def _insert(c: EngineCache, blocks: Iterable[int]) -> None:
+    def _insert(c: EngineCache, blocks: Iterable[int], first: bool = False) -> None:
+        """``first``: ``blocks`` are a request's, ``blocks[0]`` its first block."""
         c.version += 1
         held = c.blocks
-        for h in reversed(tuple(blocks)):  # the head most recent: the tail goes first
+        got = tuple(blocks)
+        for h in reversed(got):  # the head most recent: the tail goes first
             if h in held:
                 held.move_to_end(h)
             else:
                 held[h] = None
-                c.counts[h] = c.counts.get(h, 0) + 1
+                c.add(h, first and h == got[0])
         c.evict_to(c.capacity_blocks)
 
 

@@ -217,6 +217,7 @@ class PrefillBalancer:
         self.moves_total = 0
         #: Prefix affinity (None: every engine pays ``Queued.cost_ns``).
         self.affinity: Affinity | None = None
+        self._serving: dict[int, dict[str, int]] = {}  # :func:`serving`; tiers change
 
     # -- configuration --------------------------------------------------------------------
 
@@ -228,6 +229,7 @@ class PrefillBalancer:
             self.fair.reset()  # another rule counts other units
         self.config = config
         self.fair.set_policy(config.tenants)
+        self._serving.clear()  # the source rule may differ
 
     # -- queries --------------------------------------------------------------------------
 
@@ -263,8 +265,7 @@ class PrefillBalancer:
 
     def engine_tier(self, engine_id: str) -> int:
         """The tier an engine serves (-1 when unknown or none)."""
-        eng = self._engines.get(engine_id)
-        return -1 if eng is None else eng.tier
+        return -1 if (eng := self._engines.get(engine_id)) is None else eng.tier
 
     def queue_depth(self, tier: int) -> int:
         """Requests queued in ``tier``."""
@@ -432,6 +433,7 @@ class PrefillBalancer:
                 moved.append((engine_id, eng.tier, tier))
                 eng.tier = tier
         self._counts = [int(x) for x in counts.tolist()]
+        self._serving.clear()  # engines and tiers as they are now
         self.moves_total += result.moves
         return Redistribution(
             reason=reason,
@@ -449,20 +451,18 @@ class PrefillBalancer:
 
     def has_room(self, rank_loads_ns: Sequence[int]) -> bool:
         """True when an engine with these rank loads (ns) may take more work now (the
-        binding rule: late binding, its least-loaded rank is below the horizon; early
-        binding, it is idle)."""
+        binding rule: late binding, its least-loaded rank under the horizon; early, idle)."""
         return self.config.rules.binding.has_room(rank_loads_ns, self.config.step_quota_ns)
 
     def source_tier(self, engine_id: str, rank_loads_ns: Sequence[int],
-                    now_ns: int | None = None, view: SourceView | None = None) -> int:
+                    now_ns: int | None = None) -> int:
         """The tier ``engine_id`` (with these rank loads, ns) takes work from now (-1: none
         or unknown): the source rule's (:mod:`fulcrum.core.prefill.rules.source`; the
         default, ``urgency``, given ``now_ns``: the tier whose head waited longest for its
         tier's scale, a longer tier only within :meth:`helping_bound_ns`); under prefix
-        affinity a tier with a request it alone holds best first (:func:`_held_tier`).
-        ``view``: the queue as one dispatch reads it for every engine (same ``now_ns``;
-        :class:`fulcrum.core.prefill.source_view.SourceView`), else read for this call."""
-        return _source(self, engine_id, rank_loads_ns, now_ns, view)[0]
+        affinity a tier with a request it alone holds best first (:func:`_held_tier`);
+        every waiting engine of a dispatch at once: :func:`source_tiers`."""
+        return _source(self, engine_id, rank_loads_ns, now_ns)[0]
 
     def helping_bound_ns(self, tier: int) -> int:
         """Longest predicted cost (ns) of a longer tier's request that an engine of
@@ -504,25 +504,23 @@ class PrefillBalancer:
         take the head, as the rule set's puller rule picks (``emptiest_rank``: the one
         whose least-loaded rank is emptiest, ties most remaining quota then first;
         ``most_quota``: the most remaining quota, ties first); -1 when none can (or
-        nothing is queued). With prefix affinity and ``now_ns`` (head within the fairness
-        bound), the engines holding the longest prefix of the work they would take come
-        first."""
+        nothing is queued); asked in the rule's order until one can. With prefix affinity
+        and ``now_ns`` (head within the fairness bound), those holding the longest prefix
+        of what they would take first (:func:`~fulcrum.core.prefill.order.pick`)."""
+        key = self.config.rules.puller.key  # asked in its order: the first able one
         w = None if now_ns is None else _affinity_window(self, tier, now_ns)
         if w is None:
-            able = [i for i, o in enumerate(offers) if self.can_take(tier, o)]
-        else:
-            assert now_ns is not None and self.affinity is not None
-            aff = self.affinity
-            offering = {o.engine_id for o in offers}
-            cost = functools.partial(w.cost_for, aff)
-            able = aff_order.able(aff, offers, now_ns, w,
-                                  lambda o, it: self._can_take_item(tier, o, it, cost),
-                                  aff_order.Pricer(aff, w, self.engine, now_ns,
-                                                   offering.__contains__),
-                                  aff_order.grace_ns(self.config.step_floor_ns))
-        if not able:
-            return -1
-        return self.config.rules.puller.choose(able, offers)
+            ranked = sorted(range(len(offers)), key=lambda i: key(offers[i], i))
+            return next((i for i in ranked if self.can_take(tier, offers[i])), -1)
+        assert now_ns is not None and self.affinity is not None
+        aff = self.affinity
+        offering = {o.engine_id for o in offers}
+        cost = functools.partial(w.cost_for, aff)
+        return aff_order.pick(aff, offers, now_ns, w,
+                              lambda o, it: self._can_take_item(tier, o, it, cost), key,
+                              aff_order.Pricer(aff, w, self.engine, now_ns,
+                                               offering.__contains__),
+                              aff_order.grace_ns(self.config.step_floor_ns))
 
     def take(
         self,
@@ -666,14 +664,57 @@ def _affinity_window(
     aff = bal.affinity
     if aff is None:
         return None
-    src = bal.config.rules.source
-    serving = [e for e in bal.engine_ids() if src.serves(bal.engine_tier(e), tier)]
     caps = bal.config.batch_cap_ns
     bound = aff.max_wait_ns * caps[tier] // caps[0]
     bounds = bal.config.bounds
     tail = aff.cost_ns(bounds[tier], 0) if tier < len(bounds) else None
-    return aff_order.window(aff, bal.queued(tier, now_ns), serving, now_ns, alive, dead,
-                            bound, tail)
+    return aff_order.window(aff, bal.queued(tier, now_ns), serving(bal, tier), now_ns,
+                            alive, dead, bound, tail)
+
+
+def serving(bal: PrefillBalancer, tier: int) -> Mapping[str, int]:
+    """The engines the source rule lets serve ``tier``, each to its position in join
+    order (iterated: in that order): built once per tier and kept until engines join,
+    leave or move (:meth:`PrefillBalancer.redistribute`) or the rules change, not once
+    per window (a dispatch over a large fleet reads it). Read it; do not change it."""
+    got = bal._serving.get(tier)
+    if got is None:
+        src = bal.config.rules.source
+        got = bal._serving[tier] = {e.engine_id: i for i, e in enumerate(
+            bal._engines.values()) if src.serves(e.tier, tier)}
+    return got
+
+
+def source_tiers(bal: PrefillBalancer, offers: Sequence[Offer],
+                 now_ns: int | None = None) -> list[int]:
+    """:meth:`PrefillBalancer.source_tier` of every offer of one dispatch: the queue read
+    once for all (:class:`~fulcrum.core.prefill.source_view.SourceView`), and an engine
+    holding none of what it reads (:meth:`SourceView.plain`) answered once per own tier
+    and room: every such engine prices the tier heads alike, and a source rule reads the
+    engine only through those prices (:meth:`SourceRule.source`). Per such engine: a
+    look-up, the binding rule's room check and a set look-up."""
+    if now_ns is not None:
+        bal.fair.now_ns = max(bal.fair.now_ns, now_ns)  # the clock of the order
+    view = SourceView(bal, now_ns)
+    src, binding = bal.config.rules.source, bal.config.rules.binding
+    quota, engines = bal.config.step_quota_ns, bal._engines
+    plain: dict[tuple[int, bool], int] = {}
+    out: list[int] = []
+    for o in offers:
+        eng = engines.get(o.engine_id)
+        if eng is None or eng.tier < 0:
+            out.append(-1)
+            continue
+        room = binding.has_room(o.rank_loads_ns, quota)
+        if not view.plain(o.engine_id):
+            out.append(_source(bal, o.engine_id, o.rank_loads_ns, now_ns, view)[0])
+            continue
+        got = plain.get((eng.tier, room))
+        if got is None:
+            got = plain[eng.tier, room] = src.source(view, o.engine_id, eng.tier, room,
+                                                    now_ns)
+        out.append(got)
+    return out
 
 
 def _source(bal: PrefillBalancer, engine_id: str, rank_loads_ns: Sequence[int],
@@ -686,12 +727,8 @@ def _source(bal: PrefillBalancer, engine_id: str, rank_loads_ns: Sequence[int],
     if eng is None or eng.tier < 0:
         return -1, False
     room = bal.has_room(rank_loads_ns)
-    shared = view is not None  # one view for every engine of a dispatch
     view = SourceView(bal, now_ns) if view is None else view
-    src, own, v = bal.config.rules.source, eng.tier, view
-    if shared and view.plain(engine_id):  # priced as every engine holding none: once
-        return view.once(("source", own, room),
-                         lambda: src.source(v, engine_id, own, room, now_ns)), False
+    src, own = bal.config.rules.source, eng.tier
     best = src.source(view, engine_id, own, room, now_ns)
     tier = _held_tier(bal, view, engine_id, own, best, now_ns) if room else best
     return tier, tier != best
@@ -738,8 +775,7 @@ def _held_tier(bal: PrefillBalancer, view: SourceView, engine_id: str, own: int,
             m = idx.match(engine_id, item.blocks)
             end = item.blocks[m - 1]
             if idx.holders(end) > 1 and any(
-                    idx.holds(e, end) for e in bal.engine_ids()
-                    if e != engine_id and src.serves(bal.engine_tier(e), t)):
+                    idx.holds(e, end) for e in serving(bal, t) if e != engine_id):
                 continue
             if t <= own or aff_order.matched_cost(aff, item, m) <= bal.helping_bound_ns(own):
                 return t

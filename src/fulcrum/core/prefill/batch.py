@@ -7,9 +7,9 @@ requests; no request jumps the queue. When not even the head fits and the engine
 (no outstanding load), the head is served alone: an oversize request -- larger than any
 engine's quota or than the tier cap -- is never starved.
 
-When several engines wait on the same tier, the engine with the most remaining quota
-takes the work (:func:`pick_engine`); ties go to the lowest index, i.e. the caller's
-deterministic order (engine id).
+When several engines wait on the same tier, the puller rule picks the one that takes the
+work (:mod:`fulcrum.core.prefill.rules.puller`; the published rule: the most remaining
+quota, ties to the caller's deterministic order, engine id).
 """
 
 from __future__ import annotations
@@ -58,17 +58,6 @@ def quota_ns(horizon_ns: int, rank_loads_ns: Sequence[int]) -> int:
     daemon's ``PrefillAssignment`` and ``rank_loads_ns`` each rank's queued work (ns).
     Engines (:mod:`fulcrum.client.prefill`) and the simulator both call this."""
     return int(sum(max(0, int(horizon_ns) - int(x)) for x in rank_loads_ns))
-
-
-def pick_engine(remaining_ns: Sequence[int]) -> int:
-    """Index of the waiting engine with the most remaining quota (ns); ties: lowest index."""
-    if not remaining_ns:
-        raise ValueError("remaining_ns: need at least one engine")
-    best = 0
-    for i, value in enumerate(remaining_ns):
-        if value > remaining_ns[best]:
-            best = i
-    return best
 
 
 class BatchFill:

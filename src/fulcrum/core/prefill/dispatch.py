@@ -10,17 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fulcrum.core.prefill.balancer import PrefillBalancer
+from fulcrum.core.prefill.balancer import PrefillBalancer, source_tiers
 from fulcrum.core.prefill.items import Offer
-from fulcrum.core.prefill.source_view import SourceView
 
 
 def pick_puller(bal: PrefillBalancer, tier: int, offers: Sequence[Offer],
                 now_ns: int | None = None) -> int:
     """Index in ``offers`` (every waiting engine, in the shell's deterministic order) of
     the engine that takes ``tier``'s work now; -1 when none does."""
-    view = SourceView(bal, now_ns)  # what every engine reads of the queue, read once
-    able = [i for i, o in enumerate(offers)
-            if bal.source_tier(o.engine_id, o.rank_loads_ns, now_ns, view) == tier]
+    tiers = source_tiers(bal, offers, now_ns)  # the queue read once for every engine
+    able = [i for i, t in enumerate(tiers) if t == tier]
     j = bal.choose_puller(tier, [offers[i] for i in able], now_ns=now_ns)
     return -1 if j < 0 else able[j]

@@ -25,7 +25,7 @@ FIFO (a fairness override). Pure functions over queued records.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
@@ -58,8 +58,9 @@ class Window:
     requests past its end)."""
 
     items: list[Queued]
-    #: The engines that may serve the tier (the only ones matched).
-    serving: list[str]
+    #: The engines that may serve the tier (the only ones matched), in the order
+    #: :meth:`held` lists them (or each to its position in that order).
+    serving: Sequence[str] | Mapping[str, int]
     index: PrefixIndex
     #: The tier's fairness bound (ns): a request waits for a holder at most this long.
     bound_ns: int
@@ -78,8 +79,8 @@ class Window:
     def held(self, i: int) -> dict[str, int]:
         """Engine -> leading blocks held of ``items[i]`` (engines holding none left out,
         the rest in :attr:`serving`'s order). Only the engines holding its first block
-        are matched (:meth:`PrefixIndex.starts`, one pass over the serving engines per
-        window, not one per request)."""
+        are matched (:meth:`PrefixIndex.starts`, once per window: the holders of each
+        first block, not every serving engine)."""
         got = self._held
         while len(got) <= i:
             it = self.items[len(got)]
@@ -126,6 +127,10 @@ class Window:
         """Positions in :attr:`items` of the requests ``engine_id`` holds a prefix of
         (ascending): those whose first block it holds (:meth:`PrefixIndex.match`), so
         nothing is matched."""
+        return self.holding().get(engine_id, [])
+
+    def holding(self) -> dict[str, list[int]]:
+        """:meth:`mine` of every engine holding a prefix of any request (built once)."""
         if not self._mine:
             got: dict[str, list[int]] = {}
             starts = self._starts()
@@ -133,7 +138,7 @@ class Window:
                 for e in starts.get(it.blocks[0], ()) if it.blocks else ():
                     got.setdefault(e, []).append(i)
             self._mine.append(got)
-        return self._mine[0].get(engine_id, [])
+        return self._mine[0]
 
     def top(self, i: int) -> tuple[int, str | None]:
         """The longest prefix any engine holds of ``items[i]`` (blocks) and the one engine
@@ -148,7 +153,8 @@ class Window:
 
 
 def window(
-    aff: Affinity, queue: Iterable[Queued], serving: list[str], now_ns: int,
+    aff: Affinity, queue: Iterable[Queued], serving: Sequence[str] | Mapping[str, int],
+    now_ns: int,
     alive: Callable[[Queued], bool] | None = None, dead: list[Queued] | None = None,
     bound_ns: int | None = None, tail_ns: int | None = None,
 ) -> Window | None:
@@ -221,7 +227,7 @@ def order_for(aff: Affinity, engine_id: str, now_ns: int, w: Window,
     it or that it alone holds the longest prefix of (it takes those first; issue 21);
     without, whenever one exists. It ends once it holds ``aff.scan`` requests: the ones
     waiting for another engine do not count (the window runs up to ``SCAN_CAP`` times
-    ``aff.scan``). With ``first``, only its first request is exact (what :func:`able`
+    ``aff.scan``). With ``first``, only its first request is exact (what :func:`pick`
     reads): the walk ends once it has one and has passed every request the engine holds.
 
     With a :class:`Pricer`, engines with the same load part (:meth:`Pricer.load_ns`) walk
@@ -428,32 +434,62 @@ def _base(eng: EngineEntry | None, now_ns: int, pulling: bool) -> tuple[int, int
     return load, max(1, eng.dp_ranks)
 
 
-def able(aff: Affinity, offers: Sequence[Offer], now_ns: int, w: Window,
-         can_take: Callable[[Offer, Queued], bool],
-         finish: Finish | None = None, grace_ns: int = 0) -> list[int]:
-    """Indices of the ``offers`` able (``can_take``) to take the first request of their
-    take order over ``w`` (:func:`order_for`, with ``finish`` as the pull's own order
-    uses it), narrowed to those holding the longest prefix of it (when any holds one).
-    The engines holding a prefix of any of the window's requests (:meth:`Window.mine`)
-    are asked first: when one of them is able and holds a prefix of its first request,
-    the others (who hold none) cannot be among those, and are not asked (a dispatch over
-    a large fleet costs the holders, not every engine)."""
+def pick(aff: Affinity, offers: Sequence[Offer], now_ns: int, w: Window,
+         can_take: Callable[[Offer, Queued], bool], key: Callable[[Offer, int], tuple[int, ...]],
+         finish: Finish | None = None, grace_ns: int = 0) -> int:
+    """Index in ``offers`` of the engine that takes work over ``w``, -1 when none: among
+    the offers able (``can_take``) to take the first request of their take order
+    (:func:`order_for`, with ``finish`` as the pull's own order uses it), narrowed to
+    those holding the longest prefix of it (when any holds one), the smallest ``key``
+    (the puller rule's, :meth:`PullerRule.key`).
+
+    It costs the holders, not every engine. The engines holding a prefix of any of the
+    window's requests (:meth:`Window.mine`) are asked first: when one of them is able and
+    holds a prefix of its first request, the others (who hold none) cannot be chosen,
+    and are not asked. Otherwise the others are asked in ``key`` order until one is able
+    (one sort, then usually one question). Engines holding none of the window are
+    answered once per load part (:meth:`Pricer.load_ns`) and offer (rank loads,
+    remaining quota, band loads): they walk the window alike, and ``can_take`` must read
+    an engine only through its offer and the window's price of the request at the prefix
+    it holds (none), as :meth:`PrefillBalancer.choose_puller`'s does."""
     pos = {id(it): j for j, it in enumerate(w.items)}
-    held: dict[int, int] = {}  # offer index -> blocks held of its first request
-    holders: list[int] = []
-    others: list[int] = []
+    held: dict[int, int] = {}  # able holder's offer index -> blocks of its first request
+    holding = w.holding()
     for i, o in enumerate(offers):
-        (holders if w.mine(o.engine_id) else others).append(i)
-    for group in (holders, others):
-        for i in group:
-            o = offers[i]
+        if o.engine_id in holding:
             order = order_for(aff, o.engine_id, now_ns, w, finish, grace_ns, first=True)
             if order and can_take(o, order[0]):
                 held[i] = w.held(pos[id(order[0])]).get(o.engine_id, 0)
-        top = max(held.values(), default=0)
-        if top > 0:
-            return sorted(i for i, m in held.items() if m == top)
-    return sorted(held)
+    top = max(held.values(), default=0)
+    if top > 0:
+        return min((i for i, m in held.items() if m == top), key=lambda i: key(offers[i], i))
+    alike: dict[tuple[object, ...], bool] = {}
+    for i in sorted(range(len(offers)), key=lambda i: key(offers[i], i)):
+        o = offers[i]
+        if o.engine_id in holding:
+            if i in held:
+                return i
+            continue
+        k = _alike(o, finish)
+        ok = alike.get(k) if k is not None else None
+        if ok is None:
+            order = order_for(aff, o.engine_id, now_ns, w, finish, grace_ns, first=True)
+            ok = bool(order) and can_take(o, order[0])
+            if k is not None:
+                alike[k] = ok
+        if ok:
+            return i
+    return -1
+
+
+def _alike(o: Offer, finish: Finish | None) -> tuple[object, ...] | None:
+    """What :func:`pick` reads of an engine holding none of the window (None: nothing
+    shared without a :class:`Pricer`)."""
+    if not isinstance(finish, Pricer):
+        return None
+    bands = None if o.band_loads is None else tuple(
+        (b, tuple(v)) for b, v in sorted(o.band_loads.items()))
+    return finish.load_ns(o.engine_id), tuple(o.rank_loads_ns), o.remaining_ns, bands
 
 
 def holder_tier(aff: Affinity, engines: Iterable[EngineEntry], bounds: Sequence[int],

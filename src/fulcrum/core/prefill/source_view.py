@@ -35,8 +35,6 @@ class Queues(Protocol):
 
     def head(self, tier: int) -> Queued | None: ...
 
-    def engine_ids(self) -> list[str]: ...
-
     def queued(self, tier: int, now_ns: int | None = None) -> Iterator[Queued]: ...
 
     def tier_queue(self, tier: int) -> TierQueue: ...
@@ -97,8 +95,8 @@ class SourceView:
         reads (each tier's head and first ``affinity.scan`` requests; every engine without
         prefix affinity): it prices each of them as every such engine does (at no prefix
         held), so its source tier depends on its tier and room alone. One set look-up
-        (the engines holding any of those first blocks: one C-level pass per engine, once
-        per view)."""
+        (the engines holding any of those first blocks, once per view: the index tracks
+        who holds each, :meth:`PrefixIndex.holding`)."""
         aff = self.affinity
         if aff is None:
             return True
@@ -108,7 +106,7 @@ class SourceView:
                 (h.blocks[0] for t in range(self.n_tiers)
                  if (h := self.head(t)) is not None and h.blocks))
             self._holders = frozenset(itertools.chain.from_iterable(
-                aff.index.starts(self._bal.engine_ids(), firsts).values()))
+                aff.index.holding(h) for h in firsts))
         return engine_id not in self._holders
 
     def once(self, key: Hashable, compute: Callable[[], T]) -> T:

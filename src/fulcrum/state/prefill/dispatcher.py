@@ -10,9 +10,10 @@ passes the wake on if it could not take (or never ran). Only the event loop touc
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import Callable
 
-from fulcrum.core.prefill.balancer import Offer, PrefillBalancer
+from fulcrum.core.prefill.balancer import PrefillBalancer
 from fulcrum.core.prefill.dispatch import pick_puller
 from fulcrum.errors import NotFound
 from fulcrum.state.prefill.records import Batch, Engine, Waiter
@@ -29,6 +30,7 @@ class Dispatcher:
         self._clock = clock
         self._live_head = live_head
         self._draining = draining
+        #: Parked pulls by engine id (then parking order): a dispatch's offer order.
         self.waiters: list[Waiter] = []
         self.woken = [0] * balancer.n_tiers  # woken waiters not yet run, per tier
 
@@ -48,13 +50,8 @@ class Dispatcher:
         """Wake the waiting pull the balancer chooses for ``tier``'s work (one at a time)."""
         if self.woken[tier] > 0 or not self.waiters or not self._live_head(tier):
             return
-        offers = sorted((w for w in self.waiters if not w.woken),
-                        key=lambda w: w.engine.member_id)
-        i = pick_puller(
-            self._bal, tier,
-            [Offer(w.engine.member_id, w.remaining_ns, w.loads, w.band_loads) for w in offers],
-            self._clock(),
-        )
+        offers = [w for w in self.waiters if not w.woken]
+        i = pick_puller(self._bal, tier, [w.offer for w in offers], self._clock())
         if i >= 0:
             self._wake(offers[i], tier)
 
@@ -78,7 +75,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_ns / NS_PER_S
         eng.waiters.append(waiter)
-        self.waiters.append(waiter)
+        bisect.insort(self.waiters, waiter, key=_engine_id)
         try:
             self.dispatch_all()
             while (timeout := deadline - loop.time()) > 0:
@@ -118,6 +115,10 @@ class Dispatcher:
         waiter.woken_tier = -1
         self.woken[tier] -= 1
         return tier
+
+
+def _engine_id(waiter: Waiter) -> str:
+    return waiter.engine.member_id
 
 
 async def _woken_within(waiter: Waiter, timeout_s: float) -> bool:

@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from fulcrum.config.prefill import PrefillSettings
-from fulcrum.core.prefill.balancer import BalancerConfig, Queued, rules_by_name
+from fulcrum.core.prefill.balancer import BalancerConfig, Offer, Queued, rules_by_name
 from fulcrum.core.prefill.chunks import DEFAULT_FLOOR_FRACTION
 from fulcrum.core.tenants import TenantPolicy
 from fulcrum.units import NS_PER_MS
@@ -165,6 +165,12 @@ class Waiter:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     woken: bool = False
     woken_tier: int = -1
+    #: What a dispatch offers for it (built once: a parked pull's offer does not change).
+    offer: Offer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offer = Offer(self.engine.member_id, self.remaining_ns, self.loads,
+                           self.band_loads)
 
     @property
     def idle(self) -> bool:

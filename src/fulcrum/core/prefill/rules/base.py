@@ -133,8 +133,11 @@ class PullerRule(Rule):
 
     kind: ClassVar[str] = "puller"
 
-    def choose(self, able: Sequence[int], offers: Sequence[Offer]) -> int:
-        """Index into ``offers`` of the puller among the indices ``able`` (non-empty)."""
+    def key(self, offer: Offer, i: int) -> tuple[int, ...]:
+        """The rule's preference for ``offer`` (at index ``i`` of the offers, the shell's
+        deterministic order), smallest first, ``i`` last (ties go to the first): the
+        puller is the able engine with the smallest key, so engines are asked in this
+        order until one is able (:meth:`PrefillBalancer.choose_puller`)."""
         raise NotImplementedError
 
 

@@ -8,11 +8,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fulcrum.core.prefill.batch import pick_engine
 from fulcrum.core.prefill.items import Offer
 from fulcrum.core.prefill.rules.base import RULES, PullerRule
 from fulcrum.core.registry import NoParams
@@ -24,13 +22,8 @@ class MostQuota(PullerRule):
 
     name: ClassVar[str] = "most_quota"
 
-    def choose(self, able: Sequence[int], offers: Sequence[Offer]) -> int:
-        return able[pick_engine([offers[i].remaining_ns for i in able])]
-
-
-def _emptiest_key(offers: Sequence[Offer], i: int) -> tuple[int, int, int]:
-    o = offers[i]
-    return (min(o.rank_loads_ns, default=0), -o.remaining_ns, i)
+    def key(self, offer: Offer, i: int) -> tuple[int, ...]:
+        return (-offer.remaining_ns, i)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +32,8 @@ class EmptiestRank(PullerRule):
 
     name: ClassVar[str] = "emptiest_rank"
 
-    def choose(self, able: Sequence[int], offers: Sequence[Offer]) -> int:
-        return min(able, key=lambda i: _emptiest_key(offers, i))
+    def key(self, offer: Offer, i: int) -> tuple[int, ...]:
+        return (min(offer.rank_loads_ns, default=0), -offer.remaining_ns, i)
 
 
 RULES.register(MostQuota.name, lambda p: MostQuota(), NoParams, kind=MostQuota.kind)
