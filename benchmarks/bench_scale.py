@@ -73,8 +73,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def daemon_process() -> Iterator[tuple[str, int, int]]:
-    """The daemon in a child process; yields (gRPC address, metrics port, pid)."""
+def daemon_process(
+    extra: dict[str, dict[str, object]] | None = None,
+) -> Iterator[tuple[str, int, int]]:
+    """The daemon in a child process; yields (gRPC address, metrics port, pid).
+    ``extra``: settings merged into each section of the config (its other benches)."""
     port, mport = _free_port(), _free_port()
     cfg = {
         # The probe at 10 ms, not the default 50: the loop-lag aim is about 20 ms stalls,
@@ -85,6 +88,8 @@ def daemon_process() -> Iterator[tuple[str, int, int]]:
         "decode": {"max_placements": 10_000_000},
         "fleet": {"heartbeat_timeout_ms": 3_600_000},  # one heartbeat per member here
     }
+    for section, values in (extra or {}).items():
+        cfg[section] = {**cfg.get(section, {}), **values}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fulcrum.yaml"
         path.write_text(yaml.safe_dump(cfg))
