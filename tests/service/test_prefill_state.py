@@ -248,18 +248,23 @@ def test_random_interleavings_end_every_request_exactly_once(
     asyncio.run(_scenario(script))
 
 
+def _short_tier_state() -> PrefillState:
+    """:data:`ENGINES` (one rank each), all in the short tier."""
+    ticks = itertools.count(1, 1)
+    fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
+    state = PrefillState(PrefillSettings(), fleet, lambda: next(ticks))
+    fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
+    for e in ENGINES:
+        fleet.register(e, PrefillEngineShape(dp_ranks=1), 0)
+    state.last_demand_ns = [1, 0, 0, 0]
+    state.rebalance(0, reason="join")
+    assert state.engines_per_tier() == [3, 0, 0, 0]
+    return state
+
+
 def test_long_poll_woken_for_most_quota_and_passes_wake_on() -> None:
     async def scenario() -> None:
-        ticks = itertools.count(1, 1)
-        fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
-        state = PrefillState(PrefillSettings(), fleet, lambda: next(ticks))
-        fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
-        for e in ENGINES:
-            fleet.register(e, PrefillEngineShape(dp_ranks=1), 0)
-        # All engines to the short tier.
-        state.last_demand_ns = [1, 0, 0, 0]
-        state.rebalance(0, reason="join")
-        assert state.engines_per_tier() == [3, 0, 0, 0]
+        state = _short_tier_state()
         quotas = {"e0": S, "e1": 3 * S, "e2": 2 * S}
         pulls = {
             e: asyncio.ensure_future(state.pull(e, 0, q, [], 3600 * S, 1))
@@ -279,14 +284,7 @@ def test_long_poll_woken_for_most_quota_and_passes_wake_on() -> None:
 
 def test_parked_pulls_are_offered_by_engine_id_whatever_order_they_parked_in() -> None:
     async def scenario() -> None:
-        ticks = itertools.count(1, 1)
-        fleet = Fleet(FleetSettings(heartbeat_timeout_ms=3_600_000))
-        state = PrefillState(PrefillSettings(), fleet, lambda: next(ticks))
-        fleet.add_listener(MemberKind.PREFILL_ENGINE, state)
-        for e in ENGINES:
-            fleet.register(e, PrefillEngineShape(dp_ranks=1), 0)
-        state.last_demand_ns = [1, 0, 0, 0]
-        state.rebalance(0, reason="join")
+        state = _short_tier_state()
         pulls = []
         for e in ("e2", "e0", "e1"):  # parked out of order, all alike: ties
             pulls.append(asyncio.ensure_future(state.pull(e, 0, S, [], 3600 * S, 1)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -402,28 +404,40 @@ def test_urgency_is_on_under_prefix_affinity() -> None:
     assert bal.source_tier(long_engine, [0], now_ns=10 * S) == 0
 
 
-@settings(max_examples=80, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["record", "evicted", "add", "keep", "remove"]),
-                              st.integers(0, 2), st.lists(st.integers(0, 9), max_size=5),
-                              st.integers(0, 6)), max_size=40))
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(ops=st.lists(st.tuples(
+    st.sampled_from(["record", "stored", "evicted", "add", "keep", "remove", "ask"]),
+    st.integers(0, 2), st.lists(st.integers(0, 9), max_size=5), st.integers(0, 6)),
+    max_size=60))
 def test_holders_counts_the_engines_holding_each_block(
     ops: list[tuple[str, int, list[int], int]]
 ) -> None:
-    """:meth:`PrefixIndex.holders` (kept in step by every insert, eviction, report,
-    re-registration and removal) equals a count over the engines' caches."""
+    """:meth:`PrefixIndex.holders` and the tracked holders of first blocks (kept in step
+    by every insert, eviction, report, re-registration and removal) equal a count over
+    the engines' caches; :meth:`PrefixIndex.starts` answers as a pass over every cache
+    would (asked of a copy: asking tracks, and what is untracked must stay so here)."""
     idx = PrefixIndex()
-    for e in ("a", "b", "c"):
+    names = ["a", "b", "c"]
+    for e in names:
         idx.add_engine(e, 4)
     for op, k, blocks, cap in ops:
-        e = "abc"[k]
+        e = names[k]
         if op == "record":
             idx.record(e, blocks)
+        elif op == "stored":
+            idx.stored(e, blocks)
         elif op == "evicted":
             idx.evicted(e, blocks)
         elif op in ("add", "keep"):
             idx.add_engine(e, cap, keep=op == "keep")
-        else:
+        elif op == "remove":
             idx.remove_engine(e)
+        else:
+            idx.starts(names, frozenset(blocks))  # asked: tracked from now on
+        want = {b: [x for x in names if idx.holds(x, b)] for b in range(10)}
         for b in range(10):
-            want = sum(1 for x in idx.engine_ids() if idx.holds(x, b))
-            assert idx.holders(b) == want
+            assert idx.holders(b) == len(want[b])
+        for b, holders in idx._where.items():
+            assert holders and sorted(holders) == want[b]
+        assert copy.deepcopy(idx).starts(names[::-1], range(10)) == {
+            b: es[::-1] for b, es in want.items() if es}

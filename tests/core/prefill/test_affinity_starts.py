@@ -5,8 +5,6 @@ engine without a prompt's first block reuses none of it."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -85,47 +83,6 @@ def test_starts_takes_engines_as_positions_too() -> None:
         idx.stored(e, (10,))
     assert idx.starts({"c": 0, "a": 1}, frozenset({10})) == {10: ["c", "a"]}
     assert idx.starts(["b"], [10, 10]) == {10: ["b"]}
-
-
-ops = st.lists(st.tuples(
-    st.sampled_from(["record", "stored", "evicted", "add", "add_keep", "remove", "ask"]),
-    st.integers(0, 3),  # engine
-    st.lists(st.integers(0, 9), max_size=5),  # blocks (0-9: shared among engines)
-    st.integers(0, 6),  # capacity on (re-)registration
-), max_size=60)
-
-
-@settings(max_examples=300, deadline=None, derandomize=True)
-@given(ops)
-def test_the_tracked_holders_are_always_every_engine_holding_the_block(
-        seq: list[tuple[str, int, list[int], int]]) -> None:
-    # Whatever engines record, report, evict, join with or without their cache, or
-    # leave, starts() answers as a pass over every engine's cache would, and each
-    # tracked block lists exactly its holders (none tracked once nobody holds it).
-    idx = PrefixIndex()
-    names = [f"e{i}" for i in range(4)]
-    for name in names:
-        idx.add_engine(name, 4)
-    for op, i, blocks, cap in seq:
-        e = names[i]
-        if op == "record":
-            idx.record(e, blocks)
-        elif op == "stored":
-            idx.stored(e, blocks)
-        elif op == "evicted":
-            idx.evicted(e, blocks)
-        elif op in ("add", "add_keep"):
-            idx.add_engine(e, cap, keep=op == "add_keep")
-        elif op == "remove":
-            idx.remove_engine(e)
-        else:
-            idx.starts(names, frozenset(blocks))  # asked: tracked from now on
-        want = {h: [n for n in names if idx.holds(n, h)] for h in range(10)}
-        for h, holders in idx._where.items():
-            assert holders and sorted(holders) == want[h]
-        asked = copy.deepcopy(idx)  # asking tracks: ask a copy, keep what is untracked
-        assert asked.starts(names[::-1], range(10)) == {
-            h: es[::-1] for h, es in want.items() if es}
 
 
 def test_a_request_s_first_block_is_tracked_from_its_first_record() -> None:
