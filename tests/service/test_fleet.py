@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fulcrum.client import FulcrumClient, MemberSession
 from fulcrum.service.server import Daemon
@@ -505,3 +507,52 @@ async def test_a_heartbeat_refused_for_a_replaced_incarnation_does_not_register_
     assert session.registrations == 2 and session.incarnation > old
     listed = await client.fleet.ListMembers(pb.ListMembersRequest())
     assert [m.incarnation for m in listed.members] == [session.incarnation]
+
+
+_fleet_ops = st.lists(st.tuples(
+    st.sampled_from(["register", "deregister", "touch", "expire"]),
+    st.integers(0, 4),  # member
+    st.integers(0, 2),  # kind on registration
+    st.integers(0, 3),  # seconds passed first (the timeout is 2 s)
+), max_size=40)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(_fleet_ops)
+def test_members_per_kind_are_counted_through_every_join_and_leave(
+        ops: list[tuple[str, int, int, int]]) -> None:
+    """:meth:`Fleet.count` per kind (kept with every join, replacement, deregistration,
+    lapse at access and sweep) equals a count over the live members."""
+    from fulcrum.config.server import FleetSettings
+    from fulcrum.core.types import (
+        DecodeInstanceShape,
+        MemberKind,
+        PrefillEngineShape,
+        VisionMachineShape,
+    )
+    from fulcrum.errors import AlreadyExists, FailedPrecondition, NotFound
+    from fulcrum.state.fleet import Fleet
+
+    shapes = (PrefillEngineShape(dp_ranks=1), DecodeInstanceShape((4,), (1_000,)),
+              VisionMachineShape(gpus=1))
+    fleet = Fleet(FleetSettings(heartbeat_timeout_ms=2_000))
+    now = 10**12
+    incs: dict[str, int] = {}
+    for op, k, kind, wait_s in ops:
+        now += wait_s * 1_000_000_000
+        mid = f"m{k}"
+        try:
+            if op == "register":
+                incs[mid] = fleet.register(mid, shapes[kind], now)[0].incarnation
+            elif op == "deregister":
+                fleet.deregister(mid, incs.get(mid, 0), now)
+            elif op == "touch":
+                fleet.heartbeat(mid, incs.get(mid, 0), None, now)
+            else:
+                fleet.expire(now)
+        except (AlreadyExists, NotFound, FailedPrecondition):
+            pass  # refused: changes nothing
+        for kind_ in MemberKind:
+            assert fleet.count(kind_) == sum(
+                1 for e in fleet._members.values() if e.member.kind is kind_)
+        assert fleet.count() == sum(fleet.count(k_) for k_ in MemberKind)

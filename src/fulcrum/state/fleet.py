@@ -133,6 +133,8 @@ class Fleet:
         self._settings = settings
         self._timeout_ns = settings.heartbeat_timeout_ms * NS_PER_MS
         self._members: dict[str, _Entry] = {}
+        #: Live members per kind, kept with ``_members`` (a count per Register, not a pass).
+        self._kinds: dict[MemberKind, int] = dict.fromkeys(MemberKind, 0)
         self._listeners: dict[MemberKind, list[FleetListener]] = {k: [] for k in MemberKind}
         self._next_incarnation = incarnation_base + 1
 
@@ -153,7 +155,7 @@ class Fleet:
         """Live members (of one kind)."""
         if kind is None:
             return len(self._members)
-        return sum(1 for e in self._members.values() if e.member.kind is kind)
+        return self._kinds[kind]
 
     def register(self, member_id: str, shape: MemberShape, now_ns: int) -> tuple[Member, bool]:
         """Admit a member; returns it and whether it replaced an earlier incarnation."""
@@ -174,6 +176,8 @@ class Fleet:
         member = Member(member_id, kind, self._next_incarnation, shape, now_ns)
         self._next_incarnation += 1
         self._members[member_id] = _Entry(member, now_ns)
+        if old is None:  # a replacement is of the same kind
+            self._kinds[kind] += 1
         for listener in self._listeners[kind]:
             listener.on_join(member, now_ns)
         return member, old is not None
@@ -193,7 +197,7 @@ class Fleet:
             raise NotFound(f"{field}: {member_id!r} is not a registered {kind.value}")
         if now_ns - entry.last_seen_ns > self._timeout_ns:
             self._leave(entry.member, "lapsed", now_ns)
-            del self._members[member_id]
+            self._drop(member_id)
             raise NotFound(f"{field}: {member_id!r} lapsed (register again)")
         if incarnation is not None and incarnation != entry.member.incarnation:
             raise FailedPrecondition(
@@ -241,7 +245,7 @@ class Fleet:
     def deregister(self, member_id: str, incarnation: int, now_ns: int) -> Member:
         """Take a member out at once."""
         entry = self._entry(member_id, incarnation, now_ns)
-        del self._members[member_id]
+        self._drop(member_id)
         self._leave(entry.member, "deregistered", now_ns)
         return entry.member
 
@@ -251,9 +255,12 @@ class Fleet:
             e.member for e in self._members.values() if now_ns - e.last_seen_ns > self._timeout_ns
         ]
         for member in lapsed:
-            del self._members[member.member_id]
+            self._drop(member.member_id)
             self._leave(member, "lapsed", now_ns)
         return lapsed
+
+    def _drop(self, member_id: str) -> None:
+        self._kinds[self._members.pop(member_id).member.kind] -= 1
 
     def _leave(self, member: Member, reason: str, now_ns: int) -> None:
         for listener in self._listeners[member.kind]:
