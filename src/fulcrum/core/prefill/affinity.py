@@ -209,12 +209,8 @@ class PrefixIndex:
         out: dict[int, list[str]] = {}
         order = engines if isinstance(engines, Mapping) else {
             e: i for i, e in enumerate(engines)}
-        counts, where = self._counts, self._where
         for h in firsts:
-            if h not in counts:
-                continue  # nobody holds it (most first blocks of a cold queue)
-            w = where.get(h)
-            got = [e for e in (self.holding(h) if w is None else w) if e in order]
+            got = [e for e in self.holding(h) if e in order]
             if len(got) > 1:
                 got.sort(key=order.__getitem__)
             if got:
@@ -223,7 +219,7 @@ class PrefixIndex:
 
     def holding(self, block: int) -> Collection[str]:
         """The engines holding ``block`` (any order; the tracked set, see :meth:`starts`:
-        do not change it)."""
+        do not change it). A block nobody holds is one count look-up."""
         if not self._counts.get(block, 0):
             return ()
         w = self._where.get(block)

@@ -707,7 +707,7 @@ def source_tiers(bal: PrefillBalancer, offers: Sequence[Offer],
             continue
         room = binding.has_room(o.rank_loads_ns, quota)
         if not view.plain(o.engine_id):
-            out.append(_source(bal, o.engine_id, o.rank_loads_ns, now_ns, view)[0])
+            out.append(_source_of(bal, o.engine_id, eng.tier, room, now_ns, view)[0])
             continue
         got = plain.get((eng.tier, room))
         if got is None:
@@ -726,10 +726,14 @@ def _source(bal: PrefillBalancer, engine_id: str, rank_loads_ns: Sequence[int],
     eng = bal._engines.get(engine_id)
     if eng is None or eng.tier < 0:
         return -1, False
-    room = bal.has_room(rank_loads_ns)
     view = SourceView(bal, now_ns) if view is None else view
-    src, own = bal.config.rules.source, eng.tier
-    best = src.source(view, engine_id, own, room, now_ns)
+    return _source_of(bal, engine_id, eng.tier, bal.has_room(rank_loads_ns), now_ns, view)
+
+
+def _source_of(bal: PrefillBalancer, engine_id: str, own: int, room: bool,
+               now_ns: int | None, view: SourceView) -> tuple[int, bool]:
+    """:func:`_source` of an engine on tier ``own`` with (``room``) or without room."""
+    best = bal.config.rules.source.source(view, engine_id, own, room, now_ns)
     tier = _held_tier(bal, view, engine_id, own, best, now_ns) if room else best
     return tier, tier != best
 
@@ -752,7 +756,9 @@ def _held_tier(bal: PrefillBalancer, view: SourceView, engine_id: str, own: int,
     any of those requests (the common case: it holds none); else per request one look-up
     when it holds none of it, else O(log blocks) for its depth (:meth:`PrefixIndex.match`)
     and one for how many engines hold the block that ends it; only when another does, a
-    look-up per other engine until one serving the tier holds it."""
+    look-up per engine holding the request's first block (the index tracks them; held
+    blocks are prefix-closed, so only they can hold the block that ends it), not a pass
+    over the serving engines."""
     aff = bal.affinity
     src = bal.config.rules.source
     if aff is None or now_ns is None or not src.helps:
@@ -775,7 +781,8 @@ def _held_tier(bal: PrefillBalancer, view: SourceView, engine_id: str, own: int,
             m = idx.match(engine_id, item.blocks)
             end = item.blocks[m - 1]
             if idx.holders(end) > 1 and any(
-                    idx.holds(e, end) for e in serving(bal, t) if e != engine_id):
+                    e != engine_id and e in serving(bal, t) and idx.holds(e, end)
+                    for e in idx.holding(item.blocks[0])):
                 continue
             if t <= own or aff_order.matched_cost(aff, item, m) <= bal.helping_bound_ns(own):
                 return t
