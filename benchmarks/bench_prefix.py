@@ -187,24 +187,42 @@ def pick_ms(engines: int, reps: int = 3) -> float:
     return best * 1e3
 
 
-def burst_ms(engines: int, held: bool = True) -> tuple[float, int]:
+def burst_ms(engines: int, held: bool = True,
+             grouped: bool = False) -> tuple[float, int, list[str]]:
     """The shortest tier's 64 queued requests into an idle fleet of ``engines`` engines,
     as the daemon hands them out: a dispatch wakes one engine, it takes its batch and
     stops offering, the next dispatch runs, until no engine takes (ms of every dispatch
-    and take, and the number of dispatches; ``held``: see :func:`build_fleet`). One run:
-    the queue drains."""
+    and take, the number of dispatches, and the engines woken in order; ``held``: see
+    :func:`build_fleet`). One run:
+    the queue drains. ``grouped``: the waiting engines are kept in a
+    :class:`~fulcrum.core.prefill.waiting.Waiting`, as the daemon keeps them (else
+    offered as one list per dispatch, as the simulator does: the same choices)."""
     from fulcrum.core.prefill.dispatch import pick_puller
+    from fulcrum.core.prefill.waiting import Waiting
 
     bal = build_fleet(engines, held)
     offers = [Offer(e, 10**12, (0,) * 8) for e in sorted(bal.engine_ids())]
-    n, t0 = 0, time.perf_counter()
+    waiting = Waiting()
+    n, woken, t0 = 0, [], time.perf_counter()
+    if grouped:
+        for i, o in enumerate(offers):
+            waiting.add(bal, (o.engine_id, i), o)
     while bal.head(0) is not None:
-        i = pick_puller(bal, 0, offers, 1)
         n += 1
-        if i < 0:
-            break
-        bal.take(offers.pop(i).engine_id, 10**12, [0] * 8, now_ns=1)
-    return (time.perf_counter() - t0) * 1e3, n
+        if grouped:
+            place = waiting.pick(bal, 0, 1)
+            if place is None:
+                break
+            waiting.discard(place)
+            engine_id = place[0]
+        else:
+            i = pick_puller(bal, 0, offers, 1)
+            if i < 0:
+                break
+            engine_id = offers.pop(i).engine_id
+        bal.take(engine_id, 10**12, [0] * 8, now_ns=1)
+        woken.append(engine_id)
+    return (time.perf_counter() - t0) * 1e3, n, woken
 
 
 def table(quick: bool = False) -> str:
@@ -227,15 +245,20 @@ def table(quick: bool = False) -> str:
     rows += ["", "| engines (all offering) | one dispatch's source tiers, with the check (ms) | "
              "without it (ms) | the whole dispatch, the puller's choice too (ms) | "
              "a burst of 64 requests handed out: dispatches and takes (ms) | "
-             "the same, nobody holding them (ms) |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "the same, nobody holding them (ms) | both bursts, the waiting engines "
+             "kept grouped as the daemon keeps them (ms) |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for engines in (64, 1024, 4096):  # 4,096: the default bound on members
         on, off = dispatch_ms(engines, 1 if quick else 3)
         whole = pick_ms(engines, 1 if quick else 3)
-        burst, n = burst_ms(engines)
-        cold, m = burst_ms(engines, held=False)
+        burst, n, woken = burst_ms(engines)
+        cold, m, cold_woken = burst_ms(engines, held=False)
+        g_burst, _, g_woken = burst_ms(engines, grouped=True)
+        g_cold, _, g_cold_woken = burst_ms(engines, held=False, grouped=True)
+        assert (g_woken, g_cold_woken) == (woken, cold_woken), "the same engines woken"
         rows.append(f"| {engines} | {on:.1f} ({on / off:.1f}x) | {off:.1f} | {whole:.1f} | "
-                    f"{burst:.0f} ({n} dispatches) | {cold:.0f} ({m} dispatches) |")
+                    f"{burst:.0f} ({n} dispatches) | {cold:.0f} ({m} dispatches) | "
+                    f"{g_burst:.0f} / {g_cold:.0f} |")
     return "\n".join(rows)
 
 

@@ -101,23 +101,23 @@ def test_custom_rules_change_decisions_by_strategy_only() -> None:
     assert default.choose_puller(0, offers) == 0  # emptiest least-loaded rank
 
 
-class _LastOffered(PullerRule):
-    name = "last_offered"
+class _LeastQuota(PullerRule):
+    name = "least_quota"
 
-    def key(self, offer, i):  # type: ignore[no-untyped-def]
-        return (-i,)
+    def rank(self, offer):  # type: ignore[no-untyped-def]
+        return (offer.remaining_ns,)
 
 
 def test_a_new_rule_is_one_class_and_one_registry_line() -> None:
-    RULES.register("last_offered", lambda p: _LastOffered(), NoParams, kind="puller")
+    RULES.register("least_quota", lambda p: _LeastQuota(), NoParams, kind="puller")
     try:
-        rules = rules_by_name(["last_offered"])
+        rules = rules_by_name(["least_quota"])
         bal = PrefillBalancer(BalancerConfig(BOUNDS, CAPS, 8.0, 1.0, 256, rules))
         for e in ("a", "b", "c"):
             bal.add_engine(e, 1)
         bal.enqueue(Queued("r", 100, 0, 0, S // 100, 0))
-        offers = [Offer(e, S, [0]) for e in ("a", "b", "c")]
-        assert bal.choose_puller(0, offers) == 2
-        assert PrefillSettings(rules=["last_offered"]).rules == ["last_offered"]
+        offers = [Offer(e, q * S, [0]) for e, q in (("a", 3), ("b", 2), ("c", 2))]
+        assert bal.choose_puller(0, offers) == 1  # the least quota, ties the first
+        assert PrefillSettings(rules=["least_quota"]).rules == ["least_quota"]
     finally:
-        RULES.unregister("last_offered")
+        RULES.unregister("least_quota")

@@ -48,6 +48,7 @@ request id.
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -193,6 +194,22 @@ def _split(
     return assign_engines(free, previous, targets, loads), held + targets
 
 
+def _one_fresh(bal: PrefillBalancer, counts: npt.NDArray[np.int64]) -> Assignment | None:
+    """:func:`assign_engines`' answer when one engine (the last to join) has no tier and
+    ``counts`` (T,) only adds it to one tier: nobody moves, so the answer needs no pass
+    over the engines (a fleet registering one engine at a time is not quadratic); None
+    otherwise."""
+    have = bal._counts
+    if sum(have) != len(bal._engines) - 1:
+        return None
+    fresh = next(reversed(bal._engines.values()))
+    # counts sum to one more than have: one tier differs, by that one
+    grow = [t for t, (c, h) in enumerate(zip(counts.tolist(), have, strict=True)) if c != h]
+    if fresh.tier >= 0 or len(grow) != 1:
+        return None
+    return Assignment(tiers={fresh.engine_id: grow[0]}, moves=0)
+
+
 @dataclass(slots=True)
 class _Tier:
     queue: TierQueue
@@ -218,6 +235,7 @@ class PrefillBalancer:
         #: Prefix affinity (None: every engine pays ``Queued.cost_ns``).
         self.affinity: Affinity | None = None
         self._serving: dict[int, dict[str, int]] = {}  # :func:`serving`; tiers change
+        self.generation = 0  #: Counts redistributions and rule changes (engines' tiers).
 
     # -- configuration --------------------------------------------------------------------
 
@@ -229,7 +247,7 @@ class PrefillBalancer:
             self.fair.reset()  # another rule counts other units
         self.config = config
         self.fair.set_policy(config.tenants)
-        self._serving.clear()  # the source rule may differ
+        _moved(self)  # the source and binding rules may differ
 
     # -- queries --------------------------------------------------------------------------
 
@@ -411,19 +429,21 @@ class PrefillBalancer:
         """
         cfg = self.config
         demand = self._demand(reason)
-        previous = {e.engine_id: e.tier for e in self._engines.values() if e.tier >= 0}
         prev_counts = np.array(self._counts, dtype=np.int64)
         counts = allocate(
             len(self._engines),
             np.array(demand, dtype=np.float64),
-            prev_counts if len(previous) == len(self._engines) else None,
+            prev_counts if sum(self._counts) == len(self._engines) else None,
             hysteresis=cfg.hysteresis,
         )
-        loads = {e.engine_id: e.load_ns for e in self._engines.values()}
         pinned: dict[str, int] = {}
         if reason == "round" and now_ns is not None and cfg.min_dwell_ns > 0:
             pinned = _pinned(self._engines.values(), now_ns, cfg.min_dwell_ns)
-        result, counts = _split(list(self._engines), previous, counts, loads, pinned)
+        result = None if pinned else _one_fresh(self, counts)
+        if result is None:
+            previous = {e.engine_id: e.tier for e in self._engines.values() if e.tier >= 0}
+            loads = {e.engine_id: e.load_ns for e in self._engines.values()}
+            result, counts = _split(list(self._engines), previous, counts, loads, pinned)
         moved: list[tuple[str, int, int]] = []
         for engine_id, tier in result.tiers.items():
             eng = self._engines[engine_id]
@@ -433,7 +453,8 @@ class PrefillBalancer:
                 moved.append((engine_id, eng.tier, tier))
                 eng.tier = tier
         self._counts = [int(x) for x in counts.tolist()]
-        self._serving.clear()  # engines and tiers as they are now
+        if moved or reason != "round":
+            _moved(self)  # engines and tiers as they are now
         self.moves_total += result.moves
         return Redistribution(
             reason=reason,
@@ -507,20 +528,12 @@ class PrefillBalancer:
         nothing is queued); asked in the rule's order until one can. With prefix affinity
         and ``now_ns`` (head within the fairness bound), those holding the longest prefix
         of what they would take first (:func:`~fulcrum.core.prefill.order.pick`)."""
-        key = self.config.rules.puller.key  # asked in its order: the first able one
+        key = self.config.rules.puller.key
+        ranked = [(key(o, i), i, o) for i, o in enumerate(offers)]
         w = None if now_ns is None else _affinity_window(self, tier, now_ns)
-        if w is None:
-            ranked = sorted(range(len(offers)), key=lambda i: key(offers[i], i))
-            return next((i for i in ranked if self.can_take(tier, offers[i])), -1)
-        assert now_ns is not None and self.affinity is not None
-        aff = self.affinity
         offering = {o.engine_id for o in offers}
-        cost = functools.partial(w.cost_for, aff)
-        return aff_order.pick(aff, offers, now_ns, w,
-                              lambda o, it: self._can_take_item(tier, o, it, cost), key,
-                              aff_order.Pricer(aff, w, self.engine, now_ns,
-                                               offering.__contains__),
-                              aff_order.grace_ns(self.config.step_floor_ns))
+        got = choose(self, tier, w, ranked, (), offering.__contains__, now_ns)
+        return -1 if got is None else int(got[1])
 
     def take(
         self,
@@ -683,6 +696,51 @@ def serving(bal: PrefillBalancer, tier: int) -> Mapping[str, int]:
         got = bal._serving[tier] = {e.engine_id: i for i, e in enumerate(
             bal._engines.values()) if src.serves(e.tier, tier)}
     return got
+
+
+def _moved(bal: PrefillBalancer) -> None:
+    """Engines' tiers or the rules may have changed: what was kept of them is dropped."""
+    bal._serving.clear()
+    bal.generation += 1
+
+
+def choose(bal: PrefillBalancer, tier: int, w: aff_order.Window | None,
+           near: Iterable[aff_order.Ranked], rest: Sequence[Iterable[aff_order.Ranked]],
+           offering: Callable[[str], bool], now_ns: int | None,
+           plain: Callable[[str], bool] | None = None) -> aff_order.Ranked | None:
+    """The puller of ``tier``'s work among the able offers (their source tier is
+    ``tier``; :meth:`PrefillBalancer.choose_puller`), None when none can take.
+
+    ``near``: offers in any order, every able one whose engine is in ``w``'s
+    :meth:`~aff_order.Window.holding` among them; ``rest``: the other able offers, as
+    streams each in key order (read only as far as the choice needs: a waiting set's,
+    :class:`~fulcrum.core.prefill.waiting.Waiting`). ``w``: the tier's affinity window
+    at ``now_ns`` (:func:`_affinity_window`). ``offering(engine_id)``: True for the
+    engines of the able offers. ``plain(engine_id)``: True for engines
+    :meth:`SourceView.plain` for this dispatch. Such an offer is asked once per rank
+    loads, remaining quota and band loads: it prices the head as any other plain engine
+    does (without ``plain``, each offer is asked)."""
+    near = sorted(near)
+    ordered = heapq.merge(near, *rest) if rest else near
+    if w is None:
+        alike: dict[tuple[object, ...], bool] = {}
+        for r in ordered:
+            k = aff_order.offer_key(r[2]) if plain and plain(r[2].engine_id) else None
+            ok = alike.get(k) if k is not None else None
+            if ok is None:
+                ok = bal.can_take(tier, r[2])
+                if k is not None:
+                    alike[k] = ok
+            if ok:
+                return r
+        return None
+    assert now_ns is not None and bal.affinity is not None
+    aff = bal.affinity
+    cost = functools.partial(w.cost_for, aff)
+    return aff_order.pick_ranked(
+        aff, now_ns, w, lambda o, it: bal._can_take_item(tier, o, it, cost), near, ordered,
+        aff_order.Pricer(aff, w, bal.engine, now_ns, offering),
+        aff_order.grace_ns(bal.config.step_floor_ns))
 
 
 def source_tiers(bal: PrefillBalancer, offers: Sequence[Offer],

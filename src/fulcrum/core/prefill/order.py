@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
 from fulcrum.core.prefill.chunks import busy_budget
@@ -434,41 +435,60 @@ def _base(eng: EngineEntry | None, now_ns: int, pulling: bool) -> tuple[int, int
     return load, max(1, eng.dp_ranks)
 
 
+#: An offer as a dispatch ranks it: (the puller rule's key, the offer's place in the
+#: shell's deterministic order, the offer). One dispatch's places are unique and sort in
+#: that order, so these tuples sort by key, then place, and never compare offers.
+Ranked = tuple[tuple[int, ...], Any, Offer]
+
+
 def pick(aff: Affinity, offers: Sequence[Offer], now_ns: int, w: Window,
          can_take: Callable[[Offer, Queued], bool], key: Callable[[Offer, int], tuple[int, ...]],
          finish: Finish | None = None, grace_ns: int = 0) -> int:
-    """Index in ``offers`` of the engine that takes work over ``w``, -1 when none: among
-    the offers able (``can_take``) to take the first request of their take order
-    (:func:`order_for`, with ``finish`` as the pull's own order uses it), narrowed to
-    those holding the longest prefix of it (when any holds one), the smallest ``key``
-    (the puller rule's, :meth:`PullerRule.key`).
+    """Index in ``offers`` of the engine that takes work over ``w``, -1 when none
+    (:func:`pick_ranked` over ``offers``, each at its index, ranked by ``key``)."""
+    ranked = [(key(o, i), i, o) for i, o in enumerate(offers)]
+    got = pick_ranked(aff, now_ns, w, can_take, ranked, sorted(ranked), finish, grace_ns)
+    return -1 if got is None else int(got[1])
+
+
+def pick_ranked(aff: Affinity, now_ns: int, w: Window, can_take: Callable[[Offer, Queued], bool],
+                near: Iterable[Ranked], ordered: Iterable[Ranked],
+                finish: Finish | None = None, grace_ns: int = 0) -> Ranked | None:
+    """The offer that takes work over ``w``, None when none: among the offers able
+    (``can_take``) to take the first request of their take order (:func:`order_for`, with
+    ``finish`` as the pull's own order uses it), narrowed to those holding the longest
+    prefix of it (when any holds one), the first in ``ordered`` (every offer, by the
+    puller rule's key: :meth:`PullerRule.key`). ``near``: the offers that may hold a
+    prefix of the window (every one of :meth:`Window.holding`'s engines among them; any
+    others are skipped).
 
     It costs the holders, not every engine. The engines holding a prefix of any of the
     window's requests (:meth:`Window.mine`) are asked first: when one of them is able and
     holds a prefix of its first request, the others (who hold none) cannot be chosen,
-    and are not asked. Otherwise the others are asked in ``key`` order until one is able
-    (one sort, then usually one question). Engines holding none of the window are
-    answered once per load part (:meth:`Pricer.load_ns`) and offer (rank loads,
+    and are not asked. Otherwise the others are asked in order until one is able
+    (usually one question; ``ordered`` may be lazy). Engines holding none of the window
+    are answered once per load part (:meth:`Pricer.load_ns`) and offer (rank loads,
     remaining quota, band loads): they walk the window alike, and ``can_take`` must read
     an engine only through its offer and the window's price of the request at the prefix
     it holds (none), as :meth:`PrefillBalancer.choose_puller`'s does."""
     pos = {id(it): j for j, it in enumerate(w.items)}
-    held: dict[int, int] = {}  # able holder's offer index -> blocks of its first request
+    held: dict[Any, tuple[int, Ranked]] = {}  # able holder's place -> (first's blocks, it)
     holding = w.holding()
-    for i, o in enumerate(offers):
+    for r in near:
+        o = r[2]
         if o.engine_id in holding:
             order = order_for(aff, o.engine_id, now_ns, w, finish, grace_ns, first=True)
             if order and can_take(o, order[0]):
-                held[i] = w.held(pos[id(order[0])]).get(o.engine_id, 0)
-    top = max(held.values(), default=0)
+                held[r[1]] = w.held(pos[id(order[0])]).get(o.engine_id, 0), r
+    top = max((m for m, _ in held.values()), default=0)
     if top > 0:
-        return min((i for i, m in held.items() if m == top), key=lambda i: key(offers[i], i))
+        return min(r for m, r in held.values() if m == top)
     alike: dict[tuple[object, ...], bool] = {}
-    for i in sorted(range(len(offers)), key=lambda i: key(offers[i], i)):
-        o = offers[i]
+    for r in ordered:
+        o = r[2]
         if o.engine_id in holding:
-            if i in held:
-                return i
+            if r[1] in held:
+                return r
             continue
         k = _alike(o, finish)
         ok = alike.get(k) if k is not None else None
@@ -478,8 +498,8 @@ def pick(aff: Affinity, offers: Sequence[Offer], now_ns: int, w: Window,
             if k is not None:
                 alike[k] = ok
         if ok:
-            return i
-    return -1
+            return r
+    return None
 
 
 def _alike(o: Offer, finish: Finish | None) -> tuple[object, ...] | None:
@@ -487,9 +507,15 @@ def _alike(o: Offer, finish: Finish | None) -> tuple[object, ...] | None:
     shared without a :class:`Pricer`)."""
     if not isinstance(finish, Pricer):
         return None
+    return finish.load_ns(o.engine_id), *offer_key(o)
+
+
+def offer_key(o: Offer) -> tuple[object, ...]:
+    """An offer's rank loads, remaining quota and band loads, hashable (two engines
+    holding nothing of what they are asked about, with equal keys, answer alike)."""
     bands = None if o.band_loads is None else tuple(
         (b, tuple(v)) for b, v in sorted(o.band_loads.items()))
-    return finish.load_ns(o.engine_id), tuple(o.rank_loads_ns), o.remaining_ns, bands
+    return tuple(o.rank_loads_ns), o.remaining_ns, bands
 
 
 def holder_tier(aff: Affinity, engines: Iterable[EngineEntry], bounds: Sequence[int],

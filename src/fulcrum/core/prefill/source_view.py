@@ -97,17 +97,22 @@ class SourceView:
         held), so its source tier depends on its tier and room alone. One set look-up
         (the engines holding any of those first blocks, once per view: the index tracks
         who holds each, :meth:`PrefixIndex.holding`)."""
-        aff = self.affinity
-        if aff is None:
-            return True
+        return engine_id not in self.holders()
+
+    def holders(self) -> frozenset[str]:
+        """The engines that are not :meth:`plain` (none without prefix affinity)."""
         if self._holders is None:
+            aff = self.affinity
+            if aff is None:
+                self._holders = frozenset()
+                return self._holders
             firsts = frozenset().union(
                 *(self.firsts(t, aff.scan) for t in range(self.n_tiers)),
                 (h.blocks[0] for t in range(self.n_tiers)
                  if (h := self.head(t)) is not None and h.blocks))
             self._holders = frozenset(itertools.chain.from_iterable(
                 aff.index.holding(h) for h in firsts))
-        return engine_id not in self._holders
+        return self._holders
 
     def once(self, key: Hashable, compute: Callable[[], T]) -> T:
         """``compute()``, computed once per view under ``key`` (what a source rule reads

@@ -4,17 +4,21 @@ A pull that finds nothing it may take parks (a :class:`Waiter`). When work is qu
 tier, the dispatcher wakes the one parked pull that the balancer chooses for it
 (:func:`fulcrum.core.prefill.dispatch.pick_puller`, the step the simulator shares); at
 most one pull is woken per tier at a time. The woken pull takes its batch itself, then
-passes the wake on if it could not take (or never ran). Only the event loop touches it.
+passes the wake on if it could not take (or never ran). The pulls not woken are kept in
+a :class:`~fulcrum.core.prefill.waiting.Waiting` (grouped across dispatches), so a
+dispatch costs what it asks, not a pass over every parked pull. Only the event loop
+touches it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 from collections.abc import Callable
 
 from fulcrum.core.prefill.balancer import PrefillBalancer
-from fulcrum.core.prefill.dispatch import pick_puller
+from fulcrum.core.prefill.waiting import Waiting
 from fulcrum.errors import NotFound
 from fulcrum.state.prefill.records import Batch, Engine, Waiter
 from fulcrum.units import NS_PER_S
@@ -32,6 +36,9 @@ class Dispatcher:
         self._draining = draining
         #: Parked pulls by engine id (then parking order): a dispatch's offer order.
         self.waiters: list[Waiter] = []
+        self._offered = Waiting()  # those not woken, at (engine id, parking number)
+        self._at: dict[tuple[str, int], Waiter] = {}
+        self._parked = itertools.count()
         self.woken = [0] * balancer.n_tiers  # woken waiters not yet run, per tier
 
     def waiting(self, tier: int) -> int:
@@ -48,12 +55,11 @@ class Dispatcher:
 
     def dispatch(self, tier: int) -> None:
         """Wake the waiting pull the balancer chooses for ``tier``'s work (one at a time)."""
-        if self.woken[tier] > 0 or not self.waiters or not self._live_head(tier):
+        if self.woken[tier] > 0 or not self._offered or not self._live_head(tier):
             return
-        offers = [w for w in self.waiters if not w.woken]
-        i = pick_puller(self._bal, tier, [w.offer for w in offers], self._clock())
-        if i >= 0:
-            self._wake(offers[i], tier)
+        place = self._offered.pick(self._bal, tier, self._clock())
+        if place is not None:
+            self._wake(self._at[place], tier)
 
     def end(self, eng: Engine) -> None:
         """End ``eng``'s parked pulls (it left, or a new incarnation replaced it)."""
@@ -76,6 +82,9 @@ class Dispatcher:
         deadline = loop.time() + wait_ns / NS_PER_S
         eng.waiters.append(waiter)
         bisect.insort(self.waiters, waiter, key=_engine_id)
+        waiter.place = (eng.member_id, next(self._parked))
+        self._at[waiter.place] = waiter
+        self._offered.add(self._bal, waiter.place, waiter.offer)
         try:
             self.dispatch_all()
             while (timeout := deadline - loop.time()) > 0:
@@ -94,26 +103,32 @@ class Dispatcher:
                     self.dispatch(woken_for)  # could not take after all: pass the wake on
         finally:
             self.waiters.remove(waiter)
-            woken_for = self._unwake(waiter)
+            self._offered.discard(waiter.place)
+            del self._at[waiter.place]
+            woken_for = self._unwake(waiter, parked=False)
             if woken_for >= 0:  # woken but never ran: pass the wake on
                 self.dispatch(woken_for)
             eng.waiters.remove(waiter)
         return None
 
     def _wake(self, waiter: Waiter, tier: int) -> None:
+        self._offered.discard(waiter.place)
         waiter.woken = True
         waiter.woken_tier = tier
         self.woken[tier] += 1
         waiter.event.set()
 
-    def _unwake(self, waiter: Waiter) -> int:
-        """Release a wake; returns the tier it was for (-1 when not woken)."""
+    def _unwake(self, waiter: Waiter, parked: bool = True) -> int:
+        """Release a wake (``parked``: the pull waits on, and is offered again); returns
+        the tier it was for (-1 when not woken)."""
         if not waiter.woken:
             return -1
         tier = waiter.woken_tier
         waiter.woken = False
         waiter.woken_tier = -1
         self.woken[tier] -= 1
+        if parked:
+            self._offered.add(self._bal, waiter.place, waiter.offer)
         return tier
 
 

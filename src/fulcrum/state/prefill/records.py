@@ -167,6 +167,8 @@ class Waiter:
     woken_tier: int = -1
     #: What a dispatch offers for it (built once: a parked pull's offer does not change).
     offer: Offer = field(init=False)
+    #: Where the dispatcher keeps it (engine id, parking number): a dispatch's order.
+    place: tuple[str, int] = ("", -1)
 
     def __post_init__(self) -> None:
         self.offer = Offer(self.engine.member_id, self.remaining_ns, self.loads,

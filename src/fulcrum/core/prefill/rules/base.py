@@ -133,12 +133,18 @@ class PullerRule(Rule):
 
     kind: ClassVar[str] = "puller"
 
-    def key(self, offer: Offer, i: int) -> tuple[int, ...]:
-        """The rule's preference for ``offer`` (at index ``i`` of the offers, the shell's
-        deterministic order), smallest first, ``i`` last (ties go to the first): the
-        puller is the able engine with the smallest key, so engines are asked in this
-        order until one is able (:meth:`PrefillBalancer.choose_puller`)."""
+    def rank(self, offer: Offer) -> tuple[int, ...]:
+        """The rule's preference for ``offer``, smallest first; it may read the offer
+        alone (a waiting engine's rank is kept while it waits,
+        :class:`~fulcrum.core.prefill.waiting.Waiting`)."""
         raise NotImplementedError
+
+    def key(self, offer: Offer, i: int) -> tuple[int, ...]:
+        """:meth:`rank`, then ``i`` (the offer's index in the shell's deterministic order:
+        ties go to the first): the puller is the able engine with the smallest key, so
+        engines are asked in this order until one is able
+        (:meth:`PrefillBalancer.choose_puller`)."""
+        return (*self.rank(offer), i)
 
 
 class OrphanRule(Rule):

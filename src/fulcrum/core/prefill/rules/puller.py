@@ -22,8 +22,8 @@ class MostQuota(PullerRule):
 
     name: ClassVar[str] = "most_quota"
 
-    def key(self, offer: Offer, i: int) -> tuple[int, ...]:
-        return (-offer.remaining_ns, i)
+    def rank(self, offer: Offer) -> tuple[int, ...]:
+        return (-offer.remaining_ns,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +32,8 @@ class EmptiestRank(PullerRule):
 
     name: ClassVar[str] = "emptiest_rank"
 
-    def key(self, offer: Offer, i: int) -> tuple[int, ...]:
-        return (min(offer.rank_loads_ns, default=0), -offer.remaining_ns, i)
+    def rank(self, offer: Offer) -> tuple[int, ...]:
+        return (min(offer.rank_loads_ns, default=0), -offer.remaining_ns)
 
 
 RULES.register(MostQuota.name, lambda p: MostQuota(), NoParams, kind=MostQuota.kind)

@@ -1,0 +1,167 @@
+"""The engines waiting to pull, kept grouped from one dispatch to the next (issue 21).
+
+A dispatch (:func:`fulcrum.core.prefill.dispatch.pick_puller`) asks every waiting engine
+for its source tier, then asks the able ones, in the puller rule's order, whether they
+can take. Most waiting engines hold none of what a dispatch reads
+(:meth:`SourceView.plain`). Those answer alike per own tier and room, and their order
+does not change while they wait (a parked pull's offer is fixed). :class:`Waiting`
+keeps them grouped by (own tier, room), each group sorted by the puller rule's rank.
+A dispatch then costs:
+
+- the engines that hold something the dispatch reads, each asked alone;
+- one source answer per group;
+- the offers it actually asks whether they can take (usually one).
+
+Before, it cost a pass and a sort over every waiting engine. The choice is
+:func:`pick_puller`'s over the same offers in place order
+(``tests/core/prefill/test_waiting.py``): the same source step
+(:func:`~fulcrum.core.prefill.balancer.source_tiers`' answers) and the same puller
+choice (:func:`~fulcrum.core.prefill.balancer.choose`). Pure; its shell owns it as it
+owns the balancer, and regroups nothing until engines move or the rules change
+(:attr:`PrefillBalancer.generation`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from fulcrum.core.prefill.balancer import (
+    PrefillBalancer,
+    _affinity_window,
+    _source_of,
+    choose,
+)
+from fulcrum.core.prefill.items import Offer
+from fulcrum.core.prefill.order import Ranked
+from fulcrum.core.prefill.rules.base import PullerRule
+from fulcrum.core.prefill.source_view import SourceView
+
+#: An engine's own tier (-1: none, or unknown) and whether it has room (binding rule).
+Group = tuple[int, bool]
+
+
+@dataclass(slots=True)
+class _Entry:
+    offer: Offer
+    group: Group
+    ranked: Ranked
+
+
+class Waiting:
+    """Offers of engines waiting to pull, each at a place: any unique values that sort in
+    the shell's deterministic order (the daemon: engine id, then parking order)."""
+
+    def __init__(self) -> None:
+        self._at: dict[Any, _Entry] = {}
+        self._of: dict[str, list[Any]] = {}  # engine id -> its places
+        self._groups: dict[Group, list[Ranked]] = {}  # each sorted: rank, then place
+        self._generation = -1
+        self._puller: PullerRule | None = None
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def __contains__(self, place: Hashable) -> bool:
+        return place in self._at
+
+    def add(self, bal: PrefillBalancer, place: Hashable, offer: Offer) -> None:
+        """``offer`` waits at ``place`` (ValueError when one already does)."""
+        if place in self._at:
+            raise ValueError(f"place: {place!r} already waits")
+        self._sync(bal)
+        self._put(place, _Entry(offer, _group(bal, offer),
+                                (bal.config.rules.puller.rank(offer), place, offer)))
+        self._of.setdefault(offer.engine_id, []).append(place)
+
+    def discard(self, place: Hashable) -> None:
+        """The offer at ``place`` no longer waits (nothing when none does)."""
+        e = self._at.get(place)
+        if e is None:
+            return
+        self._drop(place, e)
+        places = self._of[e.offer.engine_id]
+        places.remove(place)
+        if not places:
+            del self._of[e.offer.engine_id]
+
+    def pick(self, bal: PrefillBalancer, tier: int, now_ns: int | None = None) -> Any:
+        """The place of the offer that takes ``tier``'s work now (None: none does):
+        :func:`~fulcrum.core.prefill.dispatch.pick_puller`'s choice over these offers."""
+        self._sync(bal)
+        if now_ns is not None:
+            bal.fair.now_ns = max(bal.fair.now_ns, now_ns)  # the clock of the order
+        view = SourceView(bal, now_ns)
+        w = None if now_ns is None else _affinity_window(bal, tier, now_ns)
+        held = view.holders()  # the engines a dispatch asks alone
+        window = frozenset(w.holding()) if w is not None else frozenset()
+        near_ids = held | window
+        answers: dict[Group, int] = {}
+        tiers: dict[Any, int] = {}
+
+        def answer(group: Group, engine_id: str) -> int:  # a plain engine's source tier
+            if group not in answers:
+                answers[group] = bal.config.rules.source.source(
+                    view, engine_id, group[0], group[1], now_ns)
+            return answers[group]
+
+        def source(place: Any) -> int:  # the source tier of the offer at ``place``
+            if place not in tiers:
+                got = self._at[place]
+                e, (own, room) = got.offer.engine_id, got.group
+                tiers[place] = -1 if own < 0 else (
+                    answer(got.group, e) if view.plain(e)
+                    else _source_of(bal, e, own, room, now_ns, view)[0])
+            return tiers[place]
+
+        # The window's holders are asked first; the others holding something, in order,
+        # only as far as the choice reads (usually a few); the plain ones once per group.
+        near = [self._at[p].ranked for e in window for p in self._of.get(e, ())
+                if source(p) == tier]
+        later = sorted(self._at[p].ranked for e in held - window for p in self._of.get(e, ()))
+        rest: list[Iterable[Ranked]] = [(r for r in later if source(r[1]) == tier)]
+        for group, members in self._groups.items():
+            first = next((r for r in members if r[2].engine_id not in near_ids), None)
+            if group[0] >= 0 and first is not None and answer(group, first[2].engine_id) == tier:
+                rest.append(r for r in members if r[2].engine_id not in near_ids)
+
+        def offering(e: str) -> bool:  # one of its offers is able
+            if e in near_ids:
+                return any(source(p) == tier for p in self._of.get(e, ()))
+            return any(answers.get(self._at[p].group) == tier for p in self._of.get(e, ()))
+
+        got = choose(bal, tier, w, near, rest, offering, now_ns, lambda e: e not in near_ids)
+        return None if got is None else got[1]
+
+    def _put(self, place: Hashable, e: _Entry) -> None:
+        self._at[place] = e
+        bisect.insort(self._groups.setdefault(e.group, []), e.ranked)
+
+    def _drop(self, place: Hashable, e: _Entry) -> None:
+        del self._at[place]
+        g = self._groups[e.group]
+        del g[bisect.bisect_left(g, e.ranked)]
+        if not g:
+            del self._groups[e.group]
+
+    def _sync(self, bal: PrefillBalancer) -> None:
+        """Regroup what changed since engines last moved or the rules changed: each
+        offer's group (O(offers)); each rank too when the puller rule changed."""
+        puller = bal.config.rules.puller
+        if bal.generation == self._generation and puller is self._puller:
+            return
+        for place, e in list(self._at.items()):
+            group = _group(bal, e.offer)
+            ranked = e.ranked if puller is self._puller else (puller.rank(e.offer), place,
+                                                              e.offer)
+            if group != e.group or ranked is not e.ranked:
+                self._drop(place, e)
+                self._put(place, _Entry(e.offer, group, ranked))
+        self._generation, self._puller = bal.generation, puller
+
+
+def _group(bal: PrefillBalancer, offer: Offer) -> Group:
+    eng = bal.engine(offer.engine_id)
+    return (-1 if eng is None else eng.tier), bal.has_room(offer.rank_loads_ns)
