@@ -437,6 +437,11 @@ def test_holders_counts_the_engines_holding_each_block(
         want = {b: [x for x in names if idx.holds(x, b)] for b in range(10)}
         for b in range(10):
             assert idx.holders(b) == len(want[b])
+        assert idx.size() == sum(len(want[b]) for b in range(10))
+        for first in range(10):  # the longest run held of blocks first, first + 1, ...
+            run = [first, *((first + 1 + i) % 10 for i in range(4))]
+            assert copy.deepcopy(idx).best_match(run) == max(
+                (idx.match(x, run) for x in names), default=0)
         for b, holders in idx._where.items():
             assert holders and sorted(holders) == want[b]
         assert copy.deepcopy(idx).starts(names[::-1], range(10)) == {

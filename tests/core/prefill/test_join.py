@@ -1,7 +1,7 @@
-"""A join that only adds the new engine to one tier skips the pass over the fleet
-(``_one_fresh``): every redistribution equals the full split's (:func:`assign_engines`
-over every engine), through joins, re-joins, leaves, rounds with and without dwell, and
-demand that shifts between them."""
+"""A join that only adds the new engine to one tier, and a round that keeps the split,
+skip the pass over the fleet (``_quick_split``): every redistribution equals the full
+split's (:func:`assign_engines` over every engine), through joins, re-joins, leaves,
+rounds with and without dwell, and demand that shifts between them."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _run(script: list[tuple[str, int, list[int], int]], fast: bool) -> list[obje
     out: list[object] = []
     bal = PrefillBalancer(BalancerConfig(BOUNDS, (8 * S, 32 * S, 128 * S, 512 * S), 8.0,
                                          1.0, 256, rules_by_name(DEFAULT)))
-    with mock.patch.object(B, "_one_fresh", B._one_fresh if fast else lambda *a: None):
+    with mock.patch.object(B, "_quick_split", B._quick_split if fast else lambda *a: None):
         for now, (what, e, demand, dwell) in enumerate(script):
             bal.last_demand_ns = [float(d * S) for d in demand]
             if what == "join":
@@ -60,3 +60,15 @@ def test_joins_into_an_idle_fleet_skip_the_pass() -> None:
             bal.add_engine(f"e{i}", 2)
     assert bal.engines_per_tier() == [25, 25, 25, 25]
     assert len(calls) <= 1  # the first join only (nothing to add it to before)
+
+
+def test_a_round_that_keeps_the_split_skips_the_pass() -> None:
+    calls = []
+    real = B._split
+    bal = PrefillBalancer(BalancerConfig(BOUNDS, (8 * S, 32 * S, 128 * S, 512 * S),
+                                         8.0, 1.0, 256, rules_by_name(DEFAULT)))
+    for i in range(8):
+        bal.add_engine(f"e{i}", 2)
+    with mock.patch.object(B, "_split", lambda *a: calls.append(1) or real(*a)):
+        r = bal.redistribute("round", S)
+    assert r.counts == (2, 2, 2, 2) and r.moved == () and not calls

@@ -38,6 +38,7 @@ cases = st.tuples(
     st.sets(st.integers(0, 15)),
     st.booleans(),
     st.sampled_from([1, 3, 32]),  # affinity.scan: small, so windows run past the view
+    st.lists(st.tuples(st.integers(0, 9), st.sampled_from([0, 50, 500])), max_size=4),
 )
 
 
@@ -82,19 +83,22 @@ DEEP = (
     [(1, 400, 9000, T), (3, 0, 0, T), (2, 9000, 9000, S), (4, 0, 0, T), (10, 0, 0, S),
      (1, 9000, 9000, T), (4, 0, 9000, S), (9, 9000, 400, T), (7, 9000, 9000, T),
      (11, 0, 400, T), (9, 400, 9000, S), (10, 0, 0, T), (0, 0, 9000, T), (3, 0, 400, T)],
-    9_882, [3 * S, 0, 2 * S, 4 * S], set(), False, 3)
+    9_882, [3 * S, 0, 2 * S, 4 * S], set(), False, 3, [])
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @example(DEEP)
 @given(cases)
 def test_a_pick_over_the_waiting_set_is_pick_puller_s(case) -> None:  # type: ignore[no-untyped-def]
-    engines, demand, reqs, raw, now_ms, demand2, gone, swap, scan = case
+    engines, demand, reqs, raw, now_ms, demand2, gone, swap, scan, took = case
     bal, ids = _fleet(engines, demand)
     assert bal.affinity is not None
     bal.affinity = dataclasses.replace(bal.affinity, scan=scan)
     _queue(bal, ids, reqs)
     now = None if now_ms is None else now_ms * MS
+    for e, busy_ms in took:  # engines that pulled lately, some still busy at ``now``
+        if e < engines:
+            bal.take(ids[e], S, [busy_ms * MS, 0], now_ns=max(0, (now_ms or 0) - 40) * MS)
     waiting, offers = Waiting(), {}
     for seq, (e, a, b, quota) in enumerate(raw):
         place = (f"e{e}", seq)  # the daemon's places: engine id, then parking order
@@ -177,3 +181,37 @@ def test_without_a_window_a_holder_is_asked_alone() -> None:
         offers[e, i] = Offer(e, 100 * MS, [MS, MS])
         waiting.add(bal, (e, i), offers[e, i])
     assert waiting.pick(bal, 0, None) == (ids[1], 1) == _flat(bal, offers, 0, None)
+
+
+def test_a_busy_engine_is_asked_alone() -> None:
+    # e0 and e2 reported ~0.5 s of work on both ranks; e2 holds 3 of the head's 4 blocks
+    # (60 ms there, 210 ms elsewhere). e0 would finish it later than e2 does, so it
+    # leaves it to e2; e1, idle, would finish it well before e2, so it takes it, though
+    # e0 has the same offer now and sorts first.
+    bal, ids = _fleet(3, [S, 0, 0, 0])
+    for e in ("e0", "e2"):
+        assert not bal.take(e, S, [500 * MS, 500 * MS], now_ns=S).items
+    assert set(bal.busy.busy_at(S + 10 * MS)) == {"e0", "e2"}
+    _queue(bal, ids, [(0, 1_000, 0, 2, 3)])
+    waiting, offers = Waiting(), {}
+    for i, e in enumerate(ids[:2]):  # e2 is not waiting
+        offers[e, i] = Offer(e, 10**12, [0, 0])
+        waiting.add(bal, (e, i), offers[e, i])
+    now = S + 10 * MS
+    assert waiting.pick(bal, 0, now) == ("e1", 1) == _flat(bal, offers, 0, now)
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_the_first_able_in_key_order_takes(busy: bool) -> None:
+    # The head is held by nobody, so any idle engine takes it, the first in order: e0.
+    # Sorting after it: e2, holding the second request, which the window reads (it is
+    # asked alone, and able), and e1, busy or not.
+    bal, ids = _fleet(3, [S, 0, 0, 0])
+    assert bal.affinity is not None
+    bal.affinity = dataclasses.replace(bal.affinity, scan=1)
+    if busy:
+        assert not bal.take("e1", S, [50 * MS, 50 * MS], now_ns=90 * MS).items
+        assert bal.busy.busy_at(100 * MS) == ["e1"]
+    _queue(bal, ids, [(0, 0, 0, len(ids), 0), (0, 1, 0, 2, 4)])
+    waiting, offers = _all_waiting(bal, ids)
+    assert waiting.pick(bal, 0, 100 * MS) == ("e0", 0) == _flat(bal, offers, 0, 100 * MS)

@@ -88,6 +88,8 @@ class EngineCache:
     where: dict[int, dict[str, None]] = field(default_factory=dict)
     #: The engine this cache is (its key in ``where``).
     engine_id: str = ""
+    #: The index's count of blocks held, all engines (shared; :meth:`PrefixIndex.size`).
+    tally: list[int] = field(default_factory=lambda: [0])
 
     def evict_to(self, cap: int) -> None:
         """Drop least recently used blocks until at most ``cap`` remain."""
@@ -99,6 +101,7 @@ class EngineCache:
     def drop(self, block: int) -> None:
         """Count ``block`` as no longer held here (it left :attr:`blocks`)."""
         n = self.counts[block] - 1
+        self.tally[0] -= 1
         if n:
             self.counts[block] = n
             w = self.where.get(block)
@@ -113,6 +116,7 @@ class EngineCache:
         block that nobody held is tracked from now on (who holds it is known: only this)."""
         n = self.counts.get(block, 0)
         self.counts[block] = n + 1
+        self.tally[0] += 1
         w = self.where.get(block)
         if w is not None:
             w[self.engine_id] = None
@@ -133,6 +137,7 @@ class PrefixIndex:
         #: Block -> the engines holding it, for the blocks tracked (requests' first blocks
         #: asked for by :meth:`starts`, or recorded when nobody held them), while held.
         self._where: dict[int, dict[str, None]] = {}
+        self._tally = [0]  # blocks held, all engines (:meth:`size`)
         self._uids = 0
 
     # -- engines --------------------------------------------------------------------------
@@ -152,7 +157,7 @@ class PrefixIndex:
         self._uids += 1
         self._engines[engine_id] = EngineCache(capacity_blocks, uid=self._uids,
                                                counts=self._counts, where=self._where,
-                                               engine_id=engine_id)
+                                               engine_id=engine_id, tally=self._tally)
 
     def remove_engine(self, engine_id: str) -> None:
         """Forget an engine (it left)."""
@@ -170,8 +175,8 @@ class PrefixIndex:
         return self._engines.get(engine_id)
 
     def size(self) -> int:
-        """Blocks held in the index, all engines."""
-        return sum(len(c.blocks) for c in self._engines.values())
+        """Blocks held in the index, all engines (kept as blocks come and go)."""
+        return self._tally[0]
 
     # -- queries --------------------------------------------------------------------------
 
@@ -240,8 +245,12 @@ class PrefixIndex:
         return c is not None and block in c.blocks
 
     def best_match(self, blocks: Sequence[int], engines: Iterable[str] | None = None) -> int:
-        """Longest leading run of ``blocks`` any of ``engines`` (default: all) holds."""
-        ids = self._engines if engines is None else engines
+        """Longest leading run of ``blocks`` any of ``engines`` (default: all) holds. Only
+        the engines holding its first block can hold any (:meth:`holding`): by default
+        it costs those, not every engine."""
+        if not blocks:
+            return 0
+        ids = self.holding(blocks[0]) if engines is None else engines
         return max((self.match(e, blocks) for e in ids), default=0)
 
     def cached_tokens(self, matched_blocks: int, total_tokens: int) -> int:

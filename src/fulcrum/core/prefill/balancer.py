@@ -51,6 +51,7 @@ import functools
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -194,13 +195,18 @@ def _split(
     return assign_engines(free, previous, targets, loads), held + targets
 
 
-def _one_fresh(bal: PrefillBalancer, counts: npt.NDArray[np.int64]) -> Assignment | None:
-    """:func:`assign_engines`' answer when one engine (the last to join) has no tier and
-    ``counts`` (T,) only adds it to one tier: nobody moves, so the answer needs no pass
-    over the engines (a fleet registering one engine at a time is not quadratic); None
-    otherwise."""
-    have = bal._counts
-    if sum(have) != len(bal._engines) - 1:
+def _quick_split(bal: PrefillBalancer, counts: npt.NDArray[np.int64],
+                 reason: str) -> Assignment | None:
+    """:func:`_split`'s answer when it needs no pass over the engines (None otherwise):
+    every engine has its tier and ``counts`` (T,) are the tiers' counts now (a round that
+    keeps the split: nobody moves, pinned or not); or, but for a round (which may pin
+    engines), one engine (the last to join) has no tier and ``counts`` only add it to
+    one tier (it goes there, nobody moves). So a fleet registering one engine at a time
+    is not quadratic, and a round costs the engines only when it moves some."""
+    have, n = bal._counts, len(bal._engines)
+    if sum(have) == n and counts.tolist() == have:
+        return Assignment(tiers={}, moves=0)
+    if reason == "round" or sum(have) != n - 1:
         return None
     fresh = next(reversed(bal._engines.values()))
     # counts sum to one more than have: one tier differs, by that one
@@ -236,6 +242,7 @@ class PrefillBalancer:
         self.affinity: Affinity | None = None
         self._serving: dict[int, dict[str, int]] = {}  # :func:`serving`; tiers change
         self.generation = 0  #: Counts redistributions and rule changes (engines' tiers).
+        self.busy = Busy()  #: Engines whose prices carry a load part (:func:`_seen`).
 
     # -- configuration --------------------------------------------------------------------
 
@@ -436,11 +443,11 @@ class PrefillBalancer:
             prev_counts if sum(self._counts) == len(self._engines) else None,
             hysteresis=cfg.hysteresis,
         )
-        pinned: dict[str, int] = {}
-        if reason == "round" and now_ns is not None and cfg.min_dwell_ns > 0:
-            pinned = _pinned(self._engines.values(), now_ns, cfg.min_dwell_ns)
-        result = None if pinned else _one_fresh(self, counts)
+        result = _quick_split(self, counts, reason)
         if result is None:
+            pinned: dict[str, int] = {}
+            if reason == "round" and now_ns is not None and cfg.min_dwell_ns > 0:
+                pinned = _pinned(self._engines.values(), now_ns, cfg.min_dwell_ns)
             previous = {e.engine_id: e.tier for e in self._engines.values() if e.tier >= 0}
             loads = {e.engine_id: e.load_ns for e in self._engines.values()}
             result, counts = _split(list(self._engines), previous, counts, loads, pinned)
@@ -569,7 +576,7 @@ class PrefillBalancer:
         if len(loads) != eng.dp_ranks:
             raise ValueError(f"rank_loads_ns: must have {eng.dp_ranks} entries")
         eng.load_ns = sum(loads)
-        aff_order.seen(eng, loads, (), (), now_ns)  # its own finish is priced from these
+        _seen(self, eng, loads, (), (), now_ns)  # its own finish is priced from these
         tier, held = _source(self, engine_id, loads, now_ns)
         if tier < 0:
             return Taken(tier=tier)
@@ -588,7 +595,7 @@ class PrefillBalancer:
             taken = first.join(taken)
         if taken.items:
             eng.load_ns = sum(loads) + taken.quota_ns
-        aff_order.seen(eng, loads, taken.ranks, taken.costs_ns, now_ns, _steps(self.config, eng))
+        _seen(self, eng, loads, taken.ranks, taken.costs_ns, now_ns, _steps(self.config, eng))
         return taken
 
     def _pass(self, eng: EngineEntry, tier: int, loads: list[int], remaining_ns: int,
@@ -654,6 +661,36 @@ def _start_pull(bal: PrefillBalancer, eng: EngineEntry, tier: int, loads: list[i
     )
 
 
+@dataclass(slots=True)
+class Busy:
+    """Engine -> when its load part in a price (:func:`~fulcrum.core.prefill.order.
+    finish_ns`) is 0 again (ns), for the engines where that was later than when they were
+    last seen (:func:`_seen`): a dispatch asks each of these alone, and the others alike
+    (:class:`~fulcrum.core.prefill.waiting.Waiting`). Bounded: the lapsed ones go each
+    time it doubles."""
+
+    until: dict[str, int] = field(default_factory=dict)
+    kept: int = 32
+
+    def busy_at(self, now_ns: int) -> list[str]:
+        """The engines whose load part is not 0 at ``now_ns``."""
+        return [e for e, t in self.until.items() if t > now_ns]
+
+
+def _seen(bal: PrefillBalancer, eng: EngineEntry, *args: Any) -> None:
+    """:func:`~fulcrum.core.prefill.order.seen`, and :class:`Busy` kept."""
+    aff_order.seen(eng, *args)
+    until, busy = eng.seen_ns + max(eng.min_rank_ns, eng.step_ns), bal.busy.until
+    if until > eng.seen_ns:
+        busy[eng.engine_id] = until
+    else:
+        busy.pop(eng.engine_id, None)
+    if len(busy) > 2 * bal.busy.kept:
+        for e in [e for e, t in busy.items() if t <= eng.seen_ns]:
+            del busy[e]
+        bal.busy.kept = max(32, len(busy))
+
+
 def _steps(cfg: BalancerConfig, eng: EngineEntry) -> Callable[[Sequence[int]], int]:
     """The step predictor of ``eng`` (:func:`fulcrum.core.prefill.order.step_ns`): its own
     step budget (or the configured one), and the configured floor's fraction of it."""
@@ -707,40 +744,44 @@ def _moved(bal: PrefillBalancer) -> None:
 def choose(bal: PrefillBalancer, tier: int, w: aff_order.Window | None,
            near: Iterable[aff_order.Ranked], rest: Sequence[Iterable[aff_order.Ranked]],
            offering: Callable[[str], bool], now_ns: int | None,
-           plain: Callable[[str], bool] | None = None) -> aff_order.Ranked | None:
+           plain: Sequence[aff_order.Plain] = ()) -> aff_order.Ranked | None:
     """The puller of ``tier``'s work among the able offers (their source tier is
     ``tier``; :meth:`PrefillBalancer.choose_puller`), None when none can take.
 
     ``near``: offers in any order, every able one whose engine is in ``w``'s
-    :meth:`~aff_order.Window.holding` among them; ``rest``: the other able offers, as
-    streams each in key order (read only as far as the choice needs: a waiting set's,
-    :class:`~fulcrum.core.prefill.waiting.Waiting`). ``w``: the tier's affinity window
-    at ``now_ns`` (:func:`_affinity_window`). ``offering(engine_id)``: True for the
-    engines of the able offers. ``plain(engine_id)``: True for engines
-    :meth:`SourceView.plain` for this dispatch. Such an offer is asked once per rank
-    loads, remaining quota and band loads: it prices the head as any other plain engine
-    does (without ``plain``, each offer is asked)."""
+    :meth:`~aff_order.Window.holding` among them; ``rest``: more, as streams each in key
+    order (read only as far as the choice needs); ``plain``: the others, of engines
+    :meth:`SourceView.plain` for this dispatch and not in ``w``'s holding, in groups of
+    one offer key (:class:`~aff_order.Plain`: a waiting set's,
+    :class:`~fulcrum.core.prefill.waiting.Waiting`). ``w``: the tier's affinity window at
+    ``now_ns`` (:func:`_affinity_window`). ``offering(engine_id)``: True for the engines
+    of the able offers. A plain offer prices the head as any other plain engine does:
+    each group is asked once without a window, once per load part with one."""
     near = sorted(near)
     ordered = heapq.merge(near, *rest) if rest else near
-    if w is None:
-        alike: dict[tuple[object, ...], bool] = {}
-        for r in ordered:
-            k = aff_order.offer_key(r[2]) if plain and plain(r[2].engine_id) else None
-            ok = alike.get(k) if k is not None else None
-            if ok is None:
-                ok = bal.can_take(tier, r[2])
-                if k is not None:
-                    alike[k] = ok
-            if ok:
-                return r
-        return None
-    assert now_ns is not None and bal.affinity is not None
-    aff = bal.affinity
-    cost = functools.partial(w.cost_for, aff)
-    return aff_order.pick_ranked(
-        aff, now_ns, w, lambda o, it: bal._can_take_item(tier, o, it, cost), near, ordered,
-        aff_order.Pricer(aff, w, bal.engine, now_ns, offering),
-        aff_order.grace_ns(bal.config.step_floor_ns))
+    if w is not None:
+        assert now_ns is not None and bal.affinity is not None
+        aff = bal.affinity
+        cost = functools.partial(w.cost_for, aff)
+        return aff_order.pick_ranked(
+            aff, now_ns, w, lambda o, it: bal._can_take_item(tier, o, it, cost), near,
+            ordered, aff_order.Pricer(aff, w, bal.engine, now_ns, offering),
+            aff_order.grace_ns(bal.config.step_floor_ns), plain)
+    alike: dict[tuple[object, ...], bool] = {}
+
+    def ok(r: aff_order.Ranked) -> bool:  # a plain offer: asked once per offer key
+        k = aff_order.offer_key(r[2])
+        if k not in alike:
+            alike[k] = bal.can_take(tier, r[2])
+        return alike[k]
+
+    best = min((c for g in plain if (c := g.first(ok)) is not None), default=None)
+    for r in ordered:
+        if best is not None and r > best:
+            break
+        if bal.can_take(tier, r[2]):
+            return r
+    return best
 
 
 def source_tiers(bal: PrefillBalancer, offers: Sequence[Offer],

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fulcrum.core.prefill.affinity import Affinity, PrefixIndex
 from fulcrum.core.prefill.chunks import busy_budget
@@ -453,14 +453,17 @@ def pick(aff: Affinity, offers: Sequence[Offer], now_ns: int, w: Window,
 
 def pick_ranked(aff: Affinity, now_ns: int, w: Window, can_take: Callable[[Offer, Queued], bool],
                 near: Iterable[Ranked], ordered: Iterable[Ranked],
-                finish: Finish | None = None, grace_ns: int = 0) -> Ranked | None:
+                finish: Finish | None = None, grace_ns: int = 0,
+                plain: Sequence[Plain] = ()) -> Ranked | None:
     """The offer that takes work over ``w``, None when none: among the offers able
     (``can_take``) to take the first request of their take order (:func:`order_for`, with
     ``finish`` as the pull's own order uses it), narrowed to those holding the longest
     prefix of it (when any holds one), the first in ``ordered`` (every offer, by the
     puller rule's key: :meth:`PullerRule.key`). ``near``: the offers that may hold a
     prefix of the window (every one of :meth:`Window.holding`'s engines among them; any
-    others are skipped).
+    others are skipped). ``plain``: more able offers, of engines holding none of the
+    window, in groups that answer alike (:class:`Plain`; ``finish`` a :class:`Pricer`);
+    ``ordered`` need not list them.
 
     It costs the holders, not every engine. The engines holding a prefix of any of the
     window's requests (:meth:`Window.mine`) are asked first: when one of them is able and
@@ -484,22 +487,40 @@ def pick_ranked(aff: Affinity, now_ns: int, w: Window, can_take: Callable[[Offer
     if top > 0:
         return min(r for m, r in held.values() if m == top)
     alike: dict[tuple[object, ...], bool] = {}
-    for r in ordered:
+
+    def ok(r: Ranked) -> bool:  # an offer of an engine holding none of the window
         o = r[2]
-        if o.engine_id in holding:
+        k = _alike(o, finish)
+        got = alike.get(k) if k is not None else None
+        if got is None:
+            order = order_for(aff, o.engine_id, now_ns, w, finish, grace_ns, first=True)
+            got = bool(order) and can_take(o, order[0])
+            if k is not None:
+                alike[k] = got
+        return got
+
+    assert not plain or isinstance(finish, Pricer), "plain groups answer alike by its prices"
+    best = min((c for g in plain if (c := g.first(ok)) is not None), default=None)
+    for r in ordered:
+        if best is not None and r > best:
+            break
+        if r[2].engine_id in holding:
             if r[1] in held:
                 return r
-            continue
-        k = _alike(o, finish)
-        ok = alike.get(k) if k is not None else None
-        if ok is None:
-            order = order_for(aff, o.engine_id, now_ns, w, finish, grace_ns, first=True)
-            ok = bool(order) and can_take(o, order[0])
-            if k is not None:
-                alike[k] = ok
-        if ok:
+        elif ok(r):
             return r
-    return None
+    return best
+
+
+class Plain(Protocol):
+    """Able offers, in key order, of engines holding none of what a dispatch reads (a
+    waiting set's group, :class:`~fulcrum.core.prefill.waiting.Waiting`): one offer key
+    (:func:`offer_key`), so those whose engine's load part is 0 (:meth:`Pricer.load_ns`)
+    answer alike."""
+
+    def first(self, ok: Callable[[Ranked], bool]) -> Ranked | None:
+        """The first of them ``ok`` is true of (None: none), asking as few as it may."""
+        ...
 
 
 def _alike(o: Offer, finish: Finish | None) -> tuple[object, ...] | None:

@@ -24,7 +24,7 @@ owns the balancer, and regroups nothing until engines move or the rules change
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +35,13 @@ from fulcrum.core.prefill.balancer import (
     choose,
 )
 from fulcrum.core.prefill.items import Offer
-from fulcrum.core.prefill.order import Ranked
+from fulcrum.core.prefill.order import Ranked, offer_key
 from fulcrum.core.prefill.rules.base import PullerRule
 from fulcrum.core.prefill.source_view import SourceView
 
-#: An engine's own tier (-1: none, or unknown) and whether it has room (binding rule).
-Group = tuple[int, bool]
+#: An engine's own tier (-1: none, or unknown), whether it has room (binding rule), and
+#: its offer's key (:func:`~fulcrum.core.prefill.order.offer_key`).
+Group = tuple[int, bool, tuple[object, ...]]
 
 
 @dataclass(slots=True)
@@ -98,41 +99,47 @@ class Waiting:
         held = view.holders()  # the engines a dispatch asks alone
         window = frozenset(w.holding()) if w is not None else frozenset()
         near_ids = held | window
-        answers: dict[Group, int] = {}
+        answers: dict[tuple[int, bool], int] = {}  # per own tier and room
         tiers: dict[Any, int] = {}
 
         def answer(group: Group, engine_id: str) -> int:  # a plain engine's source tier
-            if group not in answers:
-                answers[group] = bal.config.rules.source.source(
+            if group[:2] not in answers:
+                answers[group[:2]] = bal.config.rules.source.source(
                     view, engine_id, group[0], group[1], now_ns)
-            return answers[group]
+            return answers[group[:2]]
 
         def source(place: Any) -> int:  # the source tier of the offer at ``place``
             if place not in tiers:
                 got = self._at[place]
-                e, (own, room) = got.offer.engine_id, got.group
+                e, (own, room, _) = got.offer.engine_id, got.group
                 tiers[place] = -1 if own < 0 else (
                     answer(got.group, e) if view.plain(e)
                     else _source_of(bal, e, own, room, now_ns, view)[0])
             return tiers[place]
 
         # The window's holders are asked first; the others holding something, in order,
-        # only as far as the choice reads (usually a few); the plain ones once per group.
+        # only as far as the choice reads (usually a few); the plain ones per group.
         near = [self._at[p].ranked for e in window for p in self._of.get(e, ())
                 if source(p) == tier]
         later = sorted(self._at[p].ranked for e in held - window for p in self._of.get(e, ()))
-        rest: list[Iterable[Ranked]] = [(r for r in later if source(r[1]) == tier)]
+        busy: dict[Group, list[Ranked]] = {}
+        for e in bal.busy.busy_at(now_ns) if now_ns is not None else ():
+            if e not in near_ids:
+                for p in self._of.get(e, ()):
+                    busy.setdefault(self._at[p].group, []).append(self._at[p].ranked)
+        plain: list[_Able] = []
         for group, members in self._groups.items():
             first = next((r for r in members if r[2].engine_id not in near_ids), None)
             if group[0] >= 0 and first is not None and answer(group, first[2].engine_id) == tier:
-                rest.append(r for r in members if r[2].engine_id not in near_ids)
+                plain.append(_Able(members, near_ids, sorted(busy.get(group, ()))))
 
         def offering(e: str) -> bool:  # one of its offers is able
             if e in near_ids:
                 return any(source(p) == tier for p in self._of.get(e, ()))
-            return any(answers.get(self._at[p].group) == tier for p in self._of.get(e, ()))
+            return any(answers.get(self._at[p].group[:2]) == tier for p in self._of.get(e, ()))
 
-        got = choose(bal, tier, w, near, rest, offering, now_ns, lambda e: e not in near_ids)
+        got = choose(bal, tier, w, near, [(r for r in later if source(r[1]) == tier)],
+                     offering, now_ns, plain)
         return None if got is None else got[1]
 
     def _put(self, place: Hashable, e: _Entry) -> None:
@@ -164,4 +171,31 @@ class Waiting:
 
 def _group(bal: PrefillBalancer, offer: Offer) -> Group:
     eng = bal.engine(offer.engine_id)
-    return (-1 if eng is None else eng.tier), bal.has_room(offer.rank_loads_ns)
+    return ((-1 if eng is None else eng.tier), bal.has_room(offer.rank_loads_ns),
+            offer_key(offer))
+
+
+@dataclass(slots=True)
+class _Able:
+    """A group whose source tier is the dispatch's (:class:`~fulcrum.core.prefill.order.
+    Plain`): ``members`` in key order, less those of engines in ``skip`` (asked alone);
+    ``busy``, in key order, those whose engine's load part may not be 0 now
+    (:class:`~fulcrum.core.prefill.balancer.Busy`). The others answer alike, so the first
+    of them answers for all."""
+
+    members: list[Ranked]
+    skip: frozenset[str] | set[str]
+    busy: list[Ranked]
+
+    def first(self, ok: Callable[[Ranked], bool]) -> Ranked | None:
+        ids = {r[2].engine_id for r in self.busy}
+        got = next((r for r in self.members
+                    if r[2].engine_id not in self.skip and r[2].engine_id not in ids), None)
+        if got is not None and not ok(got):
+            got = None
+        for r in self.busy:
+            if got is not None and r > got:
+                break
+            if ok(r):
+                return r
+        return got
