@@ -535,11 +535,13 @@ class PrefillBalancer:
         nothing is queued); asked in the rule's order until one can. With prefix affinity
         and ``now_ns`` (head within the fairness bound), those holding the longest prefix
         of what they would take first (:func:`~fulcrum.core.prefill.order.pick`)."""
-        key = self.config.rules.puller.key
-        ranked = [(key(o, i), i, o) for i, o in enumerate(offers)]
+        rank = self.config.rules.puller.rank  # then the index: the rule's key
         w = None if now_ns is None else _affinity_window(self, tier, now_ns)
+        holding = {} if w is None else w.holding()
+        near = [(rank(o), i, o) for i, o in enumerate(offers) if o.engine_id in holding]
+        others = _ranked_later(offers, rank, holding)
         offering = {o.engine_id for o in offers}
-        got = choose(self, tier, w, ranked, (), offering.__contains__, now_ns)
+        got = choose(self, tier, w, near, [others], offering.__contains__, now_ns)
         return -1 if got is None else int(got[1])
 
     def take(
@@ -733,6 +735,18 @@ def serving(bal: PrefillBalancer, tier: int) -> Mapping[str, int]:
         got = bal._serving[tier] = {e.engine_id: i for i, e in enumerate(
             bal._engines.values()) if src.serves(e.tier, tier)}
     return got
+
+
+def _ranked_later(offers: Sequence[Offer], rank: Callable[[Offer], tuple[int, ...]],
+                  skip: Mapping[str, object]) -> Iterator[aff_order.Ranked]:
+    """``offers`` but those of engines in ``skip``, ranked (then by index) and sorted
+    when first read: a choice made among the holders never ranks the others."""
+    yield from sorted(((rank(o), i, o) for i, o in enumerate(offers)
+                       if o.engine_id not in skip), key=_first)  # stable: ties by index
+
+
+def _first(r: aff_order.Ranked) -> tuple[int, ...]:
+    return r[0]
 
 
 def _moved(bal: PrefillBalancer) -> None:

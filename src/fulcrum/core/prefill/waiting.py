@@ -3,24 +3,28 @@
 A dispatch (:func:`fulcrum.core.prefill.dispatch.pick_puller`) asks every waiting engine
 for its source tier, then asks the able ones, in the puller rule's order, whether they
 can take. Most waiting engines hold none of what a dispatch reads
-(:meth:`SourceView.plain`). Those answer alike per own tier and room, and their order
-does not change while they wait (a parked pull's offer is fixed). :class:`Waiting`
-keeps them grouped by (own tier, room), each group sorted by the puller rule's rank.
+(:meth:`SourceView.plain`). Those answer alike per own tier and room (their source
+tier), and per offer and load part (whether they can take), and their order does not
+change while they wait (a parked pull's offer is fixed). :class:`Waiting` keeps them
+grouped by own tier, room and offer key, each group sorted by the puller rule's rank.
 A dispatch then costs:
 
-- the engines that hold something the dispatch reads, each asked alone;
-- one source answer per group;
-- the offers it actually asks whether they can take (usually one).
+- the engines holding a prefix of what the tier's window reads, each asked alone;
+- the other engines holding something the dispatch reads, asked alone only as far as
+  the order reaches;
+- one source answer per own tier and room;
+- per group whose source tier is the dispatch's, one "can it take?" for the engines
+  whose load part is 0, and one for each engine whose prices still carry a load (the
+  balancer's :class:`~fulcrum.core.prefill.balancer.Busy`: those that pulled lately).
 
 Before, it cost a pass and a sort over every waiting engine. The choice is
 :func:`pick_puller`'s over the same offers in place order
 (``tests/core/prefill/test_waiting.py``): the same source step
 (:func:`~fulcrum.core.prefill.balancer.source_tiers`' answers) and the same puller
 choice (:func:`~fulcrum.core.prefill.balancer.choose`). Pure; its shell owns it as it
-owns the balancer, and regroups nothing until engines move or the rules change
-(:attr:`PrefillBalancer.generation`).
+owns the balancer. It regroups when engines moved or the rules changed
+(:attr:`PrefillBalancer.generation`): a pass over the waiting engines then.
 """
-
 from __future__ import annotations
 
 import bisect
