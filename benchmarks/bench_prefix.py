@@ -259,7 +259,44 @@ def table(quick: bool = False) -> str:
         rows.append(f"| {engines} | {on:.1f} ({on / off:.1f}x) | {off:.1f} | {whole:.1f} | "
                     f"{burst:.0f} ({n} dispatches) | {cold:.0f} ({m} dispatches) | "
                     f"{g_burst:.0f} / {g_cold:.0f} |")
+    rows += ["", "| engines (all offering, all holding one shared prompt) | one dispatch, "
+             "the waiting set (ms) | offered as one list (ms) |", "|---:|---:|---:|"]
+    for engines in (64, 256) if quick else (64, 256, 1024):  # 4,096: 27 s (a miss)
+        g, f = shared_prompt_ms(engines)
+        rows.append(f"| {engines} | {g:.0f} | {f:.0f} |")
     return "\n".join(rows)
+
+
+def shared_prompt_ms(engines: int) -> tuple[float, float]:
+    """One dispatch of the shortest tier's work (ms; the waiting set, then one list, the
+    second call of each: the index has tracked its blocks) when every request starts
+    with the same 8 blocks (a system prompt) and every engine holds them, as a fleet
+    does after serving that prompt long enough; otherwise :func:`build_fleet`'s state."""
+    from fulcrum.core.prefill.dispatch import pick_puller
+    from fulcrum.core.prefill.waiting import Waiting
+
+    ids = [f"e{i}" for i in range(engines)]
+    bal, aff = _four_tiers(ids, 1 << 16)
+    shared = tuple(range(10**9, 10**9 + 8))
+    for e in ids:
+        aff.index.stored(e, shared)
+    for t, tokens in enumerate((8_000, 32_000, 128_000, 300_000)):
+        for i in range(64):
+            k = t * 64 + i
+            bl = shared + tuple(range(k * 1_000, k * 1_000 + tokens // 512 - 8))
+            aff.index.stored(ids[k % engines], bl[:-1])
+            bal.enqueue(Queued(f"t{t}r{i}", tokens, 0, t, cost(tokens, 0), 0, bl))
+    offers = [Offer(e, 10**12, (0,) * 8) for e in ids]
+    waiting = Waiting()
+    for i, o in enumerate(offers):
+        waiting.add(bal, (o.engine_id, i), o)
+    out = []
+    for pick in (lambda: waiting.pick(bal, 0, 1), lambda: pick_puller(bal, 0, offers, 1)):
+        pick()
+        t0 = time.perf_counter()
+        pick()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out[0], out[1]
 
 
 SECTION = """### Prefix affinity: per-engine prefix caches (issue 15)
