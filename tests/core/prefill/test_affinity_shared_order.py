@@ -207,3 +207,24 @@ def test_a_window_prices_a_request_on_an_engine_as_the_balancer_does() -> None:
     assert w.cost_for(aff, items[0], "e0") < w.cost_for(aff, items[0], "e1") \
         < w.cost_for(aff, items[0], "e2")
     assert w.cost_for(aff, items[2], "e0") == 7 * MS
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(depths=st.lists(st.integers(0, 6), min_size=1, max_size=40), mine=st.integers(0, 6))
+def test_who_a_request_may_wait_for_is_its_deeper_holders_in_order(
+        depths: list[int], mine: int) -> None:
+    # Engine k holds ``depths[k]`` leading blocks of one request; past 16 holders the
+    # window lists only those holding more than ``mine`` (sooner_holder skips the rest).
+    idx = PrefixIndex(block_tokens=1)
+    names = [f"e{k:02d}" for k in range(len(depths))]
+    blocks = tuple(range(100, 106))
+    for e, d in zip(names, depths, strict=True):
+        idx.add_engine(e, 64)
+        idx.stored(e, blocks[:d])
+    item = Queued("r", 6, 0, 0, cost(6, 0), 0, blocks)
+    w = aff_order.Window([item], names, idx, 10**12)
+    held = w.held(0)
+    assert list(held.items()) == [(e, d) for e, d in zip(names, depths, strict=True) if d]
+    deeper = [(e, m) for e, m in held.items() if m > mine]
+    got = w.above(0, mine)
+    assert list(got.items()) == (list(held.items()) if len(held) <= 16 else deeper)

@@ -24,6 +24,7 @@ FIFO (a fairness override). Pure functions over queued records.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ class Window:
     _walks: dict[tuple[int, int, int], _Walk] = field(default_factory=dict)
     #: Engine -> positions of the requests it holds a prefix of (:meth:`mine`; built once).
     _mine: list[dict[str, list[int]]] = field(default_factory=list)
+    #: Per request: its holders as (-blocks, position in :meth:`held`, engine), sorted.
+    _deep: dict[int, list[tuple[int, int, str]]] = field(default_factory=dict)
+    _above: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
 
     def held(self, i: int) -> dict[str, int]:
         """Engine -> leading blocks held of ``items[i]`` (engines holding none left out,
@@ -89,6 +93,26 @@ class Window:
                         if (m := self.index.match_memo(e, it.blocks, it.held))}
                        if it.blocks else {})
         return got[i]
+
+    def above(self, i: int, mine: int) -> dict[str, int]:
+        """:meth:`held` of ``items[i]``, but, when more than 16 engines hold some of it,
+        only those holding more than ``mine`` blocks, in the same order: who a request
+        may wait for (:func:`sooner_holder`, which skips the others itself). It costs
+        those engines (after one sort per request), not every holder: when every engine
+        holds a shared prompt, a few."""
+        h = self.held(i)
+        if len(h) <= 16:
+            return h  # few holders: sooner_holder skips those holding no more itself
+        key = (i, mine)
+        got = self._above.get(key)
+        if got is None:
+            deep = self._deep.get(i)
+            if deep is None:
+                deep = self._deep[i] = sorted((-m, k, e) for k, (e, m) in enumerate(h.items()))
+            cut = bisect.bisect_left(deep, (-mine, -1, ""))
+            got = self._above[key] = {e: -m for m, _, e in sorted(deep[:cut],
+                                                                  key=lambda x: x[1])}
+        return got
 
     def _starts(self) -> dict[int, list[str]]:
         """First block of a window request -> the serving engines holding it."""
@@ -315,7 +339,7 @@ def _advance(aff: Affinity, engine_id: str | None, now_ns: int, w: Window,
         if age < bound and top_m > mine:
             if finish is None:
                 continue  # it waits for its holder
-            e = sooner_holder(finish, engine_id, item, h, mine, ahead,
+            e = sooner_holder(finish, engine_id, item, w.above(pos, mine), mine, ahead,
                               functools.partial(cost, aff, item),
                               max(0, min(grace_ns, 2 * grace_ns - age)),
                               None if w.tail_ns is None else w.tail_ns - age,
