@@ -1,9 +1,11 @@
 """Who takes a tier's work among the engines waiting to pull: the step both shells share.
 
-The daemon (waiting long polls, ``state/prefill/dispatcher.py``) and the simulator
-(engines at a step boundary, ``sim/engine.py`` ``_pull``) both offer every waiting engine
-and need the one that takes ``tier``'s work now: among the offers whose source tier (the
-rule set's source rule) is ``tier``, the balancer's puller choice. Pure.
+The simulator (engines at a step boundary, ``sim/engine.py`` ``_pull``) offers every
+waiting engine and needs the one that takes ``tier``'s work now: among the offers whose
+source tier (the rule set's source rule) is ``tier``, the balancer's puller choice. The
+daemon (waiting long polls, ``state/prefill/dispatcher.py``) makes the same choice over
+its parked pulls, kept grouped across dispatches
+(:class:`~fulcrum.core.prefill.waiting.Waiting`). Pure.
 """
 
 from __future__ import annotations

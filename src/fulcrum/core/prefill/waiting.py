@@ -25,6 +25,7 @@ choice (:func:`~fulcrum.core.prefill.balancer.choose`). Pure; its shell owns it 
 owns the balancer. It regroups when engines moved or the rules changed
 (:attr:`PrefillBalancer.generation`): a pass over the waiting engines then.
 """
+
 from __future__ import annotations
 
 import bisect

@@ -1,13 +1,13 @@
 """Long-polling prefill pulls and who is woken when work arrives.
 
 A pull that finds nothing it may take parks (a :class:`Waiter`). When work is queued in a
-tier, the dispatcher wakes the one parked pull that the balancer chooses for it
-(:func:`fulcrum.core.prefill.dispatch.pick_puller`, the step the simulator shares); at
-most one pull is woken per tier at a time. The woken pull takes its batch itself, then
-passes the wake on if it could not take (or never ran). The pulls not woken are kept in
-a :class:`~fulcrum.core.prefill.waiting.Waiting` (grouped across dispatches), so a
-dispatch costs what it asks, not a pass over every parked pull. Only the event loop
-touches it.
+tier, the dispatcher wakes the one parked pull that the balancer chooses for it; at most
+one pull is woken per tier at a time. The woken pull takes its batch itself, then passes
+the wake on if it could not take (or never ran). The pulls not woken are kept in a
+:class:`~fulcrum.core.prefill.waiting.Waiting` (grouped across dispatches), so a dispatch
+costs what it asks, not a pass over every parked pull; its choice is the simulator's
+(:func:`fulcrum.core.prefill.dispatch.pick_puller`) over the same offers. Only the event
+loop touches it.
 """
 
 from __future__ import annotations
