@@ -39,6 +39,7 @@ cases = st.tuples(
     st.booleans(),
     st.sampled_from([1, 3, 32]),  # affinity.scan: small, so windows run past the view
     st.lists(st.tuples(st.integers(0, 9), st.sampled_from([0, 50, 500])), max_size=4),
+    st.one_of(st.none(), st.integers(0, 9)),  # an engine that leaves before the 2nd pick
 )
 
 
@@ -83,14 +84,14 @@ DEEP = (
     [(1, 400, 9000, T), (3, 0, 0, T), (2, 9000, 9000, S), (4, 0, 0, T), (10, 0, 0, S),
      (1, 9000, 9000, T), (4, 0, 9000, S), (9, 9000, 400, T), (7, 9000, 9000, T),
      (11, 0, 400, T), (9, 400, 9000, S), (10, 0, 0, T), (0, 0, 9000, T), (3, 0, 400, T)],
-    9_882, [3 * S, 0, 2 * S, 4 * S], set(), False, 3, [])
+    9_882, [3 * S, 0, 2 * S, 4 * S], set(), False, 3, [], None)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @example(DEEP)
 @given(cases)
 def test_a_pick_over_the_waiting_set_is_pick_puller_s(case) -> None:  # type: ignore[no-untyped-def]
-    engines, demand, reqs, raw, now_ms, demand2, gone, swap, scan, took = case
+    engines, demand, reqs, raw, now_ms, demand2, gone, swap, scan, took, leaves = case
     bal, ids = _fleet(engines, demand)
     assert bal.affinity is not None
     bal.affinity = dataclasses.replace(bal.affinity, scan=scan)
@@ -108,6 +109,8 @@ def test_a_pick_over_the_waiting_set_is_pick_puller_s(case) -> None:  # type: ig
     # Engines move, some offers leave, maybe another puller rule: the next pick regroups.
     bal.last_demand_ns = [float(x) for x in demand2]
     bal.redistribute("join")
+    if leaves is not None and leaves < engines and engines > 2:
+        bal.remove_engine(ids[leaves])  # its offers still wait: unknown now, no tier
     for place in sorted(offers):
         if place[1] in gone:
             waiting.discard(place)
@@ -215,3 +218,23 @@ def test_the_first_able_in_key_order_takes(busy: bool) -> None:
     _queue(bal, ids, [(0, 0, 0, len(ids), 0), (0, 1, 0, 2, 4)])
     waiting, offers = _all_waiting(bal, ids)
     assert waiting.pick(bal, 0, 100 * MS) == ("e0", 0) == _flat(bal, offers, 0, 100 * MS)
+
+
+def test_after_a_join_only_the_engines_that_moved_are_regrouped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fulcrum.core.prefill import waiting as W
+
+    bal, ids = _fleet(64, [S, 0, 0, 0])
+    waiting, _ = _all_waiting(bal, ids)
+    calls: list[str] = []
+    real = W._group
+    monkeypatch.setattr(W, "_group", lambda b, o: calls.append(o.engine_id) or real(b, o))
+    r = bal.add_engine("new", 2)  # nobody else moves
+    assert [m[0] for m in r.moved] == ["new"]
+    assert waiting.pick(bal, 0, 10 * MS) is None  # nothing queued
+    assert calls == []  # "new" offers nothing yet; no other engine moved
+    _queue(bal, ids, [(0, 0, 0, len(ids), 0)])  # one request nobody holds
+    assert waiting.pick(bal, 0, 10 * MS) == ("e0", 0)
+    bal.remove_engine("e0")  # a leave: every offer is regrouped, e0's to no tier
+    assert waiting.pick(bal, 0, 10 * MS) == ("e1", 1)
+    assert len(calls) == len(ids)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,6 +243,7 @@ class PrefillBalancer:
         self.affinity: Affinity | None = None
         self._serving: dict[int, dict[str, int]] = {}  # :func:`serving`; tiers change
         self.generation = 0  #: Counts redistributions and rule changes (engines' tiers).
+        self.moves_log: deque[frozenset[str] | None] = deque(maxlen=64)  # :func:`_moved`
         self.busy = Busy()  #: Engines whose prices carry a load part (:func:`_seen`).
 
     # -- configuration --------------------------------------------------------------------
@@ -460,8 +462,8 @@ class PrefillBalancer:
                 moved.append((engine_id, eng.tier, tier))
                 eng.tier = tier
         self._counts = [int(x) for x in counts.tolist()]
-        if moved or reason != "round":
-            _moved(self)  # engines and tiers as they are now
+        if moved or reason != "round":  # engines and tiers as they are now (a leave: all)
+            _moved(self, None if reason == "leave" else frozenset(e for e, _, _ in moved))
         self.moves_total += result.moves
         return Redistribution(
             reason=reason,
@@ -749,10 +751,14 @@ def _first(r: aff_order.Ranked) -> tuple[int, ...]:
     return r[0]
 
 
-def _moved(bal: PrefillBalancer) -> None:
-    """Engines' tiers or the rules may have changed: what was kept of them is dropped."""
+def _moved(bal: PrefillBalancer, engines: frozenset[str] | None = None) -> None:
+    """Engines' tiers or the rules may have changed: what was kept of them is dropped,
+    and ``bal.moves_log`` gets the engines that moved for the new generation (None: any
+    may have, or the rules changed), for those who keep engines by tier
+    (:class:`~fulcrum.core.prefill.waiting.Waiting`); its last 64 generations."""
     bal._serving.clear()
     bal.generation += 1
+    bal.moves_log.append(engines)
 
 
 def choose(bal: PrefillBalancer, tier: int, w: aff_order.Window | None,

@@ -159,12 +159,21 @@ class Waiting:
             del self._groups[e.group]
 
     def _sync(self, bal: PrefillBalancer) -> None:
-        """Regroup what changed since engines last moved or the rules changed: each
-        offer's group (O(offers)); each rank too when the puller rule changed."""
+        """Regroup what changed since the last look: the offers of the engines that moved
+        (:attr:`PrefillBalancer.moves_log`); every offer when that is not known (a leave,
+        a rule change, more than the log keeps), each rank too when the puller rule
+        changed."""
         puller = bal.config.rules.puller
-        if bal.generation == self._generation and puller is self._puller:
+        missed = bal.generation - self._generation
+        if missed == 0 and puller is self._puller:
             return
-        for place, e in list(self._at.items()):
+        log = list(bal.moves_log)[-missed:] if 0 < missed <= len(bal.moves_log) else [None]
+        if puller is not self._puller or any(m is None for m in log):
+            places: list[Any] = list(self._at)
+        else:
+            places = [p for m in log for e in m or () for p in self._of.get(e, ())]
+        for place in places:
+            e = self._at[place]
             group = _group(bal, e.offer)
             ranked = e.ranked if puller is self._puller else (puller.rank(e.offer), place,
                                                               e.offer)
