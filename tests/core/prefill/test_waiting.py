@@ -220,7 +220,7 @@ def test_the_first_able_in_key_order_takes(busy: bool) -> None:
     assert waiting.pick(bal, 0, 100 * MS) == ("e0", 0) == _flat(bal, offers, 0, 100 * MS)
 
 
-def test_after_a_join_only_the_engines_that_moved_are_regrouped(
+def test_after_a_join_or_a_leave_only_the_engines_that_moved_are_regrouped(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from fulcrum.core.prefill import waiting as W
 
@@ -235,6 +235,10 @@ def test_after_a_join_only_the_engines_that_moved_are_regrouped(
     assert calls == []  # "new" offers nothing yet; no other engine moved
     _queue(bal, ids, [(0, 0, 0, len(ids), 0)])  # one request nobody holds
     assert waiting.pick(bal, 0, 10 * MS) == ("e0", 0)
-    bal.remove_engine("e0")  # a leave: every offer is regrouped, e0's to no tier
+    moved = bal.remove_engine("e0")  # a leave: e0's offers go to no tier
+    assert moved is not None
     assert waiting.pick(bal, 0, 10 * MS) == ("e1", 1)
-    assert len(calls) == len(ids)
+    assert sorted(calls) == sorted(["e0", *(m[0] for m in moved.moved)])
+    bal.reconfigure(bal.config)  # the rules may have changed: every offer is regrouped
+    waiting.pick(bal, 0, 10 * MS)
+    assert len(calls) == 1 + len(moved.moved) + len(ids)

@@ -400,6 +400,7 @@ class PrefillBalancer:
         self.fair.ranks -= eng.dp_ranks
         if eng.tier >= 0:
             self._counts[eng.tier] -= 1
+        _moved(self, frozenset((engine_id,)))  # it left: no tier now
         return self.redistribute("leave")
 
     def note_load(self, engine_id: str, load_ns: int) -> None:
@@ -462,8 +463,8 @@ class PrefillBalancer:
                 moved.append((engine_id, eng.tier, tier))
                 eng.tier = tier
         self._counts = [int(x) for x in counts.tolist()]
-        if moved or reason != "round":  # engines and tiers as they are now (a leave: all)
-            _moved(self, None if reason == "leave" else frozenset(e for e, _, _ in moved))
+        if moved or reason != "round":  # engines and tiers as they are now
+            _moved(self, frozenset(e for e, _, _ in moved))
         self.moves_total += result.moves
         return Redistribution(
             reason=reason,

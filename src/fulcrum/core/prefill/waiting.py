@@ -159,10 +159,10 @@ class Waiting:
             del self._groups[e.group]
 
     def _sync(self, bal: PrefillBalancer) -> None:
-        """Regroup what changed since the last look: the offers of the engines that moved
-        (:attr:`PrefillBalancer.moves_log`); every offer when that is not known (a leave,
-        a rule change, more than the log keeps), each rank too when the puller rule
-        changed."""
+        """Regroup what changed since the last look: the offers of the engines that moved,
+        joined or left (:attr:`PrefillBalancer.moves_log`); every offer when that is not
+        known (a rule change, more than the log keeps), each rank too when the puller
+        rule changed."""
         puller = bal.config.rules.puller
         missed = bal.generation - self._generation
         if missed == 0 and puller is self._puller:
