@@ -796,45 +796,50 @@ def choose(bal: PrefillBalancer, tier: int, w: aff_order.Window | None,
             alike[k] = bal.can_take(tier, r[2])
         return alike[k]
 
-    best = min((c for g in plain if (c := g.first(ok)) is not None), default=None)
-    for r in ordered:
-        if best is not None and r > best:
-            break
-        if bal.can_take(tier, r[2]):
-            return r
-    return best
+    return aff_order.first_able(ordered, plain, ok, lambda r: bal.can_take(tier, r[2]))
+
+
+class SourceStep:
+    """One dispatch's source step: :meth:`PrefillBalancer.source_tier` of each offering
+    engine with the queue read once for all (:attr:`view`, a
+    :class:`~fulcrum.core.prefill.source_view.SourceView`, at one ``now_ns``). An engine
+    holding none of what it reads (:meth:`SourceView.plain`) is answered once per own
+    tier and room: every such engine prices the tier heads alike, and a source rule reads
+    the engine only through those prices (:meth:`SourceRule.source`). Both shells' steps
+    (:func:`source_tiers`, :class:`~fulcrum.core.prefill.waiting.Waiting`) use it."""
+
+    __slots__ = ("_bal", "_now", "_plain", "view")
+
+    def __init__(self, bal: PrefillBalancer, now_ns: int | None) -> None:
+        if now_ns is not None:
+            bal.fair.now_ns = max(bal.fair.now_ns, now_ns)  # the clock of the order
+        self._bal, self._now = bal, now_ns
+        self.view = SourceView(bal, now_ns)
+        self._plain: dict[tuple[int, bool], int] = {}
+
+    def tier(self, engine_id: str, own: int, room: bool) -> int:
+        """The source tier of ``engine_id``, on tier ``own`` (-1: none, or unknown: -1),
+        with (``room``) or without room."""
+        if own < 0:
+            return -1
+        if not self.view.plain(engine_id):
+            return _source_of(self._bal, engine_id, own, room, self._now, self.view)[0]
+        got = self._plain.get((own, room))
+        if got is None:
+            got = self._plain[own, room] = self._bal.config.rules.source.source(
+                self.view, engine_id, own, room, self._now)
+        return got
 
 
 def source_tiers(bal: PrefillBalancer, offers: Sequence[Offer],
                  now_ns: int | None = None) -> list[int]:
-    """:meth:`PrefillBalancer.source_tier` of every offer of one dispatch: the queue read
-    once for all (:class:`~fulcrum.core.prefill.source_view.SourceView`), and an engine
-    holding none of what it reads (:meth:`SourceView.plain`) answered once per own tier
-    and room: every such engine prices the tier heads alike, and a source rule reads the
-    engine only through those prices (:meth:`SourceRule.source`). Per such engine: a
-    look-up, the binding rule's room check and a set look-up."""
-    if now_ns is not None:
-        bal.fair.now_ns = max(bal.fair.now_ns, now_ns)  # the clock of the order
-    view = SourceView(bal, now_ns)
-    src, binding = bal.config.rules.source, bal.config.rules.binding
-    quota, engines = bal.config.step_quota_ns, bal._engines
-    plain: dict[tuple[int, bool], int] = {}
-    out: list[int] = []
-    for o in offers:
-        eng = engines.get(o.engine_id)
-        if eng is None or eng.tier < 0:
-            out.append(-1)
-            continue
-        room = binding.has_room(o.rank_loads_ns, quota)
-        if not view.plain(o.engine_id):
-            out.append(_source_of(bal, o.engine_id, eng.tier, room, now_ns, view)[0])
-            continue
-        got = plain.get((eng.tier, room))
-        if got is None:
-            got = plain[eng.tier, room] = src.source(view, o.engine_id, eng.tier, room,
-                                                    now_ns)
-        out.append(got)
-    return out
+    """:meth:`PrefillBalancer.source_tier` of every offer of one dispatch
+    (:class:`SourceStep`). Per engine holding none of what the queue's heads and first
+    requests read: a look-up, the binding rule's room check and a set look-up."""
+    step = SourceStep(bal, now_ns)
+    binding, quota, engines = bal.config.rules.binding, bal.config.step_quota_ns, bal._engines
+    return [step.tier(o.engine_id, -1 if (eng := engines.get(o.engine_id)) is None
+                      else eng.tier, binding.has_room(o.rank_loads_ns, quota)) for o in offers]
 
 
 def _source(bal: PrefillBalancer, engine_id: str, rank_loads_ns: Sequence[int],

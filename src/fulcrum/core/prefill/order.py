@@ -524,14 +524,21 @@ def pick_ranked(aff: Affinity, now_ns: int, w: Window, can_take: Callable[[Offer
         return got
 
     assert not plain or isinstance(finish, Pricer), "plain groups answer alike by its prices"
-    best = min((c for g in plain if (c := g.first(ok)) is not None), default=None)
+    return first_able(ordered, plain, ok,
+                      lambda r: r[1] in held if r[2].engine_id in holding else ok(r))
+
+
+def first_able(ordered: Iterable[Ranked], plain: Sequence[Plain],
+               plain_ok: Callable[[Ranked], bool],
+               ok: Callable[[Ranked], bool]) -> Ranked | None:
+    """The first offer in key order that is able: of ``ordered`` (in key order, each
+    asked ``ok``, read only up to the best of the groups) and of the ``plain`` groups
+    (each asked for its first ``plain_ok`` offer); None when none is."""
+    best = min((c for g in plain if (c := g.first(plain_ok)) is not None), default=None)
     for r in ordered:
         if best is not None and r > best:
             break
-        if r[2].engine_id in holding:
-            if r[1] in held:
-                return r
-        elif ok(r):
+        if ok(r):
             return r
     return best
 

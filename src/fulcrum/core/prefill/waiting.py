@@ -20,7 +20,7 @@ A dispatch then costs:
 Before, it cost a pass and a sort over every waiting engine. The choice is
 :func:`pick_puller`'s over the same offers in place order
 (``tests/core/prefill/test_waiting.py``): the same source step
-(:func:`~fulcrum.core.prefill.balancer.source_tiers`' answers) and the same puller
+(:class:`~fulcrum.core.prefill.balancer.SourceStep`) and the same puller
 choice (:func:`~fulcrum.core.prefill.balancer.choose`). Pure; its shell owns it as it
 owns the balancer. It regroups when engines moved or the rules changed
 (:attr:`PrefillBalancer.generation`): a pass over the waiting engines then.
@@ -33,16 +33,10 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from fulcrum.core.prefill.balancer import (
-    PrefillBalancer,
-    _affinity_window,
-    _source_of,
-    choose,
-)
+from fulcrum.core.prefill.balancer import PrefillBalancer, SourceStep, _affinity_window, choose
 from fulcrum.core.prefill.items import Offer
 from fulcrum.core.prefill.order import Ranked, offer_key
 from fulcrum.core.prefill.rules.base import PullerRule
-from fulcrum.core.prefill.source_view import SourceView
 
 #: An engine's own tier (-1: none, or unknown), whether it has room (binding rule), and
 #: its offer's key (:func:`~fulcrum.core.prefill.order.offer_key`).
@@ -97,29 +91,17 @@ class Waiting:
         """The place of the offer that takes ``tier``'s work now (None: none does):
         :func:`~fulcrum.core.prefill.dispatch.pick_puller`'s choice over these offers."""
         self._sync(bal)
-        if now_ns is not None:
-            bal.fair.now_ns = max(bal.fair.now_ns, now_ns)  # the clock of the order
-        view = SourceView(bal, now_ns)
+        step = SourceStep(bal, now_ns)
         w = None if now_ns is None else _affinity_window(bal, tier, now_ns)
-        held = view.holders()  # the engines a dispatch asks alone
+        held = step.view.holders()  # the engines a dispatch asks alone
         window = frozenset(w.holding()) if w is not None else frozenset()
         near_ids = held | window
-        answers: dict[tuple[int, bool], int] = {}  # per own tier and room
         tiers: dict[Any, int] = {}
-
-        def answer(group: Group, engine_id: str) -> int:  # a plain engine's source tier
-            if group[:2] not in answers:
-                answers[group[:2]] = bal.config.rules.source.source(
-                    view, engine_id, group[0], group[1], now_ns)
-            return answers[group[:2]]
 
         def source(place: Any) -> int:  # the source tier of the offer at ``place``
             if place not in tiers:
                 got = self._at[place]
-                e, (own, room, _) = got.offer.engine_id, got.group
-                tiers[place] = -1 if own < 0 else (
-                    answer(got.group, e) if view.plain(e)
-                    else _source_of(bal, e, own, room, now_ns, view)[0])
+                tiers[place] = step.tier(got.offer.engine_id, got.group[0], got.group[1])
             return tiers[place]
 
         # The window's holders are asked first; the others holding something, in order,
@@ -135,13 +117,11 @@ class Waiting:
         plain: list[_Able] = []
         for group, members in self._groups.items():
             first = next((r for r in members if r[2].engine_id not in near_ids), None)
-            if group[0] >= 0 and first is not None and answer(group, first[2].engine_id) == tier:
+            if first is not None and source(first[1]) == tier:  # the group's answer
                 plain.append(_Able(members, near_ids, sorted(busy.get(group, ()))))
 
         def offering(e: str) -> bool:  # one of its offers is able
-            if e in near_ids:
-                return any(source(p) == tier for p in self._of.get(e, ()))
-            return any(answers.get(self._at[p].group[:2]) == tier for p in self._of.get(e, ()))
+            return any(source(p) == tier for p in self._of.get(e, ()))
 
         got = choose(bal, tier, w, near, [(r for r in later if source(r[1]) == tier)],
                      offering, now_ns, plain)
